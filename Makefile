@@ -1,0 +1,27 @@
+# make setup  - create .venv and install requirements.txt (idempotent; reruns only when it changes)
+# make demo   - the whole pipeline end to end on a small embedded corpus (CPU, no downloads)
+# make test   - install what the tests need, then run them
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup demo test clean-demo
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first and alone, so NeMo's own torch requirement cannot pull a different build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.txt
+	touch $(STAMP)
+
+demo: setup
+	OMP_NUM_THREADS=1 bash scripts/demo.sh
+
+clean-demo:
+	rm -rf demo_data
+
+test: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest

@@ -1,0 +1,304 @@
+"""Every knob of the pipeline, each overridable by an environment variable of the same name.
+
+Usage:
+    python config.py               # print every effective value and where it came from
+    python config.py --markdown    # the README's table of environment variables
+    TEMPERATURE=0.5 python config.py
+
+Other modules read values at call time as ``config.NAME`` (never ``from config import NAME``), so a
+test can monkeypatch one value. Derived paths (manifests, tokenizer, checkpoints, W&B logs) follow
+``DATA_DIR`` unless they are set themselves.
+
+A bad value fails at import with one ``ConfigError`` that names each bad variable, the value given
+and what is expected, for example ``GRAD_ACCUM='four': expected an integer``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+REPO_DIR = Path(__file__).resolve().parent
+
+PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true")
+WANDB_MODES = ("online", "offline", "disabled")
+LANG_WEIGHTINGS = ("count", "hours")
+
+
+class ConfigError(ValueError):
+    """One or more environment variables hold a value the pipeline cannot use."""
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    value: Any
+    source: str  # "default", "derived" or "env"
+    help: str
+
+
+# --- parsers: each turns the raw string into a typed value or raises ValueError("expected ...") ---
+
+def _int(raw: str) -> int:
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ValueError("expected an integer") from None
+
+
+def _float(raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ValueError("expected a number") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError("expected a finite number")
+    return value
+
+
+def _str(raw: str) -> str:
+    return raw.strip()
+
+
+def _path(raw: str) -> Path:
+    raw = raw.strip()
+    if not raw:
+        raise ValueError("expected a path")
+    return Path(raw).expanduser()
+
+
+def _languages(raw: str) -> tuple[str, ...]:
+    codes = tuple(c.strip() for c in raw.split(",") if c.strip())
+    bad = [c for c in codes if not c.replace("-", "").replace("_", "").isalnum()]
+    if bad:
+        raise ValueError(f"expected comma-separated language codes such as 'hi,en' (bad: {bad})")
+    return codes
+
+
+def _boundaries(raw: str) -> tuple[float, ...] | str:
+    raw = raw.strip()
+    if raw.startswith("auto:"):
+        k = raw[5:]
+        if not k.isdigit() or int(k) < 2:
+            raise ValueError("expected 'auto:K' with an integer K >= 2, or increasing seconds like '3,5,8'")
+        return raw
+    try:
+        values = tuple(float(v) for v in raw.split(",") if v.strip())
+    except ValueError:
+        raise ValueError("expected increasing seconds like '3,5,8,12,16', or 'auto:K'") from None
+    if not values or any(v <= 0 or v != v for v in values):
+        raise ValueError("expected positive seconds like '3,5,8,12,16', or 'auto:K'")
+    if any(b <= a for a, b in zip(values, values[1:])):
+        raise ValueError("expected strictly increasing seconds like '3,5,8,12,16', or 'auto:K'")
+    return values
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        value = raw.strip()
+        if value not in allowed:
+            raise ValueError(f"expected one of {', '.join(allowed)}")
+        return value
+    return parse
+
+
+# --- checks on a typed value: return None when fine, else what is expected ---
+
+def _positive(v: float) -> str | None:
+    return None if v > 0 else "expected a value > 0"
+
+
+def _non_negative(v: float) -> str | None:
+    return None if v >= 0 else "expected a value >= 0"
+
+
+def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
+    """Resolve every knob from ``env`` (normally ``os.environ``); raise ConfigError listing all bad values."""
+    knobs: dict[str, Knob] = {}
+    errors: list[str] = []
+
+    def knob(name: str, default: Any, parse: Callable[[str], Any], help: str,
+             check: Callable[[Any], str | None] | None = None, derived: bool = False) -> Any:
+        raw = env.get(name)
+        if raw is None or (raw.strip() == "" and parse is not _str and parse is not _languages):
+            value, source = default, ("derived" if derived else "default")
+        else:
+            try:
+                value = parse(raw)
+            except ValueError as exc:
+                errors.append(f"{name}={raw!r}: {exc}")
+                value, source = default, "env"
+            else:
+                source = "env"
+                problem = check(value) if check else None
+                if problem:
+                    errors.append(f"{name}={raw!r}: {problem}")
+        knobs[name] = Knob(name, value, source, help)
+        return value
+
+    # Paths
+    data_dir = knob("DATA_DIR", REPO_DIR / "data", _path, "Root of the data tree; the paths below follow it unless set")
+    knob("SHARDS_DIR", data_dir / "shards", _path, "Input shards: <source>/<lang>/<shard>/{metadata,audio_index}.parquet + audio.tar", derived=True)
+    knob("MASTER_MANIFEST_PATH", data_dir / "master_manifest.parquet", _path, "build_manifest.py output", derived=True)
+    knob("TRAIN_MANIFEST_PATH", data_dir / "train_manifest_v2.parquet", _path, "make_train_val.py output read by train.py", derived=True)
+    knob("VAL_MANIFEST_PATH", data_dir / "val_manifest_v2.parquet", _path, "make_train_val.py output read by evaluation", derived=True)
+    knob("TOKENIZER_DIR", data_dir / "tokenizer", _path, "SentencePiece tokenizer directory (train_tokenizer.py output)", derived=True)
+    knob("CHECKPOINT_DIR", data_dir / "checkpoints", _path, "Step checkpoints and the final .nemo", derived=True)
+    knob("WANDB_LOG_DIR", data_dir / "wandb_logs", _path, "W&B run directory (offline runs live here) and the local metrics JSONL", derived=True)
+
+    # Weights & Biases
+    knob("WANDB_PROJECT", "parakeet-tdt-finetune", _str, "W&B project name")
+    knob("WANDB_MODE", "", _choice("", *WANDB_MODES), "online, offline or disabled; empty = online with WANDB_API_KEY, else offline")
+    knob("WANDB_RUN_NAME", "", _str, "W&B run name; empty = generated")
+
+    # Model
+    knob("INIT_MODEL", "", _str, "A .nemo path or a pretrained name (e.g. nvidia/parakeet-tdt-0.6b-v2); empty = fresh model from MODEL_CONFIG")
+    knob("MODEL_CONFIG", REPO_DIR / "configs" / "tiny_tdt.yaml", _path, "YAML of a fresh model, used when INIT_MODEL is empty")
+    knob("RESUME_FROM", "", _str, "A checkpoint path, or 'last' for the newest in CHECKPOINT_DIR; empty = start fresh")
+    knob("VOCAB_SIZE", 12000, _int, "SentencePiece vocabulary size for train_tokenizer.py", _positive)
+    knob("ENCODER_FRAME_SECONDS", 0.08, _float, "Seconds per encoder frame (10 ms hop x 8x subsampling); utterances with more tokens than frames are dropped", _positive)
+
+    # Data
+    knob("LANGUAGES", (), _languages, "Comma-separated language codes to keep (e.g. 'hi,ta,en'); empty = all")
+    knob("TARGET_SAMPLE_RATE", 16000, _int, "Audio is resampled to this rate (Hz)", _positive)
+    knob("MIN_DURATION", 0.5, _float, "Shortest utterance kept, seconds", _non_negative)
+    knob("MAX_DURATION", 20.0, _float, "Longest utterance kept, seconds", _positive)
+    knob("MIN_QUALITY", 0.0, _float, "Lowest tx_quality_score kept")
+    knob("MAX_TOKEN_LEN", 512, _int, "Token sequences are truncated to this length", _positive)
+    knob("AUDIO_DURATION_TOLERANCE", 0.25, _float, "Decoded audio whose length differs from the manifest by more (seconds) is bad audio", _non_negative)
+    knob("VAL_PER_LANG", 200, _int, "Validation utterances per language (make_train_val.py)", _non_negative)
+
+    # Sampler
+    knob("BUCKET_BOUNDARIES", (3.0, 5.0, 8.0, 12.0, 16.0), _boundaries, "Duration bucket edges in seconds, or 'auto:K' for K quantile buckets")
+    knob("MAX_BATCH_DURATION", 90.0, _float, "Seconds of raw audio per micro-batch (per GPU)", _positive)
+    knob("TEMPERATURE", 0.3, _float, "Language mix: share ~ n_l^T (1 = natural, 0 = uniform)",
+         lambda v: None if v >= 0 else "expected a value >= 0 (1 = natural shares, 0 = uniform)")
+    knob("LANG_WEIGHTING", "count", _choice(*LANG_WEIGHTINGS), "Temperature over utterance counts or over hours")
+    knob("EPOCH_SIZE", 0, _int, "Utterances per sampler epoch; 0 = the number of utterances", _non_negative)
+    knob("BATCH_COST_QUADRATIC", 0.0, _float, "Quadratic term of the batch cost model (attention), per second^2", _non_negative)
+
+    # Training
+    knob("NUM_WORKERS", 12, _int, "DataLoader workers per rank", _non_negative)
+    knob("GRAD_ACCUM", 4, _int, "Micro-batches per optimizer step", _positive)
+    knob("MAX_STEPS", 600000, _int, "Optimizer steps of the whole run", _positive)
+    knob("CHECKPOINT_EVERY", 5000, _int, "Save a checkpoint every N optimizer steps", _positive)
+    knob("PHASE1_LR", 3e-4, _float, "Peak LR of phase 1 (encoder frozen)", _positive)
+    knob("PHASE2_LR", 1e-4, _float, "Peak LR of phase 2 (encoder unfrozen)", _positive)
+    knob("MIN_LR", 1e-6, _float, "LR at MAX_STEPS after cosine decay", _non_negative)
+    knob("UNFREEZE_STEP", 40000, _int, "Optimizer step at which the encoder is unfrozen (0 = never frozen)", _non_negative)
+    knob("WARMUP_STEPS", 5000, _int, "Linear warmup steps of phase 1", _non_negative)
+    knob("PHASE2_WARMUP", 3000, _int, "Linear warmup steps after unfreezing", _non_negative)
+    knob("WEIGHT_DECAY", 1e-3, _float, "AdamW weight decay", _non_negative)
+    knob("GRAD_CLIP", 1.0, _float, "Gradient norm clip (0 = off)", _non_negative)
+    knob("EVAL_EVERY_STEPS", 0, _int, "Per-language WER every N optimizer steps (0 = off)", _non_negative)
+    knob("EVAL_SAMPLES_PER_LANG", 10, _int, "Validation utterances per language for that WER", _positive)
+    knob("SEED", 1234, _int, "Seed of the sampler plan, model init and workers")
+    knob("PRECISION", "bf16-mixed", _choice(*PRECISIONS), "Lightning precision")
+    knob("ACCELERATOR", "auto", _choice("auto", "cpu", "gpu", "cuda"), "Lightning accelerator")
+
+    # Cross-checks, reported with the values that clash.
+    v = {k: kn.value for k, kn in knobs.items()}
+    if v["MIN_DURATION"] >= v["MAX_DURATION"]:
+        errors.append(f"MAX_DURATION={v['MAX_DURATION']!r} with MIN_DURATION={v['MIN_DURATION']!r}: "
+                      "expected MIN_DURATION < MAX_DURATION")
+    if v["MIN_LR"] > min(v["PHASE1_LR"], v["PHASE2_LR"]):
+        errors.append(f"MIN_LR={v['MIN_LR']!r}: expected at most PHASE1_LR and PHASE2_LR")
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+    return knobs
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in value)
+    return str(value)
+
+
+def describe(knobs: Mapping[str, Knob]) -> str:
+    """A plain table of every effective value and its source."""
+    width = max(len(n) for n in knobs)
+    return "\n".join(f"{k.name:<{width}}  {_format_value(k.value)!s:<40}  ({k.source})" for k in knobs.values())
+
+
+def markdown_table(knobs: Mapping[str, Knob]) -> str:
+    """The README's table, generated from the defaults so it cannot drift."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for k in knobs.values():
+        default = _format_value(k.value)
+        if isinstance(k.value, Path):
+            try:
+                default = str(Path(k.value).relative_to(REPO_DIR))
+                default = "<repo>/" + default
+            except ValueError:
+                pass
+        rows.append(f"| `{k.name}` | `{default}` | {k.help} |")
+    return "\n".join(rows)
+
+
+KNOBS = read_config(os.environ)
+globals().update({name: kn.value for name, kn in KNOBS.items()})
+
+# Typed names for readers and linters; values come from KNOBS above.
+DATA_DIR: Path
+SHARDS_DIR: Path
+MASTER_MANIFEST_PATH: Path
+TRAIN_MANIFEST_PATH: Path
+VAL_MANIFEST_PATH: Path
+TOKENIZER_DIR: Path
+CHECKPOINT_DIR: Path
+WANDB_LOG_DIR: Path
+WANDB_PROJECT: str
+WANDB_MODE: str
+WANDB_RUN_NAME: str
+INIT_MODEL: str
+MODEL_CONFIG: Path
+RESUME_FROM: str
+VOCAB_SIZE: int
+ENCODER_FRAME_SECONDS: float
+LANGUAGES: tuple[str, ...]
+TARGET_SAMPLE_RATE: int
+MIN_DURATION: float
+MAX_DURATION: float
+MIN_QUALITY: float
+MAX_TOKEN_LEN: int
+AUDIO_DURATION_TOLERANCE: float
+VAL_PER_LANG: int
+BUCKET_BOUNDARIES: tuple[float, ...] | str
+MAX_BATCH_DURATION: float
+TEMPERATURE: float
+LANG_WEIGHTING: str
+EPOCH_SIZE: int
+BATCH_COST_QUADRATIC: float
+NUM_WORKERS: int
+GRAD_ACCUM: int
+MAX_STEPS: int
+CHECKPOINT_EVERY: int
+PHASE1_LR: float
+PHASE2_LR: float
+MIN_LR: float
+UNFREEZE_STEP: int
+WARMUP_STEPS: int
+PHASE2_WARMUP: int
+WEIGHT_DECAY: float
+GRAD_CLIP: float
+EVAL_EVERY_STEPS: int
+EVAL_SAMPLES_PER_LANG: int
+SEED: int
+PRECISION: str
+ACCELERATOR: str
+
+
+def wandb_mode() -> str:
+    """WANDB_MODE, or offline when it is unset and no API key is present."""
+    if WANDB_MODE:
+        return WANDB_MODE
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+if __name__ == "__main__":
+    if "--markdown" in sys.argv[1:]:
+        print(markdown_table(read_config({})))
+    else:
+        print(describe(KNOBS))

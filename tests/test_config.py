@@ -1,0 +1,130 @@
+"""config.py: typed environment overrides, derived paths, and one clear error per bad value."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import config
+
+REPO = Path(config.__file__).resolve().parent
+
+
+def test_defaults_match_the_documented_values():
+    knobs = config.read_config({})
+    values = {k: v.value for k, v in knobs.items()}
+    assert values["TARGET_SAMPLE_RATE"] == 16000
+    assert values["MAX_DURATION"] == 20.0
+    assert values["MAX_TOKEN_LEN"] == 512
+    assert values["BUCKET_BOUNDARIES"] == (3.0, 5.0, 8.0, 12.0, 16.0)
+    assert values["MAX_BATCH_DURATION"] == 90.0
+    assert values["TEMPERATURE"] == 0.3
+    assert values["NUM_WORKERS"] == 12
+    assert values["GRAD_ACCUM"] == 4
+    assert values["MAX_STEPS"] == 600000
+    assert values["CHECKPOINT_EVERY"] == 5000
+    assert values["PHASE1_LR"] == 3e-4
+    assert values["PHASE2_LR"] == 1e-4
+    assert values["UNFREEZE_STEP"] == 40000
+    assert values["WARMUP_STEPS"] == 5000
+    assert values["PHASE2_WARMUP"] == 3000
+    assert values["EVAL_EVERY_STEPS"] == 0
+    assert values["EVAL_SAMPLES_PER_LANG"] == 10
+    assert values["PRECISION"] == "bf16-mixed"
+
+
+def test_every_knob_named_by_the_foundation_issue_exists():
+    names = set(config.read_config({}))
+    required = """DATA_DIR SHARDS_DIR MASTER_MANIFEST_PATH TRAIN_MANIFEST_PATH VAL_MANIFEST_PATH TOKENIZER_DIR
+    CHECKPOINT_DIR WANDB_LOG_DIR WANDB_PROJECT WANDB_MODE INIT_MODEL MODEL_CONFIG RESUME_FROM LANGUAGES
+    TARGET_SAMPLE_RATE MIN_DURATION MAX_DURATION MIN_QUALITY MAX_TOKEN_LEN BUCKET_BOUNDARIES
+    MAX_BATCH_DURATION TEMPERATURE NUM_WORKERS GRAD_ACCUM MAX_STEPS CHECKPOINT_EVERY PHASE1_LR PHASE2_LR
+    MIN_LR UNFREEZE_STEP WARMUP_STEPS PHASE2_WARMUP EVAL_EVERY_STEPS EVAL_SAMPLES_PER_LANG SEED PRECISION""".split()
+    assert set(required) <= names
+
+
+def test_environment_values_are_typed():
+    knobs = config.read_config({"GRAD_ACCUM": "8", "TEMPERATURE": "0.5", "LANGUAGES": "hi, ta,en",
+                                "BUCKET_BOUNDARIES": "2,4.5,9", "PRECISION": "32-true"})
+    assert knobs["GRAD_ACCUM"].value == 8 and knobs["GRAD_ACCUM"].source == "env"
+    assert knobs["TEMPERATURE"].value == 0.5
+    assert knobs["LANGUAGES"].value == ("hi", "ta", "en")
+    assert knobs["BUCKET_BOUNDARIES"].value == (2.0, 4.5, 9.0)
+    assert knobs["PRECISION"].value == "32-true"
+    assert knobs["SEED"].source == "default"
+
+
+def test_auto_bucket_boundaries_are_accepted():
+    assert config.read_config({"BUCKET_BOUNDARIES": "auto:6"})["BUCKET_BOUNDARIES"].value == "auto:6"
+
+
+def test_derived_paths_follow_data_dir(tmp_path):
+    knobs = config.read_config({"DATA_DIR": str(tmp_path)})
+    assert knobs["TRAIN_MANIFEST_PATH"].value == tmp_path / "train_manifest_v2.parquet"
+    assert knobs["CHECKPOINT_DIR"].value == tmp_path / "checkpoints"
+    assert knobs["SHARDS_DIR"].source == "derived"
+
+
+def test_a_derived_path_set_itself_wins_over_data_dir(tmp_path):
+    knobs = config.read_config({"DATA_DIR": str(tmp_path), "CHECKPOINT_DIR": "/elsewhere/ckpt"})
+    assert knobs["CHECKPOINT_DIR"].value == Path("/elsewhere/ckpt")
+    assert knobs["CHECKPOINT_DIR"].source == "env"
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"GRAD_ACCUM": "four"}, "GRAD_ACCUM='four': expected an integer"),
+    ({"TEMPERATURE": "-1"}, "TEMPERATURE='-1': expected a value >= 0"),
+    ({"BUCKET_BOUNDARIES": "5,3"}, "BUCKET_BOUNDARIES='5,3': expected strictly increasing seconds"),
+    ({"MAX_DURATION": "3", "MIN_DURATION": "5"}, "MAX_DURATION=3.0 with MIN_DURATION=5.0: expected MIN_DURATION < MAX_DURATION"),
+    ({"PRECISION": "fp13"}, "PRECISION='fp13': expected one of"),
+    ({"MAX_STEPS": "0"}, "MAX_STEPS='0': expected a value > 0"),
+    ({"BUCKET_BOUNDARIES": "auto:x"}, "BUCKET_BOUNDARIES='auto:x': expected 'auto:K'"),
+    ({"WANDB_MODE": "sometimes"}, "WANDB_MODE='sometimes': expected one of"),
+])
+def test_bad_values_name_the_variable_value_and_expectation(env, message):
+    with pytest.raises(config.ConfigError) as err:
+        config.read_config(env)
+    assert message in str(err.value)
+
+
+def test_all_bad_values_are_reported_together():
+    with pytest.raises(config.ConfigError) as err:
+        config.read_config({"GRAD_ACCUM": "four", "PRECISION": "fp13"})
+    assert "GRAD_ACCUM" in str(err.value) and "PRECISION" in str(err.value)
+
+
+def _run_config(env_extra, *args):
+    env = {k: v for k, v in os.environ.items() if k not in config.KNOBS}
+    env.update(env_extra)
+    return subprocess.run([sys.executable, str(REPO / "config.py"), *args], env=env,
+                          capture_output=True, text=True, cwd=REPO)
+
+
+def test_a_bad_value_fails_at_import():
+    proc = _run_config({"GRAD_ACCUM": "four"})
+    assert proc.returncode != 0
+    assert "ConfigError" in proc.stderr and "GRAD_ACCUM='four': expected an integer" in proc.stderr
+
+
+def test_printing_shows_values_and_their_source():
+    proc = _run_config({"TEMPERATURE": "0.7"})
+    assert proc.returncode == 0, proc.stderr
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
+    assert "0.7" in lines["TEMPERATURE"] and "(env)" in lines["TEMPERATURE"]
+    assert "(default)" in lines["GRAD_ACCUM"]
+    assert set(lines) == set(config.KNOBS)
+
+
+def test_markdown_table_lists_every_knob():
+    table = config.markdown_table(config.read_config({}))
+    for name in config.KNOBS:
+        assert f"| `{name}` |" in table
+
+
+def test_wandb_defaults_to_offline_without_an_api_key(monkeypatch):
+    monkeypatch.setattr(config, "WANDB_MODE", "")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert config.wandb_mode() == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert config.wandb_mode() == "online"
