@@ -1,0 +1,702 @@
+"""Duration-bucket batch sampler with real temperature rebalancing of languages, for 10M+ utterances.
+
+Usage (a torch batch sampler; every keyword defaults to its config.py knob)::
+
+    from sampler import DurationBucketBatchSampler
+    sampler = DurationBucketBatchSampler(dataset.durations, dataset.languages,
+                                         world_size=8, rank=local_rank)
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_asr_batch)
+    sampler.set_epoch(epoch)          # Lightning does this for you
+    sampler.epoch_stats()             # shares, padding efficiency, rank balance, ... of this epoch
+
+    python scripts/bench_sampler.py   # speed / memory / share comparison with the old sampler
+
+An epoch plan is a handful of NumPy passes (per-language shuffles, one integer sort of packed keys, a
+greedy packing loop whose iterations are batches of a lane, never utterances), about 2 s for 10M
+utterances, and every rank builds the same global plan without communicating.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+from torch.utils.data import Sampler
+
+import config
+
+# Items a packing lane covers; the greedy loop runs once per batch of the longest lane, vectorized
+# across lanes, so this bounds the Python iterations (~LANE/items-per-batch) whatever the corpus size.
+_LANE_ITEMS = 4096
+# Items packed per block of lanes: bounds the running-sum array (float64) to a few MB.
+_PACK_ITEMS = 1 << 19
+# Durations below this are treated as this when jittered, so a 0 s row still gets a sort position.
+_MIN_SORT_SECONDS = 1e-3
+# Slice length for in-place passes over epoch-sized arrays (bounds temporaries to a few MB).
+_CHUNK = 1 << 16
+
+
+@dataclass
+class _Plan:
+    """One epoch's global plan (identical on every rank) and this rank's slice of it."""
+
+    flat: np.ndarray          # int32 manifest rows, batches laid out back to back
+    offsets: np.ndarray       # int64 [num_batches + 1]: batch b is flat[offsets[b]:offsets[b+1]]
+    rank_batches: np.ndarray  # int32 [num_batches_per_rank]: this rank's batch ids in step order
+    stats: dict[str, Any]
+
+
+class DurationBucketBatchSampler(Sampler[list[int]]):
+    """Yields lists of manifest row indices: duration-bucketed, language-rebalanced, rank-balanced.
+
+    Cost model: a micro-batch of n utterances whose longest lasts m seconds costs
+    n x m + cost_quadratic x n x m^2 (padded frames, plus an attention-like term when asked for).
+
+    Guarantees (each has a test in tests/test_sampler.py):
+
+    1. Temperature. Language l gets the target share pi_l ~ n_l^T of an epoch of ``epoch_size``
+       utterances (0 = the number of utterances): T=1 natural, T=0 uniform. With
+       ``lang_weighting="hours"`` shares are of audio hours, pi_l ~ hours_l^T. Quotas are rounded by
+       largest remainder, so the realized shares are within 1/epoch_size of the targets before the
+       grad-accum trim, and within 0.5 percentage points after it whenever the epoch packs into at
+       least 200 x world_size x grad_accum batches (the trim drops fewer than world_size x grad_accum
+       batches). Hour shares also carry the noise of which utterances were drawn (small at scale).
+       A downsampled language (quota q_l < n_l) reads the next q_l rows of an endless chain of
+       passes over its rows, one reshuffled pass after another: every epoch sees a fresh subset,
+       no utterance appears twice in an epoch, and after e epochs every utterance has been drawn
+       floor or ceil(e x q_l / n_l) times, i.e. all are seen before any repeats. An upsampled
+       language gets q_l // n_l whole passes plus q_l % n_l rows read from that same chain.
+    2. Buckets and packing. Batches never cross bucket boundaries (``boundaries`` seconds, or
+       ``"auto:K"``: K buckets at duration quantiles). Batches are filled greedily up to
+       ``max_batch_duration`` seconds of raw audio; an utterance longer than that gets a batch of its
+       own (``epoch_stats()["over_cap_batches"]``) and is never dropped.
+    3. Padding efficiency >= 0.95 on realistic corpora (0.98 on lognormal(6 s, 0.6)). Inside a
+       bucket the epoch is sorted by duration x (1 + sort_jitter x U), U ~ uniform(0, 1) drawn
+       afresh each epoch: batch mates have nearly equal lengths, yet are a random draw among the
+       utterances within ~sort_jitter (5 %) of that length, so two epochs do not produce the same
+       batches. (Chosen over Lhotse-style sorting inside shuffled chunks: one global integer sort,
+       no chunk-size knob, and the efficiency does not fall as chunks get sparse.)
+    4. Rank balance. Batches sorted by cost are cut into groups of world_size neighbours; a group
+       is one step (micro-batch index) on every rank, so at every step the ranks' costs are nearly
+       equal (p99 over steps of max/mean <= 1.02 at world_size 8 on realistic corpora). The
+       grad_accum dearest groups run first (an OOM shows in minute one), the other groups in
+       random order, and within a group batches go to ranks at random. Every rank gets the same
+       number of micro-batches, a multiple of grad_accum: the cheapest (fewer than world_size x
+       grad_accum) batches are dropped, the least audio to lose; ``epoch_stats()["trimmed"]``.
+    5. Determinism. The plan is a pure function of (seed, epoch, inputs, settings): integer keys,
+       IEEE +, *, comparisons and NumPy's PCG64 streams, ties broken by position, so every rank
+       and machine (same NumPy version) builds the same global plan without communicating.
+       Different epochs and different seeds give different plans.
+    6. Exact O(1) resume. ``state_dict()`` holds epoch and position (micro-batches of this rank
+       consumed this epoch) and the plan's settings; ``load_state_dict()`` continues with the very
+       next batch for the cost of one plan build. A checkpoint taken with another world_size (or
+       other plan settings) is refused with a ValueError naming both values, unless its position
+       is 0: a plan for a different rank count is a different plan.
+    7. Statistics. ``epoch_stats()``, computed with the plan and cached: target, realized and
+       natural shares, padding efficiency, batches per bucket, p99 rank cost balance, utterances
+       repeated / skipped / trimmed per language, and this rank's first (most expensive) step.
+    8. Bad input (empty, NaN / inf / negative durations, mismatched lengths, world_size < 1, rank
+       outside [0, world_size), bad settings) raises a ValueError that names the value.
+
+    Memory: 5 bytes per utterance held (rows grouped by language, language codes), 4 bytes per
+    planned utterance for the epoch plan, ~12 bytes per planned utterance transiently while
+    building it; epoch-sized float work runs in slices.
+    """
+
+    def __init__(
+        self,
+        durations: Any,
+        languages: Any,
+        *,
+        boundaries: Sequence[float] | str | None = None,
+        max_batch_duration: float | None = None,
+        temperature: float | None = None,
+        world_size: int = 1,
+        rank: int = 0,
+        grad_accum: int | None = None,
+        seed: int | None = None,
+        epoch_size: int | None = None,
+        lang_weighting: str | None = None,
+        cost_quadratic: float | None = None,
+        sort_jitter: float | None = None,
+        language_names: Sequence[str] | None = None,
+    ) -> None:
+        self.max_batch_duration = float(_default(max_batch_duration, "MAX_BATCH_DURATION"))
+        self.temperature = float(_default(temperature, "TEMPERATURE"))
+        self.grad_accum = int(_default(grad_accum, "GRAD_ACCUM"))
+        self.seed = int(_default(seed, "SEED"))
+        self.lang_weighting = str(_default(lang_weighting, "LANG_WEIGHTING"))
+        self.cost_quadratic = float(_default(cost_quadratic, "BATCH_COST_QUADRATIC"))
+        self.sort_jitter = float(_default(sort_jitter, "BUCKET_SORT_JITTER"))
+        self.world_size = int(world_size)
+        self.rank = int(rank)
+        _check_settings(self)
+
+        self.durations = _check_durations(durations)
+        n = len(self.durations)
+        codes, self.languages = _encode_languages(languages, n, language_names)
+        self.num_utterances = n
+        requested = int(_default(epoch_size, "EPOCH_SIZE"))
+        if requested < 0:
+            raise ValueError(f"epoch_size={requested}: expected >= 0 (0 = the number of utterances)")
+        self.epoch_size = requested or n
+        if self.epoch_size >= 2**31:
+            raise ValueError(f"epoch_size={self.epoch_size}: expected < 2**31 utterances per epoch")
+        self.boundaries = _resolve_boundaries(_default(boundaries, "BUCKET_BOUNDARIES"), self.durations)
+
+        # Per-language totals slice by slice: a whole-array bincount would make an int64 copy.
+        self._codes = codes
+        num_langs = len(self.languages)
+        counts = np.zeros(num_langs, dtype=np.int64)
+        seconds = np.zeros(num_langs)
+        for lo, hi in _slices(n):
+            counts += np.bincount(codes[lo:hi], minlength=num_langs)
+            seconds += np.bincount(codes[lo:hi], weights=self.durations[lo:hi], minlength=num_langs)
+        self._lang_offsets = np.concatenate([[0], np.cumsum(counts)])
+        # A stable sort of small integer codes is a radix sort: one O(n) pass.
+        self._lang_rows = np.argsort(codes, kind="stable").astype(np.int32)
+        # Each language's rows in a fixed random order (its base order, see _pass_order).
+        for lang in range(num_langs):
+            self._rng(1, lang).shuffle(self._lang_rows[self._lang_offsets[lang]:self._lang_offsets[lang + 1]])
+        self._counts = counts
+        self._seconds = seconds
+        self._natural_share, self._target_share, self._quotas = _language_quotas(
+            counts, seconds, self.temperature, self.lang_weighting, self.epoch_size, self.languages)
+
+        self._epoch = 0
+        self._position = 0
+        self._plan_cache: _Plan | None = None
+
+    # ---- torch sampler protocol -------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._plan().rank_batches)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        plan = self._plan()
+        total = len(plan.rank_batches)
+        while self._position < total:
+            b = int(plan.rank_batches[self._position])
+            self._position += 1
+            yield plan.flat[plan.offsets[b]:plan.offsets[b + 1]].tolist()
+        # Like any torch sampler, the next iterator makes a full pass (of this epoch, until set_epoch).
+        self._position = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Switch to ``epoch``; the position resets only when the epoch actually changes."""
+        epoch = int(epoch)
+        if epoch < 0:
+            raise ValueError(f"set_epoch({epoch}): expected an epoch >= 0")
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._position = 0
+            self._plan_cache = None
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def position(self) -> int:
+        return self._position
+
+    # ---- resume -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch, position and every setting the plan depends on (rank-independent)."""
+        return {"epoch": self._epoch, "position": self._position, **self._plan_settings()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at the very next batch of ``state``; refuse a plan this run cannot reproduce."""
+        missing = [k for k in ("epoch", "position") if k not in state]
+        if missing:
+            raise ValueError(f"sampler state is missing {missing}: expected a DurationBucketBatchSampler.state_dict()")
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or position < 0:
+            raise ValueError(f"sampler state has epoch={epoch}, position={position}: expected both >= 0")
+        if position > 0:
+            mine = self._plan_settings()
+            clashes = [f"{k}: checkpoint {state[k]!r}, this run {mine[k]!r}"
+                       for k in mine if k in state and _differs(state[k], mine[k])]
+            if clashes:
+                raise ValueError(
+                    f"cannot continue epoch {epoch} at micro-batch {position}: the epoch plan depends on "
+                    + "; ".join(clashes)
+                    + ". Resume with the checkpoint's settings (e.g. the same number of ranks), or restart "
+                    "the epoch from its beginning (position 0) or at the next epoch.")
+        self.set_epoch(epoch)
+        self._epoch, self._position = epoch, position
+        total = len(self)
+        if position > total:
+            raise ValueError(f"sampler state position={position} but epoch {epoch} has only {total} "
+                             f"micro-batches per rank: the checkpoint does not match this data")
+
+    def _plan_settings(self) -> dict[str, Any]:
+        return {
+            "seed": self.seed, "world_size": self.world_size, "grad_accum": self.grad_accum,
+            "num_utterances": self.num_utterances, "epoch_size": self.epoch_size,
+            "temperature": self.temperature, "lang_weighting": self.lang_weighting,
+            "boundaries": list(self.boundaries), "max_batch_duration": self.max_batch_duration,
+            "cost_quadratic": self.cost_quadratic, "sort_jitter": self.sort_jitter,
+            "languages": list(self.languages),
+        }
+
+    # ---- statistics -------------------------------------------------------------------------
+
+    def epoch_stats(self) -> dict[str, Any]:
+        """Statistics of the current epoch's plan (cached; see the class docstring, guarantee 7)."""
+        return self._plan().stats
+
+    # ---- the plan ---------------------------------------------------------------------------
+
+    def _plan(self) -> _Plan:
+        if self._plan_cache is None:
+            self._plan_cache = self._build_plan(self._epoch)
+        return self._plan_cache
+
+    def _rng(self, *stream: int) -> np.random.Generator:
+        # The stream id goes in spawn_key, which SeedSequence keeps apart from the seed and hashes
+        # length-aware, so (1, 2) and (1, 2, 0) are different streams.
+        return np.random.default_rng(np.random.SeedSequence(self.seed % 2**64, spawn_key=stream))
+
+    def _select(self, epoch: int) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """The epoch's multiset of rows: whole passes plus the next window of each language's chain.
+
+        Also returns the window rows of each upsampled language (the ones drawn once more than the
+        rest), which the statistics need to tell repeated from skipped utterances.
+        """
+        out = np.empty(self.epoch_size, dtype=np.int32)
+        extra: dict[int, np.ndarray] = {}
+        at = 0
+        for lang, (quota, size) in enumerate(zip(self._quotas.tolist(), self._counts.tolist())):
+            if quota == 0:
+                continue
+            rows = self._lang_rows[self._lang_offsets[lang]:self._lang_offsets[lang + 1]]
+            whole, part = divmod(quota, size)
+            if whole:
+                out[at:at + whole * size].reshape(whole, size)[:] = rows
+                at += whole * size
+                window_from = at
+            # The partial draws of all epochs read one endless chain of passes over the language
+            # (pass k = _pass_order(k)): this epoch's window starts at position epoch * part.
+            start = epoch * part
+            while part:
+                k, offset = divmod(start, size)
+                take = min(part, size - offset)
+                out[at:at + take] = self._pass_order(lang, k, size - (quota % size))[offset:offset + take]
+                at, start, part = at + take, start + take, part - take
+            if whole:
+                extra[lang] = out[window_from:at]
+        assert at == self.epoch_size
+        return out, extra
+
+    def _pass_order(self, lang: int, k: int, block: int) -> np.ndarray:
+        """Pass k over a language: its base order with every ``block`` consecutive rows shuffled.
+
+        Shuffling only inside fixed blocks of size n - part keeps a window of ``part`` rows that
+        straddles two passes free of duplicates: the tail of pass k and the head of pass k+1 lie in
+        different blocks, hence hold different rows. A strongly downsampled language has ~2 blocks,
+        so each pass is close to a full reshuffle.
+        """
+        rows = self._lang_rows[self._lang_offsets[lang]:self._lang_offsets[lang + 1]]
+        rng = self._rng(4, lang, k)
+        full = len(rows) // block * block
+        order = np.empty_like(rows)
+        order[:full] = rng.permuted(rows[:full].reshape(-1, block), axis=1).ravel()
+        order[full:] = rng.permutation(rows[full:])
+        return order
+
+    def _build_plan(self, epoch: int) -> _Plan:
+        selected, extra = self._select(epoch)
+        extra = {lang: rows.copy() for lang, rows in extra.items()}  # small: < n_l rows each
+        size = len(selected)
+        num_buckets = len(self.boundaries) + 1
+
+        # One integer sort orders the epoch by (bucket, jittered duration, position). The packed key
+        # is exact (its float part stays below 2**52 - 1), so the order is identical on every machine:
+        # no float ties, no SIMD-dependent libm, only +, *, comparisons and a truncation. Epoch-sized
+        # float work runs in slices so the only epoch-sized arrays are the int32 rows and the key.
+        index_bits = max(1, int(size - 1).bit_length())
+        bucket_bits = max(1, int(num_buckets - 1).bit_length())
+        key_bits = min(52 - bucket_bits, 63 - index_bits - bucket_bits)
+        longest = max(float(self.durations.max()), _MIN_SORT_SECONDS) * (1.0 + self.sort_jitter)
+        scale = ((1 << key_bits) - 2) / longest
+        jitter_rng = self._rng(2, epoch)
+        key = np.empty(size, dtype=np.uint64)
+        for lo, hi in _slices(size):
+            dur = self.durations[selected[lo:hi]]
+            part = jitter_rng.random(hi - lo)
+            part *= self.sort_jitter
+            part += 1.0
+            part *= np.maximum(dur, _MIN_SORT_SECONDS)
+            part *= scale
+            for edge in self.boundaries:
+                np.add(part, float(1 << key_bits), out=part, where=dur >= edge)
+            chunk = part.astype(np.uint64)
+            chunk <<= np.uint64(index_bits)
+            chunk |= np.arange(lo, hi, dtype=np.uint64)
+            key[lo:hi] = chunk
+        key.sort()
+        bucket_starts = np.searchsorted(
+            key, np.arange(1, num_buckets, dtype=np.uint64) << np.uint64(key_bits + index_bits))
+        key &= np.uint64((1 << index_bits) - 1)
+        # The rows are written over the key buffer's already-read front half: no third epoch array.
+        flat = key.view(np.int32)[:size]
+        for lo, hi in _slices(size):
+            flat[lo:hi] = selected[key[lo:hi].astype(np.intp)]
+        del selected
+        flat = flat.copy()
+        del key
+
+        starts, audio, max_dur = _greedy_pack(self.durations, flat, bucket_starts, self.max_batch_duration)
+        offsets = np.append(starts, size)
+        counts = np.diff(offsets)
+        cost = counts * max_dur * (1.0 + self.cost_quadratic * max_dur)
+        batch_bucket = np.searchsorted(bucket_starts, starts, side="right").astype(np.int16)
+
+        steps, dropped = _deal(cost, self.world_size, self.grad_accum, self._rng(3, epoch))
+        rank_batches = steps[:, self.rank].astype(np.int32)
+        stats = self._stats(epoch, flat, offsets, counts, max_dur, audio, cost, batch_bucket, steps,
+                            dropped, rank_batches, extra)
+        return _Plan(flat=flat, offsets=offsets, rank_batches=rank_batches, stats=stats)
+
+    def _stats(self, epoch, flat, offsets, counts, max_dur, audio, cost, batch_bucket, steps,
+               dropped, rank_batches, extra) -> dict[str, Any]:
+        """Epoch statistics from the quotas and the few trimmed batches: no pass over the epoch."""
+        names = self.languages
+        num_langs = len(names)
+        kept_batch = np.ones(len(counts), dtype=bool)
+        kept_batch[dropped] = False
+        lost = np.concatenate([flat[offsets[b]:offsets[b + 1]] for b in dropped.tolist()] + [flat[:0]])
+        lost_lang = self._codes[lost]
+        trimmed = np.bincount(lost_lang, minlength=num_langs)
+        used_count = self._quotas - trimmed
+        if self.lang_weighting == "hours":
+            used = np.zeros(num_langs)
+            for lo, hi in _slices(len(flat)):
+                rows = flat[lo:hi]
+                used += np.bincount(self._codes[rows], weights=self.durations[rows], minlength=num_langs)
+            used -= np.bincount(lost_lang, weights=self.durations[lost], minlength=num_langs)
+        else:
+            used = used_count.astype(np.float64)
+        realized = used / max(used.sum(), 1e-12)
+        # Distinct utterances in the plan: a downsampled language has no duplicate in an epoch, so
+        # each trimmed copy is an utterance lost; an upsampled one loses an utterance only when all
+        # of its copies (whole passes, plus one if it is in the window) were trimmed.
+        whole = self._quotas // self._counts
+        distinct = np.where(whole == 0, used_count, self._counts)
+        rows, copies = np.unique(lost, return_counts=True)
+        for lang in np.flatnonzero(whole > 0).tolist():
+            mine = (self._codes[rows] == lang) & (copies >= whole[lang])
+            if mine.any():
+                needed = whole[lang] + _members(rows[mine], extra.get(lang, rows[:0]))
+                distinct[lang] -= int(np.count_nonzero(copies[mine] == needed))
+
+        step_cost = cost[steps]
+        balance = step_cost.max(axis=1) / np.maximum(step_cost.mean(axis=1), 1e-12)
+        first = int(rank_batches[0])
+        labels = _bucket_labels(self.boundaries)
+        per_bucket = np.bincount(batch_bucket[kept_batch], minlength=len(labels))
+        padded = float(np.sum(counts[kept_batch] * max_dur[kept_batch]))
+        return {
+            "epoch": epoch,
+            "languages": list(names),
+            "share_unit": "hours" if self.lang_weighting == "hours" else "utterances",
+            "target_share": _by_lang(names, self._target_share),
+            "realized_share": _by_lang(names, realized),
+            "natural_share": _by_lang(names, self._natural_share),
+            "padding_efficiency": float(np.sum(audio[kept_batch])) / max(padded, 1e-12),
+            "batches_per_bucket": {lab: int(c) for lab, c in zip(labels, per_bucket)},
+            "rank_cost_balance_p99": float(np.quantile(balance, 0.99)),
+            "repeated": _by_lang(names, used_count - distinct, int),
+            "skipped": _by_lang(names, self._counts - distinct, int),
+            "trimmed": _by_lang(names, trimmed, int),
+            "trimmed_batches": int(len(dropped)),
+            "over_cap_batches": int(np.count_nonzero((counts == 1) & (max_dur > self.max_batch_duration))),
+            "utterances_in_plan": int(len(flat) - len(lost)),
+            "epoch_size": self.epoch_size,
+            "world_size": self.world_size,
+            "grad_accum": self.grad_accum,
+            "num_batches_per_rank": int(len(rank_batches)),
+            "first_step": {
+                "utterances": int(counts[first]),
+                "audio_seconds": float(audio[first]),
+                "max_duration": float(max_dur[first]),
+                "cost": float(cost[first]),
+            },
+        }
+
+
+# ---- pure helpers ---------------------------------------------------------------------------
+
+def _default(value: Any, name: str) -> Any:
+    return getattr(config, name) if value is None else value
+
+
+def _differs(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return not math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) != len(b) or any(_differs(x, y) for x, y in zip(a, b))
+    return a != b
+
+
+def _check_settings(s: DurationBucketBatchSampler) -> None:
+    problems = []
+    if s.world_size < 1:
+        problems.append(f"world_size={s.world_size}: expected >= 1")
+    elif not 0 <= s.rank < s.world_size:
+        problems.append(f"rank={s.rank}: expected 0 <= rank < world_size={s.world_size}")
+    if s.grad_accum < 1:
+        problems.append(f"grad_accum={s.grad_accum}: expected >= 1")
+    if not (s.max_batch_duration > 0 and math.isfinite(s.max_batch_duration)):
+        problems.append(f"max_batch_duration={s.max_batch_duration}: expected seconds > 0")
+    if not (s.temperature >= 0 and math.isfinite(s.temperature)):
+        problems.append(f"temperature={s.temperature}: expected >= 0 (1 = natural shares, 0 = uniform)")
+    if s.lang_weighting not in config.LANG_WEIGHTINGS:
+        problems.append(f"lang_weighting={s.lang_weighting!r}: expected one of {config.LANG_WEIGHTINGS}")
+    if not (s.cost_quadratic >= 0 and math.isfinite(s.cost_quadratic)):
+        problems.append(f"cost_quadratic={s.cost_quadratic}: expected >= 0")
+    if not (s.sort_jitter >= 0 and math.isfinite(s.sort_jitter)):
+        problems.append(f"sort_jitter={s.sort_jitter}: expected >= 0")
+    if problems:
+        raise ValueError("DurationBucketBatchSampler: " + "; ".join(problems))
+
+
+def _check_durations(durations: Any) -> np.ndarray:
+    try:
+        d = np.asarray(durations, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"durations: expected numbers in seconds ({exc})") from None
+    if d.ndim != 1:
+        raise ValueError(f"durations: expected a 1-D array, got shape {d.shape}")
+    if len(d) == 0:
+        raise ValueError("durations is empty: the sampler needs at least one utterance (is the manifest empty?)")
+    if not (d.min() >= 0 and d.max() < np.inf):  # NaN fails both comparisons
+        bad = ~(np.isfinite(d) & (d >= 0))
+        row = int(np.argmax(bad))
+        raise ValueError(f"durations[{row}] = {float(d[row])!r}: expected finite seconds >= 0 "
+                         f"({int(bad.sum())} bad rows; fix or drop them in the manifest)")
+    return d
+
+
+def _encode_languages(languages: Any, n: int, names: Sequence[str] | None) -> tuple[np.ndarray, list[str]]:
+    """Small-integer codes 0..L-1 in sorted-name order, and the sorted language names."""
+    arr = np.asarray(languages)
+    if arr.ndim != 1:
+        raise ValueError(f"languages: expected a 1-D array, got shape {arr.shape}")
+    if len(arr) != n:
+        raise ValueError(f"languages has {len(arr)} rows but durations has {n}: expected one language per utterance")
+    if arr.dtype.kind in "iu":
+        if arr.min() < 0:
+            row = int(np.argmin(arr))
+            raise ValueError(f"languages[{row}] = {int(arr[row])}: expected integer language codes >= 0")
+        present = np.flatnonzero(np.bincount(arr)) if arr.max() < 2**20 else np.unique(arr)
+        if names is not None and present[-1] >= len(names):
+            raise ValueError(f"language code {int(present[-1])} has no entry in language_names "
+                             f"({len(names)} names): expected codes < len(language_names)")
+        found = [str(names[c]) if names is not None else str(c) for c in present.tolist()]
+        order = sorted(range(len(found)), key=lambda i: found[i])
+        dtype = _code_dtype(len(found))
+        lut = np.zeros(int(present[-1]) + 1, dtype=dtype)
+        lut[present[order]] = np.arange(len(found), dtype=dtype)
+        return lut[arr], [found[i] for i in order]
+    if arr.dtype.kind not in "OUS":
+        raise ValueError(f"languages: expected strings or integer codes, got dtype {arr.dtype}")
+    if arr.dtype.kind == "O":
+        # Python objects already cost a pass per row; this one catches None / NaN before astype(str)
+        # would turn them into a language called "None".
+        row = next((i for i, x in enumerate(arr.tolist()) if not isinstance(x, str)), None)
+        if row is not None:
+            raise ValueError(f"languages[{row}] = {arr[row]!r}: expected a language code string")
+        arr = arr.astype(str)
+    found, codes = _string_codes(arr)
+    order = sorted(range(len(found)), key=lambda i: found[i])
+    dtype = _code_dtype(len(found))
+    remap = np.empty(len(found), dtype=dtype)
+    remap[order] = np.arange(len(found), dtype=dtype)
+    return remap[codes], [found[i] for i in order]
+
+
+def _code_dtype(num_languages: int) -> type:
+    return np.int8 if num_languages <= 127 else np.int16 if num_languages <= 32767 else np.int32
+
+
+def _string_codes(arr: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """Codes in order of first appearance, and the distinct strings, of a fixed-width string array."""
+    # Compare the strings as machine words (a 'U2' code is one uint64): one cheap vectorized pass
+    # per language, far faster than comparing or sorting 10M strings.
+    arr = np.ascontiguousarray(arr)
+    width = 8 if arr.dtype.itemsize % 8 == 0 else 4 if arr.dtype.itemsize % 4 == 0 else 1
+    words = arr.view(f"u{width}").reshape(len(arr), -1)
+    codes = np.full(len(arr), -1, dtype=np.int8)
+    found: list[str] = []
+    at = 0
+    while len(found) < 100:
+        row = _first_negative(codes, at)
+        if row < 0:
+            return found, codes
+        match = words[:, 0] == words[row, 0]
+        for col in range(1, words.shape[1]):
+            match &= words[:, col] == words[row, col]
+        codes[match] = len(found)
+        found.append(_text(arr[row]))
+        at = row
+    uniq, inverse = np.unique(arr, return_inverse=True)
+    return [_text(u) for u in uniq], inverse.ravel()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _first_negative(values: np.ndarray, start: int) -> int:
+    """Index of the first negative value at or after ``start``, or -1; scans a slice at a time."""
+    for lo, hi in _slices(len(values) - start):
+        hit = np.flatnonzero(values[start + lo:start + hi] < 0)
+        if len(hit):
+            return start + lo + int(hit[0])
+    return -1
+
+
+def _resolve_boundaries(boundaries: Sequence[float] | str, durations: np.ndarray) -> tuple[float, ...]:
+    if isinstance(boundaries, str):
+        text = boundaries.strip()
+        if not (text.startswith("auto:") and text[5:].isdigit() and int(text[5:]) >= 2):
+            raise ValueError(f"boundaries={boundaries!r}: expected 'auto:K' with K >= 2, or increasing seconds")
+        k = int(text[5:])
+        # A regular subsample of at most ~1M rows pins quantiles to well under a millisecond and
+        # spares a full float64 copy of the durations (np.quantile partitions a copy).
+        edges = np.quantile(durations[::max(1, len(durations) // 1_000_000)], np.arange(1, k) / k)
+        # Ties in the quantiles (many equal durations) collapse to fewer buckets; a bucket boundary
+        # at the minimum would leave bucket 0 empty.
+        edges = np.unique(edges[edges > durations.min()])
+        return tuple(float(e) for e in edges)
+    try:
+        edges = tuple(float(b) for b in boundaries)
+    except (TypeError, ValueError):
+        raise ValueError(f"boundaries={boundaries!r}: expected increasing seconds or 'auto:K'") from None
+    if any(not (b > 0 and math.isfinite(b)) for b in edges) or any(b <= a for a, b in zip(edges, edges[1:])):
+        raise ValueError(f"boundaries={boundaries!r}: expected strictly increasing positive seconds")
+    return edges
+
+
+def _bucket_labels(boundaries: Sequence[float]) -> list[str]:
+    edges = [0.0, *boundaries]
+    labels = [f"{a:g}-{b:g}s" for a, b in zip(edges, edges[1:])]
+    return labels + [f"{edges[-1]:g}s+"]
+
+
+def _by_lang(names: Sequence[str], values: np.ndarray, cast: type = float) -> dict[str, Any]:
+    return {name: cast(v) for name, v in zip(names, np.asarray(values).tolist())}
+
+
+def _language_quotas(counts: np.ndarray, seconds: np.ndarray, temperature: float, weighting: str,
+                     epoch_size: int, names: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(natural share, target share, utterances per language per epoch) for the chosen weighting."""
+    if weighting == "hours":
+        empty = [names[i] for i in np.flatnonzero(seconds <= 0)]
+        if empty:
+            raise ValueError(f"lang_weighting='hours' but languages {empty} have 0 s of audio: "
+                             "use lang_weighting='count' or drop them")
+        base = seconds
+    else:
+        base = counts.astype(np.float64)
+    natural = base / base.sum()
+    # Scalar math.pow, not NumPy's SIMD-dispatched power: the quotas must not depend on the CPU.
+    target = np.array([math.pow(b / base.max(), temperature) for b in base.tolist()])
+    target /= target.sum()
+    # Utterance quotas that realize the target share in the weighting's unit.
+    per_utt = target if weighting != "hours" else target / (seconds / counts)
+    quotas = _largest_remainder(per_utt / per_utt.sum() * epoch_size, epoch_size)
+    return natural, target, quotas
+
+
+def _largest_remainder(raw: np.ndarray, total: int) -> np.ndarray:
+    floor = np.floor(raw).astype(np.int64)
+    short = int(total - floor.sum())
+    if short > 0:
+        # Stable ordering by descending remainder: ties go to the lower language index, deterministically.
+        floor[np.argsort(-(raw - floor), kind="stable")[:short]] += 1
+    return floor
+
+
+def _members(few: np.ndarray, many: np.ndarray) -> np.ndarray:
+    """For each of the (unique) ``few`` values: does it occur in ``many``? One pass over ``many``."""
+    order = np.argsort(few)
+    ordered = few[order]
+    at = np.minimum(np.searchsorted(ordered, many), len(ordered) - 1)
+    found = np.zeros(len(few), dtype=bool)
+    found[order[at[ordered[at] == many]]] = True
+    return found
+
+
+def _slices(size: int) -> Iterator[tuple[int, int]]:
+    return ((lo, min(size, lo + _CHUNK)) for lo in range(0, size, _CHUNK))
+
+
+def _greedy_pack(durations: np.ndarray, flat: np.ndarray, bucket_starts: np.ndarray,
+                 cap: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(batch starts in ``flat``, seconds of audio, longest duration) per batch: greedy fill to ``cap``.
+
+    The plan order is cut into lanes (at every bucket start and every ``_LANE_ITEMS`` items); each
+    lane is packed greedily on its own. The loop advances every lane of a block by one batch per
+    iteration (one vectorized searchsorted on the block's running sum), so it runs about
+    items-per-lane / items-per-batch times per block: never once per utterance.
+    """
+    size = len(flat)
+    cuts = np.union1d(np.concatenate([[0], bucket_starts]), np.arange(0, size, _LANE_ITEMS))
+    cuts = cuts[cuts < size].astype(np.int64)  # empty top buckets start at ``size``
+    lane_end = np.append(cuts[1:], size)
+    found, seconds, longest = [], [], []
+    first = 0
+    while first < len(cuts):
+        # A block of whole lanes of about _PACK_ITEMS items: its running sum is the only float array.
+        last = max(first + 1, int(np.searchsorted(cuts, cuts[first] + _PACK_ITEMS, side="left")))
+        lo, hi = int(cuts[first]), int(lane_end[last - 1])
+        block = durations[flat[lo:hi]]
+        cum = np.empty(hi - lo + 1)
+        cum[0] = 0.0
+        np.cumsum(block, out=cum[1:])
+        cur, end = cuts[first:last] - lo, lane_end[first:last] - lo
+        block_starts = []
+        while len(cur):
+            nxt = np.searchsorted(cum, cum[cur] + cap, side="right") - 1
+            # An utterance longer than the cap still advances the lane: it becomes a batch of its own.
+            nxt = np.minimum(np.maximum(nxt, cur + 1), end)
+            block_starts.append(cur)
+            alive = nxt < end
+            cur, end = nxt[alive], end[alive]
+        here = np.sort(np.concatenate(block_starts))
+        found.append(here + lo)
+        seconds.append(np.diff(cum[np.append(here, hi - lo)]))
+        longest.append(np.maximum.reduceat(block, here))
+        first = last
+    return np.concatenate(found), np.concatenate(seconds), np.concatenate(longest)
+
+
+def _deal(cost: np.ndarray, world_size: int, grad_accum: int,
+          rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Batch ids per (step, rank) and the dropped batch ids.
+
+    Batches sorted by cost are cut into groups of ``world_size`` neighbours (one step each), so a
+    step's ranks get near-equal cost. The cheapest batches that do not fill a whole
+    ``grad_accum`` x ``world_size`` block are dropped. The ``grad_accum`` dearest steps go first,
+    the rest are shuffled, and within a step the batches are dealt to ranks at random.
+    """
+    num = len(cost)
+    steps_per_rank = num // world_size // grad_accum * grad_accum
+    if steps_per_rank == 0:
+        raise ValueError(
+            f"the epoch packs into only {num} batches, fewer than world_size x grad_accum = "
+            f"{world_size} x {grad_accum}: raise epoch_size (EPOCH_SIZE), lower MAX_BATCH_DURATION, "
+            "or use more data")
+    order = np.argsort(-cost, kind="stable")
+    used = steps_per_rank * world_size
+    steps = order[:used].reshape(steps_per_rank, world_size)
+    rest = grad_accum + rng.permutation(steps_per_rank - grad_accum)
+    steps = steps[np.concatenate([np.arange(grad_accum), rest])]
+    within = np.argsort(rng.random(steps.shape), axis=1, kind="stable")
+    steps = np.take_along_axis(steps, within, axis=1)
+    return steps, order[used:]
