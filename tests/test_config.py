@@ -128,3 +128,20 @@ def test_wandb_defaults_to_offline_without_an_api_key(monkeypatch):
     assert config.wandb_mode() == "offline"
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     assert config.wandb_mode() == "online"
+
+
+def test_readme_opens_with_the_two_commands():
+    head = (REPO / "README.md").read_text(encoding="utf-8").splitlines()[:6]
+    commands = [line.split("#")[0].strip() for line in head if line.startswith("make ")]
+    assert commands == ["make demo", "make test"]
+
+
+def test_readme_variable_table_is_generated_from_config(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text((REPO / "README.md").read_text(encoding="utf-8"), encoding="utf-8")
+    assert not config.update_readme(readme), "README.md table is stale: run `python config.py --update-readme`"
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    lines = [l.strip() for l in (REPO / ".ci" / "run").read_text().splitlines()]
+    assert [l for l in lines if l and not l.startswith("#") and not l.startswith(("set ", "cd "))] == ["make test"]
