@@ -1,0 +1,681 @@
+"""Build the master manifest: join each shard's metadata with its audio index, filter, clean, tag.
+
+Usage:
+    python build_manifest.py --help
+    python build_manifest.py                  # SHARDS_DIR -> MASTER_MANIFEST_PATH (see config.py)
+    SHARDS_DIR=/nvme/shards MIN_QUALITY=0.5 python build_manifest.py --output /nvme/master.parquet
+    python build_manifest.py --strict         # exit non-zero if any shard cannot be read
+
+Input: ``<SHARDS_DIR>/<source>/<lang>/<shard>/{metadata,audio_index}.parquet``. Output: one parquet
+with ``segment_id, shard_id, text, duration, lang, tar_member_name, tar_path, source`` (then
+``tx_quality_score, speaker_id``), sorted by ``(shard_id, segment_id)`` so that a rerun writes the
+same rows in the same order, plus ``<output minus .parquet>.summary.json`` with rows read, kept and
+dropped per reason and per language, and every shard that could not be read.
+
+A row is kept when, checked in this order (the first failing check names the drop reason):
+    no_audio_index          its segment_id has an audio_index entry (the join is on segment_id)
+    invalid_language        its language code is a plain code such as ``hi`` or ``en-in``
+    language_not_selected   LANGUAGES is empty or holds its language
+    duration_missing / duration_too_short / duration_too_long
+                            MIN_DURATION <= duration_s <= MAX_DURATION
+    quality_missing / quality_below_min
+                            tx_quality_score >= MIN_QUALITY (a null score is not a pass)
+    transcript_missing / empty_after_cleaning
+                            the transcript is non-empty after ``clean_text``
+``lang`` is ``segment_language`` (stripped, lower-cased) when set, else the ``<lang>`` directory.
+
+A segment_id listed twice in a shard stays twice here; make_train_val.py keeps one.
+
+Engine: polars, for every step. Footers are checked per shard on a thread pool, then same-schema
+shards are decoded in multi-file scans (a call per small file costs more in overhead than in
+decoding; a scan that fails is retried shard by shard, so one corrupt file is reported and skipped);
+the join, the filters and the sort run once over all shards, multi-threaded; the cleaning runs as
+Rust-regex passes over chunks of the column on a thread pool (polars releases the GIL), and rows
+that cannot be changed by a rule skip its pass. pyarrow.compute has regex and normalization kernels
+but runs them single-threaded and has no multi-threaded join; DuckDB would add a second regex
+dialect and dataframe library to the project. Rust regex has no look-around, which is why in-word
+apostrophes travel through the punctuation pass as a placeholder character.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+import unicodedata
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import polars as pl
+from tqdm import tqdm
+
+import config
+
+OUTPUT_COLUMNS = ("segment_id", "shard_id", "text", "duration", "lang", "tar_member_name",
+                  "tar_path", "source")
+EXTRA_COLUMNS = ("tx_quality_score", "speaker_id")
+METADATA_FILE = "metadata.parquet"
+INDEX_FILE = "audio_index.parquet"
+TAR_FILE = "audio.tar"
+REQUIRED_METADATA = {"segment_id": "string", "transcription_native": "string",
+                     "duration_s": "numeric", "tx_quality_score": "numeric"}
+OPTIONAL_METADATA = {"segment_language": "string", "speaker_id": "any"}
+REQUIRED_INDEX = {"segment_id": "string", "tar_member_name": "string"}
+LANG_CODE_PATTERN = r"^[a-z][a-z0-9_-]*$"
+
+# --- text cleaning ---------------------------------------------------------------------------
+# Each rule is one Rust-regex replace over a column; their order is part of the contract.
+_ZW_JOINERS = r"\x{200C}\x{200D}"  # ZWNJ, ZWJ
+_ZW_SPACE = r"\x{200B}"
+_APOSTROPHE_SLOT = "\ue000"  # private use: rule 1 deletes any in the input before using it
+# 1. Format characters (bidi marks, BOM, soft hyphen, word joiner) and private-use characters are
+#    invisible and spell nothing: deleted. ZWNJ/ZWJ are exempt (rule 6): they choose between a
+#    conjunct and a half form in Indic scripts and spell the Malayalam chillus (NA + VIRAMA + ZWJ).
+#    The zero-width space is a word break, so rule 4 turns it into a space. This runs before NFC
+#    (rule 2): a mark after a deleted bidi mark may compose with the letter before it.
+_INVISIBLE = rf"[[\p{{Cf}}\p{{Co}}]&&[^{_ZW_JOINERS}{_ZW_SPACE}]]"
+# 3. An apostrophe between letters is part of the word ("don't", "o'clock"); it is kept (as ')
+#    while every other quote goes. It rides through rule 4 as a placeholder. Two passes, because
+#    the letter after one apostrophe can be the letter before the next ("rock'n'roll") and regex
+#    matches do not overlap.
+_IN_WORD_APOSTROPHE = r"([\p{L}\p{M}])['\x{2019}](\p{L})"
+# 4. Tags in square or angle brackets ([music], <noise>, <|hi|>) are annotations, not speech:
+#    removed with their contents. Every Unicode punctuation or symbol character (Latin and Indic:
+#    . , ! ? " ( ) danda U+0964, double danda U+0965, guillemets, curly quotes, low-9 quote,
+#    ellipsis, hyphen, en and em dash, Urdu full stop, comma and question mark, $ % + ...) becomes
+#    a space, so "ek-do" and "a...b" stay two words instead of being glued into one. Control
+#    characters count as whitespace. The same pass collapses every run of them into one space.
+_TAGS_PUNCT_SPACE = rf"(?:\[[^\[\]]*\]|<[^<>]*>|[\p{{P}}\p{{S}}\p{{Cc}}\s{_ZW_SPACE}])+"
+# 6. A ZWNJ/ZWJ spells something only inside a word or after a combining sign: one that starts a
+#    word, stands alone, or ends a word after anything but a combining sign (a chillu ends in
+#    VIRAMA + ZWJ, so that one stays) is stray or left over from removed punctuation: deleted with
+#    the space it leaves. One pass: the first branch takes word-initial runs, the second a word's
+#    trailing run together with the spaces and word-initial joiners after it.
+_STRAY_JOINERS = (rf"(^|\s)[\s{_ZW_JOINERS}]*[{_ZW_JOINERS}]\s*"
+                  rf"|([^\p{{M}}{_ZW_JOINERS}])[{_ZW_JOINERS}]+(?:(\s)[\s{_ZW_JOINERS}]*|$)")
+# A joiner touching anything but a letter, a sign or another joiner (or an end of the text): the
+# only joiners rule 6 can remove, since rules 3-4 turn their neighbours into spaces.
+_EDGE_JOINER = (rf"(?:^|[^\p{{L}}\p{{M}}{_ZW_JOINERS}])[{_ZW_JOINERS}]"
+                rf"|[{_ZW_JOINERS}](?:[^\p{{L}}\p{{M}}{_ZW_JOINERS}]|$)")
+# Rows that none of these match are left unchanged by rules 3, 5 and 6, so they skip those passes.
+_NEEDS_RULE = {1: _IN_WORD_APOSTROPHE, 2: _EDGE_JOINER}
+_NEEDS_ANY_RULE = "|".join(f"(?:{pattern})" for pattern in _NEEDS_RULE.values())
+
+
+def _clean(expr: pl.Expr, apostrophes: bool = True, joiners: bool = True) -> pl.Expr:
+    """Rules 3-7 on text that rules 1-2 made; a rule that cannot change a row may be switched off."""
+    placeholder = r"${1}" + _APOSTROPHE_SLOT + r"${2}"
+    if apostrophes:
+        expr = (expr.str.replace_all(_IN_WORD_APOSTROPHE, placeholder)
+                .str.replace_all(_IN_WORD_APOSTROPHE, placeholder))
+    expr = expr.str.replace_all(_TAGS_PUNCT_SPACE, " ")
+    if apostrophes:
+        expr = expr.str.replace_all(_APOSTROPHE_SLOT, "'", literal=True)
+    if joiners:
+        expr = expr.str.replace_all(_STRAY_JOINERS, "${1}${2}${3}")
+    return expr.str.strip_chars()
+
+
+def clean_text_expr(expr: pl.Expr) -> pl.Expr:
+    """Every cleaning rule as one polars expression (null stays null); see ``clean_text``.
+
+    Runs every pass on every row; ``clean_text_column`` gives the same result faster.
+    """
+    return _clean(expr.str.replace_all(_INVISIBLE, "").str.normalize("NFC"))
+
+
+@functools.cache
+def _nfc_may_change() -> str:
+    """A regex matching every text that NFC could change (and a few it leaves alone).
+
+    From the Unicode quick-check idea: a text is already NFC unless it holds a character NFC never
+    outputs, two adjacent combining marks that ordering could swap, a character that composes
+    with the next one, or a decomposable character followed by a combining mark. Built once from
+    ``unicodedata``; ``clean_text_column`` normalizes only the rows it matches.
+    """
+    never, combining, decomposable, firsts, seconds = set(), set(), set(), set(), set()
+    for cp in range(0x30000):  # all canonical decompositions lie below U+30000
+        ch = chr(cp)
+        if unicodedata.combining(ch):
+            combining.add(ch)
+        decomposition = unicodedata.decomposition(ch)
+        if not decomposition or decomposition.startswith("<"):
+            continue
+        if unicodedata.normalize("NFC", ch) != ch:
+            never.add(ch)
+            continue
+        decomposable.add(ch)
+        parts = decomposition.split()
+        if len(parts) == 2:
+            firsts.add(chr(int(parts[0], 16)))
+            seconds.add(chr(int(parts[1], 16)))
+
+    def cls(chars: set[str]) -> str:
+        return "[" + "".join(f"\\x{{{ord(c):X}}}" for c in sorted(chars)) + "]"
+    hangul_jamo = r"[\x{1100}-\x{11FF}]"  # composed by algorithm, not by the decomposition table
+    return (f"{cls(never)}|{cls(combining)}{cls(combining)}|{cls(firsts)}{cls(seconds)}"
+            f"|{cls(decomposable)}{cls(combining | seconds)}|{hangul_jamo}")
+
+
+def _nfc(texts: pl.Series) -> pl.Series:
+    """NFC of ``texts``, normalizing only the rows that could change (most Indic and Latin text
+    is NFC already, and normalizing costs about as much as a full cleaning pass)."""
+    may_change = texts.str.contains(_nfc_may_change()).fill_null(False)
+    if not may_change.any():
+        return texts
+    idx = may_change.arg_true()
+    return texts.scatter(idx, texts.gather(idx).str.normalize("NFC"))
+
+
+@functools.cache
+def _needs_more_than_one_pass() -> str:
+    """A regex matching every text that a rule other than 4 and 7 could change (and a few more).
+
+    A text it does not match holds no invisible character (rule 1), is NFC already (rule 2), so
+    the in-word-apostrophe and edge-joiner checks see it unchanged and find nothing (rules 3, 5,
+    6): its cleaning is the tags/punctuation/space pass and the trim, nothing else. One alternation
+    costs about as much as one of its parts, so this single pass replaces three on most rows.
+    """
+    return "|".join(f"(?:{pattern})" for pattern in (_INVISIBLE, _nfc_may_change(), _NEEDS_ANY_RULE))
+
+
+def _clean_special(texts: pl.Series) -> pl.Series:
+    """``clean_text_column`` on rows that may need more than rules 4 and 7: rules 1 and 2 run only
+    on rows holding an invisible character or one NFC could change, then rows are grouped by
+    which of rules 3, 5 and 6 can change them, and each group runs only those."""
+    invisible = texts.str.contains(_INVISIBLE).fill_null(False)
+    if invisible.any():
+        idx = invisible.arg_true()
+        texts = texts.scatter(idx, texts.gather(idx).str.replace_all(_INVISIBLE, ""))
+    t = pl.col("t")
+    frame = pl.DataFrame({"t": _nfc(texts)}).with_row_index("i").with_columns(
+        pl.sum_horizontal(bit * t.str.contains(pattern).fill_null(False).cast(pl.UInt8)
+                          for bit, pattern in _NEEDS_RULE.items()).alias("rules"))
+    parts = [frame.filter(pl.col("rules") == rules).select("i", _clean(t, bool(rules & 1), bool(rules & 2)))
+             for rules in sorted(frame.get_column("rules").unique().to_list())]
+    return pl.concat(parts).sort("i").get_column("t")
+
+
+def clean_text_column(texts: pl.Series) -> pl.Series:
+    """``clean_text`` over a string Series, vectorized (null stays null).
+
+    Most transcripts hold no invisible character, are NFC already and hold no in-word apostrophe
+    and no joiner at a word edge: one check finds them, and they take the tags/punctuation/space
+    pass and the trim instead of all seven rules. The others go through ``_clean_special``. Tests
+    check that this equals ``clean_text_expr`` on every row.
+    """
+    texts = texts.cast(pl.String)
+    special = texts.str.contains(_needs_more_than_one_pass()).fill_null(False)
+    frame = pl.DataFrame({"t": texts}).with_row_index("i")
+    if not special.any():
+        return frame.select(_clean(pl.col("t"), False, False)).to_series().alias(texts.name)
+    parts = [frame.filter(~special).select("i", _clean(pl.col("t"), False, False)),
+             frame.filter(special).select("i", _clean_special(texts.filter(special)).alias("t"))]
+    return pl.concat(parts).sort("i").get_column("t").alias(texts.name)
+
+
+def clean_texts(texts: Sequence[str | None]) -> list[str | None]:
+    """``clean_text`` over a sequence."""
+    return clean_text_column(pl.Series("t", list(texts), dtype=pl.String)).to_list()
+
+
+def clean_text(text: str) -> str:
+    """Clean one transcript; the rules, in order:
+
+    1. Invisible format characters deleted (bidi marks, BOM, soft hyphen, word joiner), except
+       ZWNJ/ZWJ (Indic conjunct control, Malayalam chillus); the zero-width space separates words.
+    2. Unicode NFC, so that one spelling has one code-point sequence.
+    3. Apostrophes between two letters kept and written as ``'`` ("don’t" -> "don't"); every other
+       quote is punctuation.
+    4. Tags in brackets removed with their contents: ``[music]``, ``<noise>``, ``<|en|>``. All other
+       punctuation and symbols (danda, double danda, quotes incl. « » ‘ ’ “ ” „, ellipsis, dashes,
+       brackets, ...) replaced by a space, so neighbouring words are never glued; whitespace runs
+       collapsed to one space.
+    5. (the apostrophes of rule 3 are restored)
+    6. ZWNJ/ZWJ that spell nothing removed: alone, at the start of a word, or at the end of a word
+       after anything but a combining sign (a chillu, NA + VIRAMA + ZWJ, ends a word and stays).
+    7. Leading and trailing whitespace trimmed.
+    """
+    return clean_texts([text])[0] or ""
+
+
+# --- shards ----------------------------------------------------------------------------------
+class ManifestError(RuntimeError):
+    """Input the manifest cannot be built from (missing SHARDS_DIR, no shards, bad shard)."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    shard_id: str   # path under SHARDS_DIR, "/"-separated: "<source>/<lang>/<shard>"
+    source: str
+    lang: str       # the <lang> directory
+    path: Path
+
+
+def discover_shards(shards_dir: Path) -> tuple[list[Shard], list[dict[str, str]]]:
+    """Every directory holding metadata.parquet, sorted by shard_id; plus those at the wrong depth.
+
+    Raises ManifestError when ``shards_dir`` does not exist or holds no metadata.parquet at all.
+    """
+    shards_dir = Path(shards_dir)
+    if not shards_dir.is_dir():
+        raise ManifestError(f"SHARDS_DIR {shards_dir} is not a directory: set SHARDS_DIR (or "
+                            f"--shards-dir) to the folder holding <source>/<lang>/<shard>/")
+    shards, misplaced = [], []
+    for meta in sorted(shards_dir.rglob(METADATA_FILE)):
+        rel = meta.parent.relative_to(shards_dir)
+        if len(rel.parts) != 3:
+            misplaced.append({"path": str(meta.parent), "reason": "not at <source>/<lang>/<shard> "
+                              f"depth under SHARDS_DIR ({len(rel.parts)} levels deep)"})
+            continue
+        shards.append(Shard(rel.as_posix(), rel.parts[0], rel.parts[1], meta.parent))
+    if not shards and not misplaced:
+        raise ManifestError(f"no shards found under {shards_dir}: expected "
+                            f"<source>/<lang>/<shard>/{METADATA_FILE} (is SHARDS_DIR right?)")
+    return sorted(shards, key=lambda s: s.shard_id), misplaced
+
+
+def _check_columns(path: Path, schema: dict[str, pl.DataType], required: dict[str, str],
+                   optional: dict[str, str]) -> list[str]:
+    """The columns to read; raises ManifestError naming a missing column or a wrong type."""
+    missing = [c for c in required if c not in schema]
+    if missing:
+        raise ManifestError(f"{path}: missing column(s) {missing} (has {list(schema)})")
+    wanted = {**required, **{c: k for c, k in optional.items() if c in schema}}
+    for column, kind in wanted.items():
+        dtype = schema[column]
+        ok = (kind == "any" or dtype == pl.Null
+              or (kind == "string" and dtype == pl.String)
+              or (kind == "numeric" and dtype.is_numeric()))
+        if not ok:
+            raise ManifestError(f"{path}: column {column!r} has type {dtype}, expected {kind}")
+    return list(wanted)
+
+
+def check_shard(shard: Shard) -> tuple[tuple, tuple]:
+    """The (metadata, index) columns to read with their types, from the parquet footers.
+
+    Raises ManifestError naming the file and the reason for an unreadable footer, a missing column
+    or a wrong type (strings must be strings, duration_s and tx_quality_score numbers).
+    """
+    signature = []
+    for name, required, optional in ((METADATA_FILE, REQUIRED_METADATA, OPTIONAL_METADATA),
+                                     (INDEX_FILE, REQUIRED_INDEX, {})):
+        path = shard.path / name
+        try:
+            schema = dict(pl.read_parquet_schema(path))
+        except Exception as exc:  # polars raises several types for unreadable files
+            raise ManifestError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
+        columns = _check_columns(path, schema, required, optional)
+        signature.append(tuple((c, schema[c]) for c in columns))
+    return signature[0], signature[1]
+
+
+def _read_files(paths: list[str], columns: list[str]) -> pl.DataFrame:
+    """Read same-schema parquet files in one multi-file scan, with a ``path`` column."""
+    return _scan(paths).select(*columns, "path").collect()
+
+
+def _scan(paths: list[str]) -> pl.LazyFrame:
+    # glob=False: a shard directory may be named "[x]" or "a*b"
+    return pl.scan_parquet(paths, include_file_paths="path", glob=False)
+
+
+def _read_all_at_once(shards: Sequence[Shard]) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The shards' metadata and index, each in one multi-file scan, decoded together, when the
+    first shard's columns pass ``_check_columns``. Raises if any file cannot be decoded or differs
+    from the first in its columns or their types (polars checks that while scanning)."""
+    scans = []
+    for name, required, optional in ((METADATA_FILE, REQUIRED_METADATA, OPTIONAL_METADATA),
+                                     (INDEX_FILE, REQUIRED_INDEX, {})):
+        paths = [str(s.path / name) for s in shards]
+        scan = _scan(paths)
+        columns = _check_columns(Path(paths[0]), dict(scan.collect_schema()), required, optional)
+        scans.append(scan.select(*columns, "path"))
+    meta, index = pl.collect_all(scans)
+    return meta, index
+
+
+def _standard_metadata(frame: pl.DataFrame) -> pl.DataFrame:
+    for column in OPTIONAL_METADATA:
+        if column not in frame.columns:
+            frame = frame.with_columns(pl.lit(None, dtype=pl.String).alias(column))
+    return frame.select(pl.col("segment_id", "transcription_native", "segment_language", "speaker_id")
+                        .cast(pl.String),
+                        pl.col("duration_s", "tx_quality_score").cast(pl.Float64), pl.col("path"))
+
+
+def _read_shard_by_shard(shards: Sequence[Shard], workers: int
+                         ) -> tuple[list[tuple[pl.DataFrame, pl.DataFrame]], list[dict[str, str]]]:
+    """(metadata, index) frames of the readable ``shards`` and the unreadable ones with the reason.
+
+    Footers are checked per shard; shards with the same columns and types are scanned together,
+    and a scan that fails is retried shard by shard, so a file corrupt past its footer is found.
+    """
+    def check(shard: Shard):
+        try:
+            return check_shard(shard)
+        except ManifestError as exc:
+            return str(exc)
+
+    bad: list[dict[str, str]] = []
+    groups: dict[tuple, list[Shard]] = {}
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        for shard, result in zip(shards, pool.map(check, shards)):
+            if isinstance(result, str):
+                bad.append({"path": str(shard.path), "reason": result})
+            else:
+                groups.setdefault(result, []).append(shard)
+
+    def read(group):
+        (meta_sig, index_sig), members = group
+        meta_cols, index_cols = [c for c, _ in meta_sig], [c for c, _ in index_sig]
+        try:
+            return [(_read_files([str(s.path / METADATA_FILE) for s in members], meta_cols),
+                     _read_files([str(s.path / INDEX_FILE) for s in members], index_cols))], []
+        except Exception:
+            pass  # some file in the group is corrupt past its footer: find it
+        parts, failed = [], []
+        for shard in members:
+            try:
+                parts.append((_read_files([str(shard.path / METADATA_FILE)], meta_cols),
+                              _read_files([str(shard.path / INDEX_FILE)], index_cols)))
+            except Exception as exc:
+                failed.append({"path": str(shard.path),
+                               "reason": f"{shard.path}: unreadable ({type(exc).__name__}: {exc})"})
+        return parts, failed
+
+    parts = []
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        for group_parts, failed in pool.map(read, groups.items()):
+            parts.extend(group_parts)
+            bad.extend(failed)
+    return parts, bad
+
+
+def read_shards(shards: Sequence[Shard], workers: int, progress: bool, batch_size: int = 256
+                ) -> tuple[pl.DataFrame, pl.DataFrame, list[dict[str, str]]]:
+    """Metadata and audio index of every readable shard, each row tagged with its shard's position
+    in ``shards`` (column ``shard``), and the unreadable shards with path and reason.
+
+    Shards are read in multi-file scans (one polars call decodes many small files in parallel,
+    where a call per file would cost more in overhead than in decoding), ``batch_size`` shards at
+    a time. A batch whose files all read and share the columns and types of its first takes one
+    scan per file kind; any other batch goes through ``_read_shard_by_shard``, which reports each
+    unreadable shard and reads the rest.
+    """
+    parts, bad = [], []
+    with tqdm(total=len(shards), desc="reading shards", unit="shard", disable=not progress) as bar:
+        for start in range(0, len(shards), batch_size):
+            batch = shards[start:start + batch_size]
+            try:
+                parts.append(_read_all_at_once(batch))
+            except Exception:  # polars raises several types; the slow path names each culprit
+                batch_parts, failed = _read_shard_by_shard(batch, workers)
+                parts.extend(batch_parts)
+                bad.extend(failed)
+            bar.update(len(batch))
+    bad.sort(key=lambda b: b["path"])
+    if not parts:
+        return pl.DataFrame(), pl.DataFrame(), bad
+
+    def tag(frames: list[pl.DataFrame], name: str) -> pl.DataFrame:
+        # "path" holds the file each row came from; as an Enum over the files in shard order, its
+        # physical value is the shard's position
+        files = pl.Enum([str(s.path / name) for s in shards])
+        return pl.concat(frames, how="vertical").with_columns(
+            pl.col("path").cast(files).to_physical().cast(pl.UInt32).alias("shard")).drop("path")
+    return (tag([_standard_metadata(meta) for meta, _ in parts], METADATA_FILE),
+            tag([index.select(pl.col("segment_id", "tar_member_name").cast(pl.String), "path")
+                 for _, index in parts], INDEX_FILE), bad)
+
+
+# --- build -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Filters:
+    languages: tuple[str, ...]
+    min_duration: float
+    max_duration: float
+    min_quality: float
+
+
+def _drop_reason(filters: Filters) -> pl.Expr:
+    """The first failing check of a row (null when it passes), in the order of the module doc;
+    ``empty_after_cleaning`` is decided after cleaning, which only the passing rows get."""
+    duration, quality = pl.col("duration_s"), pl.col("tx_quality_score")
+    reason = pl.when(pl.col("tar_member_name").is_null()).then(pl.lit("no_audio_index"))
+    reason = reason.when(~pl.col("lang").str.contains(LANG_CODE_PATTERN)).then(pl.lit("invalid_language"))
+    if filters.languages:
+        reason = reason.when(~pl.col("lang").is_in(list(filters.languages))).then(pl.lit("language_not_selected"))
+    return (reason
+            .when(duration.is_null() | duration.is_nan()).then(pl.lit("duration_missing"))
+            .when(duration < filters.min_duration).then(pl.lit("duration_too_short"))
+            .when(duration > filters.max_duration).then(pl.lit("duration_too_long"))
+            .when(quality.is_null() | quality.is_nan()).then(pl.lit("quality_missing"))
+            .when(quality < filters.min_quality).then(pl.lit("quality_below_min"))
+            .when(pl.col("transcription_native").is_null()).then(pl.lit("transcript_missing"))
+            .otherwise(pl.lit(None, dtype=pl.String)))
+
+
+def join_shards(shards: Sequence[Shard], meta: pl.DataFrame, index: pl.DataFrame) -> tuple[pl.DataFrame, int]:
+    """Metadata left-joined with the audio index on (shard, segment_id).
+
+    Returns the frame (``tar_member_name`` null where the index has no entry; ``shard`` is the
+    position in ``shards``) and the count of index entries without metadata.
+    """
+    keys = ["shard", "segment_id"]
+    index = index.filter(pl.col("tar_member_name").is_not_null()).with_row_index("index_row")
+    # Only the keys go through the join (the metadata's other columns are not copied); left order
+    # is kept, so rows equal in every sort key still come out in the same order on a rerun.
+    matched = meta.select(keys).join(index, on=keys, how="left", maintain_order="left")
+    # an index entry is an orphan when no metadata row matched it
+    orphans = index.height - matched.get_column("index_row").drop_nulls().n_unique()
+    if matched.height == meta.height:  # each metadata row matched at most once: rows line up
+        return meta.with_columns(matched.get_column("tar_member_name")), orphans
+    # a segment_id listed twice in an index repeats its metadata row
+    return meta.join(index.drop("index_row"), on=keys, how="left", maintain_order="left"), orphans
+
+
+def clean_in_parallel(texts: pl.Series, workers: int, progress: bool) -> pl.Series:
+    """``clean_text_column`` over chunks of ``texts`` on a thread pool, in order."""
+    n_chunks = max(1, min(4 * workers, texts.len() // 20_000))
+    bounds = np.linspace(0, texts.len(), n_chunks + 1, dtype=np.int64)
+    chunks = [texts.slice(int(a), int(b - a)) for a, b in zip(bounds[:-1], bounds[1:])]
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool, \
+            tqdm(total=texts.len(), desc="cleaning text", unit="row", unit_scale=True,
+                 disable=not progress) as bar:
+        cleaned = []
+        for chunk, result in zip(chunks, pool.map(clean_text_column, chunks)):
+            cleaned.append(result)
+            bar.update(chunk.len())
+    return pl.concat(cleaned) if cleaned else texts.clear()
+
+
+def assemble_manifest(joined: pl.DataFrame, shards: Sequence[Shard], filters: Filters, root: str,
+                      workers: int = 1, progress: bool = False) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(manifest rows sorted by shard_id and segment_id, one (lang, reason) row per dropped row)."""
+    def per_shard(values: list[str]) -> pl.Expr:  # a shard's constant, looked up by position
+        return pl.lit(pl.Series(values, dtype=pl.String)).gather(pl.col("shard"))
+
+    seg_lang = pl.col("segment_language").str.strip_chars().str.to_lowercase()
+    frame = joined.with_columns(pl.when(seg_lang.is_null() | (seg_lang == ""))
+                                .then(per_shard([s.lang for s in shards])).otherwise(seg_lang).alias("lang"))
+    frame = frame.with_columns(_drop_reason(filters).alias("reason"))
+    candidates = frame.filter(pl.col("reason").is_null()).sort(["shard", "segment_id", "tar_member_name"])
+    candidates = candidates.with_columns(
+        clean_in_parallel(candidates.get_column("transcription_native"), workers, progress).alias("cleaned"))
+    is_empty = pl.col("cleaned") == ""
+    drops = pl.concat([frame.filter(pl.col("reason").is_not_null()).select("lang", "reason"),
+                       candidates.filter(is_empty).select("lang", pl.lit("empty_after_cleaning").alias("reason"))])
+    kept = (candidates.filter(~is_empty)
+            .select(pl.col("segment_id"), per_shard([s.shard_id for s in shards]).alias("shard_id"),
+                    pl.concat_str(pl.lit("<|"), pl.col("lang"), pl.lit("|> "), pl.col("cleaned")).alias("text"),
+                    pl.col("duration_s").alias("duration"), pl.col("lang"), pl.col("tar_member_name"),
+                    per_shard([f"{root}/{s.shard_id}/{TAR_FILE}" for s in shards]).alias("tar_path"),
+                    per_shard([s.source for s in shards]).alias("source"),
+                    pl.col("tx_quality_score"), pl.col("speaker_id")))
+    return kept, drops
+
+
+def summary_path(output: Path) -> Path:
+    """``<output minus .parquet>.summary.json``."""
+    output = Path(output)
+    stem = output.name[:-len(".parquet")] if output.name.endswith(".parquet") else output.name
+    return output.with_name(stem + ".summary.json")
+
+
+def _temp_beside(path: Path) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    return tmp
+
+
+def write_atomically(frame: pl.DataFrame, path: Path) -> None:
+    """Write parquet to a temp file beside ``path`` and rename it over ``path``."""
+    path = Path(path)
+    tmp = _temp_beside(path)
+    try:
+        frame.write_parquet(tmp, compression="zstd", compression_level=1, statistics=True)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomically(data: dict, path: Path) -> None:
+    """Write ``data`` as JSON to a temp file beside ``path`` and rename it over ``path``."""
+    path = Path(path)
+    tmp = _temp_beside(path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=True, ensure_ascii=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def counts_by(frame: pl.DataFrame, *keys: str) -> dict:
+    """Row counts as nested {key1: {key2: n}} (or {key: n}), keys sorted."""
+    out: dict = {}
+    for row in frame.group_by(list(keys)).len().sort(list(keys)).iter_rows():
+        *path, n = row
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = int(n)
+    return out
+
+
+def build_manifest(shards_dir: Path | None = None, output: Path | None = None, *, strict: bool = False,
+                   languages: Sequence[str] | None = None, min_duration: float | None = None,
+                   max_duration: float | None = None, min_quality: float | None = None,
+                   workers: int | None = None, progress: bool = True) -> dict[str, Any]:
+    """Build the master manifest at ``output`` and its summary beside it; return the summary.
+
+    None means the config value (SHARDS_DIR, MASTER_MANIFEST_PATH, LANGUAGES, MIN_DURATION,
+    MAX_DURATION, MIN_QUALITY). Unreadable shards are reported in the summary and skipped; with
+    ``strict`` they raise ManifestError before anything is written.
+    """
+    started = time.perf_counter()
+    shards_dir = Path(config.SHARDS_DIR if shards_dir is None else shards_dir)
+    output = Path(config.MASTER_MANIFEST_PATH if output is None else output)
+    filters = Filters(tuple(config.LANGUAGES if languages is None else languages),
+                      config.MIN_DURATION if min_duration is None else min_duration,
+                      config.MAX_DURATION if max_duration is None else max_duration,
+                      config.MIN_QUALITY if min_quality is None else min_quality)
+    workers = workers or min(8, os.cpu_count() or 1)
+
+    shards, misplaced = discover_shards(shards_dir)
+    meta, index, unreadable = read_shards(shards, workers, progress)
+    bad = misplaced + unreadable
+    if bad and strict:
+        raise ManifestError(f"{len(bad)} shard(s) could not be read (--strict):\n  "
+                            + "\n  ".join(f"{b['path']}: {b['reason']}" for b in bad))
+    if len(unreadable) == len(shards):  # nothing readable (or only misplaced shards)
+        raise ManifestError(f"none of the {len(shards) + len(misplaced)} shard(s) under {shards_dir} "
+                            f"could be read:\n  " + "\n  ".join(b["reason"] for b in bad[:10]))
+    joined, orphans = join_shards(shards, meta, index)
+    kept, drops = assemble_manifest(joined, shards, filters, os.path.abspath(shards_dir).rstrip("/"),
+                                    workers, progress)
+    dropped = counts_by(drops, "reason")
+    summary = {
+        "rows_in": joined.height,
+        "rows_out": kept.height,
+        "dropped": dropped,
+        "dropped_by_lang": counts_by(drops, "lang", "reason"),
+        "kept_by_lang": counts_by(kept, "lang"),
+        "shards_found": len(shards) + len(misplaced),
+        "shards_read": len(shards) - len(unreadable),
+        "bad_shards": bad,
+        "audio_index_without_metadata": orphans,
+        "settings": {"shards_dir": str(shards_dir), "languages": list(filters.languages),
+                     "min_duration": filters.min_duration, "max_duration": filters.max_duration,
+                     "min_quality": filters.min_quality},
+    }
+    assert summary["rows_in"] == summary["rows_out"] + sum(dropped.values()), "row accounting broke"
+    write_atomically(kept, output)
+    write_json_atomically(summary, summary_path(output))
+    summary["seconds"] = round(time.perf_counter() - started, 3)
+    return summary
+
+
+def format_summary(summary: dict[str, Any], output: Path) -> str:
+    lines = [f"shards: {summary['shards_read']} read, {len(summary['bad_shards'])} unreadable",
+             f"rows: {summary['rows_in']:,} read, {summary['rows_out']:,} kept, "
+             f"{summary['rows_in'] - summary['rows_out']:,} dropped"]
+    for reason, n in sorted(summary["dropped"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"  dropped {reason:<24} {n:>12,}")
+    langs = sorted(set(summary["kept_by_lang"]) | set(summary["dropped_by_lang"]))
+    if langs:
+        lines.append(f"  {'lang':<8} {'kept':>12} {'dropped':>12}  reasons")
+        for lang in langs:
+            drops = summary["dropped_by_lang"].get(lang, {})
+            detail = ", ".join(f"{r}={n:,}" for r, n in sorted(drops.items()))
+            lines.append(f"  {lang:<8} {summary['kept_by_lang'].get(lang, 0):>12,} "
+                         f"{sum(drops.values()):>12,}  {detail}")
+    if summary["audio_index_without_metadata"]:
+        lines.append(f"audio_index entries without metadata (ignored): "
+                     f"{summary['audio_index_without_metadata']:,}")
+    for b in summary["bad_shards"]:
+        lines.append(f"UNREADABLE {b['path']}: {b['reason']}")
+    lines.append(f"wrote {output} and {summary_path(output).name}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  SHARDS_DIR=/nvme/shards python build_manifest.py --output /nvme/master.parquet")
+    parser.add_argument("--shards-dir", type=Path, default=None,
+                        help=f"shard tree (default SHARDS_DIR = {config.SHARDS_DIR})")
+    parser.add_argument("--output", type=Path, default=None,
+                        help=f"manifest to write (default MASTER_MANIFEST_PATH = {config.MASTER_MANIFEST_PATH})")
+    parser.add_argument("--strict", action="store_true",
+                        help="exit non-zero without writing if any shard cannot be read")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="threads reading shards (default: min(8, CPUs))")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    args = parser.parse_args(argv)
+    output = Path(config.MASTER_MANIFEST_PATH if args.output is None else args.output)
+    try:
+        summary = build_manifest(args.shards_dir, output, strict=args.strict, workers=args.workers,
+                                 progress=not args.no_progress)
+    except ManifestError as exc:
+        print(f"build_manifest: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_summary(summary, output))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

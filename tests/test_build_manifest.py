@@ -1,0 +1,367 @@
+"""build_manifest.py: cleaning rules, filters, schema, error handling and determinism."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import unicodedata
+from pathlib import Path
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import build_manifest as bm
+from tests.shard_factory import write_shard
+
+REPO = Path(__file__).resolve().parents[1]
+ZWJ, ZWNJ = "\u200d", "\u200c"
+
+
+def build(shards_dir: Path, tmp_path: Path, **kwargs) -> tuple[pl.DataFrame, dict]:
+    out = tmp_path / "master_manifest.parquet"
+    options = dict(languages=(), min_duration=0.5, max_duration=20.0, min_quality=0.0, progress=False)
+    options.update(kwargs)
+    summary = bm.build_manifest(shards_dir, out, **options)
+    return pl.read_parquet(out), summary
+
+
+def one_row_manifest(tmp_path: Path, transcript: str | None, **row) -> pl.DataFrame:
+    write_shard(tmp_path / "shards", "src", "hi", "s0",
+                [{"segment_id": "a", "transcription_native": transcript, **row}])
+    manifest, _ = build(tmp_path / "shards", tmp_path)
+    return manifest
+
+
+# --- cleaning rules ----------------------------------------------------------------------------
+def test_cleaning_applies_unicode_nfc():
+    assert bm.clean_text("cafe\u0301") == "caf\u00e9"
+    assert bm.clean_text("\u0995\u09c7\u09be") == "\u0995\u09cb"  # Bengali vowel sign O, composed
+
+
+@pytest.mark.parametrize("tag", ["[music]", "[laugh]", "[ inaudible 00:12 ]", "<noise>", "<|hi|>"])
+def test_bracket_tags_are_removed_with_their_contents(tag):
+    assert bm.clean_text(f"hello {tag} world") == "hello world"
+    assert bm.clean_text(f"hello{tag}world") == "hello world"
+
+
+@pytest.mark.parametrize("mark", ["।", "॥", "«", "»", "‘", "“", "”", "„", "…", "–", "—", "-", "(", ")",
+                                  "[", "]", ".", ",", "!", "?", '"', "۔", "،", "؟"])
+def test_punctuation_becomes_a_space_so_neighbouring_words_stay_apart(mark):
+    assert bm.clean_text(f"ek{mark}do") == "ek do"
+    assert bm.clean_text(f"ek {mark} do{mark}") == "ek do"
+
+
+def test_whitespace_is_collapsed_and_trimmed():
+    assert bm.clean_text("  a \t b\n\nc\u00a0 d  ") == "a b c d"
+
+
+def test_apostrophes_inside_words_are_kept_and_straightened():
+    assert bm.clean_text("don’t stop rock'n'roll o'clock") == "don't stop rock'n'roll o'clock"
+
+
+def test_quote_marks_at_word_edges_are_removed():
+    assert bm.clean_text("'quoted' ‘also’ ’tis") == "quoted also tis"
+
+
+def test_zwj_of_a_malayalam_chillu_is_kept():
+    chillu_word = "അവന്" + ZWJ  # NA + VIRAMA + ZWJ ends the word
+    assert bm.clean_text(f"{chillu_word} പോയി") == f"{chillu_word} പോയി"
+    assert bm.clean_text(f"{chillu_word}.") == chillu_word
+
+
+def test_zwnj_and_zwj_inside_a_word_are_kept():
+    for word in ("क्" + ZWNJ + "ष", "क्" + ZWJ + "ष", "র" + ZWJ + "্য"):
+        assert bm.clean_text(f"x {word} y") == f"x {word} y"
+
+
+def test_stray_joiners_alone_or_at_word_starts_or_after_letters_are_removed():
+    assert bm.clean_text(f"a {ZWJ} b") == "a b"
+    assert bm.clean_text(f"{ZWNJ}word") == "word"
+    assert bm.clean_text(f"word{ZWNJ} next") == "word next"
+    assert bm.clean_text(f"«{ZWJ}word{ZWJ}»") == "word"
+    assert bm.clean_text(ZWJ + ZWNJ) == ""
+
+
+def test_invisible_format_characters_are_deleted_and_zero_width_space_separates_words():
+    assert bm.clean_text("\u200fاردو\u200e \ufeffsoft\u00adware") == "اردو software"
+    assert bm.clean_text("one\u200btwo") == "one two"
+
+
+def test_control_characters_become_spaces():
+    assert bm.clean_text("a\x00b\x1fc") == "a b c"
+
+
+def test_symbols_become_spaces():
+    assert bm.clean_text("50% of $5 + 3") == "50 of 5 3"
+
+
+TRICKY = st.lists(st.sampled_from(list(
+    "ab कषन्ािँ ़ക്നൽ অৰৱ্া ো e\u0301\u0323\u00e9 ’'\"«»-–—…।॥.,[]<>|()\t\n\u00a0") + [ZWJ, ZWNJ, "\u200b",
+    "\u200f", "\ufeff", "\ue000", "\x00", "[music]", "<noise>"]), max_size=30).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(TRICKY, min_size=1, max_size=8))
+def test_fast_cleaning_path_equals_running_every_rule_on_every_row(texts):
+    reference = pl.select(bm.clean_text_expr(pl.lit(pl.Series(texts, dtype=pl.String)))).to_series().to_list()
+    assert bm.clean_texts(texts) == reference
+
+
+def test_fast_cleaning_path_handles_neighbours_made_by_deleting_invisible_characters():
+    texts = ["a\u200f'b", "a\u200f\u200d b", "\ufeff\u200dx", "don\u200e’t"]
+    reference = pl.select(bm.clean_text_expr(pl.lit(pl.Series(texts)))).to_series().to_list()
+    assert bm.clean_texts(texts) == reference == ["a'b", "a b", "x", "don't"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(TRICKY)
+def test_cleaned_text_is_nfc_trimmed_single_spaced_and_free_of_punctuation(text):
+    cleaned = bm.clean_text(text)
+    assert cleaned == unicodedata.normalize("NFC", cleaned)
+    assert cleaned == cleaned.strip() and "  " not in cleaned
+    for i, ch in enumerate(cleaned):
+        category = unicodedata.category(ch)
+        if ch == "'":  # only between letters
+            assert cleaned[i - 1].isalpha() or unicodedata.category(cleaned[i - 1])[0] == "M"
+            assert cleaned[i + 1].isalpha()
+        else:
+            assert category[0] not in "PS" and category not in ("Cc", "Co")
+            assert ch not in "\u200b\u200f\ufeff"
+
+
+@settings(max_examples=300, deadline=None)
+@given(TRICKY)
+def test_cleaning_twice_changes_nothing(text):
+    once = bm.clean_text(text)
+    assert bm.clean_text(once) == once
+
+
+# --- manifest rows -----------------------------------------------------------------------------
+def test_manifest_has_the_contract_columns_in_order_with_their_types(tmp_path):
+    manifest = one_row_manifest(tmp_path, "नमस्ते", speaker_id="spk1")
+    assert manifest.columns == [*bm.OUTPUT_COLUMNS, *bm.EXTRA_COLUMNS]
+    assert manifest.schema["duration"] == pl.Float64
+    assert manifest.schema["tx_quality_score"] == pl.Float64
+    assert all(manifest.schema[c] == pl.String for c in manifest.columns
+               if c not in ("duration", "tx_quality_score"))
+
+
+def test_text_is_the_language_tag_then_the_cleaned_transcript(tmp_path):
+    manifest = one_row_manifest(tmp_path, "नमस्ते।  दुनिया [music]")
+    assert manifest.item(0, "text") == "<|hi|> नमस्ते दुनिया"
+
+
+def test_segment_language_overrides_the_path_language(tmp_path):
+    manifest = one_row_manifest(tmp_path, "hello", segment_language=" EN ")
+    assert manifest.item(0, "lang") == "en"
+    assert manifest.item(0, "text") == "<|en|> hello"
+
+
+def test_path_language_is_used_when_segment_language_is_null_or_blank(tmp_path):
+    write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a", "segment_language": None},
+                                                         {"segment_id": "b", "segment_language": ""}])
+    manifest, _ = build(tmp_path / "shards", tmp_path)
+    assert manifest.get_column("lang").to_list() == ["hi", "hi"]
+
+
+def test_shard_source_tar_path_and_member_come_from_the_shard(tmp_path):
+    manifest = one_row_manifest(tmp_path, "x", tar_member_name="clips/a.flac")
+    row = manifest.row(0, named=True)
+    assert row["shard_id"] == "src/hi/s0" and row["source"] == "src"
+    assert row["tar_member_name"] == "clips/a.flac"
+    assert row["tar_path"] == str((tmp_path / "shards" / "src" / "hi" / "s0" / "audio.tar").absolute())
+
+
+def test_speaker_id_and_quality_are_carried_through(tmp_path):
+    manifest = one_row_manifest(tmp_path, "x", speaker_id="spk7", tx_quality_score=0.75)
+    assert manifest.item(0, "speaker_id") == "spk7"
+    assert manifest.item(0, "tx_quality_score") == 0.75
+
+
+def test_speaker_id_is_null_when_the_shard_has_no_speaker_column(tmp_path):
+    assert one_row_manifest(tmp_path, "x").item(0, "speaker_id") is None
+
+
+def test_integer_durations_and_scores_are_accepted(tmp_path):
+    shard = write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a"}])
+    pq.write_table(pa.table({"segment_id": ["a"], "transcription_native": ["x"], "duration_s": [3],
+                             "tx_quality_score": [1], "segment_language": [None]}), shard / "metadata.parquet")
+    manifest, _ = build(tmp_path / "shards", tmp_path)
+    assert manifest.item(0, "duration") == 3.0
+
+
+# --- filters -------------------------------------------------------------------------------------
+def drops_of(summary: dict) -> dict:
+    return summary["dropped"]
+
+
+def test_duration_bounds_are_inclusive_and_outside_rows_are_dropped(tmp_path):
+    rows = [{"segment_id": s, "duration_s": d} for s, d in
+            [("short", 0.49), ("min", 0.5), ("max", 20.0), ("long", 20.01), ("nan", float("nan")), ("null", None)]]
+    write_shard(tmp_path / "shards", "src", "hi", "s0", rows)
+    manifest, summary = build(tmp_path / "shards", tmp_path)
+    assert sorted(manifest.get_column("segment_id")) == ["max", "min"]
+    assert drops_of(summary) == {"duration_too_short": 1, "duration_too_long": 1, "duration_missing": 2}
+
+
+def test_quality_below_min_and_null_quality_are_dropped(tmp_path):
+    rows = [{"segment_id": "low", "tx_quality_score": 0.2}, {"segment_id": "ok", "tx_quality_score": 0.5},
+            {"segment_id": "none", "tx_quality_score": None}]
+    write_shard(tmp_path / "shards", "src", "hi", "s0", rows)
+    manifest, summary = build(tmp_path / "shards", tmp_path, min_quality=0.5)
+    assert manifest.get_column("segment_id").to_list() == ["ok"]
+    assert drops_of(summary) == {"quality_below_min": 1, "quality_missing": 1}
+
+
+def test_tag_only_and_punctuation_only_transcripts_are_dropped_not_kept_as_a_bare_tag(tmp_path):
+    rows = [{"segment_id": "tags", "transcription_native": "[music] [laugh]"},
+            {"segment_id": "dots", "transcription_native": "... ।"},
+            {"segment_id": "null", "transcription_native": None},
+            {"segment_id": "ok", "transcription_native": "[music] ठीक"}]
+    write_shard(tmp_path / "shards", "src", "hi", "s0", rows)
+    manifest, summary = build(tmp_path / "shards", tmp_path)
+    assert manifest.get_column("text").to_list() == ["<|hi|> ठीक"]
+    assert drops_of(summary) == {"empty_after_cleaning": 2, "transcript_missing": 1}
+
+
+def test_rows_without_an_audio_index_entry_are_dropped_and_counted(tmp_path):
+    write_shard(tmp_path / "shards", "src", "hi", "s0",
+                [{"segment_id": "a"}, {"segment_id": "b", "indexed": False}],
+                extra_index_rows=[{"segment_id": "orphan", "tar_member_name": "orphan.flac"}])
+    manifest, summary = build(tmp_path / "shards", tmp_path)
+    assert manifest.get_column("segment_id").to_list() == ["a"]
+    assert drops_of(summary) == {"no_audio_index": 1}
+    assert summary["audio_index_without_metadata"] == 1
+
+
+def test_languages_setting_keeps_only_the_listed_languages(tmp_path):
+    write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a"}, {"segment_id": "b", "segment_language": "en"}])
+    manifest, summary = build(tmp_path / "shards", tmp_path, languages=("en",))
+    assert manifest.get_column("lang").to_list() == ["en"]
+    assert drops_of(summary) == {"language_not_selected": 1}
+
+
+def test_language_codes_that_would_break_the_tag_are_dropped(tmp_path):
+    write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a", "segment_language": "hi|>en"}])
+    _, summary = build(tmp_path / "shards", tmp_path)
+    assert drops_of(summary) == {"invalid_language": 1}
+
+
+def test_summary_accounts_for_every_row_per_reason_and_language(tmp_path):
+    write_shard(tmp_path / "shards", "src", "hi", "s0",
+                [{"segment_id": "a"}, {"segment_id": "b", "duration_s": 99.0},
+                 {"segment_id": "c", "segment_language": "en", "transcription_native": "[noise]"}])
+    write_shard(tmp_path / "shards", "src", "ta", "s1", [{"segment_id": "d"}])
+    _, summary = build(tmp_path / "shards", tmp_path)
+    written = json.loads((tmp_path / "master_manifest.summary.json").read_text())
+    for key in ("rows_in", "rows_out", "dropped", "dropped_by_lang", "kept_by_lang"):
+        assert written[key] == summary[key]
+    assert summary["rows_in"] == 4 and summary["rows_out"] == 2
+    assert summary["kept_by_lang"] == {"hi": 1, "ta": 1}
+    assert summary["dropped_by_lang"] == {"en": {"empty_after_cleaning": 1}, "hi": {"duration_too_long": 1}}
+
+
+# --- bad input -----------------------------------------------------------------------------------
+def corrupt(shard: Path, how: str) -> None:
+    if how == "corrupt parquet":
+        (shard / "metadata.parquet").write_bytes(b"PAR1 not really parquet")
+    elif how == "truncated parquet":
+        data = (shard / "metadata.parquet").read_bytes()
+        (shard / "metadata.parquet").write_bytes(data[: len(data) // 2])
+    elif how == "missing column":
+        pq.write_table(pa.table({"segment_id": ["x"], "duration_s": [1.0], "tx_quality_score": [1.0]}),
+                       shard / "metadata.parquet")
+    elif how == "wrong type":
+        pq.write_table(pa.table({"segment_id": ["x"], "transcription_native": ["t"], "duration_s": ["long"],
+                                 "tx_quality_score": [1.0]}), shard / "metadata.parquet")
+    elif how == "corrupt data behind a valid footer":
+        data = bytearray((shard / "metadata.parquet").read_bytes())
+        data[8:200] = b"\xff" * 192
+        (shard / "metadata.parquet").write_bytes(bytes(data))
+    elif how == "missing index":
+        (shard / "audio_index.parquet").unlink()
+
+
+BREAKAGES = ["corrupt parquet", "truncated parquet", "corrupt data behind a valid footer", "missing column",
+             "wrong type", "missing index"]
+
+
+@pytest.mark.parametrize("how", BREAKAGES)
+def test_an_unreadable_shard_is_reported_with_path_and_reason_and_the_rest_is_built(tmp_path, how):
+    write_shard(tmp_path / "shards", "src", "hi", "good", [{"segment_id": "a"}])
+    bad = write_shard(tmp_path / "shards", "src", "hi", "bad", [{"segment_id": "b"}])
+    corrupt(bad, how)
+    manifest, summary = build(tmp_path / "shards", tmp_path)
+    assert manifest.get_column("segment_id").to_list() == ["a"]
+    assert [b["path"] for b in summary["bad_shards"]] == [str(bad)]
+    reason = summary["bad_shards"][0]["reason"]
+    assert str(bad) in reason
+    if how == "missing column":
+        assert "transcription_native" in reason
+    if how == "wrong type":
+        assert "duration_s" in reason
+
+
+@pytest.mark.parametrize("how", BREAKAGES)
+def test_strict_turns_an_unreadable_shard_into_an_error_and_writes_nothing(tmp_path, how, capsys):
+    write_shard(tmp_path / "shards", "src", "hi", "good", [{"segment_id": "a"}])
+    corrupt(write_shard(tmp_path / "shards", "src", "hi", "bad", [{"segment_id": "b"}]), how)
+    out = tmp_path / "m.parquet"
+    code = bm.main(["--shards-dir", str(tmp_path / "shards"), "--output", str(out), "--strict", "--no-progress"])
+    assert code != 0 and not out.exists()
+    assert "bad" in capsys.readouterr().err
+
+
+def test_missing_shards_dir_exits_non_zero_naming_it(tmp_path, capsys):
+    code = bm.main(["--shards-dir", str(tmp_path / "nope"), "--output", str(tmp_path / "m.parquet")])
+    assert code != 0 and "nope" in capsys.readouterr().err
+
+
+def test_a_tree_without_shards_exits_non_zero(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    code = bm.main(["--shards-dir", str(tmp_path / "empty"), "--output", str(tmp_path / "m.parquet")])
+    assert code != 0 and "no shards found" in capsys.readouterr().err
+
+
+def test_help_shows_a_usage_example():
+    result = subprocess.run([sys.executable, str(REPO / "build_manifest.py"), "--help"],
+                            capture_output=True, text=True, check=True, cwd=REPO)
+    assert "example" in result.stdout and "--strict" in result.stdout
+
+
+# --- output ----------------------------------------------------------------------------------------
+def test_rows_are_sorted_by_shard_id_then_segment_id(tmp_path):
+    write_shard(tmp_path / "shards", "b", "hi", "s0", [{"segment_id": "z"}, {"segment_id": "a"}])
+    write_shard(tmp_path / "shards", "a", "hi", "s1", [{"segment_id": "y"}])
+    write_shard(tmp_path / "shards", "a-b", "hi", "s0", [{"segment_id": "x"}])
+    manifest, _ = build(tmp_path / "shards", tmp_path)
+    pairs = manifest.select("shard_id", "segment_id").rows()
+    assert pairs == sorted(pairs)
+
+
+def test_rerunning_gives_byte_identical_outputs(tmp_path):
+    for i in range(3):
+        write_shard(tmp_path / "shards", "src", ["hi", "ta", "en"][i], f"s{i}",
+                    [{"segment_id": f"{i}-{j}", "transcription_native": f"word{j}, [x] «w»"} for j in range(50)])
+    build(tmp_path / "shards", tmp_path, workers=2)
+    first = (tmp_path / "master_manifest.parquet").read_bytes()
+    build(tmp_path / "shards", tmp_path, workers=1)
+    assert (tmp_path / "master_manifest.parquet").read_bytes() == first
+
+
+def test_a_failed_write_leaves_the_previous_manifest_and_no_temp_file(tmp_path, monkeypatch):
+    write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a"}])
+    build(tmp_path / "shards", tmp_path)
+    before = (tmp_path / "master_manifest.parquet").read_bytes()
+
+    def broken_write(self, path, **kwargs):
+        Path(path).write_bytes(b"half")
+        raise OSError("disk full")
+    monkeypatch.setattr(pl.DataFrame, "write_parquet", broken_write)
+    with pytest.raises(OSError):
+        build(tmp_path / "shards", tmp_path)
+    assert (tmp_path / "master_manifest.parquet").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["master_manifest.parquet", "master_manifest.summary.json", "shards"]
