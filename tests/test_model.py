@@ -1,0 +1,252 @@
+"""train.build_model, the TDT loss after change_vocabulary, and the two training phases (one process)."""
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import callbacks
+import config
+import tdt_loss
+import train
+from dataset import collate_asr_batch
+from tests.tiny_training_data import make_training_data
+
+TINY = config.REPO_DIR / "configs" / "tiny_tdt.yaml"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    a = make_training_data(tmp_path_factory.mktemp("a"), per_lang=10, langs=("hi", "en"), vocab_size=64)
+    b = make_training_data(tmp_path_factory.mktemp("b"), per_lang=10, langs=("hi", "en", "ta"), vocab_size=90)
+    return {"tok_a": a["tokenizer"], "tok_b": b["tokenizer"]}
+
+
+@pytest.fixture(scope="module")
+def nemo_file(data, tmp_path_factory):
+    model = train.build_model(init_model="", model_config=TINY, tokenizer_dir=data["tok_a"])
+    path = tmp_path_factory.mktemp("nemo") / "tiny.nemo"
+    model.save_to(str(path))
+    return path
+
+
+@pytest.fixture
+def fresh(data):
+    torch.manual_seed(0)
+    return train.build_model(init_model="", model_config=TINY, tokenizer_dir=data["tok_a"])
+
+
+def synthetic_items(n, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for i in range(n):
+        seconds = 1.0 + 0.5 * (i % 3)
+        items.append({"signal": 0.05 * torch.randn(int(seconds * 16000), generator=g),
+                      "tokens": torch.randint(0, vocab, (4 + i % 3,), generator=g), "duration": seconds,
+                      "lang": "hi", "index": i})
+    return items
+
+
+def loader(items, batch_size=2):
+    return torch.utils.data.DataLoader(items, batch_size=batch_size, collate_fn=collate_asr_batch, shuffle=False)
+
+
+def fit(module, items, *, max_steps, unfreeze_step, extra_callbacks=(), accumulate=1):
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, max_epochs=-1, precision="32-true",
+                         accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0, use_distributed_sampler=False,
+                         callbacks=[callbacks.EncoderUnfreezeCallback(unfreeze_step), *extra_callbacks])
+    trainer.fit(module, train_dataloaders=loader(items))
+    return trainer
+
+
+def state(module_or_model):
+    return {k: v.detach().clone() for k, v in module_or_model.state_dict().items()}
+
+
+def assert_bit_identical(a, b):
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"changed: {different[:5]}"
+
+
+class StateAt(pl.Callback):
+    """Snapshots of a submodule's state_dict at the start of given global steps."""
+
+    def __init__(self, part, steps):
+        self.part, self.steps, self.snapshots = part, set(steps), {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step in self.steps and trainer.global_step not in self.snapshots:
+            self.snapshots[trainer.global_step] = state(getattr(pl_module.model, self.part) if self.part else pl_module)
+
+
+@pytest.fixture(autouse=True)
+def fast_schedule(monkeypatch):
+    monkeypatch.setattr(config, "WARMUP_STEPS", 0)
+    monkeypatch.setattr(config, "PHASE2_WARMUP", 0)
+    monkeypatch.setattr(config, "MAX_STEPS", 100)
+
+
+# ---- build_model and the loss -------------------------------------------------------------------
+
+def test_fresh_tiny_model_has_a_tdt_loss_whose_blank_is_the_vocabulary_size(fresh):
+    inner = fresh.loss._loss
+    assert isinstance(inner, tdt_loss.DeviceDispatchTDTLoss)
+    assert inner.blank == fresh.tokenizer.vocab_size == fresh.loss._blank
+    assert inner.durations == [0, 1, 2, 3, 4]
+
+
+def test_tiny_model_is_fastconformer_tdt_with_8x_subsampling(fresh):
+    assert fresh.cfg.encoder.subsampling == "dw_striding" and fresh.cfg.encoder.subsampling_factor == 8
+    assert fresh.joint.num_extra_outputs == 5
+    assert fresh.joint.num_classes_with_blank == fresh.tokenizer.vocab_size + 1 + 5
+
+
+def test_nemo_change_vocabulary_alone_leaves_a_wrong_blank_rnnt_loss(nemo_file, data):
+    """The upstream behaviour build_model repairs (if this fails, NeMo fixed it: keep the repair anyway)."""
+    from nemo.collections.asr.models import ASRModel
+
+    model = ASRModel.restore_from(str(nemo_file), map_location="cpu")
+    model.change_vocabulary(new_tokenizer_dir=str(data["tok_b"]), new_tokenizer_type="bpe")
+    vocab = model.tokenizer.vocab_size
+    assert model.loss._blank == vocab + 5
+    assert type(model.loss._loss).__name__ != "TDTLossNumba"
+
+
+def test_build_model_with_a_new_tokenizer_changes_vocabulary_and_rebuilds_the_tdt_loss(nemo_file, data):
+    model = train.build_model(init_model=str(nemo_file), tokenizer_dir=data["tok_b"])
+    vocab = model.tokenizer.vocab_size
+    assert vocab == train._spm_pieces(data["tok_b"] / "tokenizer.model").__len__()
+    inner = model.loss._loss
+    assert isinstance(inner, tdt_loss.DeviceDispatchTDTLoss)
+    assert inner.blank == model.loss._blank == vocab
+    assert inner.durations == [0, 1, 2, 3, 4] and inner.sigma == pytest.approx(0.02)
+    assert model.joint.num_classes_with_blank == vocab + 1 + 5
+    assert model.tokenizer.token_to_id("<|ta|>") != model.tokenizer.token_to_id("<unk>")
+
+
+def test_build_model_keeps_the_weights_when_the_tokenizer_matches(nemo_file, data):
+    from nemo.collections.asr.models import ASRModel
+
+    saved = ASRModel.restore_from(str(nemo_file), map_location="cpu")
+    model = train.build_model(init_model=str(nemo_file), tokenizer_dir=data["tok_a"])
+    assert_bit_identical(state(model.decoder), state(saved.decoder))
+    assert_bit_identical(state(model.joint), state(saved.joint))
+
+
+def test_cpu_loss_of_a_micro_batch_is_finite_and_trains_the_joint(fresh):
+    module = train.TrainingModule(fresh)
+    batch = collate_asr_batch(synthetic_items(3, fresh.tokenizer.vocab_size))
+    loss = module.compute_loss(batch)
+    assert loss.ndim == 0 and math.isfinite(loss.item())
+    loss.backward()
+    assert fresh.joint.joint_net[-1].weight.grad.abs().sum() > 0
+
+
+def test_fused_joint_path_uses_the_rebuilt_loss(data):
+    cfg = OmegaConf.load(TINY)
+    cfg.model.joint.fuse_loss_wer = True
+    cfg.model.joint.fused_batch_size = 2
+    path = data["tok_a"].parent / "tiny_fused.yaml"
+    OmegaConf.save(cfg, path)
+    model = train.build_model(init_model="", model_config=path, tokenizer_dir=data["tok_a"])
+    assert model.joint._loss is model.loss
+    loss = train.TrainingModule(model).compute_loss(collate_asr_batch(synthetic_items(3, model.tokenizer.vocab_size)))
+    assert math.isfinite(loss.item())
+
+
+def test_model_has_a_validation_ds_so_transcribe_works(fresh):
+    assert fresh.cfg.validation_ds is not None
+
+
+def test_missing_tokenizer_is_reported_with_the_variable(tmp_path):
+    with pytest.raises(FileNotFoundError, match="TOKENIZER_DIR"):
+        train.build_model(init_model="", model_config=TINY, tokenizer_dir=tmp_path)
+
+
+def test_train_help_lists_the_environment_variables_it_reads(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "torchrun --nproc_per_node 8 train.py" in out
+    for name in ("INIT_MODEL", "TOKENIZER_DIR", "GRAD_ACCUM", "UNFREEZE_STEP", "PRECISION", "NUM_WORKERS"):
+        assert f"  {name}=" in out
+
+
+# ---- phases (one process; the DDP side is tests/test_train_ddp.py) ------------------------------
+
+def test_phase1_keeps_the_encoder_state_dict_bit_identical_and_trains_the_rest(fresh):
+    encoder_before, decoder_before = state(fresh.encoder), state(fresh.decoder)
+    module = train.TrainingModule(fresh)
+    fit(module, synthetic_items(8, fresh.tokenizer.vocab_size), max_steps=3, unfreeze_step=100)
+    assert_bit_identical(state(fresh.encoder), encoder_before)  # weights AND BatchNorm running stats
+    assert any(not torch.equal(v, decoder_before[k]) for k, v in state(fresh.decoder).items())
+    assert module.phase == 1 and module.encoder_frozen
+
+
+def test_batchnorm_statistics_would_drift_in_train_mode(fresh):
+    """Why the callback re-imposes eval(): frozen weights alone do not keep BatchNorm buffers."""
+    before = state(fresh.encoder)
+    for p in fresh.encoder.parameters():
+        p.requires_grad_(False)
+    fresh.train()
+    batch = collate_asr_batch(synthetic_items(2, fresh.tokenizer.vocab_size))
+    with torch.no_grad():
+        fresh.forward(input_signal=batch.signal, input_signal_length=batch.signal_len)
+    changed = [k for k, v in state(fresh.encoder).items() if not torch.equal(v, before[k])]
+    assert changed and all("running" in k or "num_batches" in k for k in changed)
+
+
+def test_phase2_unfreezes_the_encoder_at_unfreeze_step(fresh):
+    encoder_start = state(fresh.encoder)
+    snap = StateAt("encoder", [2])
+    module = train.TrainingModule(fresh)
+    fit(module, synthetic_items(8, fresh.tokenizer.vocab_size), max_steps=4, unfreeze_step=2, extra_callbacks=[snap])
+    assert_bit_identical(snap.snapshots[2], encoder_start)
+    assert any(not torch.equal(v, encoder_start[k]) for k, v in state(fresh.encoder).items())
+    assert module.phase == 2 and all(p.requires_grad for p in fresh.encoder.parameters())
+
+
+def test_callback_refuses_an_encoder_frozen_before_the_ddp_wrap(fresh):
+    for p in fresh.encoder.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="frozen before DDP wraps"):
+        fit(train.TrainingModule(fresh), synthetic_items(2, fresh.tokenizer.vocab_size), max_steps=1,
+            unfreeze_step=1)
+
+
+# ---- faults ---------------------------------------------------------------------------------------
+
+def test_empty_micro_batch_gives_zero_gradient_to_every_trainable_parameter(fresh):
+    module = train.TrainingModule(fresh)
+    empty = collate_asr_batch([None, None])
+    assert empty.is_empty
+    loss = module.training_step(empty, 0)
+    loss.backward()
+    assert loss.item() == 0.0 and module.empty_micro_batches == 1
+    assert all(p.grad is not None and not p.grad.any() for p in fresh.parameters() if p.requires_grad)
+
+
+def test_an_optimizer_step_with_only_empty_micro_batches_is_skipped(fresh):
+    before = state(fresh)
+    module = train.TrainingModule(fresh)
+    fit(module, [None] * 4, max_steps=1, unfreeze_step=0)
+    assert module.skipped_steps == 1
+    assert_bit_identical(state(fresh), before)
+
+
+def test_non_finite_loss_skips_the_optimizer_step_and_counts_it(fresh, monkeypatch):
+    module = train.TrainingModule(fresh)
+    real = module.compute_loss
+    monkeypatch.setattr(module, "compute_loss",
+                        lambda batch: real(batch) * (float("nan") if module.trainer.global_step == 1 else 1.0))
+    snap = StateAt(None, [1, 2])
+    fit(module, synthetic_items(8, fresh.tokenizer.vocab_size), max_steps=3, unfreeze_step=0, extra_callbacks=[snap])
+    assert module.nonfinite_losses == 1 and module.skipped_steps == 1
+    assert_bit_identical(snap.snapshots[2], snap.snapshots[1])  # step 1 changed nothing
+    assert any(not torch.equal(v, snap.snapshots[2][k]) for k, v in state(module).items())  # step 2 did

@@ -1,0 +1,199 @@
+"""train.py under `torchrun --nproc_per_node 2` on CPU: both phases, rank agreement, faults inside a step.
+
+Each test module run starts two torchrun jobs (about 30-60 s each on 2 cores): the plain `train.py`
+entry point, and `train.main()` behind a probe that dumps state_dicts per rank and injects one
+empty micro-batch (rank 1) and one NaN loss (rank 0). A hang fails the test at the timeout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_training_data import make_training_data
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 240
+MAX_STEPS, UNFREEZE_STEP, GRAD_ACCUM = 6, 3, 2
+EMPTY_AT = (1, 2)   # (rank, micro-batch): rank 1's first micro-batch of optimizer step 1
+NAN_AT = (0, 9)     # rank 0's second micro-batch of optimizer step 4 (phase 2)
+NAN_STEP = NAN_AT[1] // GRAD_ACCUM
+
+PROBE = textwrap.dedent('''
+    """train.main() with state dumps and injected faults, for tests/test_train_ddp.py."""
+    import json, os, sys
+    from pathlib import Path
+    sys.path.insert(0, os.environ["REPO"])
+    import lightning.pytorch as pl
+    import torch
+    import train
+    from dataset import collate_asr_batch
+
+    OUT = Path(os.environ["PROBE_OUT"])
+    RANK = int(os.environ["RANK"])
+    EMPTY_AT = tuple(map(int, os.environ["EMPTY_AT"].split(":")))
+    NAN_AT = tuple(map(int, os.environ["NAN_AT"].split(":")))
+    NAN_STEP, UNFREEZE = int(os.environ["NAN_STEP"]), int(os.environ["UNFREEZE_STEP"])
+
+    def dump(name, module):
+        torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, OUT / f"rank{RANK}_{name}.pt")
+
+    class Probe(pl.Callback):
+        def on_train_start(self, trainer, m):
+            dump("encoder_start", m.model.encoder)
+        def on_train_batch_start(self, trainer, m, batch, batch_idx):
+            for step, name, part in ((UNFREEZE, "encoder_at_unfreeze", m.model.encoder),
+                                     (NAN_STEP, "before_nan_step", m), (NAN_STEP + 1, "after_nan_step", m)):
+                if trainer.global_step == step and not (OUT / f"rank{RANK}_{name}.pt").exists():
+                    dump(name, part)
+        def on_train_end(self, trainer, m):
+            dump("final", m)
+            (OUT / f"rank{RANK}_counters.json").write_text(json.dumps(dict(
+                global_step=trainer.global_step, skipped_steps=m.skipped_steps, phase=m.phase,
+                empty_micro_batches=m.empty_micro_batches, nonfinite_losses=m.nonfinite_losses,
+                consumed_micro_batches=m.consumed_micro_batches)))
+
+    seen = {"n": 0}
+    step = train.TrainingModule.training_step
+    def training_step(self, batch, batch_idx):
+        n, seen["n"] = seen["n"], seen["n"] + 1
+        if (RANK, n) == EMPTY_AT:
+            batch = collate_asr_batch([None] * 2)
+        self._inject_nan = (RANK, n) == NAN_AT
+        return step(self, batch, batch_idx)
+    train.TrainingModule.training_step = training_step
+    loss = train.TrainingModule.compute_loss
+    train.TrainingModule.compute_loss = lambda self, b: loss(self, b) * (float("nan") if self._inject_nan else 1.0)
+    callbacks = train.build_callbacks
+    train.build_callbacks = lambda: callbacks() + [Probe()]
+    sys.exit(train.main([]))
+''')
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script: Path, env: dict, log_path: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(script)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        log_path.write_text(out)
+        pytest.fail(f"torchrun did not finish in {TIMEOUT_S} s (a hang?); log: {log_path}\n{out[-3000:]}")
+    log_path.write_text(out)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+@pytest.fixture(scope="module")
+def run_env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddp")
+    data = make_training_data(root, per_lang=16, vocab_size=64)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB", "RESUME"))}
+    env.update(ACCELERATOR="cpu", PRECISION="32-true", NUM_WORKERS="0", OMP_NUM_THREADS="1", INIT_MODEL="",
+               TRAIN_MANIFEST_PATH=str(data["manifest"]), TOKENIZER_DIR=str(data["tokenizer"]),
+               DATA_DIR=str(root / "data"), GRAD_ACCUM=str(GRAD_ACCUM), MAX_STEPS=str(MAX_STEPS),
+               UNFREEZE_STEP=str(UNFREEZE_STEP), WARMUP_STEPS="1", PHASE2_WARMUP="1", MAX_BATCH_DURATION="6",
+               BUCKET_BOUNDARIES="2", WANDB_MODE="disabled", REPO=str(REPO))
+    return root, env
+
+
+@pytest.fixture(scope="module")
+def plain_run(run_env):
+    root, env = run_env
+    result = torchrun(REPO / "train.py", env, root / "plain.log")
+    assert result.returncode == 0, result.stdout[-4000:]
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def probed_run(run_env):
+    root, env = run_env
+    out = root / "probe"
+    out.mkdir()
+    script = root / "probe_train.py"
+    script.write_text(PROBE)
+    env = dict(env, PROBE_OUT=str(out), EMPTY_AT="%d:%d" % EMPTY_AT, NAN_AT="%d:%d" % NAN_AT,
+               NAN_STEP=str(NAN_STEP))
+    result = torchrun(script, env, root / "probe.log")
+    assert result.returncode == 0, result.stdout[-4000:]
+
+    def load(rank, name):
+        return torch.load(out / f"rank{rank}_{name}.pt")
+
+    counters = {r: json.loads((out / f"rank{r}_counters.json").read_text()) for r in (0, 1)}
+    return load, counters, result.stdout
+
+
+def assert_bit_identical(a, b):
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"differ: {different[:5]} (+{max(0, len(different) - 5)})"
+
+
+def test_torchrun_train_py_runs_both_phases_to_max_steps(plain_run):
+    assert "phase 1, encoder frozen" in plain_run and "step 3: phase 2, encoder unfrozen" in plain_run
+    assert plain_run.count(f"done: {MAX_STEPS} optimizer steps, 0 skipped") == 2  # both ranks
+
+
+def test_startup_logs_the_distributed_assumptions_and_the_first_step(plain_run):
+    assert "world size 2 = 1 node(s) x 2 process(es); strategy DDPStrategy" in plain_run
+    assert "up to 24 s (0.4 min) of audio" in plain_run  # 2 ranks x 2 micro-batches x 6 s
+    for rank in (0, 1):
+        assert f"rank {rank}: " in plain_run and "most expensive micro-batch" in plain_run
+
+
+def test_phase1_leaves_the_encoder_state_dict_bit_identical_on_every_rank(probed_run):
+    load, _, _ = probed_run
+    for rank in (0, 1):
+        assert_bit_identical(load(rank, "encoder_at_unfreeze"), load(rank, "encoder_start"))
+
+
+def test_encoder_trains_after_unfreezing(probed_run):
+    load, counters, _ = probed_run
+    start = load(0, "encoder_start")
+    final = {k[len("model.encoder."):]: v for k, v in load(0, "final").items() if k.startswith("model.encoder.")}
+    assert any(not torch.equal(v, start[k]) for k, v in final.items() if "weight" in k)
+    assert counters[0]["phase"] == 2
+
+
+def test_every_parameter_and_buffer_is_bit_identical_across_ranks_after_unfreezing(probed_run):
+    load, counters, _ = probed_run
+    assert counters[0]["global_step"] == counters[1]["global_step"] == MAX_STEPS
+    assert_bit_identical(load(0, "final"), load(1, "final"))
+
+
+def test_empty_micro_batch_on_one_rank_neither_hangs_nor_skips_the_step(probed_run):
+    _, counters, log = probed_run
+    assert counters[1]["empty_micro_batches"] == 1 and counters[0]["empty_micro_batches"] == 0
+    assert "every utterance was bad audio; it contributes nothing" in log
+
+
+def test_nan_loss_on_one_rank_skips_that_step_on_every_rank(probed_run):
+    load, counters, log = probed_run
+    assert counters[0]["nonfinite_losses"] == 1 and counters[1]["nonfinite_losses"] == 0
+    assert counters[0]["skipped_steps"] == counters[1]["skipped_steps"] == 1
+    for rank in (0, 1):
+        assert_bit_identical(load(rank, "after_nan_step"), load(rank, "before_nan_step"))
+    assert f"optimizer step {NAN_STEP} skipped on every rank: non-finite loss" in log
+
+
+def test_consumed_micro_batch_counter_tracks_the_training_steps(probed_run):
+    _, counters, _ = probed_run
+    assert counters[0]["consumed_micro_batches"] == counters[1]["consumed_micro_batches"] > 0
