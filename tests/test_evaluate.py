@@ -1,0 +1,202 @@
+"""scripts/evaluate.py, scripts/export_nemo.py and PerLanguageWERCallback on a tiny real model.
+
+The model is configs/tiny_tdt.yaml with a tokenizer trained on the test's manifest (untrained
+weights: the hypotheses are garbage, which is fine for checking plumbing and agreement). The callback's
+gathering is checked with a fake model whose "decoding" returns each utterance's reference, over two
+simulated ranks.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import callbacks
+import config
+from tests.tiny_training_data import make_training_data
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import evaluate  # noqa: E402  (scripts/evaluate.py)
+import export_nemo  # noqa: E402  (scripts/export_nemo.py)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A manifest, its tokenizer, the tiny model as .nemo and as a train.py-style .ckpt, config pointed at them."""
+    import train
+
+    root = tmp_path_factory.mktemp("evaluate")
+    data = make_training_data(root, per_lang=6, vocab_size=64)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(config, "INIT_MODEL", "")
+        mp.setattr(config, "MODEL_CONFIG", REPO / "configs" / "tiny_tdt.yaml")
+        mp.setattr(config, "TOKENIZER_DIR", data["tokenizer"])
+        mp.setattr(config, "CHECKPOINT_DIR", root / "checkpoints")
+        torch.manual_seed(0)
+        model = train.build_model()
+        ckpt = root / "checkpoints" / "step_00000010.ckpt"
+        ckpt.parent.mkdir()
+        torch.save({"global_step": 10, "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, ckpt)
+        nemo = callbacks.export_nemo(model, root / "tiny.nemo")
+        yield SimpleNamespace(root=root, manifest=data["manifest"], tokenizer=data["tokenizer"], ckpt=ckpt,
+                              nemo=nemo, model=model)
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def test_evaluate_prints_a_per_language_table_and_writes_the_csv(tiny, capsys):
+    out = tiny.root / "nemo.csv"
+    assert evaluate.main([str(tiny.nemo), "--manifest", str(tiny.manifest), "--out", str(out)]) == 0
+    rows = read_csv(out)
+    assert [r["lang"] for r in rows] == ["en", "hi", "all"]
+    assert list(rows[0]) == list(evaluate.CSV_COLUMNS)
+    assert int(rows[2]["utterances"]) == int(rows[0]["utterances"]) + int(rows[1]["utterances"]) > 0
+    for r in rows:  # corpus-level: the rate is the ratio of the summed counts
+        assert float(r["wer"]) == pytest.approx(int(r["word_edits"]) / int(r["words"]), abs=1e-6)
+        assert float(r["cer"]) == pytest.approx(int(r["char_edits"]) / int(r["chars"]), abs=1e-6)
+    printed = capsys.readouterr().out
+    assert "WER" in printed and "CER" in printed and f"wrote {out}" in printed
+    assert [p.name for p in out.parent.iterdir() if p.name.startswith(".nemo.csv")] == []  # no temporary left
+
+
+def test_a_checkpoint_and_its_nemo_export_get_the_same_rates(tiny):
+    a, b = tiny.root / "a.csv", tiny.root / "b.csv"
+    evaluate.main([str(tiny.nemo), "--manifest", str(tiny.manifest), "--out", str(a)])
+    evaluate.main([str(tiny.ckpt), "--manifest", str(tiny.manifest), "--out", str(b)])
+    assert read_csv(a) == read_csv(b)
+
+
+def test_per_lang_limits_the_utterances_of_each_language(tiny):
+    out = tiny.root / "limited.csv"
+    evaluate.main([str(tiny.nemo), "--manifest", str(tiny.manifest), "--out", str(out), "--per-lang", "2"])
+    rows = {r["lang"]: r for r in read_csv(out)}
+    assert rows["en"]["utterances"] == rows["hi"]["utterances"] == "2"
+
+
+def test_last_resolves_to_the_newest_step_checkpoint(tiny):
+    assert evaluate.resolve_model_path("last") == tiny.ckpt
+
+
+def test_a_model_that_is_neither_nemo_nor_ckpt_is_refused(tiny):
+    other = tiny.root / "model.pt"
+    other.write_bytes(b"")
+    with pytest.raises(ValueError, match="expected a .nemo file or a .ckpt"):
+        evaluate.resolve_model_path(str(other))
+
+
+def test_export_nemo_script_writes_a_restorable_nemo_with_the_checkpoints_weights(tiny):
+    from nemo.collections.asr.models import ASRModel
+
+    out = tiny.root / "exported.nemo"
+    assert export_nemo.main([str(tiny.ckpt), "--out", str(out)]) == 0
+    restored = ASRModel.restore_from(str(out), map_location="cpu")
+    expected = tiny.model.state_dict()
+    for key, value in restored.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+
+
+def test_help_explains_usage_with_an_example():
+    for script in ("evaluate.py", "export_nemo.py"):
+        out = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--help"], capture_output=True,
+                             text=True, cwd=REPO, timeout=120)
+        assert out.returncode == 0 and f"python scripts/{script}" in out.stdout
+
+
+# ---------------------------------------------------------------------------------------------------
+# PerLanguageWERCallback
+# ---------------------------------------------------------------------------------------------------
+
+
+class EchoModel(torch.nn.Module):
+    """'Decodes' each utterance to its manifest text (tag included), recognised by its signal."""
+
+    def __init__(self, tokenizer, texts_by_signal: dict):
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.layer = torch.nn.Linear(1, 1)
+        self.texts_by_signal = texts_by_signal
+        self.decoding = SimpleNamespace(rnnt_decoder_predictions_tensor=self.decode)
+        self.decoded = 0
+
+    @staticmethod
+    def fingerprint(signal: torch.Tensor) -> float:
+        return round(float(signal[:400].abs().sum()), 3)
+
+    def forward(self, input_signal, input_signal_length):
+        return input_signal, input_signal_length
+
+    def decode(self, encoder_output, encoded_lengths):
+        self.decoded += len(encoded_lengths)
+        return [SimpleNamespace(text=self.texts_by_signal[self.fingerprint(s)]) for s in encoder_output]
+
+
+def fake_trainer(rank: int, loggers: list) -> SimpleNamespace:
+    import contextlib
+
+    return SimpleNamespace(global_rank=rank, world_size=2, is_global_zero=rank == 0, global_step=20,
+                           loggers=loggers, precision_plugin=SimpleNamespace(forward_context=contextlib.nullcontext))
+
+
+def test_wer_callback_splits_utterances_across_ranks_and_gathers_them_on_rank_zero(tiny, monkeypatch):
+    from dataset import LocalShardDataset
+    from nemo.collections.common.tokenizers import SentencePieceTokenizer
+
+    tokenizer = SentencePieceTokenizer(str(tiny.tokenizer / "tokenizer.model"))
+    ds = LocalShardDataset(tiny.manifest, tokenizer, progress=False)
+    texts = callbacks.manifest_texts(ds)
+    lookup = {EchoModel.fingerprint(ds[i]["signal"]): texts[i] for i in range(len(ds))}
+    assert len(lookup) == len(ds)
+    logger = callbacks.JsonlMetricsLogger(tiny.root / "wer" / "metrics.jsonl")
+    shares = {}
+    results = {}
+    for rank in (1, 0):  # rank 1 first, so its share exists when rank 0 "gathers"
+        model = EchoModel(tokenizer, lookup)
+        module = SimpleNamespace(model=model, device=torch.device("cpu"))
+        cb = callbacks.PerLanguageWERCallback(every_n_steps=10, samples_per_lang=3, manifest_path=tiny.manifest)
+        trainer = fake_trainer(rank, [logger])
+        cb.on_train_start(trainer, module)
+
+        def gather(obj, rank=rank):
+            shares[rank] = obj
+            return [shares.get(0, {}), shares.get(1, {})]
+
+        monkeypatch.setattr(callbacks, "all_gather_objects", gather)
+        results[rank] = cb.evaluate(trainer, module)
+        assert model.decoded == 3  # half of 3 per language x 2 languages
+    assert set(shares[0]).isdisjoint(shares[1]) and len(shares[0]) + len(shares[1]) == 6
+    assert results[0]["all"].utterances == 6 and results[0]["all"].wer == 0.0
+    lines = [json.loads(l) for l in (tiny.root / "wer" / "metrics.jsonl").read_text().splitlines()]
+    scalars = [l for l in lines if "val/wer/all" in l]
+    assert len(scalars) == 1 and scalars[0]["step"] == 20 and scalars[0]["val/utterances"] == 6
+    assert scalars[0]["val/wer/en"] == scalars[0]["val/cer/hi"] == 0.0
+    table = [l for l in lines if l.get("table") == "val/examples"][0]
+    assert table["columns"] == ["lang", "reference", "hypothesis"] and len(table["rows"]) == 6
+    assert all(not row[1].startswith("<|") for row in table["rows"])  # tags stripped for display too
+
+
+def test_wer_callback_fails_at_train_start_when_the_val_manifest_is_missing(tiny):
+    cb = callbacks.PerLanguageWERCallback(every_n_steps=5, manifest_path=tiny.root / "missing.parquet")
+    with pytest.raises(FileNotFoundError, match="VAL_MANIFEST_PATH=.*missing.parquet"):
+        cb.on_train_start(fake_trainer(0, []), SimpleNamespace(model=tiny.model, device=torch.device("cpu")))
+
+
+def test_greedy_decoding_restores_each_modules_train_or_eval_mode(tiny):
+    from dataset import LocalShardDataset
+
+    model = tiny.model
+    model.train()
+    model.encoder.eval()  # as during phase 1: a frozen encoder stays in eval mode
+    ds = LocalShardDataset(tiny.manifest, model.tokenizer, progress=False)
+    hyps = callbacks.greedy_transcribe(model, ds, [0, 1, 2], max_batch_seconds=5.0)
+    assert sorted(hyps) == [0, 1, 2] and all(isinstance(h, str) for h in hyps.values())
+    assert model.training and model.decoder.training and not model.encoder.training

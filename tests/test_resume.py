@@ -1,0 +1,187 @@
+"""Kill and resume under `torchrun --nproc_per_node 2` on CPU: the resumed run is the straight run.
+
+Three torchrun jobs of train.py (about 45 s each on 2 cores), all with MAX_STEPS=6, GRAD_ACCUM=2,
+CHECKPOINT_EVERY=3, UNFREEZE_STEP=4 and a 2-optimizer-step epoch, so the resumed part crosses an
+epoch boundary and the unfreezing:
+1. straight: steps 0..6;
+2. killed: the same job, SIGKILLed (the whole process group) once step_00000003.ckpt exists, while it
+   is held inside step 3 (a probe sleeps there, so the kill lands mid-run, deterministically);
+3. resumed: RESUME_FROM=last in the killed job's CHECKPOINT_DIR, steps 3..6.
+A probe logs every micro-batch the sampler hands out, per rank (NUM_WORKERS=0 and a sized loader, so
+what is handed out is what trains). Both runs must consume the same batches in the same order and end
+with the same weights and optimizer state.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_training_data import make_training_data
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 200
+MAX_STEPS, HALF = 6, 3
+
+PROBE = textwrap.dedent('''
+    """train.main() that logs each micro-batch the sampler hands out and can hold inside a step."""
+    import json, os, sys, time
+    from pathlib import Path
+    sys.path.insert(0, os.environ["REPO"])
+    import lightning.pytorch as pl
+    import sampler
+    import train
+
+    LOG = Path(os.environ["PROBE_OUT"]) / f"rank{os.environ['RANK']}_batches.jsonl"
+    HOLD_AT = int(os.environ.get("PROBE_HOLD_AT_STEP", "-1"))
+
+    iterate = sampler.DurationBucketBatchSampler.__iter__
+    def logged(self):
+        for batch in iterate(self):
+            with open(LOG, "a") as f:
+                f.write(json.dumps({"epoch": self.state_dict()["epoch"], "position": self._position - 1,
+                                    "indices": batch}) + "\\n")
+            yield batch
+    sampler.DurationBucketBatchSampler.__iter__ = logged
+
+    class Hold(pl.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if trainer.global_step == HOLD_AT:
+                time.sleep(600)  # the test kills the job here
+    callbacks = train.build_callbacks
+    train.build_callbacks = lambda: callbacks() + [Hold()]
+    sys.exit(train.main([]))
+''')
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_torchrun(script: Path, env: dict, log_path: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(script)]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def wait(proc: subprocess.Popen, log_path: Path) -> None:
+    try:
+        proc.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"torchrun did not finish in {TIMEOUT_S} s (a hang?); log {log_path}:\n"
+                    f"{log_path.read_text()[-3000:]}")
+    assert proc.returncode == 0, log_path.read_text()[-4000:]
+
+
+def batches(out: Path, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (out / f"rank{rank}_batches.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    data = make_training_data(root, per_lang=16, vocab_size=64)
+    script = root / "probe_train.py"
+    script.write_text(PROBE)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB", "RESUME", "PROBE"))}
+    base.update(ACCELERATOR="cpu", PRECISION="32-true", NUM_WORKERS="0", OMP_NUM_THREADS="1", INIT_MODEL="",
+                TRAIN_MANIFEST_PATH=str(data["manifest"]), VAL_MANIFEST_PATH=str(data["manifest"]),
+                TOKENIZER_DIR=str(data["tokenizer"]), GRAD_ACCUM="2", MAX_STEPS=str(MAX_STEPS), UNFREEZE_STEP="4",
+                WARMUP_STEPS="1", PHASE2_WARMUP="1", MAX_BATCH_DURATION="6", BUCKET_BOUNDARIES="2",
+                CHECKPOINT_EVERY=str(HALF), EVAL_EVERY_STEPS=str(HALF), EVAL_SAMPLES_PER_LANG="3",
+                WANDB_MODE="disabled", WANDB_RUN_NAME="run", REPO=str(REPO))
+
+    def env_for(name: str, **extra) -> dict:
+        out = root / name
+        out.mkdir(exist_ok=True)
+        return {**base, "DATA_DIR": str(root / f"{name}_data"), "PROBE_OUT": str(out), **extra}
+
+    straight_env = env_for("straight")
+    proc = start_torchrun(script, straight_env, root / "straight.log")
+    wait(proc, root / "straight.log")
+
+    killed_env = env_for("killed", PROBE_HOLD_AT_STEP=str(HALF))
+    checkpoint = root / "killed_data" / "checkpoints" / f"step_{HALF:08d}.ckpt"
+    proc = start_torchrun(script, killed_env, root / "killed.log")
+    deadline = time.monotonic() + TIMEOUT_S
+    while not checkpoint.exists():  # the final name appears only once the file is complete
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"no {checkpoint.name} from the job to kill; log:\n{(root / 'killed.log').read_text()[-3000:]}")
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+    resumed_env = env_for("resumed", RESUME_FROM="last", DATA_DIR=killed_env["DATA_DIR"])
+    proc = start_torchrun(script, resumed_env, root / "resumed.log")
+    wait(proc, root / "resumed.log")
+    return root, checkpoint
+
+
+def test_the_job_was_killed_after_its_step_3_checkpoint_and_before_finishing(runs):
+    root, checkpoint = runs
+    assert torch.load(checkpoint, weights_only=False)["global_step"] == HALF
+    assert "exported" not in (root / "killed.log").read_text()
+
+
+def test_resumed_run_consumes_exactly_the_straight_runs_remaining_batches_on_every_rank(runs):
+    root, checkpoint = runs
+    state = torch.load(checkpoint, weights_only=False)["sampler_state"]
+    resume_at = (state["epoch"], state["position"])
+    assert resume_at[1] > 0, "the checkpoint should fall mid-epoch for this test to mean something"
+    for rank in (0, 1):
+        straight = batches(root / "straight", rank)
+        before = [b for b in batches(root / "killed", rank) if (b["epoch"], b["position"]) < resume_at]
+        resumed = batches(root / "resumed", rank)
+        assert (resumed[0]["epoch"], resumed[0]["position"]) == resume_at
+        assert before + resumed == straight
+        assert len(straight) == MAX_STEPS * 2  # GRAD_ACCUM micro-batches per optimizer step
+
+
+def test_resumed_run_ends_with_the_straight_runs_weights_and_optimizer_state(runs):
+    root, _ = runs
+    name = f"step_{MAX_STEPS:08d}.ckpt"
+    straight = torch.load(root / "straight_data" / "checkpoints" / name, weights_only=False)
+    resumed = torch.load(root / "killed_data" / "checkpoints" / name, weights_only=False)
+    assert straight["state_dict"].keys() == resumed["state_dict"].keys()
+    for key, value in straight["state_dict"].items():
+        torch.testing.assert_close(resumed["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    for a, b in zip(straight["optimizer_states"][0]["state"].values(),
+                    resumed["optimizer_states"][0]["state"].values()):
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6)
+
+
+def test_resumed_run_logs_after_the_restored_step_only_in_its_jsonl(runs):
+    root, _ = runs
+    lines = [json.loads(l) for l in (root / "killed_data" / "wandb_logs" / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [l["step"] for l in lines if "train/loss" in l]
+    assert steps == list(range(1, HALF + 1)) + list(range(HALF + 1, MAX_STEPS + 1))
+
+
+def test_per_language_wer_is_gathered_from_both_ranks(runs):
+    root, _ = runs
+    lines = [json.loads(l) for l in (root / "straight_data" / "wandb_logs" / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [l for l in lines if "val/wer/all" in l]
+    assert [l["step"] for l in evals] == [HALF, MAX_STEPS]
+    for l in evals:
+        # 3 utterances per language x 2 languages, decoded half on each rank.
+        assert l["val/utterances"] == 6
+        assert {"val/wer/en", "val/wer/hi", "val/cer/en", "val/cer/hi", "val/cer/all"} <= l.keys()
+    tables = [l for l in lines if l.get("table") == "val/examples"]
+    assert len(tables) == 2 and tables[0]["columns"] == ["lang", "reference", "hypothesis"]
