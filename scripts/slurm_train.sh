@@ -1,0 +1,198 @@
+#!/usr/bin/env bash
+# Multi-node training: one torchrun per node, NPROC_PER_NODE ranks each, joined by a c10d rendezvous
+# hosted on the first node. Works under SLURM (sbatch) and on any set of machines you start by hand.
+#
+# SLURM (submit from the repository root; the #SBATCH lines below are defaults, override on the CLI):
+#   DATA_DIR=/shared/asr_data CHECKPOINT_DIR=/shared/ckpt sbatch --nodes=4 scripts/slurm_train.sh
+#   MAX_STEPS=200000 sbatch --nodes=2 --time=48:00:00 scripts/slurm_train.sh  # knobs are env vars
+# By hand (run on every node with the same MASTER_ADDR / MASTER_PORT and its own NODE_RANK):
+#   MASTER_ADDR=node0 NNODES=2 NODE_RANK=0 bash scripts/slurm_train.sh      # on node0
+#   MASTER_ADDR=node0 NNODES=2 NODE_RANK=1 bash scripts/slurm_train.sh      # on node1
+#
+# Environment (all optional under SLURM, which provides the first four):
+#   NNODES          number of nodes                   (SLURM_JOB_NUM_NODES, else 1)
+#   NODE_RANK       this node, 0..NNODES-1; node 0 hosts the rendezvous store (SLURM_NODEID, else 0)
+#   MASTER_ADDR     address of node 0 reachable from every node (first host of SLURM_JOB_NODELIST;
+#                   required by hand when NNODES > 1)
+#   MASTER_PORT     rendezvous TCP port on node 0     (29500)
+#   NPROC_PER_NODE  ranks per node                    (number of GPUs from nvidia-smi, else 1)
+#   RDZV_ID         rendezvous id, the same on every node (SLURM_JOB_ID, else parakeet-<port>)
+#   RDZV_TIMEOUT    seconds to wait for every node to join (900)
+#   RDZV_READ_TIMEOUT  seconds a node keeps trying to reach node 0's store (300): start order is free
+#   MAX_RESTARTS    torchrun restarts of the whole group after a worker failure (0)
+#   TRAIN_SCRIPT    what torchrun runs                (<repo>/train.py); arguments to this script pass on
+#   PY              python with the project installed (<repo>/.venv/bin/python, else python3)
+#   CHECKPOINT_DIR  must be on a filesystem every node mounts: rank 0 writes checkpoints there and a
+#                   requeued job may restart on other nodes. Checked before the rendezvous (below).
+#   SHARED_DIR_TIMEOUT  seconds the other nodes wait to see node 0's marker in CHECKPOINT_DIR (120;
+#                   0 skips the check, e.g. for a single-node run)
+#   RESUME_FROM     unset: 'last', the newest checkpoint in CHECKPOINT_DIR or a fresh start when there
+#                   is none, so a requeued job continues. Set it (RESUME_FROM= starts fresh) to choose.
+#   Every config.py knob (DATA_DIR, GRAD_ACCUM, ...) passes through to train.py unchanged.
+#
+# NCCL (GPU) and Gloo (CPU) networking; set these when the defaults pick the wrong interface:
+#   NCCL_SOCKET_IFNAME=ib0|eth0|^lo,docker   interface(s) for bootstrap / socket traffic
+#   GLOO_SOCKET_IFNAME                       the same for Gloo (defaults to NCCL_SOCKET_IFNAME)
+#   NCCL_IB_DISABLE=1                        no InfiniBand (e.g. Ethernet-only clouds)
+#   NCCL_IB_HCA=mlx5_0,mlx5_1                which InfiniBand adapters to use
+#   NCCL_DEBUG=INFO                          log topology and transport choices (WARN by default here)
+#   TORCH_NCCL_ASYNC_ERROR_HANDLING=1        a hung collective aborts the job instead of hanging (default)
+#
+# Requeue: --requeue lets SLURM restart a failed or preempted job; 5 minutes before the time limit
+# SLURM sends USR1 and this script requeues the job itself. The new run finds the newest checkpoint
+# in CHECKPOINT_DIR (RESUME_FROM=last) and continues; steps since that checkpoint are redone.
+#
+#SBATCH --job-name=parakeet-tdt
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --requeue
+#SBATCH --signal=B:USR1@300
+#SBATCH --output=slurm-%x-%j.out
+set -euo pipefail
+
+log() { echo "[slurm_train node ${NODE_RANK:-?}/${NNODES:-?} $(hostname)] $*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+# set -e alone exits without a word; name the command and line instead.
+trap 'log "ERROR: exit status $? at line $LINENO of scripts/slurm_train.sh: $BASH_COMMAND"' ERR
+
+# Under sbatch this file runs from a spool copy, so the repository comes from the submit directory.
+if [[ -z "${REPO_DIR:-}" ]]; then
+    here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    if [[ -f "$here/config.py" ]]; then REPO_DIR="$here"
+    elif [[ -n "${SLURM_SUBMIT_DIR:-}" && -f "$SLURM_SUBMIT_DIR/config.py" ]]; then REPO_DIR="$SLURM_SUBMIT_DIR"
+    else die "cannot find the repository: submit from its root or set REPO_DIR"; fi
+fi
+export REPO_DIR
+cd "$REPO_DIR"
+
+# --- SLURM batch step: start this script once per node with srun, and handle the time limit ---
+in_step=0
+if [[ -n "${_SLURM_TRAIN_STEP:-}" ]]; then in_step=1
+# srun from an salloc shell: a numeric step id below Slurm's special ids (batch, extern, ...).
+elif [[ "${SLURM_STEP_ID:-}" =~ ^[0-9]+$ ]] && (( SLURM_STEP_ID < 4294967290 )); then in_step=1
+fi
+if [[ -n "${SLURM_JOB_ID:-}" && $in_step == 0 ]]; then
+    NNODES=${SLURM_JOB_NUM_NODES:-1}
+    NODE_RANK=batch
+    requeue() {
+        log "time limit near: requeueing job $SLURM_JOB_ID (RESUME_FROM=last continues it)"
+        scontrol requeue "$SLURM_JOB_ID"
+    }
+    trap requeue USR1
+    trap - ERR  # srun's own status is reported below; wait returning early on USR1 is no error
+    log "starting one launcher per node on $SLURM_JOB_NODELIST (restart #${SLURM_RESTART_COUNT:-0})"
+    srun --ntasks-per-node=1 --nodes="$NNODES" --kill-on-bad-exit=1 --export=ALL,_SLURM_TRAIN_STEP=1 \
+        bash "$REPO_DIR/scripts/slurm_train.sh" "$@" &
+    # wait returns early when USR1 arrives; the trap runs, then wait again for srun to end.
+    while true; do
+        set +e; wait $!; rc=$?; set -e
+        if (( rc > 128 )) && kill -0 $! 2>/dev/null; then continue; fi
+        exit $rc
+    done
+fi
+
+# --- one node: work out the topology ---
+if [[ $in_step == 1 && -n "${SLURM_NODEID:-}" ]]; then
+    # Inside srun, SLURM's values win over any NNODES / NODE_RANK exported from the submit shell.
+    NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
+    NODE_RANK=$SLURM_NODEID
+else
+    NNODES=${NNODES:-1}
+    NODE_RANK=${NODE_RANK:-0}
+fi
+if [[ -z "${MASTER_ADDR:-}" ]]; then
+    if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
+        # No pipe into head: under pipefail, scontrol's SIGPIPE would end the script on large jobs.
+        hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST") || die "scontrol cannot expand $SLURM_JOB_NODELIST"
+        MASTER_ADDR=${hosts%%$'\n'*}
+    elif (( NNODES == 1 )); then
+        MASTER_ADDR=127.0.0.1
+    else
+        die "MASTER_ADDR is not set: give every node the address of node 0 (NNODES=$NNODES)"
+    fi
+fi
+MASTER_PORT=${MASTER_PORT:-29500}
+RDZV_ID=${RDZV_ID:-${SLURM_JOB_ID:-parakeet-$MASTER_PORT}}
+RDZV_TIMEOUT=${RDZV_TIMEOUT:-900}
+RDZV_READ_TIMEOUT=${RDZV_READ_TIMEOUT:-300}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+TRAIN_SCRIPT=${TRAIN_SCRIPT:-$REPO_DIR/train.py}
+if [[ -z "${PY:-}" ]]; then
+    if [[ -x "$REPO_DIR/.venv/bin/python" ]]; then PY="$REPO_DIR/.venv/bin/python"; else PY=python3; fi
+fi
+if [[ -z "${NPROC_PER_NODE:-}" ]]; then
+    NPROC_PER_NODE=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
+    (( NPROC_PER_NODE > 0 )) || NPROC_PER_NODE=1
+fi
+[[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || die "NNODES=$NNODES: expected a positive integer"
+[[ "$NODE_RANK" =~ ^[0-9]+$ ]] && (( NODE_RANK < NNODES )) || die "NODE_RANK=$NODE_RANK: expected 0..$((NNODES - 1))"
+[[ "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]] || die "NPROC_PER_NODE=$NPROC_PER_NODE: expected a positive integer"
+[[ "$MASTER_PORT" =~ ^[0-9]+$ ]] || die "MASTER_PORT=$MASTER_PORT: expected a TCP port number"
+[[ -f "$TRAIN_SCRIPT" ]] || die "TRAIN_SCRIPT=$TRAIN_SCRIPT does not exist"
+
+# config.py validates every knob here, before any node waits on another; it also gives CHECKPOINT_DIR.
+CHECKPOINT_DIR=$("$PY" -c 'import config; print(config.CHECKPOINT_DIR)') \
+    || die "config.py rejected the environment (message above); fix the variable it names"
+export CHECKPOINT_DIR
+mkdir -p "$CHECKPOINT_DIR" || die "cannot create CHECKPOINT_DIR=$CHECKPOINT_DIR"
+[[ -w "$CHECKPOINT_DIR" ]] || die "CHECKPOINT_DIR=$CHECKPOINT_DIR is not writable"
+
+# Rank 0 saves checkpoints on node 0; a requeued job may resume on any node. Prove the directory is
+# shared now rather than after a day of training: node 0 writes a marker that every node must see.
+SHARED_DIR_TIMEOUT=${SHARED_DIR_TIMEOUT:-120}
+marker="$CHECKPOINT_DIR/.shared_check/${RDZV_ID}.${SLURM_RESTART_COUNT:-0}"
+if (( NNODES > 1 && SHARED_DIR_TIMEOUT > 0 )); then
+    mkdir -p "$CHECKPOINT_DIR/.shared_check"
+    if (( NODE_RANK == 0 )); then
+        echo "$(hostname) $$" > "$marker.tmp.$$" && mv "$marker.tmp.$$" "$marker"
+    else
+        waited=0
+        until [[ -f "$marker" ]]; do
+            (( waited < SHARED_DIR_TIMEOUT )) || die "CHECKPOINT_DIR=$CHECKPOINT_DIR is not shared: node 0 wrote \
+$marker and this node has not seen it after ${SHARED_DIR_TIMEOUT}s. Put CHECKPOINT_DIR (and DATA_DIR) on a \
+filesystem every node mounts (NFS, Lustre, GPFS, ...), or set SHARED_DIR_TIMEOUT=0 to skip this check."
+            sleep 1; waited=$((waited + 1))
+        done
+    fi
+fi
+
+# 'last' = the newest step_*.ckpt in CHECKPOINT_DIR, or a fresh start when there is none (train.py),
+# so a requeued or restarted job continues. An explicit RESUME_FROM, even empty, is kept.
+export RESUME_FROM=${RESUME_FROM-last}
+
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+if [[ -n "${NCCL_SOCKET_IFNAME:-}" && -z "${GLOO_SOCKET_IFNAME:-}" ]]; then
+    export GLOO_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME
+fi
+# Each rank gets its share of the node's cores (torch would otherwise start one thread per core per rank).
+if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+    cores=${SLURM_CPUS_ON_NODE:-$(nproc)}
+    export OMP_NUM_THREADS=$(( cores / NPROC_PER_NODE > 0 ? cores / NPROC_PER_NODE : 1 ))
+fi
+# Node 0 hosts the rendezvous store; saying so explicitly avoids relying on hostname matching, which
+# fails when MASTER_ADDR is an IP or an InfiniBand name.
+is_host=$(( NODE_RANK == 0 ? 1 : 0 ))
+
+log "rendezvous c10d://$MASTER_ADDR:$MASTER_PORT id=$RDZV_ID nodes=$NNODES procs/node=$NPROC_PER_NODE \
+world=$((NNODES * NPROC_PER_NODE)) host_store=$is_host"
+log "script=$TRAIN_SCRIPT CHECKPOINT_DIR=$CHECKPOINT_DIR RESUME_FROM=${RESUME_FROM:-<empty: fresh>} \
+OMP_NUM_THREADS=$OMP_NUM_THREADS NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-<auto>} \
+NCCL_IB_DISABLE=${NCCL_IB_DISABLE:-<auto>} NCCL_DEBUG=$NCCL_DEBUG"
+
+set +e
+"$PY" -m torch.distributed.run \
+    --nnodes="$NNODES" \
+    --nproc-per-node="$NPROC_PER_NODE" \
+    --rdzv-backend=c10d \
+    --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" \
+    --rdzv-id="$RDZV_ID" \
+    --rdzv-conf="is_host=$is_host,join_timeout=$RDZV_TIMEOUT,read_timeout=$RDZV_READ_TIMEOUT" \
+    --max-restarts="$MAX_RESTARTS" \
+    "$TRAIN_SCRIPT" "$@"
+rc=$?
+set -e
+if (( NODE_RANK == 0 )); then rm -f "$marker"; fi
+log "torchrun exited with status $rc"
+exit $rc

@@ -1,0 +1,216 @@
+"""scripts/manifest_report.py: plots and markdown for a manifest, readable and with the right numbers."""
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib
+import matplotlib.image
+import matplotlib.pyplot
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import config
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import manifest_report as mr  # noqa: E402
+
+from sampler import DurationBucketBatchSampler  # noqa: E402
+
+COUNTS = {"hi": 240, "en": 120, "ta": 40, "bn": 12}
+PLOTS = ["durations.png", "hours.png", "language_mix.png", "buckets.png", "dropped.png"]
+MASTER_SUMMARY = {"rows_in": 430, "rows_out": 418, "dropped": {"duration_too_long": 7, "empty_after_cleaning": 5},
+                  "dropped_by_lang": {"hi": {"duration_too_long": 7, "empty_after_cleaning": 3},
+                                      "ta": {"empty_after_cleaning": 2}},
+                  "kept_by_lang": {"hi": 246, "en": 120, "ta": 40, "bn": 12}}
+TRAIN_SUMMARY = {"rows_in": 418, "rows_out": 400, "val_rows": 12, "dropped": {"exact_duplicate": 6},
+                 "dropped_by_lang": {"hi": {"exact_duplicate": 6}}, "kept_by_lang": {},
+                 "lang_corrections": {"hi->ta": 2, "kn->te": 1}}
+
+
+def write_manifest(path: Path, counts: dict[str, int], seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    langs = np.concatenate([[lang] * n for lang, n in counts.items()])
+    durations = np.clip(rng.lognormal(np.log(5.0), 0.6, len(langs)), 0.5, 20.0)
+    n = len(langs)
+    pq.write_table(pa.table({
+        "segment_id": [f"seg{i}" for i in range(n)], "shard_id": ["src/hi/shard_0000"] * n,
+        "text": [f"<|{lang}|> words" for lang in langs], "duration": durations, "lang": langs,
+        "tar_member_name": [f"seg{i}.flac" for i in range(n)], "tar_path": ["/data/src/hi/shard_0000/audio.tar"] * n,
+        "source": ["src"] * n}), path)
+    return durations, langs
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    data = tmp_path_factory.mktemp("data")
+    durations, langs = write_manifest(data / "train_manifest_v2.parquet", COUNTS)
+    (data / "master_manifest.summary.json").write_text(json.dumps(MASTER_SUMMARY))
+    (data / "train_manifest_v2.summary.json").write_text(json.dumps(TRAIN_SUMMARY))
+    (data / "tokenizer.summary.json").write_text(json.dumps({"vocab_size": 64}))  # not a build summary
+    out = data / "report"
+    result = mr.write_report(data / "train_manifest_v2.parquet", out)
+    return {"out": out, "result": result, "markdown": (out / "report.md").read_text(),
+            "durations": durations, "langs": langs, "data": data}
+
+
+def drawn_texts(fig: matplotlib.figure.Figure) -> list[matplotlib.text.Text]:
+    """Every text the renderer draws: titles, axis labels, tick labels in view, bar labels, legends."""
+    fig.canvas.draw()
+    texts = list(fig.texts)
+    for ax in fig.axes:
+        if not ax.get_visible():
+            continue
+        texts += [ax.title, ax.xaxis.label, ax.yaxis.label, *ax.texts]
+        for axis in (ax.xaxis, ax.yaxis):
+            low, high = sorted(axis.get_view_interval())
+            slack = (high - low) * 1e-9
+            texts += [t.label1 for t in axis.get_major_ticks() if low - slack <= t.get_loc() <= high + slack]
+        if ax.get_legend() is not None:
+            texts += [ax.get_legend().get_title(), *ax.get_legend().get_texts()]
+    return [t for t in texts if t.get_visible() and t.get_text().strip()]
+
+
+def report_figures(report) -> dict[str, matplotlib.figure.Figure]:
+    durations, langs = report["durations"], report["langs"]
+    table = mr.language_table(durations, langs)
+    plan = mr.sampler_plan(durations, langs)
+    steps = mr.read_summaries(mr.find_summaries(report["data"] / "train_manifest_v2.parquet"))
+    return mr.build_figures(durations, langs, table, plan, steps, plan["edges"])
+
+
+def test_every_plot_and_the_markdown_are_written(report):
+    assert report["result"]["files"] == PLOTS + ["report.md"]
+    for name in PLOTS:
+        image = matplotlib.image.imread(report["out"] / name)
+        assert image.shape[0] >= 300 and image.shape[1] >= 500, name
+        assert image[..., :3].std() > 0.05, f"{name} looks blank"
+    assert not list(report["out"].glob("*.tmp*"))
+
+
+def test_markdown_has_a_section_per_plot_and_links_each_png(report):
+    md = report["markdown"]
+    for heading in ("## Hours per language", "## Duration per language",
+                    f"## Language mix at TEMPERATURE={config.TEMPERATURE:g}", "## Buckets and padding",
+                    "## Rows dropped"):
+        assert heading in md
+    for name in PLOTS:
+        assert f"]({name})" in md
+
+
+def test_hours_and_counts_per_language_match_the_manifest(report):
+    md = report["markdown"]
+    for lang, n in COUNTS.items():
+        hours = report["durations"][report["langs"] == lang].sum() / 3600
+        assert f"| {lang} | {n:,} | {hours:.3f} |" in md
+
+
+def test_language_mix_and_padding_come_from_the_configured_sampler(report):
+    stats = DurationBucketBatchSampler(report["durations"], report["langs"]).epoch_stats()
+    md = report["markdown"]
+    for lang in COUNTS:
+        assert (f"| {lang} | {100 * stats['natural_share'][lang]:.1f}% | {100 * stats['target_share'][lang]:.1f}% | "
+                f"{100 * stats['realized_share'][lang]:.1f}% |") in md
+    assert f"**{stats['padding_efficiency']:.3f}**" in md
+    # The smallest language is upsampled at T=0.3: the target share is above the natural one.
+    assert stats["target_share"]["bn"] > stats["natural_share"]["bn"]
+
+
+def test_bucket_table_counts_every_planned_batch_and_utterance(report):
+    plan = mr.sampler_plan(report["durations"], report["langs"])
+    stats = plan["stats"]
+    assert plan["batches"] == list(stats["batches_per_bucket"].values())
+    assert sum(plan["planned_utterances"]) == stats["utterances_in_plan"]
+    assert sum(plan["corpus_utterances"]) == len(report["durations"])
+    assert all(0 < e <= 1 for e, b in zip(plan["padding_efficiency"], plan["batches"]) if b)
+
+
+def test_rows_dropped_are_read_from_every_build_summary_beside_the_manifest(report):
+    md = report["markdown"]
+    assert [Path(p).name for p in report["result"]["summaries"]] == [
+        "master_manifest.summary.json", "train_manifest_v2.summary.json"]
+    assert "| duration_too_long | 7 | hi 7 |" in md
+    assert "| empty_after_cleaning | 5 | hi 3, ta 2 |" in md
+    assert "| exact_duplicate | 6 | hi 6 |" in md
+    assert "430 rows in, 418 out, 12 dropped" in md
+    assert "418 rows in, 400 out (+ 12 validation), 6 dropped" in md
+    assert "Language tags corrected (given->corrected): hi->ta 2, kn->te 1." in md
+
+
+def test_no_text_overlaps_and_every_text_stays_inside_the_image(report):
+    for name, fig in report_figures(report).items():
+        renderer = fig.canvas.get_renderer()
+        boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in drawn_texts(fig)]
+        overlapping = [(a, b) for (a, box_a), (b, box_b) in itertools.combinations(boxes, 2) if box_a.overlaps(box_b)]
+        assert not overlapping, f"{name}: overlapping texts {overlapping[:5]}"
+        outside = [t for t, box in boxes if box.x0 < -1 or box.y0 < -1
+                   or box.x1 > fig.bbox.x1 + 1 or box.y1 > fig.bbox.y1 + 1]
+        assert not outside, f"{name}: texts cut off at the border {outside}"
+
+
+def test_every_axis_is_labelled_with_its_unit(report):
+    figures = report_figures(report)
+    for name, fig in figures.items():
+        for ax in fig.axes:
+            if ax.get_visible() and ax.get_xlabel():
+                assert ax.get_ylabel(), f"{name}: an axis without a label"
+        assert fig.axes[0].get_title() or fig.texts, f"{name}: no title"
+    assert any(ax.get_xlabel() == "duration (s)" for ax in figures["durations.png"].axes)
+    assert figures["hours.png"].axes[0].get_xlabel() == "hours of audio"
+    assert "(%)" in figures["language_mix.png"].axes[0].get_ylabel()
+
+
+def test_the_overlap_check_catches_overlapping_text():
+    fig = matplotlib.pyplot.figure(figsize=(4, 3))
+    ax = fig.add_subplot()
+    ax.text(0.5, 0.5, "first label")
+    ax.text(0.52, 0.5, "second label")
+    renderer = fig.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in drawn_texts(fig) if "label" in t.get_text()]
+    assert boxes[0].overlaps(boxes[1])
+
+
+def test_explicit_summaries_replace_the_ones_found_beside_the_manifest(report, tmp_path):
+    result = mr.write_report(report["data"] / "train_manifest_v2.parquet", tmp_path,
+                             [report["data"] / "train_manifest_v2.summary.json"])
+    md = (tmp_path / "report.md").read_text()
+    assert "exact_duplicate" in md and "duration_too_long" not in md
+    assert len(result["summaries"]) == 1
+
+
+def test_without_summaries_the_report_says_how_to_pass_them(tmp_path):
+    write_manifest(tmp_path / "m.parquet", {"hi": 30, "en": 10})
+    result = mr.write_report(tmp_path / "m.parquet", tmp_path / "out", with_sampler=False)
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "--summary" in md and "dropped.png" not in result["files"]
+    assert result["files"] == ["durations.png", "hours.png", "report.md"]
+
+
+def test_temperature_is_read_from_config_at_call_time(monkeypatch, report):
+    monkeypatch.setattr(config, "TEMPERATURE", 1.0)
+    plan = mr.sampler_plan(report["durations"], report["langs"])
+    for lang in COUNTS:
+        assert plan["stats"]["target_share"][lang] == pytest.approx(plan["stats"]["natural_share"][lang])
+
+
+def test_missing_manifest_or_columns_exit_non_zero_with_the_path(tmp_path):
+    script = str(REPO / "scripts" / "manifest_report.py")
+    done = subprocess.run([sys.executable, script, str(tmp_path / "nope.parquet"), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "nope.parquet does not exist" in done.stderr
+    pq.write_table(pa.table({"segment_id": ["a"], "lang": ["hi"]}), tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match=r"lacks column\(s\) \['duration'\]"):
+        mr.read_manifest(tmp_path / "bad.parquet")
+
+
+def test_help_shows_an_example_and_the_config_defaults():
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "manifest_report.py"), "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0
+    assert "Example:" in done.stdout and "TRAIN_MANIFEST_PATH" in done.stdout and "--summary" in done.stdout
