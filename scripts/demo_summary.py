@@ -34,12 +34,14 @@ def loss_curve(metrics_path: Path) -> list[tuple[int, float]]:
     return sorted(by_step.items())
 
 
-def loss_drop(curve: list[tuple[int, float]], window: int) -> tuple[float, float]:
-    """(mean loss of the first ``window`` steps, mean of the last ``window`` steps)."""
-    if len(curve) < 2 * window:
-        raise ValueError(f"only {len(curve)} logged steps; need at least {2 * window} to compare start and end")
+def loss_drop(curve: list[tuple[int, float]], window: int) -> tuple[float, float, int]:
+    """(mean loss of the first steps, mean of the last steps, steps in each mean): ``window`` steps
+    at each end, fewer for a run shorter than two windows."""
+    window = min(window, len(curve) // 2)
+    if window < 1:
+        raise ValueError(f"only {len(curve)} logged optimizer step(s); need at least 2 to compare start and end")
     losses = [loss for _, loss in curve]
-    return sum(losses[:window]) / window, sum(losses[-window:]) / window
+    return sum(losses[:window]) / window, sum(losses[-window:]) / window, window
 
 
 def format_table(rows: list[dict[str, str]]) -> str:
@@ -81,11 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, path in artifacts:
         print(f"  {name:<32} {path}")
 
-    start, end = loss_drop(loss_curve(run_dir / "metrics.jsonl"), args.window)
+    start, end, window = loss_drop(loss_curve(run_dir / "metrics.jsonl"), args.window)
     ratio = end / start
     verdict = "ok" if ratio <= args.max_loss_ratio else f"ABOVE the {args.max_loss_ratio:.0%} target"
-    print(f"\nTraining loss: start {start:.3f} (mean of first {args.window} steps), end {end:.3f} "
-          f"(last {args.window}); end/start = {ratio:.2f} ({verdict})")
+    print(f"\nTraining loss: start {start:.3f} (mean of first {window} steps), end {end:.3f} "
+          f"(last {window}); end/start = {ratio:.2f} ({verdict})")
 
     with open(wer_csv, encoding="utf-8", newline="") as f:
         rows = list(csv.DictReader(f))

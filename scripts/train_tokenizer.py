@@ -114,17 +114,30 @@ def _train_spm(sentence_file: Path, prefix: Path, vocab_size: int, user_symbols:
         train_extremely_large_corpus=False, minloglevel=2)
 
 
+class VocabularyTooSmall(ValueError):
+    """VOCAB_SIZE cannot hold every character of the corpus plus the tags and special pieces."""
+
+
 def train_with_cap(sentence_file: Path, prefix: Path, vocab_size: int, user_symbols: list[str]) -> int:
     """Train at ``vocab_size``; if the corpus is too small for it, retry at the largest size it allows.
 
     SentencePiece says "Vocabulary size too high (N). Please set it to a value <= M." for BPE on a
-    small corpus; we take M. Returns the vocabulary size actually trained.
+    small corpus; we take M. Returns the vocabulary size actually trained. A size below what
+    character_coverage=1.0 needs (every character, every tag, the special pieces) raises
+    VocabularyTooSmall with that minimum: shrinking coverage would turn rare Indic letters into <unk>.
     """
     try:
         _train_spm(sentence_file, prefix, vocab_size, user_symbols)
         return vocab_size
     except RuntimeError as exc:
         message = str(exc)
+        if "smaller than required_chars" in message:
+            # "... required_chars. 256 vs 302." counts characters and tags, not <unk>/<pad> etc.
+            needed = int(message.rsplit(" vs ", 1)[1].split(".")[0])
+            raise VocabularyTooSmall(
+                f"VOCAB_SIZE={vocab_size} is below the {needed} characters and language tags of this "
+                f"corpus (every character keeps its own piece): set VOCAB_SIZE to at least {needed + 8}, "
+                "and well above it for useful subwords") from None
         marker = "value <= "
         if marker not in message:
             raise
@@ -240,8 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     output_dir = Path(args.output or config.TOKENIZER_DIR)
-    summary = train_tokenizer(args.manifest, output_dir, vocab_size=args.vocab_size,
-                              sample_sentences=args.sample_sentences)
+    try:
+        summary = train_tokenizer(args.manifest, output_dir, vocab_size=args.vocab_size,
+                                  sample_sentences=args.sample_sentences)
+    except VocabularyTooSmall as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print_summary(summary, output_dir)
     return 0
 

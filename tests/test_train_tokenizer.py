@@ -123,6 +123,15 @@ def test_vocabulary_larger_than_the_corpus_allows_is_capped_with_a_warning(corpu
     assert "more than this corpus can fill" in caplog.text
 
 
+def test_vocabulary_below_the_corpus_characters_fails_with_the_minimum_to_set(corpus, tmp_path):
+    out = tmp_path / "tok"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "train_tokenizer.py"), "--manifest", str(corpus),
+                           "--output", str(out), "--vocab-size", "20"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "VOCAB_SIZE=20 is below the" in proc.stderr and "set VOCAB_SIZE to at least" in proc.stderr
+    assert not out.exists()
+
+
 def test_output_replaces_an_existing_directory_whole(corpus, tmp_path):
     out = tmp_path / "tok"
     out.mkdir()
