@@ -24,4 +24,6 @@ clean-demo:
 	rm -rf demo_data
 
 test: setup
+	# espeak-ng lets the demo tests speak real sentences; without it they use the tone fallback.
+	-$(PY) scripts/make_demo_corpus.py --install-espeak
 	OMP_NUM_THREADS=1 $(PY) -m pytest
