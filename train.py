@@ -51,9 +51,7 @@ Watching and keeping a run (callbacks.py, issue 7):
 - RESUME_FROM=<path> or RESUME_FROM=last continues at exactly the next micro-batch (sampler
   position, optimizer, LR, phase, step, RNG states); EVAL_EVERY_STEPS > 0 logs per-language WER.
 - The LightningModule (``TrainingModule``) exposes, on every rank: ``model`` (the NeMo model),
-  ``dataset``, ``sampler``; ``consumed_micro_batches`` (micro-batches of this rank whose training
-  step finished this epoch: the sampler "position" to save, since the DataLoader prefetches);
-  ``skipped_steps`` (same on all ranks), ``empty_micro_batches``, ``nonfinite_losses`` and
+  ``dataset``, ``sampler``; ``skipped_steps`` (same on all ranks), ``empty_micro_batches``, ``nonfinite_losses`` and
   ``bad_audio`` (Counter by reason, this rank); ``last_loss`` (micro-batch), ``last_grad_norm``
   (before clipping, of the last optimizer step), ``phase`` (1 or 2). The batch itself (an
   ``AsrBatch`` with langs and durations) reaches ``on_train_batch_end`` of every callback.
@@ -239,7 +237,6 @@ class TrainingModule(pl.LightningModule):
         self.sampler = None
         self.encoder_frozen = False  # set by callbacks.EncoderUnfreezeCallback
         self.phase = 2
-        self.consumed_micro_batches = 0
         self.skipped_steps = 0
         self.empty_micro_batches = 0
         self.nonfinite_losses = 0
@@ -278,7 +275,6 @@ class TrainingModule(pl.LightningModule):
         # Lightning calls set_epoch on a batch_sampler's inner sampler only, never on the batch_sampler.
         if self.sampler is not None:
             self.sampler.set_epoch(self.trainer.current_epoch)
-            self.consumed_micro_batches = int(self.sampler.state_dict()["position"])
             # Lightning sized every epoch from len() of the first plan and ends an epoch at that count;
             # each epoch's plan has its own length (packing differs), so tell it this one's.
             self.trainer.fit_loop.max_batches = len(self.sampler)
@@ -288,9 +284,6 @@ class TrainingModule(pl.LightningModule):
             # A skipped step must not keep what its forward passes did to BatchNorm statistics (a NaN
             # there would poison every later step), so buffers are restored from here. They are small.
             self._window_buffers = {name: b.detach().clone() for name, b in self.named_buffers()}
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.consumed_micro_batches += 1
 
     # ---- the step -------------------------------------------------------------------------------
     def compute_loss(self, batch) -> torch.Tensor:
