@@ -1,13 +1,38 @@
-"""Lightning callbacks of the training job (train.py wires them up)."""
+"""Lightning callbacks of the training job (train.py wires them up).
+
+EncoderUnfreezeCallback (the two phases), TrainingMetricsCallback and OptimizerStepProgressBar
+(watching a run), StepOnlyModelCheckpoint and ExactResumeCallback (keeping it),
+EpochBoundarySyncCallback, PerLanguageWERCallback, and the one WER/CER implementation that
+scripts/evaluate.py shares.
+"""
 from __future__ import annotations
 
-# ---- EncoderUnfreezeCallback (issue 6) -------------------------------------------------------------
+import contextlib
+import dataclasses
+import json
 import logging as _logging
+import math
+import os
+import random
+import re
+import secrets
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import lightning.pytorch as _pl
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_only
 
 import config as _config
 
+# ---- EncoderUnfreezeCallback -------------------------------------------------------------------------------
 _unfreeze_log = _logging.getLogger("callbacks.unfreeze")
 
 
@@ -68,7 +93,7 @@ class EncoderUnfreezeCallback(_pl.Callback):
         pl_module.phase = phase
 
 
-# ---- Monitoring, step checkpoints, exact resume, per-language WER (issue 7) -------------------------
+# ---- Monitoring, step checkpoints, exact resume, per-language WER ---------------------------------------
 # Metric keys logged to W&B and to <run dir>/metrics.jsonl (the run's closing note lists them too):
 #   train/loss, train/lr, train/phase, train/grad_norm, train/epoch, train/micro_batch,
 #   train/skipped_steps, train/empty_micro_batches, train/nonfinite_losses,
@@ -78,26 +103,6 @@ class EncoderUnfreezeCallback(_pl.Callback):
 #   lang_share/<lang>, lang_target/<lang>, gpu/peak_memory_gib (CUDA only),
 #   val/wer/<lang>, val/cer/<lang>, val/wer/all, val/cer/all, val/utterances, val/seconds,
 #   and the table val/examples.
-import contextlib
-import dataclasses
-import json
-import math
-import os
-import random
-import re
-import tempfile
-import time
-from collections import deque
-from pathlib import Path
-from typing import Any, Callable, Sequence
-
-import numpy as np
-import torch
-from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
-from lightning.pytorch.loggers import Logger
-from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.utilities import rank_zero_only
-
 _log = _logging.getLogger("callbacks")
 
 # ---- WER / CER: the one implementation (PerLanguageWERCallback and scripts/evaluate.py) ----------
@@ -303,22 +308,49 @@ class JsonlMetricsLogger(Logger):
 def run_directory(run_name: str | None = None, log_dir: Path | None = None) -> Path:
     """WANDB_LOG_DIR/<run name>: the W&B files (wandb/offline-run-*) and metrics.jsonl of one run.
 
-    The name is WANDB_RUN_NAME, else run-<UTC time>; only global rank 0 writes there. Set
-    WANDB_RUN_NAME to keep a resumed run's metrics.jsonl in the same file.
+    The name is ``run_name``, else WANDB_RUN_NAME, else run-<UTC time>; only global rank 0 writes there.
     """
     log_dir = Path(log_dir or _config.WANDB_LOG_DIR)
     name = run_name or _config.WANDB_RUN_NAME or time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())
     return log_dir / name
 
 
-def build_loggers(run_dir: Path | None = None) -> list[Logger]:
+RUN_RECORD = "run.json"
+
+
+def run_identity(resuming: bool, checkpoint_dir: Path | None = None) -> tuple[str, str]:
+    """(run name, W&B run id) of this job.
+
+    A job that resumes from a checkpoint reuses the pair recorded in CHECKPOINT_DIR/run.json by the
+    job that wrote it, so W&B continues the same run (Lightning's WandbLogger passes resume="allow")
+    and metrics.jsonl stays one file across crashes and requeues; an explicit WANDB_RUN_NAME that
+    differs from the record starts a new run under that name. A fresh job takes WANDB_RUN_NAME (else
+    run-<UTC time>) and a new id, and global rank 0 records them.
+    """
+    record = Path(checkpoint_dir or _config.CHECKPOINT_DIR) / RUN_RECORD
+    if resuming and record.is_file():
+        saved = json.loads(record.read_text(encoding="utf-8"))
+        if not _config.WANDB_RUN_NAME or _config.WANDB_RUN_NAME == saved["name"]:
+            return saved["name"], saved["wandb_id"]
+    name = run_directory().name
+    identity = (name, secrets.token_hex(6))
+    if int(os.environ.get("RANK", "0")) == 0:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps({"name": identity[0], "wandb_id": identity[1]})
+        atomic_write(record, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    return identity
+
+
+def build_loggers(run_dir: Path | None = None, resuming: bool = False) -> list[Logger]:
     """[WandbLogger (unless WANDB_MODE resolves to disabled), JsonlMetricsLogger] for one run.
 
     W&B mode: config.wandb_mode() (WANDB_MODE, else online with WANDB_API_KEY, else offline). An
     offline run lives in <run dir>/wandb/offline-run-*/ and is uploaded later with
-    ``wandb sync <that dir>``.
+    ``wandb sync <that dir>``. Name and W&B id come from ``run_identity``: a resumed job continues
+    its run.
     """
-    run_dir = Path(run_dir or run_directory())
+    name, run_id = run_identity(resuming)
+    run_dir = Path(run_dir or run_directory(name))
     loggers: list[Logger] = []
     mode = _config.wandb_mode()
     if mode != "disabled":
@@ -326,7 +358,7 @@ def build_loggers(run_dir: Path | None = None) -> list[Logger]:
 
         if int(os.environ.get("RANK", "0")) == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
-        loggers.append(WandbLogger(project=_config.WANDB_PROJECT, name=_config.WANDB_RUN_NAME or run_dir.name,
+        loggers.append(WandbLogger(project=_config.WANDB_PROJECT, name=name, id=run_id,
                                    save_dir=str(run_dir), mode=mode, log_model=False))
     loggers.append(JsonlMetricsLogger(run_dir / "metrics.jsonl"))
     return loggers

@@ -464,9 +464,9 @@ def build_callbacks() -> list[pl.Callback]:
             callbacks.TrainingMetricsCallback(), callbacks.OptimizerStepProgressBar()]
 
 
-def build_loggers():
+def build_loggers(resuming: bool):
     """W&B (offline without WANDB_API_KEY) and <run dir>/metrics.jsonl: callbacks.build_loggers."""
-    return callbacks.build_loggers()
+    return callbacks.build_loggers(resuming=resuming)
 
 
 def resume_checkpoint() -> str | None:
@@ -474,7 +474,7 @@ def resume_checkpoint() -> str | None:
     return callbacks.resolve_resume_from()
 
 
-def build_trainer(callback_list: list[pl.Callback], env: dict) -> pl.Trainer:
+def build_trainer(callback_list: list[pl.Callback], env: dict, resuming: bool = False) -> pl.Trainer:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -494,7 +494,7 @@ def build_trainer(callback_list: list[pl.Callback], env: dict) -> pl.Trainer:
         accumulate_grad_batches=config.GRAD_ACCUM, gradient_clip_val=config.GRAD_CLIP or None,
         use_distributed_sampler=False, num_sanity_val_steps=0, limit_val_batches=0,
         enable_checkpointing=any(isinstance(cb, ModelCheckpoint) for cb in callback_list),
-        callbacks=callback_list, logger=build_loggers(), log_every_n_steps=1, benchmark=False,
+        callbacks=callback_list, logger=build_loggers(resuming), log_every_n_steps=1, benchmark=False,
         enable_model_summary=False)
 
 
@@ -541,9 +541,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(config.SEED + env["rank"])
     module = TrainingModule(model)
     callback_list = build_callbacks()
-    trainer = build_trainer(callback_list, env)
+    ckpt_path = resume_checkpoint()
+    trainer = build_trainer(callback_list, env, resuming=ckpt_path is not None)
     log_startup(trainer, env, model)
-    trainer.fit(module, ckpt_path=resume_checkpoint())
+    trainer.fit(module, ckpt_path=ckpt_path)
     log.info("done: %d optimizer steps, %d skipped; %d empty micro-batches, %d non-finite losses; bad audio %s",
              trainer.global_step, module.skipped_steps, module.empty_micro_batches, module.nonfinite_losses,
              dict(module.bad_audio))

@@ -494,10 +494,28 @@ def test_progress_bar_counts_optimizer_steps_of_max_steps_then_micro_batches(tmp
     assert f"micro-batch {4 * GRAD_ACCUM} (epoch" in out and "| lr 2.50e-03 | phase 1" in out
 
 
+def test_a_resumed_job_continues_the_run_it_resumes(tmp_path, monkeypatch):
+    monkeypatch.setattr(callbacks._config, "CHECKPOINT_DIR", tmp_path / "ckpt")
+    monkeypatch.setattr(callbacks._config, "WANDB_RUN_NAME", "")
+    name, run_id = callbacks.run_identity(resuming=False)
+    assert json.loads((tmp_path / "ckpt" / "run.json").read_text()) == {"name": name, "wandb_id": run_id}
+    assert callbacks.run_identity(resuming=True) == (name, run_id)
+    assert callbacks.run_identity(resuming=False)[1] != run_id, "a fresh job must not append to the old run"
+
+
+def test_a_new_run_name_on_resume_starts_a_new_wandb_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(callbacks._config, "CHECKPOINT_DIR", tmp_path / "ckpt")
+    monkeypatch.setattr(callbacks._config, "WANDB_RUN_NAME", "first")
+    _, first_id = callbacks.run_identity(resuming=False)
+    monkeypatch.setattr(callbacks._config, "WANDB_RUN_NAME", "second")
+    name, second_id = callbacks.run_identity(resuming=True)
+    assert name == "second" and second_id != first_id
+
+
 def test_wandb_offline_run_directory_holds_the_logged_keys(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     for name, value in (("WANDB_MODE", ""), ("WANDB_PROJECT", "test"), ("WANDB_RUN_NAME", "offline-test"),
-                        ("WANDB_LOG_DIR", tmp_path / "wandb_logs")):
+                        ("WANDB_LOG_DIR", tmp_path / "wandb_logs"), ("CHECKPOINT_DIR", tmp_path / "ckpt")):
         monkeypatch.setattr(callbacks._config, name, value)
     assert callbacks._config.wandb_mode() == "offline"
     loggers = callbacks.build_loggers()
