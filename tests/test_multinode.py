@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.torchrun_jobs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER = REPO / "scripts" / "slurm_train.sh"
@@ -32,12 +33,6 @@ PROBE = textwrap.dedent("""
                    "argv": sys.argv[1:]}, f)
     dist.destroy_process_group()
 """)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -27,6 +26,7 @@ import pytest
 import torch
 
 from tests.tiny_training_data import make_training_data
+from tests.torchrun_jobs import torchrun_command
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -64,15 +64,8 @@ PROBE = textwrap.dedent('''
 ''')
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_torchrun(script: Path, env: dict, log_path: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(script)]
+    cmd = torchrun_command(script)
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
