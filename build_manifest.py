@@ -26,15 +26,16 @@ A row is kept when, checked in this order (the first failing check names the dro
 
 A segment_id listed twice in a shard stays twice here; make_train_val.py keeps one.
 
-Engine: polars, for every step. Footers are checked per shard on a thread pool, then same-schema
-shards are decoded in multi-file scans (a call per small file costs more in overhead than in
-decoding; a scan that fails is retried shard by shard, so one corrupt file is reported and skipped);
-the join, the filters and the sort run once over all shards, multi-threaded; the cleaning runs as
-Rust-regex passes over chunks of the column on a thread pool (polars releases the GIL), and rows
-that cannot be changed by a rule skip its pass. pyarrow.compute has regex and normalization kernels
-but runs them single-threaded and has no multi-threaded join; DuckDB would add a second regex
-dialect and dataframe library to the project. Rust regex has no look-around, which is why in-word
-apostrophes travel through the punctuation pass as a placeholder character.
+Engine: polars, for every step. Shards are decoded in multi-file scans of up to 256 shards (a call
+per small file costs more in overhead than in decoding); a batch whose files do not all read alike
+is checked shard by shard, so a corrupt file is reported with its reason and skipped. The join (on
+a verified hash of shard and segment_id), the filters and the sort run once over all shards,
+multi-threaded; the cleaning runs as Rust-regex passes over chunks of the column on a thread pool
+(polars releases the GIL), and a row takes only the passes that can change it: one check sends
+most rows through the single tags/punctuation/space pass. pyarrow.compute has regex and
+normalization kernels but runs them single-threaded and has no multi-threaded join; DuckDB would
+add a second regex dialect and dataframe library to the project. Rust regex has no look-around,
+which is why in-word apostrophes travel through the punctuation pass as a placeholder character.
 """
 from __future__ import annotations
 
@@ -91,7 +92,11 @@ _IN_WORD_APOSTROPHE = r"([\p{L}\p{M}])['\x{2019}](\p{L})"
 #    ellipsis, hyphen, en and em dash, Urdu full stop, comma and question mark, $ % + ...) becomes
 #    a space, so "ek-do" and "a...b" stay two words instead of being glued into one. Control
 #    characters count as whitespace. The same pass collapses every run of them into one space.
-_TAGS_PUNCT_SPACE = rf"(?:\[[^\[\]]*\]|<[^<>]*>|[\p{{P}}\p{{S}}\p{{Cc}}\s{_ZW_SPACE}])+"
+#    A run that is a single plain space is its own result, so the pattern skips it (most word gaps
+#    are one space, and each match costs time): it matches the runs holding a tag, a mark or other
+#    whitespace, and the runs of two or more spaces.
+_TAG_OR_MARK = rf"(?:\[[^\[\]]*\]|<[^<>]*>|[[\p{{P}}\p{{S}}\p{{Cc}}\s{_ZW_SPACE}]--[ ]])"
+_TAGS_PUNCT_SPACE = rf" *{_TAG_OR_MARK}(?:{_TAG_OR_MARK}| )*| {{2,}}"
 # 6. A ZWNJ/ZWJ spells something only inside a word or after a combining sign: one that starts a
 #    word, stands alone, or ends a word after anything but a combining sign (a chillu ends in
 #    VIRAMA + ZWJ, so that one stays) is stray or left over from removed punctuation: deleted with
@@ -156,21 +161,25 @@ def _nfc_may_change() -> str:
             firsts.add(chr(int(parts[0], 16)))
             seconds.add(chr(int(parts[1], 16)))
 
-    def cls(chars: set[str]) -> str:
-        return "[" + "".join(f"\\x{{{ord(c):X}}}" for c in sorted(chars)) + "]"
+    def cls(chars: set[str]) -> str:  # as ranges of consecutive code points: quicker to compile
+        points = sorted(map(ord, chars))
+        starts = [p for i, p in enumerate(points) if i == 0 or points[i - 1] != p - 1]
+        ends = [p for i, p in enumerate(points) if i == len(points) - 1 or points[i + 1] != p + 1]
+        return "[" + "".join(f"\\x{{{a:X}}}" + (f"-\\x{{{b:X}}}" if b > a else "")
+                             for a, b in zip(starts, ends)) + "]"
     hangul_jamo = r"[\x{1100}-\x{11FF}]"  # composed by algorithm, not by the decomposition table
     return (f"{cls(never)}|{cls(combining)}{cls(combining)}|{cls(firsts)}{cls(seconds)}"
             f"|{cls(decomposable)}{cls(combining | seconds)}|{hangul_jamo}")
 
 
-def _nfc(texts: pl.Series) -> pl.Series:
-    """NFC of ``texts``, normalizing only the rows that could change (most Indic and Latin text
-    is NFC already, and normalizing costs about as much as a full cleaning pass)."""
-    may_change = texts.str.contains(_nfc_may_change()).fill_null(False)
+def _rules_1_2(texts: pl.Series) -> pl.Series:
+    """Rules 1 and 2, run only on the rows holding an invisible character or a character NFC
+    could change (most text is NFC already, and normalizing costs several regex passes)."""
+    may_change = texts.str.contains(f"{_INVISIBLE}|{_nfc_may_change()}").fill_null(False)
     if not may_change.any():
         return texts
     idx = may_change.arg_true()
-    return texts.scatter(idx, texts.gather(idx).str.normalize("NFC"))
+    return texts.scatter(idx, texts.gather(idx).str.replace_all(_INVISIBLE, "").str.normalize("NFC"))
 
 
 @functools.cache
@@ -186,15 +195,10 @@ def _needs_more_than_one_pass() -> str:
 
 
 def _clean_special(texts: pl.Series) -> pl.Series:
-    """``clean_text_column`` on rows that may need more than rules 4 and 7: rules 1 and 2 run only
-    on rows holding an invisible character or one NFC could change, then rows are grouped by
-    which of rules 3, 5 and 6 can change them, and each group runs only those."""
-    invisible = texts.str.contains(_INVISIBLE).fill_null(False)
-    if invisible.any():
-        idx = invisible.arg_true()
-        texts = texts.scatter(idx, texts.gather(idx).str.replace_all(_INVISIBLE, ""))
+    """``clean_text_column`` on rows that may need more than rules 4 and 7: ``_rules_1_2``, then
+    rows are grouped by which of rules 3, 5 and 6 can change them, and each group runs only those."""
     t = pl.col("t")
-    frame = pl.DataFrame({"t": _nfc(texts)}).with_row_index("i").with_columns(
+    frame = pl.DataFrame({"t": _rules_1_2(texts)}).with_row_index("i").with_columns(
         pl.sum_horizontal(bit * t.str.contains(pattern).fill_null(False).cast(pl.UInt8)
                           for bit, pattern in _NEEDS_RULE.items()).alias("rules"))
     parts = [frame.filter(pl.col("rules") == rules).select("i", _clean(t, bool(rules & 1), bool(rules & 2)))
@@ -445,40 +449,58 @@ class Filters:
     min_quality: float
 
 
+# The drop reasons in the order of the module doc. An Enum column of them costs a byte a row where
+# a string column would cost sixteen and a copy of the name per row.
+DROP_REASON = pl.Enum(["no_audio_index", "invalid_language", "language_not_selected", "duration_missing",
+                       "duration_too_short", "duration_too_long", "quality_missing", "quality_below_min",
+                       "transcript_missing", "empty_after_cleaning"])
+
+
 def _drop_reason(filters: Filters) -> pl.Expr:
-    """The first failing check of a row (null when it passes), in the order of the module doc;
-    ``empty_after_cleaning`` is decided after cleaning, which only the passing rows get."""
+    """The first failing check of a row (null when it passes) as a ``DROP_REASON``, in the order of
+    the module doc; ``empty_after_cleaning`` is decided after cleaning, which only the passing rows
+    get."""
+    def reason(name: str) -> pl.Expr:
+        return pl.lit(name, dtype=DROP_REASON)
     duration, quality = pl.col("duration_s"), pl.col("tx_quality_score")
-    reason = pl.when(pl.col("tar_member_name").is_null()).then(pl.lit("no_audio_index"))
-    reason = reason.when(~pl.col("lang").str.contains(LANG_CODE_PATTERN)).then(pl.lit("invalid_language"))
+    drop = pl.when(pl.col("tar_member_name").is_null()).then(reason("no_audio_index"))
+    drop = drop.when(~pl.col("lang").str.contains(LANG_CODE_PATTERN)).then(reason("invalid_language"))
     if filters.languages:
-        reason = reason.when(~pl.col("lang").is_in(list(filters.languages))).then(pl.lit("language_not_selected"))
-    return (reason
-            .when(duration.is_null() | duration.is_nan()).then(pl.lit("duration_missing"))
-            .when(duration < filters.min_duration).then(pl.lit("duration_too_short"))
-            .when(duration > filters.max_duration).then(pl.lit("duration_too_long"))
-            .when(quality.is_null() | quality.is_nan()).then(pl.lit("quality_missing"))
-            .when(quality < filters.min_quality).then(pl.lit("quality_below_min"))
-            .when(pl.col("transcription_native").is_null()).then(pl.lit("transcript_missing"))
-            .otherwise(pl.lit(None, dtype=pl.String)))
+        drop = drop.when(~pl.col("lang").is_in(list(filters.languages))).then(reason("language_not_selected"))
+    return (drop
+            .when(duration.is_null() | duration.is_nan()).then(reason("duration_missing"))
+            .when(duration < filters.min_duration).then(reason("duration_too_short"))
+            .when(duration > filters.max_duration).then(reason("duration_too_long"))
+            .when(quality.is_null() | quality.is_nan()).then(reason("quality_missing"))
+            .when(quality < filters.min_quality).then(reason("quality_below_min"))
+            .when(pl.col("transcription_native").is_null()).then(reason("transcript_missing"))
+            .otherwise(pl.lit(None, dtype=DROP_REASON)))
 
 
 def join_shards(shards: Sequence[Shard], meta: pl.DataFrame, index: pl.DataFrame) -> tuple[pl.DataFrame, int]:
     """Metadata left-joined with the audio index on (shard, segment_id).
 
     Returns the frame (``tar_member_name`` null where the index has no entry; ``shard`` is the
-    position in ``shards``) and the count of index entries without metadata.
+    position in ``shards``; metadata order kept) and the count of index entries without metadata.
     """
     keys = ["shard", "segment_id"]
     index = index.filter(pl.col("tar_member_name").is_not_null()).with_row_index("index_row")
-    # Only the keys go through the join (the metadata's other columns are not copied); left order
-    # is kept, so rows equal in every sort key still come out in the same order on a rerun.
-    matched = meta.select(keys).join(index, on=keys, how="left", maintain_order="left")
+    # Joining on one 64-bit hash of the two keys costs half as much as joining on the keys. Every
+    # pair it makes is checked against the keys; if a hash collision paired different keys, or a
+    # segment_id is listed twice in an index, the exact join runs instead. A null segment_id
+    # matches nothing, as in the exact join. Only the keys go through the join, so the metadata's
+    # other columns are not copied.
+    key = pl.when(pl.col("segment_id").is_not_null()).then(pl.struct(keys).hash()).alias("key")
+    matched = meta.select(key, *keys).join(index.select(key, *keys, "tar_member_name", "index_row"),
+                                           on="key", how="left", maintain_order="left")
+    other_key = (pl.col("segment_id") != pl.col("segment_id_right")) | (pl.col("shard") != pl.col("shard_right"))
+    if matched.height != meta.height or matched.select(other_key.any()).item():
+        matched = meta.select(keys).join(index, on=keys, how="left", maintain_order="left")
     # an index entry is an orphan when no metadata row matched it
     orphans = index.height - matched.get_column("index_row").drop_nulls().n_unique()
     if matched.height == meta.height:  # each metadata row matched at most once: rows line up
         return meta.with_columns(matched.get_column("tar_member_name")), orphans
-    # a segment_id listed twice in an index repeats its metadata row
+    # left order kept, so rows equal in every sort key come out in the same order on a rerun
     return meta.join(index.drop("index_row"), on=keys, how="left", maintain_order="left"), orphans
 
 
@@ -507,12 +529,17 @@ def assemble_manifest(joined: pl.DataFrame, shards: Sequence[Shard], filters: Fi
     frame = joined.with_columns(pl.when(seg_lang.is_null() | (seg_lang == ""))
                                 .then(per_shard([s.lang for s in shards])).otherwise(seg_lang).alias("lang"))
     frame = frame.with_columns(_drop_reason(filters).alias("reason"))
-    candidates = frame.filter(pl.col("reason").is_null()).sort(["shard", "segment_id", "tar_member_name"])
+    # columns are chosen before rows: a filter copies every column it is given
+    candidates = (frame.select("shard", "segment_id", "transcription_native", "duration_s", "lang",
+                               "tar_member_name", "tx_quality_score", "speaker_id", "reason")
+                  .filter(pl.col("reason").is_null()).drop("reason")
+                  .sort(["shard", "segment_id", "tar_member_name"], maintain_order=True))
     candidates = candidates.with_columns(
         clean_in_parallel(candidates.get_column("transcription_native"), workers, progress).alias("cleaned"))
     is_empty = pl.col("cleaned") == ""
-    drops = pl.concat([frame.filter(pl.col("reason").is_not_null()).select("lang", "reason"),
-                       candidates.filter(is_empty).select("lang", pl.lit("empty_after_cleaning").alias("reason"))])
+    drops = pl.concat([frame.select("lang", "reason").filter(pl.col("reason").is_not_null()),
+                       candidates.select("lang", pl.lit("empty_after_cleaning", DROP_REASON).alias("reason"),
+                                         is_empty.alias("empty")).filter("empty").drop("empty")])
     kept = (candidates.filter(~is_empty)
             .select(pl.col("segment_id"), per_shard([s.shard_id for s in shards]).alias("shard_id"),
                     pl.concat_str(pl.lit("<|"), pl.col("lang"), pl.lit("|> "), pl.col("cleaned")).alias("text"),
@@ -542,7 +569,7 @@ def write_atomically(frame: pl.DataFrame, path: Path) -> None:
     path = Path(path)
     tmp = _temp_beside(path)
     try:
-        frame.write_parquet(tmp, compression="zstd", compression_level=1, statistics=True)
+        frame.write_parquet(tmp, compression="zstd", compression_level=1, statistics=False)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -564,9 +591,11 @@ def write_json_atomically(data: dict, path: Path) -> None:
 
 
 def counts_by(frame: pl.DataFrame, *keys: str) -> dict:
-    """Row counts as nested {key1: {key2: n}} (or {key: n}), keys sorted."""
+    """Row counts as nested {key1: {key2: n}} (or {key: n}), keys sorted (an Enum key by name)."""
     out: dict = {}
-    for row in frame.group_by(list(keys)).len().sort(list(keys)).iter_rows():
+    counts = frame.group_by(list(keys)).len()
+    counts = counts.with_columns(pl.col(k).cast(pl.String) for k in keys if isinstance(counts.schema[k], pl.Enum))
+    for row in counts.sort(list(keys)).iter_rows():
         *path, n = row
         node = out
         for k in path[:-1]:
