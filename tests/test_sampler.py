@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import config
@@ -322,13 +322,20 @@ def test_rank_costs_at_every_step_are_within_2_percent_at_p99_on_8_ranks():
     assert stats["rank_cost_balance_p99"] == pytest.approx(np.quantile(ratio, 0.99))
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=8, deadline=None)
+@example(median=3.0, sigma=0.375, seed=72)
+@example(median=2.0, sigma=0.25, seed=0)
 @given(median=st.floats(2.0, 10.0), sigma=st.floats(0.2, 0.9), seed=st.integers(0, 1000))
 def test_rank_balance_holds_across_lognormal_corpora(median, sigma, seed):
+    # About 450k s of audio: ~600 micro-batches per rank, the size the guarantee is stated for. The
+    # examples are corpora where 4,096-item packing lanes left lane-end partial batches dense enough
+    # to break the bound: p99 1.044 (median 3 s, at 40k utterances) and 1.021 (median 2 s, this size).
     rng = np.random.default_rng(seed)
-    durations = np.clip(rng.lognormal(np.log(median), sigma, 40000), 0.3, 30.0)
+    n = int(450_000 / (median * np.exp(sigma ** 2 / 2)))  # the lognormal's mean is median * e^(sigma^2/2)
+    durations = np.clip(rng.lognormal(np.log(median), sigma, n), 0.3, 30.0)
     languages = rng.choice(["a", "b", "c"], size=len(durations), p=[0.7, 0.2, 0.1])
     s = make(durations, languages, world_size=8, grad_accum=4, seed=seed)
+    assert s.epoch_stats()["num_batches_per_rank"] >= 500
     assert s.epoch_stats()["rank_cost_balance_p99"] <= 1.02
 
 
