@@ -44,7 +44,6 @@ import functools
 import json
 import os
 import sys
-import tempfile
 import time
 import unicodedata
 from concurrent.futures import ThreadPoolExecutor
@@ -57,6 +56,7 @@ import polars as pl
 from tqdm import tqdm
 
 import config
+from atomic_files import atomic_write
 
 OUTPUT_COLUMNS = ("segment_id", "shard_id", "text", "duration", "lang", "tar_member_name",
                   "tar_path", "source")
@@ -557,37 +557,16 @@ def summary_path(output: Path) -> Path:
     return output.with_name(stem + ".summary.json")
 
 
-def _temp_beside(path: Path) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    return tmp
-
-
 def write_atomically(frame: pl.DataFrame, path: Path) -> None:
-    """Write parquet to a temp file beside ``path`` and rename it over ``path``."""
-    path = Path(path)
-    tmp = _temp_beside(path)
-    try:
-        frame.write_parquet(tmp, compression="zstd", compression_level=1, statistics=False)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write parquet to a temp file beside ``path`` and rename it over ``path`` (``atomic_write``)."""
+    atomic_write(path, lambda tmp: frame.write_parquet(tmp, compression="zstd", compression_level=1,
+                                                       statistics=False))
 
 
 def write_json_atomically(data: dict, path: Path) -> None:
     """Write ``data`` as JSON to a temp file beside ``path`` and rename it over ``path``."""
-    path = Path(path)
-    tmp = _temp_beside(path)
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=True, ensure_ascii=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    text = json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def counts_by(frame: pl.DataFrame, *keys: str) -> dict:

@@ -16,7 +16,6 @@ import os
 import random
 import re
 import secrets
-import tempfile
 import time
 from collections import deque
 from pathlib import Path
@@ -31,6 +30,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 
 import config as _config
+from atomic_files import atomic_write
 
 # ---- EncoderUnfreezeCallback -------------------------------------------------------------------------------
 _unfreeze_log = _logging.getLogger("callbacks.unfreeze")
@@ -669,45 +669,6 @@ CHECKPOINT_PATTERN = re.compile(r"^step_(\d+)\.ckpt$")
 
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}.ckpt"
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[str], None], suffix: str = ".tmp") -> None:
-    """``write(tmp)`` into a temporary file beside ``path``, fsync, then rename it to ``path``.
-
-    A crash (or SIGKILL) before the rename leaves only a hidden ``.<name>.*<suffix>`` file, never a
-    partial file under the final name; the rename is atomic within one file system.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
-    os.close(fd)
-    # mkstemp creates 0600; give the file the mode a plain open() would (0666 minus the umask).
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from atomic_files import atomic_write
+
 REPO_DIR = Path(__file__).resolve().parent
 
 PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true")
@@ -258,9 +260,7 @@ def update_readme(readme: Path) -> bool:
     new = f"{head}{README_TABLE_START}\n{markdown_table(read_config({}))}\n{README_TABLE_END}{tail}"
     if new == text:
         return False
-    tmp = readme.with_name(readme.name + ".tmp")
-    tmp.write_text(new, encoding="utf-8")
-    os.replace(tmp, readme)
+    atomic_write(readme, lambda tmp: Path(tmp).write_text(new, encoding="utf-8"))
     return True
 
 

@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import config  # noqa: E402
+from atomic_files import atomic_write  # noqa: E402
 
 import matplotlib  # noqa: E402
 
@@ -160,12 +159,9 @@ def _thousands(axis: matplotlib.axis.Axis) -> None:
 
 
 def _save(fig: plt.Figure, path: Path) -> None:
-    # Same-directory temp file, then rename: a reader never sees half a PNG.
-    fd, tmp = tempfile.mkstemp(suffix=".png", dir=path.parent)
-    os.close(fd)
-    fig.savefig(tmp, dpi=DPI)
+    # A reader never sees half a PNG. The suffix tells savefig the format.
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=DPI), suffix=".png")
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def plot_durations(durations: np.ndarray, languages: np.ndarray, table: list[dict], edges: list[float]
@@ -360,9 +356,7 @@ def write_markdown(out: Path, manifest: Path, table: list[dict], plan: dict | No
                                                                sorted(s["dropped_by_lang"].items()) if reason in v)]
                                      for reason, n in sorted(s["dropped"].items(), key=lambda kv: -kv[1])]), ""]
     text = "\n".join(parts)
-    tmp = out / "report.md.tmp"
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, out / "report.md")
+    atomic_write(out / "report.md", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
     return text
 
 
