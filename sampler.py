@@ -12,7 +12,7 @@ Usage (a torch batch sampler; every keyword defaults to its config.py knob)::
     python scripts/bench_sampler.py   # speed / memory / share comparison with the old sampler
 
 An epoch plan is a handful of NumPy passes (per-language shuffles, one integer sort of packed keys, a
-greedy packing loop whose iterations are batches of a lane, never utterances), about 2 s for 10M
+greedy packing loop whose iterations are batches of a lane, never utterances), about 1.5 s for 10M
 utterances, and every rank builds the same global plan without communicating.
 """
 from __future__ import annotations
@@ -26,14 +26,13 @@ from torch.utils.data import Sampler
 
 import config
 
-# Items a packing lane covers; the greedy loop runs once per batch of the longest lane, vectorized
-# across lanes, so this bounds the Python iterations (~LANE/items-per-batch) whatever the corpus size.
-# Each lane ends in a partial batch of arbitrary cost; at 4,096 items those were dense enough to
-# leave ~2% of steps unbalanced across ranks (p99 1.021 on short narrow corpora); 32,768 costs
-# ~0.3 s more per 10M-utterance plan and keeps p99 near 1.003.
-_LANE_ITEMS = 32768
-# Items packed per block of lanes: bounds the running-sum array (float64) to a few MB.
-_PACK_ITEMS = 1 << 19
+# Batches a packing lane holds (a lane is cut every _LANE_BATCHES x cap seconds of audio and at
+# bucket starts). The greedy loop runs about once per batch of a lane, vectorized across lanes; each
+# lane ends in a partial batch of arbitrary cost, so this also bounds the share of such batches
+# (1 in 2,048) that can unbalance a step across ranks.
+_LANE_BATCHES = 2048
+# Iterations of the greedy loop between prunings of finished lanes.
+_PRUNE_EVERY = 16
 # Durations below this are treated as this when jittered, so a 0 s row still gets a sort position.
 _MIN_SORT_SECONDS = 1e-3
 # Slice length for in-place passes over epoch-sized arrays (bounds temporaries to a few MB).
@@ -84,7 +83,7 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
        is one step (micro-batch index) on every rank, so at every step the ranks' costs are nearly
        equal (p99 over steps of max/mean <= 1.02 at world_size 8 once an epoch gives every rank
        a few hundred micro-batches; the steps that can miss it hold the partial batches at lane and
-       bucket ends, about one per bucket per 32,768 utterances, whose costs are sparse). The
+       bucket ends, one per bucket per 2,048 full batches, whose costs are sparse). The
        grad_accum dearest groups run first (an OOM shows in minute one), the other groups in
        random order, and within a group batches go to ranks at random. Every rank gets the same
        number of micro-batches, a multiple of grad_accum: the cheapest (fewer than world_size x
@@ -106,7 +105,8 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
 
     Memory: 5 bytes per utterance held (rows grouped by language, language codes), 4 bytes per
     planned utterance for the epoch plan, ~12 bytes per planned utterance transiently while
-    building it; epoch-sized float work runs in slices.
+    building it (the selection and the sort key, then the plan and the running sum of durations);
+    all other epoch-sized work runs in slices.
     """
 
     def __init__(
@@ -336,8 +336,12 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
             part += 1.0
             part *= np.maximum(dur, _MIN_SORT_SECONDS)
             part *= scale
+            # The bucket index as a count of boundaries passed (a masked add per edge is ~8x slower).
+            bucket = np.zeros(hi - lo)
             for edge in self.boundaries:
-                np.add(part, float(1 << key_bits), out=part, where=dur >= edge)
+                bucket += dur >= edge
+            bucket *= float(1 << key_bits)
+            part += bucket
             chunk = part.astype(np.uint64)
             chunk <<= np.uint64(index_bits)
             chunk |= np.arange(lo, hi, dtype=np.uint64)
@@ -529,12 +533,17 @@ def _code_dtype(num_languages: int) -> type:
 
 
 def _string_codes(arr: np.ndarray) -> tuple[list[str], np.ndarray]:
-    """Codes in order of first appearance, and the distinct strings, of a fixed-width string array."""
-    # Compare the strings as machine words (a 'U2' code is one uint64): one cheap vectorized pass
-    # per language, far faster than comparing or sorting 10M strings.
+    """Codes 0..L-1, and the distinct strings they stand for, of a fixed-width string array."""
+    # Compare the strings as machine words (a 'U2' code is one uint64), far faster than comparing
+    # or sorting 10M strings: first by a hash of the words (two passes), then, should two
+    # languages share a hash slot, by one vectorized pass per language.
     arr = np.ascontiguousarray(arr)
     width = 8 if arr.dtype.itemsize % 8 == 0 else 4 if arr.dtype.itemsize % 4 == 0 else 1
     words = arr.view(f"u{width}").reshape(len(arr), -1)
+    hashed = _hashed_codes(words)
+    if hashed is not None:
+        rows, codes = hashed
+        return [_text(arr[r]) for r in rows.tolist()], codes
     codes = np.full(len(arr), -1, dtype=np.int8)
     found: list[str] = []
     at = 0
@@ -550,6 +559,37 @@ def _string_codes(arr: np.ndarray) -> tuple[list[str], np.ndarray]:
         at = row
     uniq, inverse = np.unique(arr, return_inverse=True)
     return [_text(u) for u in uniq], inverse.ravel()
+
+
+def _hash_slots(words: np.ndarray) -> np.ndarray:
+    """A 16-bit multiplicative hash of each row of machine words."""
+    h = np.zeros(len(words), dtype=np.uint64)
+    for col in range(words.shape[1]):
+        h += words[:, col].astype(np.uint64)
+        h *= np.uint64(0x9E3779B97F4A7C15)  # wraps: arithmetic mod 2**64
+    h >>= np.uint64(48)
+    return h.astype(np.intp)
+
+
+def _hashed_codes(words: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """(one row per distinct string, int8 codes) when no two distinct strings share a hash slot, else None."""
+    n = len(words)
+    holder = np.full(1 << 16, -1, dtype=np.int64)
+    for lo, hi in _slices(n):
+        holder[_hash_slots(words[lo:hi])] = np.arange(lo, hi)
+    present = np.flatnonzero(holder >= 0)
+    if len(present) > 127:
+        return None
+    code_of_slot = np.zeros(1 << 16, dtype=np.int8)
+    code_of_slot[present] = np.arange(len(present), dtype=np.int8)
+    codes = np.empty(n, dtype=np.int8)
+    for lo, hi in _slices(n):
+        chunk = words[lo:hi]
+        slots = _hash_slots(chunk)
+        if not np.array_equal(chunk, words[holder[slots]]):
+            return None  # a hash collision between two languages
+        codes[lo:hi] = code_of_slot[slots]
+    return holder[present], codes
 
 
 def _text(value: Any) -> str:
@@ -645,41 +685,60 @@ def _greedy_pack(durations: np.ndarray, flat: np.ndarray, bucket_starts: np.ndar
                  cap: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(batch starts in ``flat``, seconds of audio, longest duration) per batch: greedy fill to ``cap``.
 
-    The plan order is cut into lanes (at every bucket start and every ``_LANE_ITEMS`` items); each
-    lane is packed greedily on its own. The loop advances every lane of a block by one batch per
-    iteration (one vectorized searchsorted on the block's running sum), so it runs about
-    items-per-lane / items-per-batch times per block: never once per utterance.
+    The plan order is cut into lanes, at every bucket start and every ``_LANE_BATCHES`` x ``cap``
+    seconds of audio; each lane is packed greedily on its own. The loop advances every lane by one
+    batch per iteration (one vectorized searchsorted on the epoch's running sum), so it runs about
+    ``_LANE_BATCHES`` times (at most ~2x that: two neighbouring batches hold more than ``cap``),
+    whatever the corpus size: never once per utterance.
     """
     size = len(flat)
-    cuts = np.union1d(np.concatenate([[0], bucket_starts]), np.arange(0, size, _LANE_ITEMS))
+    # The running sum is the one epoch-sized float array (8 bytes per utterance, no more than the
+    # sort key it follows); durations are gathered into it a slice at a time.
+    cum = np.empty(size + 1)
+    cum[0] = 0.0
+    for lo, hi in _slices(size):
+        np.take(durations, flat[lo:hi], out=cum[lo + 1:hi + 1])
+    np.cumsum(cum[1:], out=cum[1:])
+    lane_seconds = _LANE_BATCHES * cap
+    marks = np.arange(1, int(min(cum[-1] // lane_seconds, size)) + 1) * lane_seconds
+    cuts = np.union1d(np.concatenate([[0], bucket_starts]), cum.searchsorted(marks, side="left"))
     cuts = cuts[cuts < size].astype(np.int64)  # empty top buckets start at ``size``
-    lane_end = np.append(cuts[1:], size)
-    found, seconds, longest = [], [], []
-    first = 0
-    while first < len(cuts):
-        # A block of whole lanes of about _PACK_ITEMS items: its running sum is the only float array.
-        last = max(first + 1, int(np.searchsorted(cuts, cuts[first] + _PACK_ITEMS, side="left")))
-        lo, hi = int(cuts[first]), int(lane_end[last - 1])
-        block = durations[flat[lo:hi]]
-        cum = np.empty(hi - lo + 1)
-        cum[0] = 0.0
-        np.cumsum(block, out=cum[1:])
-        cur, end = cuts[first:last] - lo, lane_end[first:last] - lo
-        block_starts = []
-        while len(cur):
+    end = np.append(cuts[1:], size)
+    cur, found = cuts, []
+    while len(cur):
+        for _ in range(_PRUNE_EVERY):
+            # Finished lanes stay parked at their end; they are pruned every few iterations.
+            found.append(cur)
             nxt = cum.searchsorted(cum[cur] + cap, side="right") - 1
             # An utterance longer than the cap still advances the lane: it becomes a batch of its own.
             np.maximum(nxt, cur + 1, out=nxt)
             np.minimum(nxt, end, out=nxt)
-            block_starts.append(cur)
-            alive = nxt < end
-            cur, end = nxt[alive], end[alive]
-        here = np.sort(np.concatenate(block_starts))
-        found.append(here + lo)
-        seconds.append(np.diff(cum[np.append(here, hi - lo)]))
-        longest.append(np.maximum.reduceat(block, here))
-        first = last
-    return np.concatenate(found), np.concatenate(seconds), np.concatenate(longest)
+            cur = nxt
+        alive = cur < end
+        cur, end = cur[alive], end[alive]
+    starts = np.concatenate(found)
+    del found
+    starts.sort()
+    # A parked lane sits on the next lane's first start (or on ``size``): drop the repeats in one
+    # pass (np.unique is several times slower).
+    keep = np.empty(len(starts), dtype=bool)
+    keep[0] = True
+    np.not_equal(starts[1:], starts[:-1], out=keep[1:])
+    keep &= starts < size
+    starts = starts[keep]
+    del keep
+    bounds = np.append(starts, size)
+    seconds = np.diff(cum[bounds])
+    del cum
+    longest = np.empty(len(starts))
+    b = 0
+    while b < len(starts):
+        # Batches covering about one slice of items (at least one batch): one gather, one reduceat.
+        e = min(max(int(bounds.searchsorted(bounds[b] + _CHUNK, side="right")) - 1, b + 1), len(starts))
+        lo, hi = int(bounds[b]), int(bounds[e])
+        longest[b:e] = np.maximum.reduceat(durations[flat[lo:hi]], bounds[b:e] - lo)
+        b = e
+    return starts, seconds, longest
 
 
 def _deal(cost: np.ndarray, world_size: int, grad_accum: int,

@@ -277,6 +277,40 @@ def test_every_utterance_is_packed_once_within_the_cap_inside_one_bucket(data, n
     assert s.epoch_stats()["over_cap_batches"] == over
 
 
+
+@FEW
+@given(data=st.data(), n=st.integers(1, 2000), cap=st.floats(1.0, 60.0), lane_batches=st.integers(1, 40),
+       num_buckets=st.integers(1, 5))
+def test_lane_parallel_packing_is_greedy_except_at_lane_and_bucket_ends(data, n, cap, lane_batches,
+                                                                         num_buckets):
+    # The packer advances many lanes at once; tiny lanes make every lane / bucket / pruning path run.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sampler_module, "_LANE_BATCHES", lane_batches)
+        patch.setattr(sampler_module, "_CHUNK", 64)
+        check_greedy_packing(data, n, cap, num_buckets, lane_batches)
+
+
+def check_greedy_packing(data, n: int, cap: float, num_buckets: int, lane_batches: int) -> None:
+    durations = np.array(data.draw(st.lists(st.sampled_from([0.0, 0.4, 1.0, 2.5, 7.0, 30.0, 99.0])
+                                            | st.floats(0.0, 100.0), min_size=n, max_size=n)))
+    flat = np.random.default_rng(n).permutation(n).astype(np.int32)
+    bucket_starts = np.sort(np.random.default_rng(int(cap * 1000)).choice(np.arange(1, n + 2), num_buckets - 1))
+    starts, seconds, longest = sampler_module._greedy_pack(durations, flat, bucket_starts, cap)
+
+    assert starts[0] == 0 and np.all(np.diff(starts) > 0)
+    assert set(bucket_starts[bucket_starts < n].tolist()) <= set(starts.tolist())
+    bounds = np.append(starts, n)
+    batches = [durations[flat[a:b]] for a, b in zip(bounds[:-1], bounds[1:])]
+    assert np.array_equal(longest, [b.max() for b in batches])
+    assert np.allclose(seconds, [b.sum() for b in batches], rtol=0, atol=1e-9)
+    assert all(len(b) == 1 or b.sum() <= cap + 1e-9 for b in batches)
+    # A batch that the next utterance would still have fitted into must end a lane or a bucket:
+    # at most one per bucket and per lane_batches x cap seconds of audio.
+    next_fits = [a + durations[flat[e]] <= cap for a, e in zip(seconds[:-1], bounds[1:-1])]
+    allowed = num_buckets + int(durations.sum() // (lane_batches * cap))
+    assert sum(next_fits) <= allowed
+
+
 def padding_efficiency(plan: list[list[int]], durations: np.ndarray) -> float:
     real = sum(durations[b].sum() for b in plan)
     padded = sum(len(b) * durations[b].max() for b in plan)
@@ -434,6 +468,20 @@ def test_integer_language_codes_give_the_same_plan_as_strings():
     assert by_code.languages == names
     assert plan_digest(by_code) == plan_digest(make(durations, languages))
     assert make(durations, codes).languages == [str(i) for i in range(len(names))]
+
+
+
+@pytest.mark.parametrize("dtype", ["U", "S", "O"])
+def test_languages_sharing_a_hash_slot_still_get_their_own_codes(monkeypatch, dtype):
+    # Language strings are coded through a 16-bit hash of their bytes; should two languages share
+    # a slot, the per-language comparison must take over and give the same plan.
+    durations, languages = corpus({**SKEWED, "kn-IN": 90})
+    languages = languages.astype(dtype) if dtype != "O" else languages.astype(object)
+    expected = plan_digest(make(durations, languages))
+    monkeypatch.setattr(sampler_module, "_hash_slots", lambda words: np.zeros(len(words), dtype=np.intp))
+    collided = make(durations, languages)
+    assert collided.languages == sorted([*SKEWED, "kn-IN"])
+    assert plan_digest(collided) == expected
 
 
 # ---- 6. resume -----------------------------------------------------------------------------------
