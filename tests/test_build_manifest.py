@@ -99,7 +99,7 @@ def test_symbols_become_spaces():
 
 
 TRICKY = st.lists(st.sampled_from(list(
-    "ab कषन्ािँ ़ക്നൽ অৰৱ্া ো e\u0301\u0323\u00e9 ’'\"«»-–—…।॥.,[]<>|()\t\n\u00a0") + [ZWJ, ZWNJ, "\u200b",
+    "ab5 कषन्ािँ ़ക്നൽ অৰৱ্া ো e\u0301\u0323\u00e9 ’'\"«»-–—…।॥.,[]<>|()\t\n\u00a0") + [ZWJ, ZWNJ, "\u200b",
     "\u200f", "\ufeff", "\ue000", "\x00", "[music]", "<noise>"]), max_size=30).map("".join)
 
 
@@ -162,9 +162,13 @@ def test_segment_language_overrides_the_path_language(tmp_path):
 
 def test_path_language_is_used_when_segment_language_is_null_or_blank(tmp_path):
     write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a", "segment_language": None},
-                                                         {"segment_id": "b", "segment_language": ""}])
+                                                         {"segment_id": "b", "segment_language": ""},
+                                                         {"segment_id": "c", "segment_language": " \t"},
+                                                         {"segment_id": "d", "segment_language": " Ta"}])
+    write_shard(tmp_path / "shards", "src", "en", "s1", [{"segment_id": "e", "segment_language": None},
+                                                         {"segment_id": "f", "segment_language": "KN"}])
     manifest, _ = build(tmp_path / "shards", tmp_path)
-    assert manifest.get_column("lang").to_list() == ["hi", "hi"]
+    assert manifest.get_column("lang").to_list() == ["en", "kn", "hi", "hi", "hi", "ta"]  # by shard_id
 
 
 def test_shard_source_tar_path_and_member_come_from_the_shard(tmp_path):
