@@ -241,6 +241,22 @@ def test_rows_without_an_audio_index_entry_are_dropped_and_counted(tmp_path):
     assert summary["audio_index_without_metadata"] == 1
 
 
+def test_a_segment_listed_twice_in_the_audio_index_keeps_its_own_text_on_both_rows(tmp_path):
+    # The exact-join path (a duplicate index entry) with dropped rows around it: every kept row must
+    # still carry the cleaned transcript of its own metadata row.
+    write_shard(tmp_path / "shards", "src", "hi", "s0",
+                [{"segment_id": "a", "transcription_native": "one, two", "duration_s": 0.1},
+                 {"segment_id": "b", "transcription_native": "«three»"},
+                 {"segment_id": "c", "transcription_native": "four", "indexed": False},
+                 {"segment_id": "d", "transcription_native": "[music]"},
+                 {"segment_id": "e", "transcription_native": "five-six"}],
+                extra_index_rows=[{"segment_id": "b", "tar_member_name": "b_again.flac"}])
+    manifest, summary = build(tmp_path / "shards", tmp_path)
+    assert manifest.select("segment_id", "tar_member_name", "text").rows() == [
+        ("b", "b.flac", "<|hi|> three"), ("b", "b_again.flac", "<|hi|> three"), ("e", "e.flac", "<|hi|> five six")]
+    assert drops_of(summary) == {"duration_too_short": 1, "no_audio_index": 1, "empty_after_cleaning": 1}
+
+
 def test_languages_setting_keeps_only_the_listed_languages(tmp_path):
     write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a"}, {"segment_id": "b", "segment_language": "en"}])
     manifest, summary = build(tmp_path / "shards", tmp_path, languages=("en",))
