@@ -537,9 +537,10 @@ def row_languages(joined: pl.DataFrame, shards: Sequence[Shard]) -> tuple[pl.Ser
     shard = joined.get_column("shard")
     lang = dir_lang.gather(shard)
     lang_ok = dir_lang.str.contains(LANG_CODE_PATTERN).gather(shard)
-    own_rows = joined.get_column("segment_language").is_not_null().arg_true()
+    segment_language = joined.get_column("segment_language")
+    own_rows = segment_language.is_not_null().arg_true()
     if own_rows.len():
-        own = joined.get_column("segment_language").gather(own_rows).str.strip_chars().str.to_lowercase()
+        own = segment_language.gather(own_rows).str.strip_chars().str.to_lowercase()
         set_rows = own != ""
         own_rows, own = own_rows.filter(set_rows), own.filter(set_rows)
         lang = lang.scatter(own_rows, own)
