@@ -130,15 +130,19 @@ def write_corpus(root: Path, n_shards: int, rows_per_shard: int, seed: int, text
 
 
 # --- baseline: the row-wise pandas pipeline ----------------------------------------------------
-_BASE_TAGS = re.compile(r"\[[^\]]*\]")
-_BASE_PUNCT = re.compile(r"[.,!?;:\"'()\[\]\-—…।॥%/+=$*@#&_^<>|\\`~]+")
-_BASE_SPACE = re.compile(r"\s+")
+# The existing pipeline's cleaning as its write-up quotes it. The write-up shows the tag pattern as
+# r"\[.*?\]|" with an empty second branch, which would match everywhere: the "<.*?>" branch was
+# most likely lost when the write-up rendered "<...>" as markup, so it is restored here.
+_BASE_TAGS = re.compile(r"\[.*?\]|<.*?>", re.IGNORECASE)
+_BASE_PUNCT = re.compile(r"[।॥.,!?;:\"'\-—()…%/+=$*@#&_^>|\\<>`~。\u0964\u0965]+")
 
 
 def baseline_clean(text: str) -> str:
+    if not text:
+        return ""
     text = _BASE_TAGS.sub("", text)
     text = _BASE_PUNCT.sub("", text)
-    return _BASE_SPACE.sub(" ", text).strip()
+    return re.sub(r"\s+", " ", text).strip()
 
 
 def baseline_build(shards_dir: Path, output: Path) -> pd.DataFrame:
