@@ -26,16 +26,18 @@ A row is kept when, checked in this order (the first failing check names the dro
 
 A segment_id listed twice in a shard stays twice here; make_train_val.py keeps one.
 
-Engine: polars, for every step. Shards are decoded in multi-file scans of up to 256 shards (a call
-per small file costs more in overhead than in decoding); a batch whose files do not all read alike
-is checked shard by shard, so a corrupt file is reported with its reason and skipped. The join (on
-a verified hash of shard and segment_id), the filters and the sort run once over all shards,
-multi-threaded; the cleaning runs as Rust-regex passes over chunks of the column on a thread pool
-(polars releases the GIL), and a row takes only the passes that can change it: one check sends
-most rows through the single tags/punctuation/space pass. pyarrow.compute has regex and
-normalization kernels but runs them single-threaded and has no multi-threaded join; DuckDB would
-add a second regex dialect and dataframe library to the project. Rust regex has no look-around,
-which is why in-word apostrophes travel through the punctuation pass as a placeholder character.
+Engine: polars, for every step. Shards go through in batches of about 128k rows: while one batch
+is filtered and cleaned, the next is read and joined on a background thread (see
+``joined_batches``). A batch is decoded in multi-file scans (a call per small file costs more in
+overhead than in decoding); one whose files do not all read alike is checked shard by shard, so a
+corrupt file is reported with its reason and skipped. The join (on a verified hash of shard and
+segment_id), the filters and the sort are multi-threaded; the cleaning runs as Rust-regex passes
+over chunks of the column on a thread pool (polars releases the GIL), and a row takes only the
+passes that can change it: one check sends most rows through the single tags/punctuation/space
+pass. pyarrow.compute has regex and normalization kernels but runs them single-threaded and has no
+multi-threaded join; DuckDB would add a second regex dialect and dataframe library to the project.
+Rust regex has no look-around, which is why in-word apostrophes travel through the punctuation
+pass as a placeholder character.
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ import unicodedata
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import polars as pl
@@ -437,11 +439,15 @@ def read_shards(shards: Sequence[Shard], workers: int, progress: bool, batch_siz
         return pl.DataFrame(), pl.DataFrame(), bad
 
     def tag(frames: list[pl.DataFrame], name: str) -> pl.DataFrame:
-        # "path" holds the file each row came from; as an Enum over the files in shard order, its
-        # physical value is the shard's position
-        files = pl.Enum([str(s.path / name) for s in shards])
-        return pl.concat(frames, how="vertical").with_columns(
-            pl.col("path").cast(files).to_physical().cast(pl.UInt32).alias("shard")).drop("path")
+        # "path" holds the file each row came from, and each file's rows are contiguous: the
+        # rows from where the path changes to the next change take that file's shard position
+        frame = pl.concat(frames, how="vertical")
+        path = frame.get_column("path")
+        starts = (path != path.shift(1)).fill_null(True).arg_true()
+        position = {str(s.path / name): i for i, s in enumerate(shards)}
+        run_shard = np.array([position[p] for p in path.gather(starts).to_list()], dtype=np.uint32)
+        run_length = np.diff(np.append(starts.to_numpy(), frame.height))
+        return frame.drop("path").with_columns(pl.Series("shard", np.repeat(run_shard, run_length)))
     return (tag([_standard_metadata(meta) for meta, _ in parts], METADATA_FILE),
             tag([index.select(pl.col("segment_id", "tar_member_name").cast(pl.String), "path")
                  for _, index in parts], INDEX_FILE), bad)
@@ -511,10 +517,49 @@ def join_shards(shards: Sequence[Shard], meta: pl.DataFrame, index: pl.DataFrame
     return meta.join(index.drop("index_row"), on=keys, how="left", maintain_order="left"), orphans
 
 
+def joined_batches(shards: Sequence[Shard], workers: int, first: int = 32, rows: int = 131_072
+                   ) -> Iterator[tuple[Sequence[Shard], pl.DataFrame | None, int, list[dict[str, str]]]]:
+    """Consecutive batches of ``shards``, each read and joined: ``(batch, joined or None when
+    nothing in it could be read, orphan index entries, unreadable shards)``, shard positions in
+    ``joined`` counted within the batch.
+
+    A batch is read and joined on a background thread while the caller works on the one before,
+    so the single-threaded stretches of either side overlap with the other's parallel work, and
+    each batch reuses memory the one before it freed (fresh memory costs a page fault per page).
+    The first batch holds ``first`` shards; later ones as many as make about ``rows`` rows at the
+    rows per shard seen so far (8 to 256 shards: a multi-file scan takes up to 256).
+    """
+    seen = {"rows": 0, "shards": 0}
+
+    def load(start: int):
+        size = first if not seen["shards"] else max(8, round(rows * seen["shards"] / max(seen["rows"], 1)))
+        batch = shards[start:start + min(256, size)]
+        meta, index, unreadable = read_shards(batch, workers, progress=False)
+        seen["rows"] += meta.height
+        seen["shards"] += len(batch)
+        if not meta.width:  # no shard in the batch could be read
+            return batch, None, 0, unreadable
+        joined, orphans = join_shards(batch, meta, index)
+        return batch, joined, orphans, unreadable
+
+    with ThreadPoolExecutor(max_workers=1) as reader:
+        start, pending = 0, (reader.submit(load, 0) if shards else None)
+        while pending is not None:
+            result = pending.result()
+            start += len(result[0])
+            pending = reader.submit(load, start) if start < len(shards) else None
+            yield result
+
+
 def clean_in_parallel(texts: pl.Series, workers: int, progress: bool) -> pl.Series:
-    """``clean_text_column`` over chunks of ``texts`` on a thread pool, in order."""
+    """``clean_text_column`` over chunks of ``texts`` on a thread pool, in order.
+
+    Chunks shrink towards the end (sizes in proportion to 4, 4, 3, 3, 2, 2, 1, 1 for two
+    workers), so that the last one to finish leaves the other workers idle only briefly.
+    """
     n_chunks = max(1, min(4 * workers, texts.len() // 20_000))
-    bounds = np.linspace(0, texts.len(), n_chunks + 1, dtype=np.int64)
+    weights = -(-np.arange(n_chunks, 0, -1) // workers)  # ceil((n_chunks - i) / workers)
+    bounds = np.concatenate([[0], np.cumsum(weights)]) * texts.len() // weights.sum()
     chunks = [texts.slice(int(a), int(b - a)) for a, b in zip(bounds[:-1], bounds[1:])]
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool, \
             tqdm(total=texts.len(), desc="cleaning text", unit="row", unit_scale=True,
@@ -548,6 +593,15 @@ def row_languages(joined: pl.DataFrame, shards: Sequence[Shard]) -> tuple[pl.Ser
     return lang.alias("lang"), lang_ok.alias("lang_ok")
 
 
+def _is_sorted(frame: pl.DataFrame, columns: list[str]) -> bool:
+    """Whether the rows are in ascending order of ``columns`` (compared in turn; no nulls in them)."""
+    in_order = pl.lit(True)
+    for column in reversed(columns):  # each column decides where the ones before it are equal
+        value, previous = pl.col(column), pl.col(column).shift(1)
+        in_order = (value > previous) | ((value == previous) & in_order)
+    return frame.select(in_order.fill_null(True).all()).item()
+
+
 def assemble_manifest(joined: pl.DataFrame, shards: Sequence[Shard], filters: Filters, root: str,
                       workers: int = 1, progress: bool = False) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(manifest rows sorted by shard_id and segment_id, one (lang, reason) row per dropped row)."""
@@ -560,8 +614,10 @@ def assemble_manifest(joined: pl.DataFrame, shards: Sequence[Shard], filters: Fi
     # columns are chosen before rows: a filter copies every column it is given
     candidates = (frame.select("shard", "segment_id", "transcription_native", "duration_s", "lang",
                                "tar_member_name", "tx_quality_score", "speaker_id", "reason")
-                  .filter(pl.col("reason").is_null()).drop("reason")
-                  .sort(["shard", "segment_id", "tar_member_name"], maintain_order=True))
+                  .filter(pl.col("reason").is_null()).drop("reason"))
+    order = ["shard", "segment_id", "tar_member_name"]
+    if not _is_sorted(candidates, order):  # shards often list their segments in order already
+        candidates = candidates.sort(order, maintain_order=True)
     candidates = candidates.with_columns(
         clean_in_parallel(candidates.get_column("transcription_native"), workers, progress).alias("cleaned"))
     is_empty = pl.col("cleaned") == ""
@@ -634,21 +690,31 @@ def build_manifest(shards_dir: Path | None = None, output: Path | None = None, *
         # Building and compiling the cleaning regexes costs ~50 ms: done while the shards are read.
         regexes = warm_up.submit(clean_text_column, pl.Series(_WARM_UP_TEXTS, dtype=pl.String))
         shards, misplaced = discover_shards(shards_dir)
-        meta, index, unreadable = read_shards(shards, workers, progress)
-        regexes.result()
-    bad = misplaced + unreadable
+        root = os.path.abspath(shards_dir).rstrip("/")
+        kept_parts, drop_parts, unreadable, rows_in, orphans = [], [], [], 0, 0
+        with tqdm(total=len(shards), desc="building manifest", unit="shard", disable=not progress) as bar:
+            for batch, joined, batch_orphans, batch_unreadable in joined_batches(shards, workers):
+                unreadable += batch_unreadable
+                if joined is not None:
+                    regexes.result()
+                    kept, drops = assemble_manifest(joined, batch, filters, root, workers)
+                    kept_parts.append(kept)
+                    drop_parts.append(drops)
+                    rows_in, orphans = rows_in + joined.height, orphans + batch_orphans
+                    del joined, kept, drops  # the batch's columns go as soon as they are assembled
+                bar.update(len(batch))
+    bad = misplaced + sorted(unreadable, key=lambda b: b["path"])
     if bad and strict:
         raise ManifestError(f"{len(bad)} shard(s) could not be read (--strict):\n  "
                             + "\n  ".join(f"{b['path']}: {b['reason']}" for b in bad))
     if len(unreadable) == len(shards):  # nothing readable (or only misplaced shards)
         raise ManifestError(f"none of the {len(shards) + len(misplaced)} shard(s) under {shards_dir} "
                             f"could be read:\n  " + "\n  ".join(b["reason"] for b in bad[:10]))
-    joined, orphans = join_shards(shards, meta, index)
-    kept, drops = assemble_manifest(joined, shards, filters, os.path.abspath(shards_dir).rstrip("/"),
-                                    workers, progress)
+    # batches hold consecutive shards in shard order, so their rows concatenate in manifest order
+    kept, drops = pl.concat(kept_parts), pl.concat(drop_parts)
     dropped = counts_by(drops, "reason")
     summary = {
-        "rows_in": joined.height,
+        "rows_in": rows_in,
         "rows_out": kept.height,
         "dropped": dropped,
         "dropped_by_lang": counts_by(drops, "lang", "reason"),

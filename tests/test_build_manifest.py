@@ -1,6 +1,7 @@
 """build_manifest.py: cleaning rules, filters, schema, error handling and determinism."""
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -335,6 +336,43 @@ def test_strict_turns_an_unreadable_shard_into_an_error_and_writes_nothing(tmp_p
     assert "bad" in capsys.readouterr().err
 
 
+def test_batches_are_consecutive_shards_sized_by_the_rows_seen_so_far(tmp_path):
+    for s in range(40):
+        write_shard(tmp_path / "shards", "src", "hi", f"s{s:02d}", [{"segment_id": f"{s}-{i}"} for i in range(100)])
+    shards, _ = bm.discover_shards(tmp_path / "shards")
+    batches = list(bm.joined_batches(shards, workers=2, first=4, rows=1600))
+    assert [len(batch) for batch, *_ in batches] == [4, 16, 16, 4]  # 1600 rows at 100 a shard
+    assert [s for batch, *_ in batches for s in batch] == shards
+    for batch, joined, orphans, unreadable in batches:
+        assert joined.height == 100 * len(batch) and orphans == 0 and unreadable == []
+        # shard positions count within the batch
+        assert joined.get_column("shard").unique().sort().to_list() == list(range(len(batch)))
+        assert joined.get_column("segment_id").str.split("-").list.first().unique().sort().to_list() == \
+            sorted(s.shard_id.rsplit("/s", 1)[1].lstrip("0") or "0" for s in batch)
+
+
+def test_building_in_many_small_batches_writes_the_same_manifest_and_summary(tmp_path, monkeypatch):
+    langs = ["hi", "ta", "en"]
+    for s in range(20):
+        rows = [{"segment_id": f"{s}-{i}", "transcription_native": f"w{i}, [x] «w» don't",
+                 "duration_s": 0.2 + i, "indexed": i % 7 != 3} for i in range(s % 6)]
+        shard = write_shard(tmp_path / "shards", "src", langs[s % 3], f"s{s:02d}", rows,
+                            extra_index_rows=[{"segment_id": f"orphan{s}", "tar_member_name": "o.flac"}])
+        if s in (5, 13):
+            corrupt(shard, "corrupt data behind a valid footer")
+    outputs = []
+    for batched in (False, True):
+        if batched:  # batches of 2, then 8 shards (the fewest a later batch holds)
+            monkeypatch.setattr(bm, "joined_batches", functools.partial(bm.joined_batches, first=2, rows=1))
+        out = tmp_path / f"m{batched}.parquet"
+        summary = bm.build_manifest(tmp_path / "shards", out, languages=(), min_duration=0.5, max_duration=20.0,
+                                    min_quality=0.0, progress=False)
+        summary.pop("seconds")
+        outputs.append((out.read_bytes(), summary))
+    assert outputs[0] == outputs[1]
+    assert outputs[0][1]["shards_read"] == 18 and outputs[0][1]["audio_index_without_metadata"] == 18
+
+
 def test_missing_shards_dir_exits_non_zero_naming_it(tmp_path, capsys):
     code = bm.main(["--shards-dir", str(tmp_path / "nope"), "--output", str(tmp_path / "m.parquet")])
     assert code != 0 and "nope" in capsys.readouterr().err
@@ -360,6 +398,38 @@ def test_rows_are_sorted_by_shard_id_then_segment_id(tmp_path):
     manifest, _ = build(tmp_path / "shards", tmp_path)
     pairs = manifest.select("shard_id", "segment_id").rows()
     assert pairs == sorted(pairs)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.sampled_from(["x", "y", "xy", ""]), st.sampled_from(["p", "q"])),
+                max_size=8))
+def test_the_sort_is_skipped_only_for_rows_already_in_order(rows):
+    frame = pl.DataFrame(rows, schema={"shard": pl.UInt32, "segment_id": pl.String, "tar_member_name": pl.String},
+                         orient="row")
+    columns = ["shard", "segment_id", "tar_member_name"]
+    assert bm._is_sorted(frame, columns) == frame.equals(frame.sort(columns, maintain_order=True))
+
+
+def test_a_shard_listed_in_order_and_one_listed_out_of_order_both_come_out_sorted(tmp_path):
+    # "b" is listed twice in the metadata and twice in the index, its second file name first
+    write_shard(tmp_path / "shards", "a", "hi", "s0",
+                [{"segment_id": "a"}, {"segment_id": "b", "tar_member_name": "b2.flac"},
+                 {"segment_id": "b", "tar_member_name": "b1.flac"}, {"segment_id": "c"}])
+    write_shard(tmp_path / "shards", "a", "hi", "s1", [{"segment_id": s} for s in ["q", "p"]])
+    manifest, _ = build(tmp_path / "shards", tmp_path)
+    rows = manifest.select("shard_id", "segment_id", "tar_member_name").rows()
+    assert rows == sorted(rows) and len(rows) == 8  # each "b" row pairs with both index entries
+
+
+def test_rows_keep_their_own_shard_when_a_shard_between_them_is_empty(tmp_path):
+    write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a"}, {"segment_id": "b"}])
+    write_shard(tmp_path / "shards", "src", "hi", "s1", [])
+    write_shard(tmp_path / "shards", "src", "ta", "s2", [{"segment_id": "c"}],
+                extra_index_rows=[{"segment_id": "orphan", "tar_member_name": "orphan.flac"}])
+    manifest, summary = build(tmp_path / "shards", tmp_path)
+    assert manifest.select("segment_id", "shard_id", "lang").rows() == [
+        ("a", "src/hi/s0", "hi"), ("b", "src/hi/s0", "hi"), ("c", "src/ta/s2", "ta")]
+    assert summary["shards_read"] == 3 and summary["audio_index_without_metadata"] == 1
 
 
 def test_rerunning_gives_byte_identical_outputs(tmp_path):
