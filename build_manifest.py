@@ -36,8 +36,9 @@ over chunks of the column on a thread pool (polars releases the GIL), and a row 
 passes that can change it: one check sends most rows through the single tags/punctuation/space
 pass. pyarrow.compute has regex and normalization kernels but runs them single-threaded and has no
 multi-threaded join; DuckDB would add a second regex dialect and dataframe library to the project.
-Rust regex has no look-around, which is why in-word apostrophes travel through the punctuation
-pass as a placeholder character.
+Rust regex has no look-around, which is why in-word apostrophes travel through the multi-pass
+path's punctuation pass as a placeholder character, and why the single-pass path finds the
+apostrophes outside words only after that pass (see ``_APOSTROPHES_OUTSIDE_WORDS``).
 """
 from __future__ import annotations
 
@@ -114,7 +115,22 @@ _EDGE_JOINER = (rf"(?:^|[^\p{{L}}\p{{M}}{_ZW_JOINERS}])[{_ZW_JOINERS}]"
                 rf"|[^\p{{M}}{_ZW_JOINERS}][{_ZW_JOINERS}]+(?:[^\p{{L}}\p{{M}}{_ZW_JOINERS}]|$)")
 # Rows that none of these match are left unchanged by rules 3, 5 and 6, so they skip those passes.
 _NEEDS_RULE = {1: _IN_WORD_APOSTROPHE, 2: _EDGE_JOINER}
-_NEEDS_ANY_RULE = "|".join(f"(?:{pattern})" for pattern in _NEEDS_RULE.values())
+
+# The single-pass path (``clean_text_column``) does rules 3-5 without capture groups, which cost
+# Rust regex a slower engine on every match: rule 4's pass leaves apostrophes alone, so that each
+# neighbour an apostrophe had that was a tag, a mark or whitespace is now a space; an apostrophe
+# then stands in a word when it is alone between a letter or sign and a letter, and every other
+# one is in a run of apostrophes and spaces that holds a space or two apostrophes or touches an
+# end: the run becomes one space. That holds while an apostrophe's neighbours are letters, signs,
+# spaces or apostrophes; a row with one after anything else (a digit, a joiner) or before anything
+# but a letter takes the multi-pass path.
+_APOSTROPHES = "'\u2019"
+_TAG_OR_MARK_BUT_APOSTROPHE = _TAG_OR_MARK.replace("--[ ]]", f"--[ {_APOSTROPHES}]]")
+_TAGS_PUNCT_SPACE_BUT_APOSTROPHES = rf" *{_TAG_OR_MARK_BUT_APOSTROPHE}(?:{_TAG_OR_MARK_BUT_APOSTROPHE}| )*| {{2,}}"
+_A = f"[{_APOSTROPHES}]"
+_APOSTROPHES_OUTSIDE_WORDS = (rf" +{_A}[ {_APOSTROPHES}]*|{_A}+ [ {_APOSTROPHES}]*|{_A}{{2,}}[ {_APOSTROPHES}]*"
+                              rf"|^{_A}+[ {_APOSTROPHES}]*|{_A}+$")
+_APOSTROPHE_ODD_NEIGHBOUR = rf"[^\p{{L}}\p{{M}} {_APOSTROPHES}]{_A}|{_A}[^\p{{L}} {_APOSTROPHES}]"
 
 
 def _clean(expr: pl.Expr, apostrophes: bool = True, joiners: bool = True) -> pl.Expr:
@@ -195,7 +211,7 @@ def _needs_more_than_one_pass() -> str:
     6): its cleaning is the tags/punctuation/space pass and the trim, nothing else. One alternation
     costs about as much as one of its parts, so this single pass replaces three on most rows.
     """
-    return "|".join(f"(?:{pattern})" for pattern in (_INVISIBLE, _nfc_may_change(), _NEEDS_ANY_RULE))
+    return "|".join(f"(?:{pattern})" for pattern in (_INVISIBLE, _nfc_may_change(), _EDGE_JOINER))
 
 
 def _clean_special(texts: pl.Series) -> pl.Series:
@@ -213,24 +229,36 @@ def _clean_special(texts: pl.Series) -> pl.Series:
 def clean_text_column(texts: pl.Series) -> pl.Series:
     """``clean_text`` over a string Series, vectorized (null stays null).
 
-    Most transcripts hold no invisible character, are NFC already and hold no in-word apostrophe
-    and no joiner at a word edge: one check finds them, and they take the tags/punctuation/space
-    pass and the trim instead of all seven rules. The others go through ``_clean_special``. Tests
+    Most transcripts hold no invisible character, are NFC already and hold no joiner at a word
+    edge: one check finds them, and they take a single tags/punctuation/space pass and the trim
+    instead of all seven rules, plus, for those holding an apostrophe, one pass that turns the
+    apostrophes outside words into spaces (see ``_APOSTROPHES_OUTSIDE_WORDS``). The others, and
+    the rows with an apostrophe beside a digit or a joiner, go through ``_clean_special``. Tests
     check that this equals ``clean_text_expr`` on every row.
     """
     texts = texts.cast(pl.String)
-    special = texts.str.contains(_needs_more_than_one_pass()).fill_null(False)
-    frame = pl.DataFrame({"t": texts}).with_row_index("i")
-    if not special.any():
-        return frame.select(_clean(pl.col("t"), False, False)).to_series().alias(texts.name)
-    parts = [frame.filter(~special).select("i", _clean(pl.col("t"), False, False)),
-             frame.filter(special).select("i", _clean_special(texts.filter(special)).alias("t"))]
+    t = pl.col("t")
+    frame = pl.DataFrame({"t": texts}).with_row_index("i").with_columns(
+        special=t.str.contains(_needs_more_than_one_pass()).fill_null(False),
+        apostrophe=t.str.contains(_A).fill_null(False))
+    if not any(frame.select(pl.col("special", "apostrophe").any()).row(0)):
+        return texts.str.replace_all(_TAGS_PUNCT_SPACE, " ").str.strip_chars()
+    one_pass = frame.filter(~pl.col("special")).with_columns(t.str.replace_all(_TAGS_PUNCT_SPACE_BUT_APOSTROPHES, " "))
+    with_apostrophe = one_pass.filter("apostrophe").with_columns(odd=t.str.contains(_APOSTROPHE_ODD_NEIGHBOUR))
+    parts = [one_pass.filter(~pl.col("apostrophe")).select("i", t.str.strip_chars()),
+             with_apostrophe.filter(~pl.col("odd")).select(
+                 "i", t.str.replace_all(_APOSTROPHES_OUTSIDE_WORDS, " ").str.replace_all("\u2019", "'", literal=True)
+                 .str.strip_chars())]
+    rest = frame.filter(pl.col("special") | pl.col("i").is_in(with_apostrophe.filter("odd").get_column("i").implode()))
+    if rest.height:
+        parts.append(rest.select("i", _clean_special(rest.get_column("t")).alias("t")))
     return pl.concat(parts).sort("i").get_column("t").alias(texts.name)
 
 
 # Texts that send rows down every cleaning pass (an in-word apostrophe, an invisible mark, a stray
-# joiner, a text NFC changes, plain punctuation), so one call compiles every regex.
-_WARM_UP_TEXTS = ["don\u2019t\u200f", "x\u200d y", "e\u0301 [t]", "a, b", "a\u2019b\u200d"]
+# joiner, a text NFC changes, plain punctuation, apostrophes in and outside words, an apostrophe
+# after a digit), so one call compiles every regex.
+_WARM_UP_TEXTS = ["don\u2019t\u200f", "x\u200d y", "e\u0301 [t]", "a, b", "a\u2019b\u200d", "it's 'x'", "9'a"]
 
 
 def clean_texts(texts: Sequence[str | None]) -> list[str | None]:
@@ -281,13 +309,19 @@ def discover_shards(shards_dir: Path) -> tuple[list[Shard], list[dict[str, str]]
         raise ManifestError(f"SHARDS_DIR {shards_dir} is not a directory: set SHARDS_DIR (or "
                             f"--shards-dir) to the folder holding <source>/<lang>/<shard>/")
     shards, misplaced = [], []
-    for meta in sorted(shards_dir.rglob(METADATA_FILE)):
-        rel = meta.parent.relative_to(shards_dir)
+    # os.walk, like Path.rglob, does not descend into symlinked directories; it is several times
+    # quicker, which matters on a tree of thousands of shards
+    for directory, _, files in os.walk(shards_dir):
+        if METADATA_FILE not in files:
+            continue
+        path = Path(directory)
+        rel = path.relative_to(shards_dir)
         if len(rel.parts) != 3:
-            misplaced.append({"path": str(meta.parent), "reason": "not at <source>/<lang>/<shard> "
+            misplaced.append({"path": str(path), "reason": "not at <source>/<lang>/<shard> "
                               f"depth under SHARDS_DIR ({len(rel.parts)} levels deep)"})
             continue
-        shards.append(Shard(rel.as_posix(), rel.parts[0], rel.parts[1], meta.parent))
+        shards.append(Shard(rel.as_posix(), rel.parts[0], rel.parts[1], path))
+    misplaced.sort(key=lambda m: m["path"])
     if not shards and not misplaced:
         raise ManifestError(f"no shards found under {shards_dir}: expected "
                             f"<source>/<lang>/<shard>/{METADATA_FILE} (is SHARDS_DIR right?)")
@@ -713,22 +747,24 @@ def build_manifest(shards_dir: Path | None = None, output: Path | None = None, *
     # batches hold consecutive shards in shard order, so their rows concatenate in manifest order
     kept, drops = pl.concat(kept_parts), pl.concat(drop_parts)
     dropped = counts_by(drops, "reason")
-    summary = {
-        "rows_in": rows_in,
-        "rows_out": kept.height,
-        "dropped": dropped,
-        "dropped_by_lang": counts_by(drops, "lang", "reason"),
-        "kept_by_lang": counts_by(kept, "lang"),
-        "shards_found": len(shards) + len(misplaced),
-        "shards_read": len(shards) - len(unreadable),
-        "bad_shards": bad,
-        "audio_index_without_metadata": orphans,
-        "settings": {"shards_dir": str(shards_dir), "languages": list(filters.languages),
-                     "min_duration": filters.min_duration, "max_duration": filters.max_duration,
-                     "min_quality": filters.min_quality},
-    }
-    assert summary["rows_in"] == summary["rows_out"] + sum(dropped.values()), "row accounting broke"
-    write_atomically(kept, output)
+    assert rows_in == kept.height + sum(dropped.values()), "row accounting broke"
+    with ThreadPoolExecutor(max_workers=1) as writer:
+        written = writer.submit(write_atomically, kept, output)  # the summary is counted meanwhile
+        summary = {
+            "rows_in": rows_in,
+            "rows_out": kept.height,
+            "dropped": dropped,
+            "dropped_by_lang": counts_by(drops, "lang", "reason"),
+            "kept_by_lang": counts_by(kept, "lang"),
+            "shards_found": len(shards) + len(misplaced),
+            "shards_read": len(shards) - len(unreadable),
+            "bad_shards": bad,
+            "audio_index_without_metadata": orphans,
+            "settings": {"shards_dir": str(shards_dir), "languages": list(filters.languages),
+                         "min_duration": filters.min_duration, "max_duration": filters.max_duration,
+                         "min_quality": filters.min_quality},
+        }
+        written.result()
     write_json_atomically(summary, summary_path(output))
     summary["seconds"] = round(time.perf_counter() - started, 3)
     return summary

@@ -111,6 +111,24 @@ def test_fast_cleaning_path_equals_running_every_rule_on_every_row(texts):
     assert bm.clean_texts(texts) == reference
 
 
+# Text the single-pass path takes (no invisible character, nothing NFC changes) dense with what
+# decides an apostrophe: spaces, marks, tags, digits, signs, mid-word joiners, other apostrophes.
+APOSTROPHE_HEAVY = st.lists(st.sampled_from(
+    list("ab5 ि़ ’'.,-[]<>\u0301ক্") + [ZWJ, " '", "' ", "a'b", "''", "’’ ", "[x'y]"]), max_size=20).map("".join)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(APOSTROPHE_HEAVY, min_size=1, max_size=6))
+def test_single_pass_apostrophes_equal_running_every_rule(texts):
+    reference = pl.select(bm.clean_text_expr(pl.lit(pl.Series(texts, dtype=pl.String)))).to_series().to_list()
+    assert bm.clean_texts(texts) == reference
+
+
+def test_apostrophes_outside_words_become_spaces_and_in_word_ones_stay():
+    assert bm.clean_texts(["'tis a 'test' rock'n'roll", "don’t", "a '' b", "a''b", "9'a", "x' y", "'"]) == [
+        "tis a test rock'n'roll", "don't", "a b", "a b", "9 a", "x y", ""]
+
+
 def test_fast_cleaning_path_handles_neighbours_made_by_deleting_invisible_characters():
     texts = ["a\u200f'b", "a\u200f\u200d b", "\ufeff\u200dx", "don\u200e’t"]
     reference = pl.select(bm.clean_text_expr(pl.lit(pl.Series(texts)))).to_series().to_list()
@@ -371,6 +389,19 @@ def test_building_in_many_small_batches_writes_the_same_manifest_and_summary(tmp
         outputs.append((out.read_bytes(), summary))
     assert outputs[0] == outputs[1]
     assert outputs[0][1]["shards_read"] == 18 and outputs[0][1]["audio_index_without_metadata"] == 18
+
+
+def test_metadata_at_the_wrong_depth_is_reported_and_the_rest_is_built(tmp_path, capsys):
+    write_shard(tmp_path / "shards", "src", "hi", "good", [{"segment_id": "a"}])
+    too_deep = write_shard(tmp_path / "shards", "src", "hi", "good/extra", [{"segment_id": "b"}])
+    too_shallow = write_shard(tmp_path / "shards", "src", "ta", "", [{"segment_id": "c"}])
+    manifest, summary = build(tmp_path / "shards", tmp_path)
+    assert manifest.get_column("segment_id").to_list() == ["a"]
+    assert [(b["path"], b["reason"].split("(")[1]) for b in summary["bad_shards"]] == [
+        (str(too_deep), "4 levels deep)"), (str(too_shallow), "2 levels deep)")]
+    code = bm.main(["--shards-dir", str(tmp_path / "shards"), "--output", str(tmp_path / "m.parquet"),
+                    "--strict", "--no-progress"])
+    assert code != 0 and "levels deep" in capsys.readouterr().err and not (tmp_path / "m.parquet").exists()
 
 
 def test_missing_shards_dir_exits_non_zero_naming_it(tmp_path, capsys):
