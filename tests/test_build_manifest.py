@@ -404,6 +404,13 @@ def test_metadata_at_the_wrong_depth_is_reported_and_the_rest_is_built(tmp_path,
     assert code != 0 and "levels deep" in capsys.readouterr().err and not (tmp_path / "m.parquet").exists()
 
 
+def test_discovery_does_not_follow_symlinked_directories_so_a_loop_cannot_hang_it(tmp_path):
+    write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a"}])
+    (tmp_path / "shards" / "src" / "hi" / "loop").symlink_to(tmp_path / "shards", target_is_directory=True)
+    shards, misplaced = bm.discover_shards(tmp_path / "shards")
+    assert [s.shard_id for s in shards] == ["src/hi/s0"] and misplaced == []
+
+
 def test_missing_shards_dir_exits_non_zero_naming_it(tmp_path, capsys):
     code = bm.main(["--shards-dir", str(tmp_path / "nope"), "--output", str(tmp_path / "m.parquet")])
     assert code != 0 and "nope" in capsys.readouterr().err
