@@ -165,7 +165,7 @@ def baseline_build(shards_dir: Path, output: Path) -> pd.DataFrame:
             return f"<|{lang}|> {baseline_clean(row['transcription_native'])}"
 
         df["text"] = df.apply(make_text, axis=1)
-        df["lang"] = df["text"].str.extract(r"^<\|([^|]*)\|>", expand=False)
+        df["lang"] = df["segment_language"].where(df["segment_language"].notna(), lang_dir)
         df["shard_id"] = shard_dir.relative_to(shards_dir).as_posix()
         df["duration"] = df["duration_s"]
         df["tar_path"] = str(shard_dir / "audio.tar")
