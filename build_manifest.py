@@ -52,7 +52,7 @@ import unicodedata
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import polars as pl
@@ -240,7 +240,7 @@ def clean_text_column(texts: pl.Series) -> pl.Series:
     t = pl.col("t")
     frame = pl.DataFrame({"t": texts}).with_row_index("i").with_columns(
         special=t.str.contains(_needs_more_than_one_pass()).fill_null(False),
-        apostrophe=t.str.contains(_A).fill_null(False))
+        apostrophe=t.str.contains_any(list(_APOSTROPHES)).fill_null(False))
     if not any(frame.select(pl.col("special", "apostrophe").any()).row(0)):
         return texts.str.replace_all(_TAGS_PUNCT_SPACE, " ").str.strip_chars()
     one_pass = frame.filter(~pl.col("special")).with_columns(t.str.replace_all(_TAGS_PUNCT_SPACE_BUT_APOSTROPHES, " "))
@@ -570,7 +570,8 @@ def join_shards(shards: Sequence[Shard], meta: pl.DataFrame, index: pl.DataFrame
     return meta.join(index.drop("index_row"), on=keys, how="left", maintain_order="left"), orphans
 
 
-def joined_batches(shards: Sequence[Shard], workers: int, first: int = 32, rows: int = 131_072
+def joined_batches(shards: Sequence[Shard], workers: int, first: int = 32, rows: int = 131_072,
+                   meanwhile: Callable[[], Any] | None = None
                    ) -> Iterator[tuple[Sequence[Shard], pl.DataFrame | None, int, list[dict[str, str]]]]:
     """Consecutive batches of ``shards``, each read and joined: ``(batch, joined or None when
     nothing in it could be read, orphan index entries, unreadable shards)``, shard positions in
@@ -580,7 +581,8 @@ def joined_batches(shards: Sequence[Shard], workers: int, first: int = 32, rows:
     so the single-threaded stretches of either side overlap with the other's parallel work, and
     each batch reuses memory the one before it freed (fresh memory costs a page fault per page).
     The first batch holds ``first`` shards; later ones as many as make about ``rows`` rows at the
-    rows per shard seen so far (8 to 256 shards: a multi-file scan takes up to 256).
+    rows per shard seen so far (8 to 256 shards: a multi-file scan takes up to 256). ``meanwhile``
+    is called on the caller's thread while the first batch loads.
     """
     seen = {"rows": 0, "shards": 0}
 
@@ -597,6 +599,8 @@ def joined_batches(shards: Sequence[Shard], workers: int, first: int = 32, rows:
 
     with ThreadPoolExecutor(max_workers=1) as reader:
         start, pending = 0, (reader.submit(load, 0) if shards else None)
+        if meanwhile is not None:
+            meanwhile()
         while pending is not None:
             result = pending.result()
             start += len(result[0])
@@ -739,23 +743,22 @@ def build_manifest(shards_dir: Path | None = None, output: Path | None = None, *
                       config.MIN_QUALITY if min_quality is None else min_quality)
     workers = workers or min(8, os.cpu_count() or 1)
 
-    with ThreadPoolExecutor(max_workers=1) as warm_up:
-        # Building and compiling the cleaning regexes costs ~50 ms: done while the shards are read.
-        regexes = warm_up.submit(clean_text_column, pl.Series(_WARM_UP_TEXTS, dtype=pl.String))
-        shards, misplaced = discover_shards(shards_dir)
-        root = os.path.abspath(shards_dir).rstrip("/")
-        kept_parts, drop_parts, unreadable, rows_in, orphans = [], [], [], 0, 0
-        with tqdm(total=len(shards), desc="building manifest", unit="shard", disable=not progress) as bar:
-            for batch, joined, batch_orphans, batch_unreadable in joined_batches(shards, workers):
-                unreadable += batch_unreadable
-                if joined is not None:
-                    regexes.result()
-                    kept, drops = assemble_manifest(joined, batch, filters, root, workers)
-                    kept_parts.append(kept)
-                    drop_parts.append(drops)
-                    rows_in, orphans = rows_in + joined.height, orphans + batch_orphans
-                    del joined, kept, drops  # the batch's columns go as soon as they are assembled
-                bar.update(len(batch))
+    shards, misplaced = discover_shards(shards_dir)
+    root = os.path.abspath(shards_dir).rstrip("/")
+    kept_parts, drop_parts, unreadable, rows_in, orphans = [], [], [], 0, 0
+    # Building and compiling the cleaning regexes costs ~30 ms, most of it Python holding the GIL:
+    # done while the first batch is read, on this thread, which has nothing else to do then.
+    warm_up = functools.partial(clean_text_column, pl.Series(_WARM_UP_TEXTS, dtype=pl.String))
+    with tqdm(total=len(shards), desc="building manifest", unit="shard", disable=not progress) as bar:
+        for batch, joined, batch_orphans, batch_unreadable in joined_batches(shards, workers, meanwhile=warm_up):
+            unreadable += batch_unreadable
+            if joined is not None:
+                kept, drops = assemble_manifest(joined, batch, filters, root, workers)
+                kept_parts.append(kept)
+                drop_parts.append(drops)
+                rows_in, orphans = rows_in + joined.height, orphans + batch_orphans
+                del joined, kept, drops  # the batch's columns go as soon as they are assembled
+            bar.update(len(batch))
     bad = misplaced + sorted(unreadable, key=lambda b: b["path"])
     if bad and strict:
         raise ManifestError(f"{len(bad)} shard(s) could not be read (--strict):\n  "
