@@ -126,10 +126,11 @@ _NEEDS_RULE = {1: _IN_WORD_APOSTROPHE, 2: _EDGE_JOINER}
 # but a letter takes the multi-pass path.
 _APOSTROPHES = "'\u2019"
 _TAG_OR_MARK_BUT_APOSTROPHE = _TAG_OR_MARK.replace("--[ ]]", f"--[ {_APOSTROPHES}]]")
-_TAGS_PUNCT_SPACE_BUT_APOSTROPHES = rf" *{_TAG_OR_MARK_BUT_APOSTROPHE}(?:{_TAG_OR_MARK_BUT_APOSTROPHE}| )*| {{2,}}"
+_TAGS_PUNCT_SPACE_BUT_APOSTROPHES = (rf" *{_TAG_OR_MARK_BUT_APOSTROPHE}(?:{_TAG_OR_MARK_BUT_APOSTROPHE}| )*"
+                                     rf"| {{2,}}")
 _A = f"[{_APOSTROPHES}]"
-_APOSTROPHES_OUTSIDE_WORDS = (rf" +{_A}[ {_APOSTROPHES}]*|{_A}+ [ {_APOSTROPHES}]*|{_A}{{2,}}[ {_APOSTROPHES}]*"
-                              rf"|^{_A}+[ {_APOSTROPHES}]*|{_A}+$")
+_APOSTROPHES_OUTSIDE_WORDS = (rf" +{_A}[ {_APOSTROPHES}]*|{_A}+ [ {_APOSTROPHES}]*"
+                              rf"|{_A}{{2,}}[ {_APOSTROPHES}]*|^{_A}+[ {_APOSTROPHES}]*|{_A}+$")
 _APOSTROPHE_ODD_NEIGHBOUR = rf"[^\p{{L}}\p{{M}} {_APOSTROPHES}]{_A}|{_A}[^\p{{L}} {_APOSTROPHES}]"
 
 
@@ -237,19 +238,20 @@ def clean_text_column(texts: pl.Series) -> pl.Series:
     check that this equals ``clean_text_expr`` on every row.
     """
     texts = texts.cast(pl.String)
-    t = pl.col("t")
+    t, special, apostrophe, odd = pl.col("t"), pl.col("special"), pl.col("apostrophe"), pl.col("odd")
     frame = pl.DataFrame({"t": texts}).with_row_index("i").with_columns(
         special=t.str.contains(_needs_more_than_one_pass()).fill_null(False),
         apostrophe=t.str.contains_any(list(_APOSTROPHES)).fill_null(False))
-    if not any(frame.select(pl.col("special", "apostrophe").any()).row(0)):
+    if not any(frame.select(special.any(), apostrophe.any()).row(0)):
         return texts.str.replace_all(_TAGS_PUNCT_SPACE, " ").str.strip_chars()
-    one_pass = frame.filter(~pl.col("special")).with_columns(t.str.replace_all(_TAGS_PUNCT_SPACE_BUT_APOSTROPHES, " "))
-    with_apostrophe = one_pass.filter("apostrophe").with_columns(odd=t.str.contains(_APOSTROPHE_ODD_NEIGHBOUR))
-    parts = [one_pass.filter(~pl.col("apostrophe")).select("i", t.str.strip_chars()),
-             with_apostrophe.filter(~pl.col("odd")).select(
-                 "i", t.str.replace_all(_APOSTROPHES_OUTSIDE_WORDS, " ").str.replace_all("\u2019", "'", literal=True)
-                 .str.strip_chars())]
-    rest = frame.filter(pl.col("special") | pl.col("i").is_in(with_apostrophe.filter("odd").get_column("i").implode()))
+    one_pass = frame.filter(~special).with_columns(t.str.replace_all(_TAGS_PUNCT_SPACE_BUT_APOSTROPHES, " "))
+    with_apostrophe = one_pass.filter(apostrophe).with_columns(odd=t.str.contains(_APOSTROPHE_ODD_NEIGHBOUR))
+    in_words = (t.str.replace_all(_APOSTROPHES_OUTSIDE_WORDS, " ")
+                .str.replace_all("\u2019", "'", literal=True).str.strip_chars())
+    parts = [one_pass.filter(~apostrophe).select("i", t.str.strip_chars()),
+             with_apostrophe.filter(~odd).select("i", in_words)]
+    odd_rows = with_apostrophe.filter(odd).get_column("i").implode()
+    rest = frame.filter(special | pl.col("i").is_in(odd_rows))
     if rest.height:
         parts.append(rest.select("i", _clean_special(rest.get_column("t")).alias("t")))
     return pl.concat(parts).sort("i").get_column("t").alias(texts.name)
@@ -587,7 +589,10 @@ def joined_batches(shards: Sequence[Shard], workers: int, first: int = 32, rows:
     seen = {"rows": 0, "shards": 0}
 
     def load(start: int):
-        size = first if not seen["shards"] else max(8, round(rows * seen["shards"] / max(seen["rows"], 1)))
+        if seen["shards"]:
+            size = max(8, round(rows * seen["shards"] / max(seen["rows"], 1)))
+        else:
+            size = first
         batch = shards[start:start + min(256, size)]
         meta, index, unreadable = read_shards(batch, workers, progress=False)
         seen["rows"] += meta.height
@@ -750,7 +755,8 @@ def build_manifest(shards_dir: Path | None = None, output: Path | None = None, *
     # done while the first batch is read, on this thread, which has nothing else to do then.
     warm_up = functools.partial(clean_text_column, pl.Series(_WARM_UP_TEXTS, dtype=pl.String))
     with tqdm(total=len(shards), desc="building manifest", unit="shard", disable=not progress) as bar:
-        for batch, joined, batch_orphans, batch_unreadable in joined_batches(shards, workers, meanwhile=warm_up):
+        for batch, joined, batch_orphans, batch_unreadable in joined_batches(shards, workers,
+                                                                             meanwhile=warm_up):
             unreadable += batch_unreadable
             if joined is not None:
                 kept, drops = assemble_manifest(joined, batch, filters, root, workers)
