@@ -616,10 +616,11 @@ def joined_batches(shards: Sequence[Shard], workers: int, first: int = 32, rows:
 def clean_in_parallel(texts: pl.Series, workers: int, progress: bool) -> pl.Series:
     """``clean_text_column`` over chunks of ``texts`` on a thread pool, in order.
 
-    Chunks shrink towards the end (sizes in proportion to 4, 4, 3, 3, 2, 2, 1, 1 for two
-    workers), so that the last one to finish leaves the other workers idle only briefly.
+    Up to two chunks per worker of at least 30k rows (each chunk costs a few milliseconds of
+    fixed work); they shrink towards the end (sizes in proportion to 2, 2, 1, 1 for two workers),
+    so that the last one to finish leaves the other workers idle only briefly.
     """
-    n_chunks = max(1, min(4 * workers, texts.len() // 20_000))
+    n_chunks = max(1, min(2 * workers, texts.len() // 30_000))
     weights = -(-np.arange(n_chunks, 0, -1) // workers)  # ceil((n_chunks - i) / workers)
     bounds = np.concatenate([[0], np.cumsum(weights)]) * texts.len() // weights.sum()
     chunks = [texts.slice(int(a), int(b - a)) for a, b in zip(bounds[:-1], bounds[1:])]
