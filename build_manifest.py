@@ -242,17 +242,19 @@ def clean_text_column(texts: pl.Series) -> pl.Series:
     frame = pl.DataFrame({"t": texts}).with_row_index("i").with_columns(
         special=t.str.contains(_needs_more_than_one_pass()).fill_null(False),
         apostrophe=t.str.contains_any(list(_APOSTROPHES)).fill_null(False))
-    if not any(frame.select(special.any(), apostrophe.any()).row(0)):
+    any_special, any_apostrophe = frame.select(special.any(), apostrophe.any()).row(0)
+    if not (any_special or any_apostrophe):
         return texts.str.replace_all(_TAGS_PUNCT_SPACE, " ").str.strip_chars()
-    one_pass = frame.filter(~special).with_columns(t.str.replace_all(_TAGS_PUNCT_SPACE_BUT_APOSTROPHES, " "))
+    one_pass = (frame.filter(~special) if any_special else frame).with_columns(
+        t.str.replace_all(_TAGS_PUNCT_SPACE_BUT_APOSTROPHES, " "))
     with_apostrophe = one_pass.filter(apostrophe).with_columns(odd=t.str.contains(_APOSTROPHE_ODD_NEIGHBOUR))
     in_words = (t.str.replace_all(_APOSTROPHES_OUTSIDE_WORDS, " ")
                 .str.replace_all("\u2019", "'", literal=True).str.strip_chars())
     parts = [one_pass.filter(~apostrophe).select("i", t.str.strip_chars()),
              with_apostrophe.filter(~odd).select("i", in_words)]
-    odd_rows = with_apostrophe.filter(odd).get_column("i").implode()
-    rest = frame.filter(special | pl.col("i").is_in(odd_rows))
-    if rest.height:
+    odd_rows = with_apostrophe.filter(odd).get_column("i")
+    if any_special or odd_rows.len():
+        rest = frame.filter(special | pl.col("i").is_in(odd_rows.implode()))
         parts.append(rest.select("i", _clean_special(rest.get_column("t")).alias("t")))
     return pl.concat(parts).sort("i").get_column("t").alias(texts.name)
 
