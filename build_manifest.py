@@ -205,12 +205,12 @@ def _rules_1_2(texts: pl.Series) -> pl.Series:
 
 @functools.cache
 def _needs_more_than_one_pass() -> str:
-    """A regex matching every text that a rule other than 4 and 7 could change (and a few more).
+    """A regex matching every text that rule 1, 2 or 6 could change (and a few more).
 
-    A text it does not match holds no invisible character (rule 1), is NFC already (rule 2), so
-    the in-word-apostrophe and edge-joiner checks see it unchanged and find nothing (rules 3, 5,
-    6): its cleaning is the tags/punctuation/space pass and the trim, nothing else. One alternation
-    costs about as much as one of its parts, so this single pass replaces three on most rows.
+    A text it does not match holds no invisible character (rule 1), is NFC already (rule 2) and
+    holds no joiner rule 6 could remove: its cleaning is rules 3-5 as ``clean_text_column``'s
+    single pass (and, with an apostrophe, the pass after it) and the trim. One alternation costs
+    about as much as one of its parts, so this single check replaces three on most rows.
     """
     return "|".join(f"(?:{pattern})" for pattern in (_INVISIBLE, _nfc_may_change(), _EDGE_JOINER))
 
@@ -387,6 +387,9 @@ def check_shard(shard: Shard) -> tuple[tuple, tuple]:
     return signature[0], signature[1]
 
 
+MAX_SCAN_SHARDS = 256  # shards per ``read_shards`` call
+
+
 def _read_files(paths: list[str], columns: list[str]) -> pl.DataFrame:
     """Read same-schema parquet files in one multi-file scan, with a ``path`` column."""
     return _scan(paths).select(*columns, "path").collect()
@@ -469,28 +472,20 @@ def _read_shard_by_shard(shards: Sequence[Shard], workers: int
     return parts, bad
 
 
-def read_shards(shards: Sequence[Shard], workers: int, progress: bool, batch_size: int = 256
-                ) -> tuple[pl.DataFrame, pl.DataFrame, list[dict[str, str]]]:
+def read_shards(shards: Sequence[Shard], workers: int) -> tuple[pl.DataFrame, pl.DataFrame, list[dict[str, str]]]:
     """Metadata and audio index of every readable shard, each row tagged with its shard's position
     in ``shards`` (column ``shard``), and the unreadable shards with path and reason.
 
-    Shards are read in multi-file scans (one polars call decodes many small files in parallel,
-    where a call per file would cost more in overhead than in decoding), ``batch_size`` shards at
-    a time. A batch whose files all read and share the columns and types of its first takes one
-    scan per file kind; any other batch goes through ``_read_shard_by_shard``, which reports each
-    unreadable shard and reads the rest.
+    The shards are read in one multi-file scan per file kind (one polars call decodes many small
+    files in parallel, where a call per file would cost more in overhead than in decoding) when
+    their files all read and share the columns and types of the first; otherwise they go through
+    ``_read_shard_by_shard``, which reports each unreadable shard and reads the rest. Callers keep
+    to ``MAX_SCAN_SHARDS`` shards a call, so one corrupt file sends only that many down the slow path.
     """
-    parts, bad = [], []
-    with tqdm(total=len(shards), desc="reading shards", unit="shard", disable=not progress) as bar:
-        for start in range(0, len(shards), batch_size):
-            batch = shards[start:start + batch_size]
-            try:
-                parts.append(_read_all_at_once(batch))
-            except Exception:  # polars raises several types; the slow path names each culprit
-                batch_parts, failed = _read_shard_by_shard(batch, workers)
-                parts.extend(batch_parts)
-                bad.extend(failed)
-            bar.update(len(batch))
+    try:
+        parts, bad = [_read_all_at_once(shards)], []
+    except Exception:  # polars raises several types; the slow path names each culprit
+        parts, bad = _read_shard_by_shard(shards, workers)
     bad.sort(key=lambda b: b["path"])
     if not parts:
         return pl.DataFrame(), pl.DataFrame(), bad
@@ -585,8 +580,8 @@ def joined_batches(shards: Sequence[Shard], workers: int, first: int = 32, rows:
     so the single-threaded stretches of either side overlap with the other's parallel work, and
     each batch reuses memory the one before it freed (fresh memory costs a page fault per page).
     The first batch holds ``first`` shards; later ones as many as make about ``rows`` rows at the
-    rows per shard seen so far (8 to 256 shards: a multi-file scan takes up to 256). ``meanwhile``
-    is called on the caller's thread while the first batch loads.
+    rows per shard seen so far (at least 8, and at most ``MAX_SCAN_SHARDS``, like the first).
+    ``meanwhile`` is called on the caller's thread while the first batch loads.
     """
     seen = {"rows": 0, "shards": 0}
 
@@ -595,8 +590,8 @@ def joined_batches(shards: Sequence[Shard], workers: int, first: int = 32, rows:
             size = max(8, round(rows * seen["shards"] / max(seen["rows"], 1)))
         else:
             size = first
-        batch = shards[start:start + min(256, size)]
-        meta, index, unreadable = read_shards(batch, workers, progress=False)
+        batch = shards[start:start + min(MAX_SCAN_SHARDS, size)]
+        meta, index, unreadable = read_shards(batch, workers)
         seen["rows"] += meta.height
         seen["shards"] += len(batch)
         if not meta.width:  # no shard in the batch could be read
@@ -615,7 +610,7 @@ def joined_batches(shards: Sequence[Shard], workers: int, first: int = 32, rows:
             yield result
 
 
-def clean_in_parallel(texts: pl.Series, workers: int, progress: bool) -> pl.Series:
+def clean_in_parallel(texts: pl.Series, workers: int) -> pl.Series:
     """``clean_text_column`` over chunks of ``texts`` on a thread pool, in order.
 
     Up to two chunks per worker of at least 30k rows (each chunk costs a few milliseconds of
@@ -626,13 +621,8 @@ def clean_in_parallel(texts: pl.Series, workers: int, progress: bool) -> pl.Seri
     weights = -(-np.arange(n_chunks, 0, -1) // workers)  # ceil((n_chunks - i) / workers)
     bounds = np.concatenate([[0], np.cumsum(weights)]) * texts.len() // weights.sum()
     chunks = [texts.slice(int(a), int(b - a)) for a, b in zip(bounds[:-1], bounds[1:])]
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool, \
-            tqdm(total=texts.len(), desc="cleaning text", unit="row", unit_scale=True,
-                 disable=not progress) as bar:
-        cleaned = []
-        for chunk, result in zip(chunks, pool.map(clean_text_column, chunks)):
-            cleaned.append(result)
-            bar.update(chunk.len())
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        cleaned = list(pool.map(clean_text_column, chunks))
     return pl.concat(cleaned) if cleaned else texts.clear()
 
 
@@ -668,7 +658,7 @@ def _is_sorted(frame: pl.DataFrame, columns: list[str]) -> bool:
 
 
 def assemble_manifest(joined: pl.DataFrame, shards: Sequence[Shard], filters: Filters, root: str,
-                      workers: int = 1, progress: bool = False) -> tuple[pl.DataFrame, pl.DataFrame]:
+                      workers: int = 1) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(manifest rows sorted by shard_id and segment_id, one (lang, reason) row per dropped row)."""
     def per_shard(values: list[str]) -> pl.Expr:  # a shard's constant, looked up by position
         return pl.lit(pl.Series(values, dtype=pl.String)).gather(pl.col("shard"))
@@ -684,7 +674,7 @@ def assemble_manifest(joined: pl.DataFrame, shards: Sequence[Shard], filters: Fi
     if not _is_sorted(candidates, order):  # shards often list their segments in order already
         candidates = candidates.sort(order, maintain_order=True)
     candidates = candidates.with_columns(
-        clean_in_parallel(candidates.get_column("transcription_native"), workers, progress).alias("cleaned"))
+        clean_in_parallel(candidates.get_column("transcription_native"), workers).alias("cleaned"))
     is_empty = pl.col("cleaned") == ""
     drops = pl.concat([frame.select("lang", "reason").filter(pl.col("reason").is_not_null()),
                        candidates.select("lang", pl.lit("empty_after_cleaning", DROP_REASON).alias("reason"),
