@@ -5,6 +5,7 @@ Usage:
     python scripts/bench_build_manifest.py                          # 512,000 rows over 320 shards
     python scripts/bench_build_manifest.py --shards 400 --rows-per-shard 2000 --keep /tmp/bench
     python scripts/bench_build_manifest.py --text-mix dense         # the first version's corpus
+    python scripts/bench_build_manifest.py --pool-size 110000       # nearly every transcript unique
 
 It writes synthetic shards (metadata.parquet + audio_index.parquet, no audio; how much punctuation
 the transcripts hold follows ``--text-mix``, see TEXT_MIXES) into a temp dir, then in one process
@@ -96,11 +97,13 @@ def make_transcript_pool(lang: str, n: int, rng: np.random.Generator, mix: dict)
     return pool
 
 
-def write_corpus(root: Path, n_shards: int, rows_per_shard: int, seed: int, text_mix: str = "realistic") -> int:
-    """Write the shard tree; return the number of metadata rows."""
+def write_corpus(root: Path, n_shards: int, rows_per_shard: int, seed: int, text_mix: str = "realistic",
+                 pool_size: int = 4000) -> int:
+    """Write the shard tree, each row's transcript drawn from ``pool_size`` per language; return the
+    number of metadata rows."""
     rng = np.random.default_rng(seed)
     langs = list(LANG_WORDS)
-    pools = {lang: make_transcript_pool(lang, 4000, rng, TEXT_MIXES[text_mix]) for lang in langs}
+    pools = {lang: make_transcript_pool(lang, pool_size, rng, TEXT_MIXES[text_mix]) for lang in langs}
     total = 0
     for s in range(n_shards):
         lang = langs[s % len(langs)]
@@ -215,6 +218,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="corpus seed")
     parser.add_argument("--text-mix", choices=sorted(TEXT_MIXES), default="realistic",
                         help="transcript punctuation mix (default realistic; dense = this bench's first version)")
+    parser.add_argument("--pool-size", type=int, default=4000,
+                        help="distinct transcripts per language (default 4000, so most repeat; real corpora "
+                             "rarely repeat one: 110000 makes nearly every row unique, and the corpus slower to write)")
     parser.add_argument("--workers", type=int, default=None, help="build_manifest.py threads (default: its own)")
     parser.add_argument("--keep", type=Path, default=None, help="write the corpus here and keep it")
     args = parser.parse_args(argv)
@@ -225,8 +231,9 @@ def main(argv=None) -> int:
         if shards_dir.exists():
             shutil.rmtree(shards_dir)
         t0 = time.perf_counter()
-        n_rows = write_corpus(shards_dir, args.shards, args.rows_per_shard, args.seed, args.text_mix)
-        print(f"corpus: {n_rows:,} rows over {args.shards} shards ({args.text_mix} text mix) in {shards_dir} "
+        n_rows = write_corpus(shards_dir, args.shards, args.rows_per_shard, args.seed, args.text_mix, args.pool_size)
+        print(f"corpus: {n_rows:,} rows over {args.shards} shards ({args.text_mix} text mix, "
+              f"{args.pool_size:,} transcripts per language) in {shards_dir} "
               f"({time.perf_counter() - t0:.1f}s to write)")
 
         print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (other jobs share it)")

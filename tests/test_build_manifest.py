@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import subprocess
 import sys
@@ -492,3 +493,17 @@ def test_a_failed_write_leaves_the_previous_manifest_and_no_temp_file(tmp_path, 
         build(tmp_path / "shards", tmp_path)
     assert (tmp_path / "master_manifest.parquet").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["master_manifest.parquet", "master_manifest.summary.json", "shards"]
+
+
+# --- the benchmark script ----------------------------------------------------------------------
+def test_benchmark_runs_end_to_end_and_finds_the_rows_agree(tmp_path, capsys):
+    """A small corpus through scripts/bench_build_manifest.py: its comparison must pass, so the
+    baseline and build_manifest.py agree row for row except where the new cleaning fixes the old."""
+    spec = importlib.util.spec_from_file_location("bench_build_manifest", REPO / "scripts" / "bench_build_manifest.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    code = bench.main(["--shards", "10", "--rows-per-shard", "150", "--pool-size", "60", "--keep", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "rows agree except intended fixes: yes" in out and "60 transcripts per language" in out
+    assert pl.read_parquet(tmp_path / "master.parquet").height > 0
