@@ -189,6 +189,19 @@ def build_model(init_model: str | None = None, model_config: Path | None = None,
         log.info("building a fresh model from %s", model_config)
         model = EncDecRNNTBPEModel(cfg=cfg)
 
+    use_tokenizer(model, tokenizer_dir)
+    ensure_validation_ds(model)
+    make_encoder_forward_rank_local(model)
+    return model
+
+
+def use_tokenizer(model, tokenizer_dir: Path) -> None:
+    """Give ``model`` the vocabulary of ``tokenizer_dir`` and a TDT loss whose blank matches its joint.
+
+    A model whose pieces already are those of ``tokenizer_dir`` keeps its decoder and joint; any
+    other gets NeMo's ``change_vocabulary`` (new decoder and joint). Either way the loss is rebuilt
+    by ``tdt_loss.attach_tdt_loss``.
+    """
     if not tokenizer_matches(model, tokenizer_dir):
         old = model.tokenizer.vocab_size
         # NeMo 3.0 replaces the TDT loss here with an RNN-T loss whose blank counts the durations:
@@ -197,9 +210,6 @@ def build_model(init_model: str | None = None, model_config: Path | None = None,
         log.info("vocabulary changed from %d to %d pieces (TOKENIZER_DIR=%s): decoder and joint are new",
                  old, model.tokenizer.vocab_size, tokenizer_dir)
     tdt_loss.attach_tdt_loss(model)
-    ensure_validation_ds(model)
-    make_encoder_forward_rank_local(model)
-    return model
 
 
 def make_encoder_forward_rank_local(model) -> None:
