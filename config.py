@@ -161,6 +161,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob("MODEL_CONFIG", REPO_DIR / "configs" / "tiny_tdt.yaml", _path, "YAML of a fresh model, used when INIT_MODEL is empty")
     knob("RESUME_FROM", "", _str, "A checkpoint path, or 'last' for the newest in CHECKPOINT_DIR; empty = start fresh")
     knob("VOCAB_SIZE", 12000, _int, "SentencePiece vocabulary size for train_tokenizer.py", _positive)
+    knob("TDT_LOSS", "numba", _choice("numba", "torch"), "TDT loss on CUDA: numba = NeMo's kernel (requirements-gpu.txt), torch = tdt_loss.py (no numba needed, slower); CPU always runs tdt_loss.py")
     knob("ENCODER_FRAME_SECONDS", 0.08, _float, "Seconds per encoder frame (10 ms hop x 8x subsampling); utterances with more tokens than frames are dropped", _positive)
 
     # Data
@@ -283,6 +284,7 @@ INIT_MODEL: str
 MODEL_CONFIG: Path
 RESUME_FROM: str
 VOCAB_SIZE: int
+TDT_LOSS: str
 ENCODER_FRAME_SECONDS: float
 LANGUAGES: tuple[str, ...]
 TARGET_SAMPLE_RATE: int

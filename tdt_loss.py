@@ -3,12 +3,14 @@
 NeMo 3.0's ``tdt`` loss (numba) raises on CPU, and its ``tdt_pytorch`` loss hard-codes ``.cuda()``
 and loops over every (b, t, u) in Python. ``tdt_loss`` computes the same quantity on any device with
 one Python step per encoder frame; ``attach_tdt_loss(model)`` installs it on a NeMo TDT model so the
-loss dispatches by device: CUDA tensors go to NeMo's numba kernel, everything else comes here.
+loss dispatches by device: CUDA tensors go to NeMo's numba kernel (or here too with TDT_LOSS=torch),
+everything else comes here. ``check_cuda_loss`` runs the CUDA path once on a known problem, so a broken
+GPU install stops a job in its first seconds (train.py calls it at start-up).
 
 Usage:
     import tdt_loss
     tdt_loss.attach_tdt_loss(model)      # after restore_from / from_pretrained / change_vocabulary
-    python scripts/bench_tdt_loss.py     # speed against a plain per-(t, u) loop
+    python scripts/bench_tdt_loss.py     # speed against a plain loop; on CUDA also against numba
 
 Semantics (NeMo's ``compute_tdt_alphas_kernel`` and ``GPUTDT``), for one utterance with T encoder
 frames and U labels y_1..y_U, joint logits z[t, u] = [V+1 token logits (blank = V, the last), D
@@ -168,17 +170,32 @@ def tdt_loss(acts: torch.Tensor, labels: torch.Tensor, act_lens: torch.Tensor, l
     return per_utt.sum() / label_lens.sum().clamp(min=1)
 
 
-class DeviceDispatchTDTLoss(torch.nn.Module):
-    """The inner loss of NeMo's ``RNNTLoss`` wrapper: CUDA inputs -> NeMo's numba TDT, others -> ``tdt_loss``.
+# What a GPU machine installs for NeMo's numba TDT kernel (README, "GPU set-up"): torch 2.13.0 from the
+# registry is built for CUDA 13, so numba-cuda needs its cu13 extra (CUDA 13 bindings, libNVVM, nvJitLink).
+GPU_INSTALL_LINE = ".venv/bin/pip install -r requirements-gpu.txt  # numba-cuda[cu13]==0.30.4"
+BACKENDS = ("numba", "torch")
 
-    It keeps the interface NeMo's wrapper relies on: ``forward(acts, labels, act_lens, label_lens)``
-    and a settable ``reduction`` attribute (the wrapper sets it to None and reduces itself).
+
+class TDTLossCheckFailed(RuntimeError):
+    """The CUDA TDT loss failed, or disagreed with ``tdt_loss``, on a small known problem."""
+
+
+class DeviceDispatchTDTLoss(torch.nn.Module):
+    """The inner loss of NeMo's ``RNNTLoss`` wrapper, chosen by device and ``cuda_backend``.
+
+    CUDA inputs go to NeMo's numba TDT kernel (``cuda_backend="numba"``) or to ``tdt_loss``
+    (``"torch"``, the TDT_LOSS knob); inputs on any other device go to ``tdt_loss``. It keeps the
+    interface NeMo's wrapper relies on: ``forward(acts, labels, act_lens, label_lens)`` and a
+    settable ``reduction`` attribute (the wrapper sets it to None and reduces itself).
     """
 
     def __init__(self, blank: int, durations: Sequence[int], *, sigma: float = 0.0, omega: float = 0.0,
                  fastemit_lambda: float = 0.0, clamp: float = -1.0, reduction: str | None = None,
-                 cuda_loss: torch.nn.Module | None = None):
+                 cuda_loss: torch.nn.Module | None = None, cuda_backend: str = "numba",
+                 cuda_loss_error: str | None = None):
         super().__init__()
+        if cuda_backend not in BACKENDS:
+            raise ValueError(f"TDT_LOSS={cuda_backend!r}: expected one of {', '.join(BACKENDS)}")
         self.blank = blank
         self.durations = [int(d) for d in durations]
         self.sigma = float(sigma)
@@ -187,36 +204,55 @@ class DeviceDispatchTDTLoss(torch.nn.Module):
         self.clamp = float(clamp)
         self.reduction = reduction
         self.cuda_loss = cuda_loss
+        self.cuda_backend = cuda_backend
+        self.cuda_loss_error = cuda_loss_error  # why cuda_loss could not be built, if it could not
+
+    def uses_numba(self, acts: torch.Tensor) -> bool:
+        return acts.is_cuda and self.cuda_backend == "numba"
 
     def forward(self, acts, labels, act_lens, label_lens):
-        if acts.is_cuda:
+        if self.uses_numba(acts):
             if self.cuda_loss is None:
-                raise RuntimeError("CUDA tensors reached the TDT loss, but NeMo's numba TDT loss was not built; "
-                                   "install numba-cuda (requirements-gpu.txt) and call attach_tdt_loss again")
+                raise TDTLossCheckFailed(
+                    f"CUDA tensors reached the TDT loss, but NeMo's numba TDT loss could not be built "
+                    f"({self.cuda_loss_error}); install it with: {GPU_INSTALL_LINE}, or set TDT_LOSS=torch")
             self.cuda_loss.reduction = self.reduction
             return self.cuda_loss(acts=acts, labels=labels, act_lens=act_lens, label_lens=label_lens)
         if self.fastemit_lambda != 0.0 or self.clamp > 0:
             raise NotImplementedError(
-                f"the CPU TDT loss has no FastEmit or gradient clamp (fastemit_lambda={self.fastemit_lambda}, "
-                f"clamp={self.clamp}); set model.loss.tdt_kwargs.fastemit_lambda=0 and clamp=-1 for CPU runs")
+                f"tdt_loss has no FastEmit or gradient clamp (fastemit_lambda={self.fastemit_lambda}, "
+                f"clamp={self.clamp}); set model.loss.tdt_kwargs.fastemit_lambda=0 and clamp=-1, or use "
+                "TDT_LOSS=numba on CUDA")
         return tdt_loss(acts, labels, act_lens, label_lens, blank=self.blank, durations=self.durations,
                         sigma=self.sigma, omega=self.omega, reduction=self.reduction)
 
     def extra_repr(self) -> str:
-        return f"blank={self.blank}, durations={self.durations}, sigma={self.sigma}, omega={self.omega}"
+        return (f"blank={self.blank}, durations={self.durations}, sigma={self.sigma}, omega={self.omega}, "
+                f"cuda={self.cuda_backend}")
 
 
-def attach_tdt_loss(model) -> torch.nn.Module:
+def _numba_tdt_loss(blank: int, kwargs: dict, reduction: str):
+    """NeMo's ``RNNTLoss`` wrapper around its numba TDT loss (ImportError without numba)."""
+    from nemo.collections.asr.losses.rnnt import RNNTLoss
+
+    return RNNTLoss(num_classes=blank, loss_name="tdt", loss_kwargs=dict(kwargs), reduction=reduction)
+
+
+def attach_tdt_loss(model, cuda_backend: str | None = None) -> torch.nn.Module:
     """(Re)build ``model.loss`` from ``model.cfg.loss`` with the blank the joint really has, dispatching by device.
 
     Call it after every change of the joint: NeMo 3.0's ``change_vocabulary`` replaces a TDT loss
     with a default RNN-T loss whose blank index counts the duration outputs as tokens. The blank is
     ``joint.num_classes_with_blank - 1 - joint.num_extra_outputs`` = the vocabulary size; durations,
     sigma and omega come from ``cfg.loss.tdt_kwargs``. A fused joint gets the new loss as well.
+    ``cuda_backend`` (default TDT_LOSS) picks what runs on CUDA: "numba" (NeMo's kernel) or "torch".
     Returns the new ``RNNTLoss`` wrapper.
     """
     from nemo.collections.asr.losses.rnnt import RNNTLoss
 
+    import config
+
+    cuda_backend = cuda_backend or config.TDT_LOSS
     loss_name, loss_kwargs = model.extract_rnnt_loss_cfg(model.cfg.get("loss", None))
     if loss_name != "tdt":
         raise ValueError(f"model.cfg.loss.loss_name={loss_name!r}: expected 'tdt' (a Parakeet-TDT model); "
@@ -231,17 +267,69 @@ def attach_tdt_loss(model) -> torch.nn.Module:
         raise ValueError(f"model.cfg.loss.tdt_kwargs.durations={durations} but the joint has "
                          f"{model.joint.num_extra_outputs} duration outputs; they must match")
     blank = model.joint.num_classes_with_blank - 1 - model.joint.num_extra_outputs
-    try:
-        wrapper = RNNTLoss(num_classes=blank, loss_name="tdt", loss_kwargs=dict(kwargs),
-                           reduction=model.cfg.get("rnnt_reduction", "mean_batch"))
-        cuda_loss = wrapper._loss
-    except ImportError:  # no numba: CPU-only machines can still train with the torch loss
-        wrapper = RNNTLoss(num_classes=blank, loss_name="pytorch", reduction=model.cfg.get("rnnt_reduction", "mean_batch"))
-        cuda_loss = None
+    reduction = model.cfg.get("rnnt_reduction", "mean_batch")
+    cuda_loss = error = None
+    if cuda_backend == "numba":
+        try:
+            wrapper = _numba_tdt_loss(blank, kwargs, reduction)
+            cuda_loss = wrapper._loss
+        except ImportError as exc:  # no numba: CPU runs and TDT_LOSS=torch still train with tdt_loss
+            error = f"{type(exc).__name__}: {exc}"
+    if cuda_loss is None:
+        wrapper = RNNTLoss(num_classes=blank, loss_name="pytorch", reduction=reduction)
     wrapper._loss = DeviceDispatchTDTLoss(
         blank, durations, sigma=kwargs.get("sigma", 0.0), omega=kwargs.get("omega", 0.0),
-        fastemit_lambda=kwargs.get("fastemit_lambda", 0.0), clamp=kwargs.get("clamp", -1.0), cuda_loss=cuda_loss)
+        fastemit_lambda=kwargs.get("fastemit_lambda", 0.0), clamp=kwargs.get("clamp", -1.0), cuda_loss=cuda_loss,
+        cuda_backend=cuda_backend, cuda_loss_error=error)
     model.loss = wrapper
     if model.joint.fuse_loss_wer:
         model.joint.set_loss(wrapper)
     return wrapper
+
+
+def check_cuda_loss(loss: DeviceDispatchTDTLoss, device: torch.device | str, *, rtol: float = 1e-4,
+                    atol: float = 1e-3) -> float:
+    """Run ``loss``'s CUDA path once on a small random problem; compare with ``tdt_loss`` in float64 on CPU.
+
+    The problem (2 utterances, 12 frames, up to 4 labels, 8 tokens, the loss's durations and sigma,
+    omega 0 so both sides compute the TDT loss) is solved on ``device`` by what ``loss`` would run
+    there (NeMo's numba kernel for TDT_LOSS=numba) and by ``tdt_loss``; per-utterance losses and
+    the gradients with respect to the logits must agree within ``rtol``/``atol``. Returns the
+    largest absolute difference. Any failure (numba missing, no libNVVM, a driver too old for the
+    CUDA bindings, wrong numbers) raises TDTLossCheckFailed naming the install line and TDT_LOSS=torch.
+    """
+    device = torch.device(device)
+    g = torch.Generator().manual_seed(0)
+    V, T, U = 8, 12, 4
+    acts = torch.randn(2, T, U + 1, V + 1 + len(loss.durations), generator=g, dtype=torch.float64)
+    labels = torch.randint(0, V, (2, U), generator=g)
+    act_lens, label_lens = torch.tensor([T, T - 3]), torch.tensor([U, U - 1])
+
+    ref_acts = acts.clone().requires_grad_(True)
+    ref = tdt_loss(ref_acts, labels, act_lens, label_lens, blank=V, durations=loss.durations, sigma=loss.sigma)
+    ref.sum().backward()
+
+    probe = DeviceDispatchTDTLoss(V, loss.durations, sigma=loss.sigma, cuda_backend=loss.cuda_backend,
+                                  cuda_loss_error=loss.cuda_loss_error)
+    what = "NeMo's numba TDT loss" if probe.uses_numba(acts.to(device)) else "tdt_loss"
+    try:
+        if probe.uses_numba(acts.to(device)):
+            probe.cuda_loss = _numba_tdt_loss(V, {"durations": loss.durations, "sigma": loss.sigma, "omega": 0.0},
+                                              "none")._loss
+        got_acts = acts.float().to(device).requires_grad_(True)
+        got = probe(got_acts, labels.to(device), act_lens.to(device), label_lens.to(device))
+        got.sum().backward()
+        got, grad = got.detach().double().cpu(), got_acts.grad.double().cpu()
+    except Exception as exc:  # noqa: BLE001  (any failure here means the install is broken)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise TDTLossCheckFailed(
+            f"{what} failed on {device} ({type(exc).__name__}: {first}); install the CUDA loss with: "
+            f"{GPU_INSTALL_LINE}, or set TDT_LOSS=torch to train with tdt_loss.py on CUDA") from exc
+    diff = max(float((got - ref.detach()).abs().max()), float((grad - ref_acts.grad).abs().max()))
+    if not (torch.allclose(got, ref.detach(), rtol=rtol, atol=atol)
+            and torch.allclose(grad, ref_acts.grad, rtol=rtol, atol=atol)):
+        raise TDTLossCheckFailed(
+            f"{what} on {device} disagrees with tdt_loss on a known problem (losses {got.tolist()} vs "
+            f"{ref.detach().tolist()}, largest difference {diff:.3g}); reinstall with: {GPU_INSTALL_LINE}, "
+            "or set TDT_LOSS=torch")
+    return diff

@@ -13,7 +13,10 @@ What a run does:
   (from_pretrained); empty INIT_MODEL builds MODEL_CONFIG fresh with TOKENIZER_DIR. When the
   tokenizer in TOKENIZER_DIR differs from the model's, ``change_vocabulary`` swaps decoder and joint
   and ``tdt_loss.attach_tdt_loss`` rebuilds the TDT loss NeMo replaced with a wrong-blank RNN-T loss.
-  The loss runs NeMo's numba kernel on CUDA and ``tdt_loss.tdt_loss`` on CPU.
+  The loss runs NeMo's numba kernel on CUDA (``tdt_loss.tdt_loss`` with TDT_LOSS=torch) and
+  ``tdt_loss.tdt_loss`` on CPU. On CUDA, every rank first runs its loss once on a small known problem
+  against ``tdt_loss.tdt_loss`` (``tdt_loss.check_cuda_loss``): a broken GPU install stops the job
+  before any data is loaded, with the line that installs the loss.
 - Data (``build_dataloader``): LocalShardDataset over TRAIN_MANIFEST_PATH, batched by
   DurationBucketBatchSampler for this rank (rank and world size from torchrun / torch.distributed).
   The first optimizer step of each epoch gets this rank's most expensive micro-batches, so an
@@ -34,11 +37,11 @@ What a run does:
   in the Conformer encoder is switched off, so no collective depends on a rank running a forward.
 
 Environment variables read (config.py has defaults and help; ``python config.py`` prints them):
-    INIT_MODEL, MODEL_CONFIG, TOKENIZER_DIR, TRAIN_MANIFEST_PATH, NUM_WORKERS, GRAD_ACCUM, MAX_STEPS,
-    PRECISION, ACCELERATOR, PHASE1_LR, PHASE2_LR, MIN_LR, WARMUP_STEPS, UNFREEZE_STEP, PHASE2_WARMUP,
-    WEIGHT_DECAY, GRAD_CLIP, SEED, MAX_BATCH_DURATION, BUCKET_BOUNDARIES, TEMPERATURE, LANG_WEIGHTING,
-    EPOCH_SIZE, BATCH_COST_QUADRATIC, TARGET_SAMPLE_RATE, MAX_TOKEN_LEN, ENCODER_FRAME_SECONDS,
-    AUDIO_DURATION_TOLERANCE, RESUME_FROM, CHECKPOINT_DIR, CHECKPOINT_EVERY, EVAL_EVERY_STEPS,
+    INIT_MODEL, MODEL_CONFIG, TOKENIZER_DIR, TDT_LOSS, TRAIN_MANIFEST_PATH, NUM_WORKERS, GRAD_ACCUM,
+    MAX_STEPS, PRECISION, ACCELERATOR, PHASE1_LR, PHASE2_LR, MIN_LR, WARMUP_STEPS, UNFREEZE_STEP, PHASE2_WARMUP,
+    WEIGHT_DECAY, GRAD_CLIP, SEED, MAX_BATCH_DURATION, BUCKET_BOUNDARIES, BUCKET_SORT_JITTER, TEMPERATURE,
+    LANG_WEIGHTING, EPOCH_SIZE, BATCH_COST_QUADRATIC, TARGET_SAMPLE_RATE, MAX_TOKEN_LEN,
+    ENCODER_FRAME_SECONDS, AUDIO_DURATION_TOLERANCE, RESUME_FROM, CHECKPOINT_DIR, CHECKPOINT_EVERY, EVAL_EVERY_STEPS,
     EVAL_SAMPLES_PER_LANG, VAL_MANIFEST_PATH, WANDB_MODE, WANDB_PROJECT, WANDB_RUN_NAME, WANDB_LOG_DIR
     and torchrun's WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE.
 
@@ -78,11 +81,12 @@ import tdt_loss
 log = logging.getLogger("train")
 
 ENV_VARS = (
-    "INIT_MODEL", "MODEL_CONFIG", "TOKENIZER_DIR", "TRAIN_MANIFEST_PATH", "NUM_WORKERS", "GRAD_ACCUM",
-    "MAX_STEPS", "PRECISION", "ACCELERATOR", "PHASE1_LR", "PHASE2_LR", "MIN_LR", "WARMUP_STEPS",
+    "INIT_MODEL", "MODEL_CONFIG", "TOKENIZER_DIR", "TDT_LOSS", "TRAIN_MANIFEST_PATH", "NUM_WORKERS",
+    "GRAD_ACCUM", "MAX_STEPS", "PRECISION", "ACCELERATOR", "PHASE1_LR", "PHASE2_LR", "MIN_LR", "WARMUP_STEPS",
     "UNFREEZE_STEP", "PHASE2_WARMUP", "WEIGHT_DECAY", "GRAD_CLIP", "SEED", "MAX_BATCH_DURATION",
-    "BUCKET_BOUNDARIES", "TEMPERATURE", "LANG_WEIGHTING", "EPOCH_SIZE", "BATCH_COST_QUADRATIC",
-    "TARGET_SAMPLE_RATE", "MAX_TOKEN_LEN", "ENCODER_FRAME_SECONDS", "AUDIO_DURATION_TOLERANCE",
+    "BUCKET_BOUNDARIES", "BUCKET_SORT_JITTER", "TEMPERATURE", "LANG_WEIGHTING", "EPOCH_SIZE",
+    "BATCH_COST_QUADRATIC", "TARGET_SAMPLE_RATE", "MAX_TOKEN_LEN", "ENCODER_FRAME_SECONDS",
+    "AUDIO_DURATION_TOLERANCE",
     "RESUME_FROM", "CHECKPOINT_DIR", "CHECKPOINT_EVERY", "EVAL_EVERY_STEPS", "EVAL_SAMPLES_PER_LANG",
     "VAL_MANIFEST_PATH", "WANDB_MODE", "WANDB_PROJECT", "WANDB_RUN_NAME", "WANDB_LOG_DIR",
 )
@@ -200,7 +204,7 @@ def use_tokenizer(model, tokenizer_dir: Path) -> None:
 
     A model whose pieces already are those of ``tokenizer_dir`` keeps its decoder and joint; any
     other gets NeMo's ``change_vocabulary`` (new decoder and joint). Either way the loss is rebuilt
-    by ``tdt_loss.attach_tdt_loss``.
+    by ``tdt_loss.attach_tdt_loss`` (TDT_LOSS chooses what runs on CUDA).
     """
     if not tokenizer_matches(model, tokenizer_dir):
         old = model.tokenizer.vocab_size
@@ -256,6 +260,13 @@ class TrainingModule(pl.LightningModule):
         self._window_bad = 0          # non-finite losses of this rank since the last optimizer step
         self._window_utterances = 0   # real utterances of this rank since the last optimizer step
         self._window_buffers: dict[str, torch.Tensor] | None = None  # buffers when the window began
+
+    def on_fit_start(self):
+        # Before the dataset is loaded: a CUDA loss that cannot run should cost seconds, not a node-hour.
+        if self.device.type == "cuda":
+            diff = tdt_loss.check_cuda_loss(self.model.loss._loss, self.device)
+            log.info("rank %d: TDT loss on %s (TDT_LOSS=%s) agrees with tdt_loss.py on a known problem "
+                     "(largest difference %.2g)", self.global_rank, self.device, config.TDT_LOSS, diff)
 
     # ---- data -----------------------------------------------------------------------------------
     def train_dataloader(self):

@@ -81,6 +81,7 @@ def test_a_derived_path_set_itself_wins_over_data_dir(tmp_path):
     ({"MAX_STEPS": "0"}, "MAX_STEPS='0': expected a value > 0"),
     ({"BUCKET_BOUNDARIES": "auto:x"}, "BUCKET_BOUNDARIES='auto:x': expected 'auto:K'"),
     ({"WANDB_MODE": "sometimes"}, "WANDB_MODE='sometimes': expected one of"),
+    ({"TDT_LOSS": "warp"}, "TDT_LOSS='warp': expected one of numba, torch"),
 ])
 def test_bad_values_name_the_variable_value_and_expectation(env, message):
     with pytest.raises(config.ConfigError) as err:

@@ -191,3 +191,52 @@ def test_bad_blank_index_is_rejected_with_the_shapes():
     acts, labels, act_lens, label_lens = make_batch([3], [1])
     with pytest.raises(ValueError, match="blank"):
         tdt_loss.tdt_loss(acts, labels, act_lens, label_lens, blank=0, durations=DURATIONS)
+
+
+# ---- the CUDA loss: TDT_LOSS and the start-up check -----------------------------------------------
+
+def _dispatch(backend="numba", **kwargs):
+    return tdt_loss.DeviceDispatchTDTLoss(8, DURATIONS, sigma=0.02, cuda_backend=backend, **kwargs)
+
+
+def test_start_up_check_passes_when_the_loss_agrees_with_the_float64_reference():
+    # On a CPU device the check exercises its whole comparison with tdt_loss in float32.
+    assert tdt_loss.check_cuda_loss(_dispatch(), "cpu") < 1e-4
+
+
+def test_start_up_check_names_the_install_line_when_numba_cannot_be_built(monkeypatch):
+    monkeypatch.setattr(tdt_loss.DeviceDispatchTDTLoss, "uses_numba", lambda self, acts: True)
+
+    def no_numba(*args, **kwargs):
+        raise ImportError("numba-cuda is not installed")
+
+    monkeypatch.setattr(tdt_loss, "_numba_tdt_loss", no_numba)
+    with pytest.raises(tdt_loss.TDTLossCheckFailed) as err:
+        tdt_loss.check_cuda_loss(_dispatch(), "cpu")
+    message = str(err.value)
+    assert "NeMo's numba TDT loss failed" in message and "numba-cuda is not installed" in message
+    assert tdt_loss.GPU_INSTALL_LINE in message and "TDT_LOSS=torch" in message
+    assert "\n" not in message
+
+
+def test_start_up_check_refuses_a_loss_that_computes_wrong_numbers(monkeypatch):
+    class Wrong(torch.nn.Module):
+        reduction = "none"
+
+        def forward(self, acts, labels, act_lens, label_lens):
+            return acts.sum(dim=(1, 2, 3)) * 0.0 + 1.0
+
+    class Wrapper:
+        _loss = Wrong()
+
+    monkeypatch.setattr(tdt_loss.DeviceDispatchTDTLoss, "uses_numba", lambda self, acts: True)
+    monkeypatch.setattr(tdt_loss, "_numba_tdt_loss", lambda *args, **kwargs: Wrapper())
+    with pytest.raises(tdt_loss.TDTLossCheckFailed, match="disagrees with tdt_loss"):
+        tdt_loss.check_cuda_loss(_dispatch(), "cpu")
+
+
+def test_tdt_loss_torch_never_builds_the_numba_loss():
+    loss = _dispatch("torch")
+    assert loss.cuda_loss is None and not loss.uses_numba(torch.zeros(1))
+    with pytest.raises(ValueError, match="TDT_LOSS='warp'"):
+        _dispatch("warp")
