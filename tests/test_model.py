@@ -250,3 +250,31 @@ def test_non_finite_loss_skips_the_optimizer_step_and_counts_it(fresh, monkeypat
     assert module.nonfinite_losses == 1 and module.skipped_steps == 1
     assert_bit_identical(snap.snapshots[2], snap.snapshots[1])  # step 1 changed nothing
     assert any(not torch.equal(v, snap.snapshots[2][k]) for k, v in state(module).items())  # step 2 did
+
+
+def test_gradients_are_clipped_to_grad_clip_with_the_norm_measured_before_the_step(fresh):
+    module = train.TrainingModule(fresh)
+    module._window_utterances = 1
+    for p in fresh.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer = module.configure_optimizers()["optimizer"]
+    module.on_before_optimizer_step(optimizer)
+    measured = module.last_grad_norm
+    assert measured == pytest.approx(math.sqrt(sum(p.numel() for p in fresh.parameters())), rel=1e-5)
+    module.configure_gradient_clipping(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+    clipped = torch.nn.utils.get_total_norm([p.grad for p in fresh.parameters()])
+    assert float(clipped) == pytest.approx(0.5, rel=1e-4)
+
+
+def test_a_skipped_step_restores_batchnorm_statistics_and_leaves_other_buffers_alone(fresh):
+    module = train.TrainingModule(fresh)
+    module.on_train_batch_start(None, 0)
+    names = [name for name, _ in module.batchnorm_buffers()]
+    assert names and all(".running_" in n or n.endswith("num_batches_tracked") for n in names)
+    assert set(module._window_buffers) == set(names)
+    norm = next(m for m in fresh.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm))
+    before = norm.running_mean.clone()
+    norm.running_mean.add_(float("nan"))
+    module._window_bad = 1  # a non-finite loss in this window: the step is skipped
+    module.on_before_optimizer_step(module.configure_optimizers()["optimizer"])
+    assert module.skipped_steps == 1 and torch.equal(norm.running_mean, before)
