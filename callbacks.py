@@ -50,9 +50,11 @@ class EncoderUnfreezeCallback(_pl.Callback):
 
     DDP trap: a parameter that does not require grad when DDP wraps the model is left out of DDP's
     gradient all-reduce forever; unfreezing it later lets the ranks drift apart without an error.
-    So the encoder is frozen only after the wrap (first batch), DDP runs with
+    So the encoder is frozen only after the wrap (first batch), DDP starts with
     find_unused_parameters=True (train.py), and ``setup`` (before the wrap) refuses an encoder that
-    is already frozen.
+    is already frozen. Entering phase 2 (also on a resume in phase 2) the model is wrapped anew with
+    find_unused_parameters=False (``stop_searching_unused_parameters``): every parameter is used in
+    every phase-2 backward, so DDP's per-forward search of the autograd graph is pure overhead.
     """
 
     def __init__(self, unfreeze_step: int | None = None):
@@ -84,6 +86,9 @@ class EncoderUnfreezeCallback(_pl.Callback):
             for p in encoder.parameters():
                 p.requires_grad_(True)
             encoder.train()
+            if stop_searching_unused_parameters(trainer) and trainer.global_rank == 0:
+                _unfreeze_log.info("step %d: DDP re-wrapped with find_unused_parameters=False for phase 2",
+                                   trainer.global_step)
         if phase != self.phase:
             if trainer.global_rank == 0:
                 _unfreeze_log.info("step %d: phase %d, encoder %s", trainer.global_step, phase,
@@ -91,6 +96,32 @@ class EncoderUnfreezeCallback(_pl.Callback):
             self.phase = phase
         pl_module.encoder_frozen = phase == 1
         pl_module.phase = phase
+
+
+def stop_searching_unused_parameters(trainer) -> bool:
+    """Wrap the LightningModule anew in DDP with find_unused_parameters=False; True when it did.
+
+    DDP fixes find_unused_parameters at construction, so the switch is a new wrapper, built by
+    Lightning's own DDPStrategy with its other settings unchanged. The old wrapper's autograd hooks
+    are removed first (each gradient is all-reduced once, by the new one) and gradients are dropped
+    (a new optimizer step starts here; with gradient_as_bucket_view they are views into the old
+    buckets). Building the wrapper broadcasts rank 0's parameters and buffers, already identical on
+    every rank: a collective that every rank reaches at the same optimizer-step boundary, because
+    the phase depends on global_step alone. No-op without DDP or when it is already off.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    strategy = trainer.strategy
+    wrapper = strategy.model
+    if not isinstance(wrapper, DistributedDataParallel) or not wrapper.find_unused_parameters:
+        return False
+    module = wrapper.module
+    module.zero_grad(set_to_none=True)
+    wrapper.reducer._remove_autograd_hooks()
+    strategy._ddp_kwargs["find_unused_parameters"] = False
+    strategy.model = strategy._setup_model(module)
+    strategy._register_ddp_hooks()
+    return True
 
 
 # ---- Monitoring, step checkpoints, exact resume, per-language WER ---------------------------------------

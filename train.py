@@ -30,10 +30,10 @@ What a run does:
   utterance on any rank skips that optimizer step on every rank (all ranks decide from the same
   all-reduced flags): no parameter, optimizer moment or BatchNorm statistic changes, and
   ``TrainingModule.skipped_steps`` counts it. The global step and the LR schedule still advance.
-- DDP (torchrun, one process per GPU): find_unused_parameters=True (the encoder is frozen after the
-  wrap, see callbacks.EncoderUnfreezeCallback); BatchNorm statistics are averaged over ranks once
-  per optimizer step instead of DDP's per-forward broadcast, so every parameter AND buffer is
-  identical on all ranks at every step boundary; NeMo's per-forward all-reduce of the batch length
+- DDP (torchrun, one process per GPU): find_unused_parameters=True in phase 1 (the encoder is frozen
+  after the wrap, see callbacks.EncoderUnfreezeCallback), False in phase 2 (a new wrapper);
+  BatchNorm statistics are averaged over ranks once per optimizer step instead of DDP's per-forward
+  broadcast, so every parameter AND buffer is identical on all ranks at every step boundary; NeMo's per-forward all-reduce of the batch length
   in the Conformer encoder is switched off, so no collective depends on a rank running a forward.
 
 Environment variables read (config.py has defaults and help; ``python config.py`` prints them):
@@ -528,6 +528,7 @@ def build_trainer(callback_list: list[pl.Callback], env: dict, resuming: bool = 
         # find_unused_parameters: the encoder is frozen AFTER DDP registered its parameters, so its
         # gradients are all-reduced once it is unfrozen (a module frozen before the wrap is never
         # synchronised again and ranks silently diverge); meanwhile DDP must tolerate its missing grads.
+        # Phase 2 switches it off (callbacks.stop_searching_unused_parameters).
         # broadcast_buffers=False: BatchNorm statistics are averaged once per step instead
         # (TrainingModule.average_batchnorm_statistics).
         strategy = DDPStrategy(find_unused_parameters=True, gradient_as_bucket_view=True, broadcast_buffers=False)

@@ -48,9 +48,11 @@ PROBE = textwrap.dedent('''
         torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, OUT / f"rank{RANK}_{name}.pt")
 
     class Probe(pl.Callback):
+        find_unused = {}
         def on_train_start(self, trainer, m):
             dump("encoder_start", m.model.encoder)
         def on_train_batch_start(self, trainer, m, batch, batch_idx):
+            self.find_unused[trainer.global_step] = trainer.strategy.model.find_unused_parameters
             for step, name, part in ((UNFREEZE, "encoder_at_unfreeze", m.model.encoder),
                                      (NAN_STEP, "before_nan_step", m), (NAN_STEP + 1, "after_nan_step", m)):
                 if trainer.global_step == step and not (OUT / f"rank{RANK}_{name}.pt").exists():
@@ -59,7 +61,8 @@ PROBE = textwrap.dedent('''
             dump("final", m)
             (OUT / f"rank{RANK}_counters.json").write_text(json.dumps(dict(
                 global_step=trainer.global_step, skipped_steps=m.skipped_steps, phase=m.phase,
-                empty_micro_batches=m.empty_micro_batches, nonfinite_losses=m.nonfinite_losses)))
+                empty_micro_batches=m.empty_micro_batches, nonfinite_losses=m.nonfinite_losses,
+                find_unused=self.find_unused)))
 
     seen = {"n": 0}
     step = train.TrainingModule.training_step
@@ -186,3 +189,11 @@ def test_nan_loss_on_one_rank_skips_that_step_on_every_rank(probed_run):
     assert f"optimizer step {NAN_STEP} skipped on every rank: non-finite loss" in log
 
 
+
+
+def test_ddp_searches_for_unused_parameters_only_while_the_encoder_is_frozen(probed_run):
+    _, counters, log = probed_run
+    for rank in (0, 1):
+        flags = {int(step): on for step, on in counters[rank]["find_unused"].items()}
+        assert flags == {step: step < UNFREEZE_STEP for step in range(MAX_STEPS)}
+    assert f"step {UNFREEZE_STEP}: DDP re-wrapped with find_unused_parameters=False for phase 2" in log
