@@ -326,7 +326,7 @@ def step_flops(model, batch: AsrBatch, phase: int) -> float:
     encoder = k * (2 * p_enc * B * T + 6 * L * d * B * T * T)
     H = model.joint.joint_hidden
     outputs = model.joint.num_classes_with_blank
-    joint = 3 * 2 * B * T * batch.tokens.shape[1] * H * outputs
+    joint = 3 * 2 * B * T * (batch.tokens.shape[1] + 1) * H * outputs
     return float(encoder + joint)
 
 
