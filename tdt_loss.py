@@ -207,11 +207,12 @@ class DeviceDispatchTDTLoss(torch.nn.Module):
         self.cuda_backend = cuda_backend
         self.cuda_loss_error = cuda_loss_error  # why cuda_loss could not be built, if it could not
 
-    def uses_numba(self, acts: torch.Tensor) -> bool:
-        return acts.is_cuda and self.cuda_backend == "numba"
+    def uses_numba(self, device: torch.device | str) -> bool:
+        """True when inputs on ``device`` go to NeMo's numba kernel."""
+        return torch.device(device).type == "cuda" and self.cuda_backend == "numba"
 
     def forward(self, acts, labels, act_lens, label_lens):
-        if self.uses_numba(acts):
+        if self.uses_numba(acts.device):
             if self.cuda_loss is None:
                 raise TDTLossCheckFailed(
                     f"CUDA tensors reached the TDT loss, but NeMo's numba TDT loss could not be built "
@@ -311,9 +312,10 @@ def check_cuda_loss(loss: DeviceDispatchTDTLoss, device: torch.device | str, *, 
 
     probe = DeviceDispatchTDTLoss(V, loss.durations, sigma=loss.sigma, cuda_backend=loss.cuda_backend,
                                   cuda_loss_error=loss.cuda_loss_error)
-    what = "NeMo's numba TDT loss" if probe.uses_numba(acts.to(device)) else "tdt_loss"
+    numba = probe.uses_numba(device)
+    what = "NeMo's numba TDT loss" if numba else "tdt_loss"
     try:
-        if probe.uses_numba(acts.to(device)):
+        if numba:
             probe.cuda_loss = _numba_tdt_loss(V, {"durations": loss.durations, "sigma": loss.sigma, "omega": 0.0},
                                               "none")._loss
         got_acts = acts.float().to(device).requires_grad_(True)

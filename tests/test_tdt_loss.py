@@ -205,7 +205,7 @@ def test_start_up_check_passes_when_the_loss_agrees_with_the_float64_reference()
 
 
 def test_start_up_check_names_the_install_line_when_numba_cannot_be_built(monkeypatch):
-    monkeypatch.setattr(tdt_loss.DeviceDispatchTDTLoss, "uses_numba", lambda self, acts: True)
+    monkeypatch.setattr(tdt_loss.DeviceDispatchTDTLoss, "uses_numba", lambda self, device: True)
 
     def no_numba(*args, **kwargs):
         raise ImportError("numba-cuda is not installed")
@@ -229,7 +229,7 @@ def test_start_up_check_refuses_a_loss_that_computes_wrong_numbers(monkeypatch):
     class Wrapper:
         _loss = Wrong()
 
-    monkeypatch.setattr(tdt_loss.DeviceDispatchTDTLoss, "uses_numba", lambda self, acts: True)
+    monkeypatch.setattr(tdt_loss.DeviceDispatchTDTLoss, "uses_numba", lambda self, device: True)
     monkeypatch.setattr(tdt_loss, "_numba_tdt_loss", lambda *args, **kwargs: Wrapper())
     with pytest.raises(tdt_loss.TDTLossCheckFailed, match="disagrees with tdt_loss"):
         tdt_loss.check_cuda_loss(_dispatch(), "cpu")
@@ -237,6 +237,7 @@ def test_start_up_check_refuses_a_loss_that_computes_wrong_numbers(monkeypatch):
 
 def test_tdt_loss_torch_never_builds_the_numba_loss():
     loss = _dispatch("torch")
-    assert loss.cuda_loss is None and not loss.uses_numba(torch.zeros(1))
+    assert loss.cuda_loss is None and not loss.uses_numba("cuda")
+    assert _dispatch("numba").uses_numba("cuda") and not _dispatch("numba").uses_numba("cpu")
     with pytest.raises(ValueError, match="TDT_LOSS='warp'"):
         _dispatch("warp")
