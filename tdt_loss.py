@@ -310,8 +310,7 @@ def check_cuda_loss(loss: DeviceDispatchTDTLoss, device: torch.device | str, *, 
     ref = tdt_loss(ref_acts, labels, act_lens, label_lens, blank=V, durations=loss.durations, sigma=loss.sigma)
     ref.sum().backward()
 
-    probe = DeviceDispatchTDTLoss(V, loss.durations, sigma=loss.sigma, cuda_backend=loss.cuda_backend,
-                                  cuda_loss_error=loss.cuda_loss_error)
+    probe = DeviceDispatchTDTLoss(V, loss.durations, sigma=loss.sigma, cuda_backend=loss.cuda_backend)
     numba = probe.uses_numba(device)
     what = "NeMo's numba TDT loss" if numba else "tdt_loss"
     try:

@@ -175,10 +175,11 @@ def make_batch(shape: BatchShape, tokenizer, seed: int = 0) -> AsrBatch:
     signal = torch.zeros(len(lengths), max(lengths))
     for i, n in enumerate(lengths):
         signal[i, :n] = 0.05 * torch.randn(n, generator=g)
+    langs = [LANGS[i % len(LANGS)] for i in range(len(lengths))]
     tags = []
-    for i in range(len(lengths)):
+    for lang in langs:
         try:
-            tags.append(tag_token_id(tokenizer, LANGS[i % len(LANGS)]))
+            tags.append(tag_token_id(tokenizer, lang))
         except ValueError:  # a TOKENIZER_DIR without this language: any piece stands in for the tag
             tags.append(len(LANGS))
     vocab = tokenizer.vocab_size
@@ -187,7 +188,7 @@ def make_batch(shape: BatchShape, tokenizer, seed: int = 0) -> AsrBatch:
         tokens[i, 0] = tags[i]
         tokens[i, 1:u] = torch.randint(len(LANGS), vocab, (u - 1,), generator=g)
     return AsrBatch(signal=signal, signal_len=torch.tensor(lengths), tokens=tokens,
-                    token_len=torch.tensor(shape.tokens), langs=[LANGS[i % len(LANGS)] for i in range(len(lengths))],
+                    token_len=torch.tensor(shape.tokens), langs=langs,
                     durations=list(shape.durations), bad_audio={})
 
 
@@ -361,7 +362,6 @@ def fits(model, tokenizer, cap: float, tokens_per_second: float, device: torch.d
             raise
     finally:
         reset_model(model)
-        gc.collect()
         torch.cuda.empty_cache()
     return ok, peak
 
