@@ -288,7 +288,7 @@ def _check_manifest(manifest_path: Path) -> int:
     missing = [c for c in MANIFEST_COLUMNS if c not in names]
     if missing:
         raise ValueError(f"manifest {manifest_path} lacks the columns {missing} (has {names}); "
-                         f"rebuild it with scripts/build_manifest.py and scripts/make_train_val.py")
+                         f"rebuild it with build_manifest.py and scripts/make_train_val.py")
     return meta.num_rows
 
 
@@ -326,7 +326,7 @@ def _split_language_tags(manifest_path: Path, text: pa.Array, lang_codes: np.nda
             f"with its language tag (lang={lang_names[lang_codes[bad]]!r}; {len(mismatch)} such rows in "
             f"rows {first_row}-{first_row + len(text) - 1}); "
             f"the manifest contract is text = '<|lang|> ' + transcript: rebuild it with "
-            f"scripts/build_manifest.py / make_train_val.py")
+            f"build_manifest.py / make_train_val.py")
     return pc.replace_substring_regex(text, _TAG_PATTERN_PLAIN, "", max_replacements=1)
 
 
@@ -590,7 +590,7 @@ class LocalShardDataset(torch.utils.data.Dataset):
         self.manifest_path = Path(manifest_path)
         if not self.manifest_path.is_file():
             raise FileNotFoundError(f"manifest {self.manifest_path} does not exist; build it with "
-                                    f"scripts/build_manifest.py and scripts/make_train_val.py")
+                                    f"build_manifest.py and scripts/make_train_val.py")
         self.tokenizer = tokenizer
         self.sample_rate = int(config.TARGET_SAMPLE_RATE if sample_rate is None else sample_rate)
         self.max_token_len = int(config.MAX_TOKEN_LEN if max_token_len is None else max_token_len)

@@ -45,7 +45,7 @@ Environment variables read (config.py has defaults and help; ``python config.py`
     EVAL_SAMPLES_PER_LANG, VAL_MANIFEST_PATH, WANDB_MODE, WANDB_PROJECT, WANDB_RUN_NAME, WANDB_LOG_DIR
     and torchrun's WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE.
 
-Watching and keeping a run (callbacks.py, issue 7):
+Watching and keeping a run (callbacks.py):
 - Metrics per optimizer step to W&B (offline under WANDB_LOG_DIR/<run> without WANDB_API_KEY; upload
   later with ``wandb sync``) and to WANDB_LOG_DIR/<run>/metrics.jsonl; the progress bar counts
   optimizer steps of MAX_STEPS, micro-batches second.

@@ -63,7 +63,7 @@ def split_tag(texts) -> tuple[np.ndarray, np.ndarray]:
     if pc.any(missing).as_py():
         row = int(pc.index(missing, True).as_py())
         raise ValueError(f"manifest row {row}: text {texts[row].as_py()!r} does not start with a '<|lang|> ' tag; "
-                         "rebuild the manifest with scripts/build_manifest.py")
+                         "rebuild the manifest with build_manifest.py")
     rests = pc.replace_substring_regex(texts, TAG_PATTERN, "", max_replacements=1)
     return (np.asarray(tag_values.to_numpy(zero_copy_only=False), dtype=object),
             np.asarray(rests.to_numpy(zero_copy_only=False), dtype=object))

@@ -1,4 +1,4 @@
-"""callbacks.py (issue 7): WER/CER, the metrics file and callback, the progress bar, atomic step
+"""callbacks.py: WER/CER, the metrics file and callback, the progress bar, atomic step
 checkpoints, epoch sync, exact resume and the W&B offline run.
 
 Lightning runs here are single-process fits of a tiny module over the real DurationBucketBatchSampler
