@@ -10,11 +10,13 @@ STAMP  := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and alone, so NeMo's own torch requirement cannot pull a different build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -r requirements.txt
+	# The top-level modules and scripts/ become importable from anywhere (editable: edits apply at once).
+	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
 demo: setup

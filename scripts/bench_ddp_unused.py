@@ -24,11 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 class _Loss(torch.nn.Module):
@@ -61,7 +60,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     from nemo.utils import logging as nemo_logging
 
     nemo_logging.setLevel(logging.ERROR)
-    import bench_train_step as bench
+    from scripts import bench_train_step as bench
     import train
 
     torch.set_num_threads(args.threads)
@@ -137,7 +136,6 @@ def main(argv: list[str] | None = None) -> int:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.txt")
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         mp.spawn(_worker, args=(2, port, args, out), nprocs=2, join=True)
         print(Path(out).read_text(), end="")
     return 0

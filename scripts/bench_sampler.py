@@ -39,9 +39,8 @@ from typing import Callable
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sampler import DurationBucketBatchSampler  # noqa: E402
+from sampler import DurationBucketBatchSampler
 
 BOUNDARIES = (3.0, 5.0, 8.0, 12.0, 16.0)
 MAX_BATCH_SECONDS = 90.0

@@ -59,19 +59,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import lightning.pytorch as pl  # noqa: E402
-import numpy as np  # noqa: E402
-import pyarrow as pa  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
-import torch  # noqa: E402
+import lightning.pytorch as pl
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
 
-import callbacks  # noqa: E402
-import config  # noqa: E402
-import train  # noqa: E402
-from dataset import AsrBatch, tag_token_id  # noqa: E402
-from sampler import DurationBucketBatchSampler  # noqa: E402
+import callbacks
+import config
+import train
+from dataset import AsrBatch, tag_token_id
+from sampler import DurationBucketBatchSampler
 
 LANGS = ("hi", "en", "ta", "te", "bn", "mr", "kn")
 NEMO_LOG_EVERY_N_STEPS = 10  # trainer.log_every_n_steps of NeMo's FastConformer configs
@@ -86,8 +85,7 @@ SEARCH_STEP_S = 5.0
 
 def synthetic_tokenizer(vocab_size: int, work_dir: Path, seed: int = 0) -> Path:
     """A BPE tokenizer with language tags, ``vocab_size`` pieces, trained once on random multi-script words."""
-    sys.path.insert(0, str(config.REPO_DIR / "scripts"))
-    import train_tokenizer
+    from scripts import train_tokenizer
 
     out = work_dir / f"tokenizer_{vocab_size}"
     if (out / "tokenizer.model").exists():

@@ -16,10 +16,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import config  # noqa: E402
-from callbacks import run_directory  # noqa: E402
+import config
+from callbacks import run_directory
 
 
 def loss_curve(metrics_path: Path) -> list[tuple[int, float]]:

@@ -26,9 +26,8 @@ import logging
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import config  # noqa: E402
+import config
 
 log = logging.getLogger("evaluate")
 

@@ -16,8 +16,6 @@ import logging
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import callbacks
-    from evaluate import load_model, resolve_model_path
+    from scripts.evaluate import load_model, resolve_model_path
 
     path = resolve_model_path(args.checkpoint)
     if path.suffix != ".ckpt":

@@ -44,7 +44,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import polars as pl
 from tqdm import tqdm

@@ -56,8 +56,7 @@ import soundfile as sf
 import soxr
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import config  # noqa: E402
+import config
 
 # Bump when the generated corpus changes for the same arguments, so old trees are rebuilt.
 CORPUS_FORMAT = 1

@@ -32,15 +32,14 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import config  # noqa: E402
-from atomic_files import atomic_write  # noqa: E402
+import config
+from atomic_files import atomic_write
 
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import matplotlib.ticker  # noqa: E402
+import matplotlib.pyplot as plt
+import matplotlib.ticker
 
 COLORS = {"natural": "#9e9e9e", "target": "#1f77b4", "realized": "#ff7f0e"}
 DPI = 110

@@ -35,15 +35,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-import pyarrow.compute as pc  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
-import sentencepiece as spm  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import sentencepiece as spm
+from tqdm import tqdm
 
-import config  # noqa: E402
+import config
 
 log = logging.getLogger("train_tokenizer")
 

@@ -1,9 +1,4 @@
-"""Shared test set-up: the repository root on sys.path, single-threaded torch."""
+"""Shared test set-up: single-threaded torch (the CI machine has 2 cores; tests run one at a time)."""
 import os
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 os.environ.setdefault("OMP_NUM_THREADS", "1")

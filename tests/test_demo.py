@@ -13,8 +13,7 @@ import pytest
 import config
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-import demo_summary  # noqa: E402
+from scripts import demo_summary
 
 STAGES = ["corpus", "extract", "build_manifest", "make_train_val", "tokenizer", "train", "evaluate", "report"]
 

@@ -22,9 +22,7 @@ import config
 from tests.tiny_training_data import make_training_data
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-import evaluate  # noqa: E402  (scripts/evaluate.py)
-import export_nemo  # noqa: E402  (scripts/export_nemo.py)
+from scripts import evaluate, export_nemo
 
 
 @pytest.fixture(scope="module")

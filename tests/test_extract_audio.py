@@ -13,9 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 import soundfile as sf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import extract_audio as ea  # noqa: E402
-from tests.shard_factory import flac_bytes, write_shard  # noqa: E402
+from scripts import extract_audio as ea
+from tests.shard_factory import flac_bytes, write_shard
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,8 +18,7 @@ import soundfile as sf
 import config
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-import make_demo_corpus as mdc  # noqa: E402
+from scripts import make_demo_corpus as mdc
 
 # The largest language takes five defects and the second two, so they need a few rows more.
 TINY = {"hi": 6, "en": 3, "ta": 2, "te": 2, "kn": 2, "ml": 2, "bn": 2}

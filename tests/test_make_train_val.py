@@ -10,8 +10,7 @@ import polars as pl
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import make_train_val as mtv  # noqa: E402
+from scripts import make_train_val as mtv
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,10 +18,9 @@ import pytest
 import config
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-import manifest_report as mr  # noqa: E402
+from scripts import manifest_report as mr
 
-from sampler import DurationBucketBatchSampler  # noqa: E402
+from sampler import DurationBucketBatchSampler
 
 COUNTS = {"hi": 240, "en": 120, "ta": 40, "bn": 12}
 PLOTS = ["durations.png", "hours.png", "language_mix.png", "buckets.png", "dropped.png"]

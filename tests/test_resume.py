@@ -37,7 +37,6 @@ PROBE = textwrap.dedent('''
     """train.main() that logs each micro-batch the sampler hands out and can hold inside a step."""
     import json, os, sys, time
     from pathlib import Path
-    sys.path.insert(0, os.environ["REPO"])
     import lightning.pytorch as pl
     import sampler
     import train

@@ -32,7 +32,6 @@ PROBE = textwrap.dedent('''
     """train.main() with state dumps and injected faults, for tests/test_train_ddp.py."""
     import json, os, sys
     from pathlib import Path
-    sys.path.insert(0, os.environ["REPO"])
     import lightning.pytorch as pl
     import torch
     import train

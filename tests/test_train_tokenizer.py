@@ -12,8 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import sentencepiece as spm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import train_tokenizer as tt  # noqa: E402
+from scripts import train_tokenizer as tt
 
 REPO = Path(__file__).resolve().parents[1]
 HI = ["नमस्ते दुनिया", "मेरा नाम राम है", "यह एक परीक्षण है", "भारत एक बड़ा देश है", "आज मौसम अच्छा है"]

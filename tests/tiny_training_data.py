@@ -15,8 +15,7 @@ import pyarrow.parquet as pq
 import soundfile as sf
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-import train_tokenizer  # noqa: E402
+from scripts import train_tokenizer
 
 TEXTS = {
     "hi": ["नमस्ते दुनिया", "मेरा नाम राम है", "यह एक परीक्षण है", "भारत एक बड़ा देश है", "आज मौसम अच्छा है"],
