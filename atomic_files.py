@@ -3,16 +3,19 @@
 Shared by the offline tools (build_manifest.py, scripts/), the training callbacks (checkpoints,
 .nemo exports, run records) and config.py's README table; it imports nothing heavy.
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[str], None], suffix: str = ".tmp") -> None:
+def atomic_write(
+    path: str | os.PathLike, write: Callable[[str], None], suffix: str = ".tmp"
+) -> None:
     """``write(tmp)`` into a temporary file beside ``path``, fsync, then rename it to ``path``.
 
     A crash (or SIGKILL) before the rename leaves only a hidden ``.<name>.*<suffix>`` file, never a

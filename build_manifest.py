@@ -40,6 +40,7 @@ Rust regex has no look-around, which is why in-word apostrophes travel through t
 path's punctuation pass as a placeholder character, and why the single-pass path finds the
 apostrophes outside words only after that pass (see ``_APOSTROPHES_OUTSIDE_WORDS``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,10 +50,11 @@ import os
 import sys
 import time
 import unicodedata
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -61,14 +63,26 @@ from tqdm import tqdm
 import config
 from atomic_files import atomic_write
 
-OUTPUT_COLUMNS = ("segment_id", "shard_id", "text", "duration", "lang", "tar_member_name",
-                  "tar_path", "source")
+OUTPUT_COLUMNS = (
+    "segment_id",
+    "shard_id",
+    "text",
+    "duration",
+    "lang",
+    "tar_member_name",
+    "tar_path",
+    "source",
+)
 EXTRA_COLUMNS = ("tx_quality_score", "speaker_id")
 METADATA_FILE = "metadata.parquet"
 INDEX_FILE = "audio_index.parquet"
 TAR_FILE = "audio.tar"
-REQUIRED_METADATA = {"segment_id": "string", "transcription_native": "string",
-                     "duration_s": "numeric", "tx_quality_score": "numeric"}
+REQUIRED_METADATA = {
+    "segment_id": "string",
+    "transcription_native": "string",
+    "duration_s": "numeric",
+    "tx_quality_score": "numeric",
+}
 OPTIONAL_METADATA = {"segment_language": "string", "speaker_id": "any"}
 REQUIRED_INDEX = {"segment_id": "string", "tar_member_name": "string"}
 LANG_CODE_PATTERN = r"^[a-z][a-z0-9_-]*$"
@@ -105,14 +119,18 @@ _TAGS_PUNCT_SPACE = rf" *{_TAG_OR_MARK}(?:{_TAG_OR_MARK}| )*| {{2,}}"
 #    VIRAMA + ZWJ, so that one stays) is stray or left over from removed punctuation: deleted with
 #    the space it leaves. One pass: the first branch takes word-initial runs, the second a word's
 #    trailing run together with the spaces and word-initial joiners after it.
-_STRAY_JOINERS = (rf"(^|\s)[\s{_ZW_JOINERS}]*[{_ZW_JOINERS}]\s*"
-                  rf"|([^\p{{M}}{_ZW_JOINERS}])[{_ZW_JOINERS}]+(?:(\s)[\s{_ZW_JOINERS}]*|$)")
+_STRAY_JOINERS = (
+    rf"(^|\s)[\s{_ZW_JOINERS}]*[{_ZW_JOINERS}]\s*"
+    rf"|([^\p{{M}}{_ZW_JOINERS}])[{_ZW_JOINERS}]+(?:(\s)[\s{_ZW_JOINERS}]*|$)"
+)
 # The only joiners rule 6 can remove, since rules 3-4 turn their neighbours into spaces: one after
 # anything but a letter, a sign or another joiner (or at the start), and a run before anything but
 # those (or at the end) unless a combining sign precedes it. A chillu (NA + VIRAMA + ZWJ) ending a
 # word matches neither, so Malayalam text takes the single-pass path.
-_EDGE_JOINER = (rf"(?:^|[^\p{{L}}\p{{M}}{_ZW_JOINERS}])[{_ZW_JOINERS}]"
-                rf"|[^\p{{M}}{_ZW_JOINERS}][{_ZW_JOINERS}]+(?:[^\p{{L}}\p{{M}}{_ZW_JOINERS}]|$)")
+_EDGE_JOINER = (
+    rf"(?:^|[^\p{{L}}\p{{M}}{_ZW_JOINERS}])[{_ZW_JOINERS}]"
+    rf"|[^\p{{M}}{_ZW_JOINERS}][{_ZW_JOINERS}]+(?:[^\p{{L}}\p{{M}}{_ZW_JOINERS}]|$)"
+)
 # Rows that none of these match are left unchanged by rules 3, 5 and 6, so they skip those passes.
 _NEEDS_RULE = {1: _IN_WORD_APOSTROPHE, 2: _EDGE_JOINER}
 
@@ -126,11 +144,15 @@ _NEEDS_RULE = {1: _IN_WORD_APOSTROPHE, 2: _EDGE_JOINER}
 # but a letter takes the multi-pass path.
 _APOSTROPHES = "'\u2019"
 _TAG_OR_MARK_BUT_APOSTROPHE = _TAG_OR_MARK.replace("--[ ]]", f"--[ {_APOSTROPHES}]]")
-_TAGS_PUNCT_SPACE_BUT_APOSTROPHES = (rf" *{_TAG_OR_MARK_BUT_APOSTROPHE}(?:{_TAG_OR_MARK_BUT_APOSTROPHE}| )*"
-                                     rf"| {{2,}}")
+_TAGS_PUNCT_SPACE_BUT_APOSTROPHES = (
+    rf" *{_TAG_OR_MARK_BUT_APOSTROPHE}(?:{_TAG_OR_MARK_BUT_APOSTROPHE}| )*"
+    rf"| {{2,}}"
+)
 _A = f"[{_APOSTROPHES}]"
-_APOSTROPHES_OUTSIDE_WORDS = (rf" +{_A}[ {_APOSTROPHES}]*|{_A}+ [ {_APOSTROPHES}]*"
-                              rf"|{_A}{{2,}}[ {_APOSTROPHES}]*|^{_A}+[ {_APOSTROPHES}]*|{_A}+$")
+_APOSTROPHES_OUTSIDE_WORDS = (
+    rf" +{_A}[ {_APOSTROPHES}]*|{_A}+ [ {_APOSTROPHES}]*"
+    rf"|{_A}{{2,}}[ {_APOSTROPHES}]*|^{_A}+[ {_APOSTROPHES}]*|{_A}+$"
+)
 _APOSTROPHE_ODD_NEIGHBOUR = rf"[^\p{{L}}\p{{M}} {_APOSTROPHES}]{_A}|{_A}[^\p{{L}} {_APOSTROPHES}]"
 
 
@@ -138,8 +160,9 @@ def _clean(expr: pl.Expr, apostrophes: bool = True, joiners: bool = True) -> pl.
     """Rules 3-7 on text that rules 1-2 made; a rule that cannot change a row may be switched off."""
     placeholder = r"${1}" + _APOSTROPHE_SLOT + r"${2}"
     if apostrophes:
-        expr = (expr.str.replace_all(_IN_WORD_APOSTROPHE, placeholder)
-                .str.replace_all(_IN_WORD_APOSTROPHE, placeholder))
+        expr = expr.str.replace_all(_IN_WORD_APOSTROPHE, placeholder).str.replace_all(
+            _IN_WORD_APOSTROPHE, placeholder
+        )
     expr = expr.str.replace_all(_TAGS_PUNCT_SPACE, " ")
     if apostrophes:
         expr = expr.str.replace_all(_APOSTROPHE_SLOT, "'", literal=True)
@@ -186,11 +209,19 @@ def _nfc_may_change() -> str:
         points = sorted(map(ord, chars))
         starts = [p for i, p in enumerate(points) if i == 0 or points[i - 1] != p - 1]
         ends = [p for i, p in enumerate(points) if i == len(points) - 1 or points[i + 1] != p + 1]
-        return "[" + "".join(f"\\x{{{a:X}}}" + (f"-\\x{{{b:X}}}" if b > a else "")
-                             for a, b in zip(starts, ends)) + "]"
+        return (
+            "["
+            + "".join(
+                f"\\x{{{a:X}}}" + (f"-\\x{{{b:X}}}" if b > a else "") for a, b in zip(starts, ends)
+            )
+            + "]"
+        )
+
     hangul_jamo = r"[\x{1100}-\x{11FF}]"  # composed by algorithm, not by the decomposition table
-    return (f"{cls(never)}|{cls(combining)}{cls(combining)}|{cls(firsts)}{cls(seconds)}"
-            f"|{cls(decomposable)}{cls(combining | seconds)}|{hangul_jamo}")
+    return (
+        f"{cls(never)}|{cls(combining)}{cls(combining)}|{cls(firsts)}{cls(seconds)}"
+        f"|{cls(decomposable)}{cls(combining | seconds)}|{hangul_jamo}"
+    )
 
 
 def _rules_1_2(texts: pl.Series) -> pl.Series:
@@ -200,7 +231,9 @@ def _rules_1_2(texts: pl.Series) -> pl.Series:
     if not may_change.any():
         return texts
     idx = may_change.arg_true()
-    return texts.scatter(idx, texts.gather(idx).str.replace_all(_INVISIBLE, "").str.normalize("NFC"))
+    return texts.scatter(
+        idx, texts.gather(idx).str.replace_all(_INVISIBLE, "").str.normalize("NFC")
+    )
 
 
 @functools.cache
@@ -219,11 +252,22 @@ def _clean_special(texts: pl.Series) -> pl.Series:
     """``clean_text_column`` on rows that may need more than rules 4 and 7: ``_rules_1_2``, then
     rows are grouped by which of rules 3, 5 and 6 can change them, and each group runs only those."""
     t = pl.col("t")
-    frame = pl.DataFrame({"t": _rules_1_2(texts)}).with_row_index("i").with_columns(
-        pl.sum_horizontal(bit * t.str.contains(pattern).fill_null(False).cast(pl.UInt8)
-                          for bit, pattern in _NEEDS_RULE.items()).alias("rules"))
-    parts = [frame.filter(pl.col("rules") == rules).select("i", _clean(t, bool(rules & 1), bool(rules & 2)))
-             for rules in sorted(frame.get_column("rules").unique().to_list())]
+    frame = (
+        pl.DataFrame({"t": _rules_1_2(texts)})
+        .with_row_index("i")
+        .with_columns(
+            pl.sum_horizontal(
+                bit * t.str.contains(pattern).fill_null(False).cast(pl.UInt8)
+                for bit, pattern in _NEEDS_RULE.items()
+            ).alias("rules")
+        )
+    )
+    parts = [
+        frame.filter(pl.col("rules") == rules).select(
+            "i", _clean(t, bool(rules & 1), bool(rules & 2))
+        )
+        for rules in sorted(frame.get_column("rules").unique().to_list())
+    ]
     return pl.concat(parts).sort("i").get_column("t")
 
 
@@ -238,20 +282,38 @@ def clean_text_column(texts: pl.Series) -> pl.Series:
     check that this equals ``clean_text_expr`` on every row.
     """
     texts = texts.cast(pl.String)
-    t, special, apostrophe, odd = pl.col("t"), pl.col("special"), pl.col("apostrophe"), pl.col("odd")
-    frame = pl.DataFrame({"t": texts}).with_row_index("i").with_columns(
-        special=t.str.contains(_needs_more_than_one_pass()).fill_null(False),
-        apostrophe=t.str.contains_any(list(_APOSTROPHES)).fill_null(False))
+    t, special, apostrophe, odd = (
+        pl.col("t"),
+        pl.col("special"),
+        pl.col("apostrophe"),
+        pl.col("odd"),
+    )
+    frame = (
+        pl.DataFrame({"t": texts})
+        .with_row_index("i")
+        .with_columns(
+            special=t.str.contains(_needs_more_than_one_pass()).fill_null(False),
+            apostrophe=t.str.contains_any(list(_APOSTROPHES)).fill_null(False),
+        )
+    )
     any_special, any_apostrophe = frame.select(special.any(), apostrophe.any()).row(0)
     if not (any_special or any_apostrophe):
         return texts.str.replace_all(_TAGS_PUNCT_SPACE, " ").str.strip_chars()
     one_pass = (frame.filter(~special) if any_special else frame).with_columns(
-        t.str.replace_all(_TAGS_PUNCT_SPACE_BUT_APOSTROPHES, " "))
-    with_apostrophe = one_pass.filter(apostrophe).with_columns(odd=t.str.contains(_APOSTROPHE_ODD_NEIGHBOUR))
-    in_words = (t.str.replace_all(_APOSTROPHES_OUTSIDE_WORDS, " ")
-                .str.replace_all("\u2019", "'", literal=True).str.strip_chars())
-    parts = [one_pass.filter(~apostrophe).select("i", t.str.strip_chars()),
-             with_apostrophe.filter(~odd).select("i", in_words)]
+        t.str.replace_all(_TAGS_PUNCT_SPACE_BUT_APOSTROPHES, " ")
+    )
+    with_apostrophe = one_pass.filter(apostrophe).with_columns(
+        odd=t.str.contains(_APOSTROPHE_ODD_NEIGHBOUR)
+    )
+    in_words = (
+        t.str.replace_all(_APOSTROPHES_OUTSIDE_WORDS, " ")
+        .str.replace_all("\u2019", "'", literal=True)
+        .str.strip_chars()
+    )
+    parts = [
+        one_pass.filter(~apostrophe).select("i", t.str.strip_chars()),
+        with_apostrophe.filter(~odd).select("i", in_words),
+    ]
     odd_rows = with_apostrophe.filter(odd).get_column("i")
     if any_special or odd_rows.len():
         rest = frame.filter(special | pl.col("i").is_in(odd_rows.implode()))
@@ -262,7 +324,15 @@ def clean_text_column(texts: pl.Series) -> pl.Series:
 # Texts that send rows down every cleaning pass (an in-word apostrophe, an invisible mark, a stray
 # joiner, a text NFC changes, plain punctuation, apostrophes in and outside words, an apostrophe
 # after a digit), so one call compiles every regex.
-_WARM_UP_TEXTS = ["don\u2019t\u200f", "x\u200d y", "e\u0301 [t]", "a, b", "a\u2019b\u200d", "it's 'x'", "9'a"]
+_WARM_UP_TEXTS = [
+    "don\u2019t\u200f",
+    "x\u200d y",
+    "e\u0301 [t]",
+    "a, b",
+    "a\u2019b\u200d",
+    "it's 'x'",
+    "9'a",
+]
 
 
 def clean_texts(texts: Sequence[str | None]) -> list[str | None]:
@@ -297,9 +367,9 @@ class ManifestError(RuntimeError):
 
 @dataclass(frozen=True)
 class Shard:
-    shard_id: str   # path under SHARDS_DIR, "/"-separated: "<source>/<lang>/<shard>"
+    shard_id: str  # path under SHARDS_DIR, "/"-separated: "<source>/<lang>/<shard>"
     source: str
-    lang: str       # the <lang> directory
+    lang: str  # the <lang> directory
     path: Path
 
 
@@ -333,26 +403,36 @@ def discover_shards(shards_dir: Path) -> tuple[list[Shard], list[dict[str, str]]
     """
     shards_dir = Path(shards_dir)
     if not shards_dir.is_dir():
-        raise ManifestError(f"SHARDS_DIR {shards_dir} is not a directory: set SHARDS_DIR (or "
-                            f"--shards-dir) to the folder holding <source>/<lang>/<shard>/")
+        raise ManifestError(
+            f"SHARDS_DIR {shards_dir} is not a directory: set SHARDS_DIR (or "
+            f"--shards-dir) to the folder holding <source>/<lang>/<shard>/"
+        )
     shards, misplaced = [], []
     for directory in _directories_holding(shards_dir, METADATA_FILE):
         path = Path(directory)
         rel = path.relative_to(shards_dir)
         if len(rel.parts) != 3:
-            misplaced.append({"path": str(path), "reason": "not at <source>/<lang>/<shard> "
-                              f"depth under SHARDS_DIR ({len(rel.parts)} levels deep)"})
+            misplaced.append(
+                {
+                    "path": str(path),
+                    "reason": "not at <source>/<lang>/<shard> "
+                    f"depth under SHARDS_DIR ({len(rel.parts)} levels deep)",
+                }
+            )
             continue
         shards.append(Shard(rel.as_posix(), rel.parts[0], rel.parts[1], path))
     misplaced.sort(key=lambda m: m["path"])
     if not shards and not misplaced:
-        raise ManifestError(f"no shards found under {shards_dir}: expected "
-                            f"<source>/<lang>/<shard>/{METADATA_FILE} (is SHARDS_DIR right?)")
+        raise ManifestError(
+            f"no shards found under {shards_dir}: expected "
+            f"<source>/<lang>/<shard>/{METADATA_FILE} (is SHARDS_DIR right?)"
+        )
     return sorted(shards, key=lambda s: s.shard_id), misplaced
 
 
-def _check_columns(path: Path, schema: dict[str, pl.DataType], required: dict[str, str],
-                   optional: dict[str, str]) -> list[str]:
+def _check_columns(
+    path: Path, schema: dict[str, pl.DataType], required: dict[str, str], optional: dict[str, str]
+) -> list[str]:
     """The columns to read; raises ManifestError naming a missing column or a wrong type."""
     missing = [c for c in required if c not in schema]
     if missing:
@@ -360,9 +440,12 @@ def _check_columns(path: Path, schema: dict[str, pl.DataType], required: dict[st
     wanted = {**required, **{c: k for c, k in optional.items() if c in schema}}
     for column, kind in wanted.items():
         dtype = schema[column]
-        ok = (kind == "any" or dtype == pl.Null
-              or (kind == "string" and dtype == pl.String)
-              or (kind == "numeric" and dtype.is_numeric()))
+        ok = (
+            kind == "any"
+            or dtype == pl.Null
+            or (kind == "string" and dtype == pl.String)
+            or (kind == "numeric" and dtype.is_numeric())
+        )
         if not ok:
             raise ManifestError(f"{path}: column {column!r} has type {dtype}, expected {kind}")
     return list(wanted)
@@ -375,8 +458,10 @@ def check_shard(shard: Shard) -> tuple[tuple, tuple]:
     or a wrong type (strings must be strings, duration_s and tx_quality_score numbers).
     """
     signature = []
-    for name, required, optional in ((METADATA_FILE, REQUIRED_METADATA, OPTIONAL_METADATA),
-                                     (INDEX_FILE, REQUIRED_INDEX, {})):
+    for name, required, optional in (
+        (METADATA_FILE, REQUIRED_METADATA, OPTIONAL_METADATA),
+        (INDEX_FILE, REQUIRED_INDEX, {}),
+    ):
         path = shard.path / name
         try:
             schema = dict(pl.read_parquet_schema(path))
@@ -405,8 +490,10 @@ def _read_all_at_once(shards: Sequence[Shard]) -> tuple[pl.DataFrame, pl.DataFra
     first shard's columns pass ``_check_columns``. Raises if any file cannot be decoded or differs
     from the first in its columns or their types (polars checks that while scanning)."""
     scans = []
-    for name, required, optional in ((METADATA_FILE, REQUIRED_METADATA, OPTIONAL_METADATA),
-                                     (INDEX_FILE, REQUIRED_INDEX, {})):
+    for name, required, optional in (
+        (METADATA_FILE, REQUIRED_METADATA, OPTIONAL_METADATA),
+        (INDEX_FILE, REQUIRED_INDEX, {}),
+    ):
         paths = [str(s.path / name) for s in shards]
         scan = _scan(paths)
         columns = _check_columns(Path(paths[0]), dict(scan.collect_schema()), required, optional)
@@ -419,18 +506,24 @@ def _standard_metadata(frame: pl.DataFrame) -> pl.DataFrame:
     for column in OPTIONAL_METADATA:
         if column not in frame.columns:
             frame = frame.with_columns(pl.lit(None, dtype=pl.String).alias(column))
-    return frame.select(pl.col("segment_id", "transcription_native", "segment_language", "speaker_id")
-                        .cast(pl.String),
-                        pl.col("duration_s", "tx_quality_score").cast(pl.Float64), pl.col("path"))
+    return frame.select(
+        pl.col("segment_id", "transcription_native", "segment_language", "speaker_id").cast(
+            pl.String
+        ),
+        pl.col("duration_s", "tx_quality_score").cast(pl.Float64),
+        pl.col("path"),
+    )
 
 
-def _read_shard_by_shard(shards: Sequence[Shard], workers: int
-                         ) -> tuple[list[tuple[pl.DataFrame, pl.DataFrame]], list[dict[str, str]]]:
+def _read_shard_by_shard(
+    shards: Sequence[Shard], workers: int
+) -> tuple[list[tuple[pl.DataFrame, pl.DataFrame]], list[dict[str, str]]]:
     """(metadata, index) frames of the readable ``shards`` and the unreadable ones with the reason.
 
     Footers are checked per shard; shards with the same columns and types are scanned together,
     and a scan that fails is retried shard by shard, so a file corrupt past its footer is found.
     """
+
     def check(shard: Shard):
         try:
             return check_shard(shard)
@@ -450,18 +543,30 @@ def _read_shard_by_shard(shards: Sequence[Shard], workers: int
         (meta_sig, index_sig), members = group
         meta_cols, index_cols = [c for c, _ in meta_sig], [c for c, _ in index_sig]
         try:
-            return [(_read_files([str(s.path / METADATA_FILE) for s in members], meta_cols),
-                     _read_files([str(s.path / INDEX_FILE) for s in members], index_cols))], []
+            return [
+                (
+                    _read_files([str(s.path / METADATA_FILE) for s in members], meta_cols),
+                    _read_files([str(s.path / INDEX_FILE) for s in members], index_cols),
+                )
+            ], []
         except Exception:
             pass  # some file in the group is corrupt past its footer: find it
         parts, failed = [], []
         for shard in members:
             try:
-                parts.append((_read_files([str(shard.path / METADATA_FILE)], meta_cols),
-                              _read_files([str(shard.path / INDEX_FILE)], index_cols)))
+                parts.append(
+                    (
+                        _read_files([str(shard.path / METADATA_FILE)], meta_cols),
+                        _read_files([str(shard.path / INDEX_FILE)], index_cols),
+                    )
+                )
             except Exception as exc:
-                failed.append({"path": str(shard.path),
-                               "reason": f"{shard.path}: unreadable ({type(exc).__name__}: {exc})"})
+                failed.append(
+                    {
+                        "path": str(shard.path),
+                        "reason": f"{shard.path}: unreadable ({type(exc).__name__}: {exc})",
+                    }
+                )
         return parts, failed
 
     parts = []
@@ -472,7 +577,9 @@ def _read_shard_by_shard(shards: Sequence[Shard], workers: int
     return parts, bad
 
 
-def read_shards(shards: Sequence[Shard], workers: int) -> tuple[pl.DataFrame, pl.DataFrame, list[dict[str, str]]]:
+def read_shards(
+    shards: Sequence[Shard], workers: int
+) -> tuple[pl.DataFrame, pl.DataFrame, list[dict[str, str]]]:
     """Metadata and audio index of every readable shard, each row tagged with its shard's position
     in ``shards`` (column ``shard``), and the unreadable shards with path and reason.
 
@@ -500,9 +607,18 @@ def read_shards(shards: Sequence[Shard], workers: int) -> tuple[pl.DataFrame, pl
         run_shard = np.array([position[p] for p in path.gather(starts).to_list()], dtype=np.uint32)
         run_length = np.diff(np.append(starts.to_numpy(), frame.height))
         return frame.drop("path").with_columns(pl.Series("shard", np.repeat(run_shard, run_length)))
-    return (tag([_standard_metadata(meta) for meta, _ in parts], METADATA_FILE),
-            tag([index.select(pl.col("segment_id", "tar_member_name").cast(pl.String), "path")
-                 for _, index in parts], INDEX_FILE), bad)
+
+    return (
+        tag([_standard_metadata(meta) for meta, _ in parts], METADATA_FILE),
+        tag(
+            [
+                index.select(pl.col("segment_id", "tar_member_name").cast(pl.String), "path")
+                for _, index in parts
+            ],
+            INDEX_FILE,
+        ),
+        bad,
+    )
 
 
 # --- build -----------------------------------------------------------------------------------
@@ -516,33 +632,57 @@ class Filters:
 
 # The drop reasons in the order of the module doc. An Enum column of them costs a byte a row where
 # a string column would cost sixteen and a copy of the name per row.
-DROP_REASON = pl.Enum(["no_audio_index", "invalid_language", "language_not_selected", "duration_missing",
-                       "duration_too_short", "duration_too_long", "quality_missing", "quality_below_min",
-                       "transcript_missing", "empty_after_cleaning"])
+DROP_REASON = pl.Enum(
+    [
+        "no_audio_index",
+        "invalid_language",
+        "language_not_selected",
+        "duration_missing",
+        "duration_too_short",
+        "duration_too_long",
+        "quality_missing",
+        "quality_below_min",
+        "transcript_missing",
+        "empty_after_cleaning",
+    ]
+)
 
 
 def _drop_reason(filters: Filters) -> pl.Expr:
     """The first failing check of a row (null when it passes) as a ``DROP_REASON``, in the order of
     the module doc; ``empty_after_cleaning`` is decided after cleaning, which only the passing rows
     get. Reads the columns ``lang`` and ``lang_ok`` (see ``row_languages``)."""
+
     def reason(name: str) -> pl.Expr:
         return pl.lit(name, dtype=DROP_REASON)
+
     duration, quality = pl.col("duration_s"), pl.col("tx_quality_score")
     drop = pl.when(pl.col("tar_member_name").is_null()).then(reason("no_audio_index"))
     drop = drop.when(~pl.col("lang_ok")).then(reason("invalid_language"))
     if filters.languages:
-        drop = drop.when(~pl.col("lang").is_in(list(filters.languages))).then(reason("language_not_selected"))
-    return (drop
-            .when(duration.is_null() | duration.is_nan()).then(reason("duration_missing"))
-            .when(duration < filters.min_duration).then(reason("duration_too_short"))
-            .when(duration > filters.max_duration).then(reason("duration_too_long"))
-            .when(quality.is_null() | quality.is_nan()).then(reason("quality_missing"))
-            .when(quality < filters.min_quality).then(reason("quality_below_min"))
-            .when(pl.col("transcription_native").is_null()).then(reason("transcript_missing"))
-            .otherwise(pl.lit(None, dtype=DROP_REASON)))
+        drop = drop.when(~pl.col("lang").is_in(list(filters.languages))).then(
+            reason("language_not_selected")
+        )
+    return (
+        drop.when(duration.is_null() | duration.is_nan())
+        .then(reason("duration_missing"))
+        .when(duration < filters.min_duration)
+        .then(reason("duration_too_short"))
+        .when(duration > filters.max_duration)
+        .then(reason("duration_too_long"))
+        .when(quality.is_null() | quality.is_nan())
+        .then(reason("quality_missing"))
+        .when(quality < filters.min_quality)
+        .then(reason("quality_below_min"))
+        .when(pl.col("transcription_native").is_null())
+        .then(reason("transcript_missing"))
+        .otherwise(pl.lit(None, dtype=DROP_REASON))
+    )
 
 
-def join_shards(shards: Sequence[Shard], meta: pl.DataFrame, index: pl.DataFrame) -> tuple[pl.DataFrame, int]:
+def join_shards(
+    shards: Sequence[Shard], meta: pl.DataFrame, index: pl.DataFrame
+) -> tuple[pl.DataFrame, int]:
     """Metadata left-joined with the audio index on (shard, segment_id).
 
     Returns the frame (``tar_member_name`` null where the index has no entry; ``shard`` is the
@@ -556,9 +696,15 @@ def join_shards(shards: Sequence[Shard], meta: pl.DataFrame, index: pl.DataFrame
     # matches nothing, as in the exact join. Only the keys go through the join, so the metadata's
     # other columns are not copied.
     key = pl.when(pl.col("segment_id").is_not_null()).then(pl.struct(keys).hash()).alias("key")
-    matched = meta.select(key, *keys).join(index.select(key, *keys, "tar_member_name", "index_row"),
-                                           on="key", how="left", maintain_order="left")
-    other_key = (pl.col("segment_id") != pl.col("segment_id_right")) | (pl.col("shard") != pl.col("shard_right"))
+    matched = meta.select(key, *keys).join(
+        index.select(key, *keys, "tar_member_name", "index_row"),
+        on="key",
+        how="left",
+        maintain_order="left",
+    )
+    other_key = (pl.col("segment_id") != pl.col("segment_id_right")) | (
+        pl.col("shard") != pl.col("shard_right")
+    )
     if matched.height != meta.height or matched.select(other_key.any()).item():
         matched = meta.select(keys).join(index, on=keys, how="left", maintain_order="left")
     # an index entry is an orphan when no metadata row matched it
@@ -569,9 +715,13 @@ def join_shards(shards: Sequence[Shard], meta: pl.DataFrame, index: pl.DataFrame
     return meta.join(index.drop("index_row"), on=keys, how="left", maintain_order="left"), orphans
 
 
-def joined_batches(shards: Sequence[Shard], workers: int, first: int = 32, rows: int = 131_072,
-                   meanwhile: Callable[[], Any] | None = None
-                   ) -> Iterator[tuple[Sequence[Shard], pl.DataFrame | None, int, list[dict[str, str]]]]:
+def joined_batches(
+    shards: Sequence[Shard],
+    workers: int,
+    first: int = 32,
+    rows: int = 131_072,
+    meanwhile: Callable[[], Any] | None = None,
+) -> Iterator[tuple[Sequence[Shard], pl.DataFrame | None, int, list[dict[str, str]]]]:
     """Consecutive batches of ``shards``, each read and joined: ``(batch, joined or None when
     nothing in it could be read, orphan index entries, unreadable shards)``, shard positions in
     ``joined`` counted within the batch.
@@ -590,7 +740,7 @@ def joined_batches(shards: Sequence[Shard], workers: int, first: int = 32, rows:
             size = max(8, round(rows * seen["shards"] / max(seen["rows"], 1)))
         else:
             size = first
-        batch = shards[start:start + min(MAX_SCAN_SHARDS, size)]
+        batch = shards[start : start + min(MAX_SCAN_SHARDS, size)]
         meta, index, unreadable = read_shards(batch, workers)
         seen["rows"] += meta.height
         seen["shards"] += len(batch)
@@ -657,9 +807,11 @@ def _is_sorted(frame: pl.DataFrame, columns: list[str]) -> bool:
     return frame.select(in_order.fill_null(True).all()).item()
 
 
-def assemble_manifest(joined: pl.DataFrame, shards: Sequence[Shard], filters: Filters, root: str,
-                      workers: int = 1) -> tuple[pl.DataFrame, pl.DataFrame]:
+def assemble_manifest(
+    joined: pl.DataFrame, shards: Sequence[Shard], filters: Filters, root: str, workers: int = 1
+) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(manifest rows sorted by shard_id and segment_id, one (lang, reason) row per dropped row)."""
+
     def per_shard(values: list[str]) -> pl.Expr:  # a shard's constant, looked up by position
         return pl.lit(pl.Series(values, dtype=pl.String)).gather(pl.col("shard"))
 
@@ -667,39 +819,70 @@ def assemble_manifest(joined: pl.DataFrame, shards: Sequence[Shard], filters: Fi
     frame = joined.with_columns(lang, lang_ok)
     frame = frame.with_columns(_drop_reason(filters).alias("reason"))
     # columns are chosen before rows: a filter copies every column it is given
-    candidates = (frame.select("shard", "segment_id", "transcription_native", "duration_s", "lang",
-                               "tar_member_name", "tx_quality_score", "speaker_id", "reason")
-                  .filter(pl.col("reason").is_null()).drop("reason"))
+    candidates = (
+        frame.select(
+            "shard",
+            "segment_id",
+            "transcription_native",
+            "duration_s",
+            "lang",
+            "tar_member_name",
+            "tx_quality_score",
+            "speaker_id",
+            "reason",
+        )
+        .filter(pl.col("reason").is_null())
+        .drop("reason")
+    )
     order = ["shard", "segment_id", "tar_member_name"]
     if not _is_sorted(candidates, order):  # shards often list their segments in order already
         candidates = candidates.sort(order, maintain_order=True)
     candidates = candidates.with_columns(
-        clean_in_parallel(candidates.get_column("transcription_native"), workers).alias("cleaned"))
+        clean_in_parallel(candidates.get_column("transcription_native"), workers).alias("cleaned")
+    )
     is_empty = pl.col("cleaned") == ""
-    drops = pl.concat([frame.select("lang", "reason").filter(pl.col("reason").is_not_null()),
-                       candidates.select("lang", pl.lit("empty_after_cleaning", DROP_REASON).alias("reason"),
-                                         is_empty.alias("empty")).filter("empty").drop("empty")])
-    kept = (candidates.filter(~is_empty)
-            .select(pl.col("segment_id"), per_shard([s.shard_id for s in shards]).alias("shard_id"),
-                    pl.concat_str(pl.lit("<|"), pl.col("lang"), pl.lit("|> "), pl.col("cleaned")).alias("text"),
-                    pl.col("duration_s").alias("duration"), pl.col("lang"), pl.col("tar_member_name"),
-                    per_shard([f"{root}/{s.shard_id}/{TAR_FILE}" for s in shards]).alias("tar_path"),
-                    per_shard([s.source for s in shards]).alias("source"),
-                    pl.col("tx_quality_score"), pl.col("speaker_id")))
+    drops = pl.concat(
+        [
+            frame.select("lang", "reason").filter(pl.col("reason").is_not_null()),
+            candidates.select(
+                "lang",
+                pl.lit("empty_after_cleaning", DROP_REASON).alias("reason"),
+                is_empty.alias("empty"),
+            )
+            .filter("empty")
+            .drop("empty"),
+        ]
+    )
+    kept = candidates.filter(~is_empty).select(
+        pl.col("segment_id"),
+        per_shard([s.shard_id for s in shards]).alias("shard_id"),
+        pl.concat_str(pl.lit("<|"), pl.col("lang"), pl.lit("|> "), pl.col("cleaned")).alias("text"),
+        pl.col("duration_s").alias("duration"),
+        pl.col("lang"),
+        pl.col("tar_member_name"),
+        per_shard([f"{root}/{s.shard_id}/{TAR_FILE}" for s in shards]).alias("tar_path"),
+        per_shard([s.source for s in shards]).alias("source"),
+        pl.col("tx_quality_score"),
+        pl.col("speaker_id"),
+    )
     return kept, drops
 
 
 def summary_path(output: Path) -> Path:
     """``<output minus .parquet>.summary.json``."""
     output = Path(output)
-    stem = output.name[:-len(".parquet")] if output.name.endswith(".parquet") else output.name
+    stem = output.name[: -len(".parquet")] if output.name.endswith(".parquet") else output.name
     return output.with_name(stem + ".summary.json")
 
 
 def write_atomically(frame: pl.DataFrame, path: Path) -> None:
     """Write parquet to a temp file beside ``path`` and rename it over ``path`` (``atomic_write``)."""
-    atomic_write(path, lambda tmp: frame.write_parquet(tmp, compression="zstd", compression_level=1,
-                                                       statistics=False))
+    atomic_write(
+        path,
+        lambda tmp: frame.write_parquet(
+            tmp, compression="zstd", compression_level=1, statistics=False
+        ),
+    )
 
 
 def write_json_atomically(data: dict, path: Path) -> None:
@@ -712,7 +895,9 @@ def counts_by(frame: pl.DataFrame, *keys: str) -> dict:
     """Row counts as nested {key1: {key2: n}} (or {key: n}), keys sorted (an Enum key by name)."""
     out: dict = {}
     counts = frame.group_by(list(keys)).len()
-    counts = counts.with_columns(pl.col(k).cast(pl.String) for k in keys if isinstance(counts.schema[k], pl.Enum))
+    counts = counts.with_columns(
+        pl.col(k).cast(pl.String) for k in keys if isinstance(counts.schema[k], pl.Enum)
+    )
     for row in counts.sort(list(keys)).iter_rows():
         *path, n = row
         node = out
@@ -722,10 +907,18 @@ def counts_by(frame: pl.DataFrame, *keys: str) -> dict:
     return out
 
 
-def build_manifest(shards_dir: Path | None = None, output: Path | None = None, *, strict: bool = False,
-                   languages: Sequence[str] | None = None, min_duration: float | None = None,
-                   max_duration: float | None = None, min_quality: float | None = None,
-                   workers: int | None = None, progress: bool = True) -> dict[str, Any]:
+def build_manifest(
+    shards_dir: Path | None = None,
+    output: Path | None = None,
+    *,
+    strict: bool = False,
+    languages: Sequence[str] | None = None,
+    min_duration: float | None = None,
+    max_duration: float | None = None,
+    min_quality: float | None = None,
+    workers: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Build the master manifest at ``output`` and its summary beside it; return the summary.
 
     None means the config value (SHARDS_DIR, MASTER_MANIFEST_PATH, LANGUAGES, MIN_DURATION,
@@ -735,10 +928,12 @@ def build_manifest(shards_dir: Path | None = None, output: Path | None = None, *
     started = time.perf_counter()
     shards_dir = Path(config.SHARDS_DIR if shards_dir is None else shards_dir)
     output = Path(config.MASTER_MANIFEST_PATH if output is None else output)
-    filters = Filters(tuple(config.LANGUAGES if languages is None else languages),
-                      config.MIN_DURATION if min_duration is None else min_duration,
-                      config.MAX_DURATION if max_duration is None else max_duration,
-                      config.MIN_QUALITY if min_quality is None else min_quality)
+    filters = Filters(
+        tuple(config.LANGUAGES if languages is None else languages),
+        config.MIN_DURATION if min_duration is None else min_duration,
+        config.MAX_DURATION if max_duration is None else max_duration,
+        config.MIN_QUALITY if min_quality is None else min_quality,
+    )
     workers = workers or min(8, os.cpu_count() or 1)
 
     shards, misplaced = discover_shards(shards_dir)
@@ -747,9 +942,12 @@ def build_manifest(shards_dir: Path | None = None, output: Path | None = None, *
     # Building and compiling the cleaning regexes costs ~30 ms, most of it Python holding the GIL:
     # done while the first batch is read, on this thread, which has nothing else to do then.
     warm_up = functools.partial(clean_text_column, pl.Series(_WARM_UP_TEXTS, dtype=pl.String))
-    with tqdm(total=len(shards), desc="building manifest", unit="shard", disable=not progress) as bar:
-        for batch, joined, batch_orphans, batch_unreadable in joined_batches(shards, workers,
-                                                                             meanwhile=warm_up):
+    with tqdm(
+        total=len(shards), desc="building manifest", unit="shard", disable=not progress
+    ) as bar:
+        for batch, joined, batch_orphans, batch_unreadable in joined_batches(
+            shards, workers, meanwhile=warm_up
+        ):
             unreadable += batch_unreadable
             if joined is not None:
                 kept, drops = assemble_manifest(joined, batch, filters, root, workers)
@@ -760,11 +958,15 @@ def build_manifest(shards_dir: Path | None = None, output: Path | None = None, *
             bar.update(len(batch))
     bad = misplaced + sorted(unreadable, key=lambda b: b["path"])
     if bad and strict:
-        raise ManifestError(f"{len(bad)} shard(s) could not be read (--strict):\n  "
-                            + "\n  ".join(f"{b['path']}: {b['reason']}" for b in bad))
+        raise ManifestError(
+            f"{len(bad)} shard(s) could not be read (--strict):\n  "
+            + "\n  ".join(f"{b['path']}: {b['reason']}" for b in bad)
+        )
     if len(unreadable) == len(shards):  # nothing readable (or only misplaced shards)
-        raise ManifestError(f"none of the {len(shards) + len(misplaced)} shard(s) under {shards_dir} "
-                            f"could be read:\n  " + "\n  ".join(b["reason"] for b in bad[:10]))
+        raise ManifestError(
+            f"none of the {len(shards) + len(misplaced)} shard(s) under {shards_dir} "
+            f"could be read:\n  " + "\n  ".join(b["reason"] for b in bad[:10])
+        )
     # batches hold consecutive shards in shard order, so their rows concatenate in manifest order
     kept, drops = pl.concat(kept_parts), pl.concat(drop_parts)
     dropped = counts_by(drops, "reason")
@@ -781,9 +983,13 @@ def build_manifest(shards_dir: Path | None = None, output: Path | None = None, *
             "shards_read": len(shards) - len(unreadable),
             "bad_shards": bad,
             "audio_index_without_metadata": orphans,
-            "settings": {"shards_dir": str(shards_dir), "languages": list(filters.languages),
-                         "min_duration": filters.min_duration, "max_duration": filters.max_duration,
-                         "min_quality": filters.min_quality},
+            "settings": {
+                "shards_dir": str(shards_dir),
+                "languages": list(filters.languages),
+                "min_duration": filters.min_duration,
+                "max_duration": filters.max_duration,
+                "min_quality": filters.min_quality,
+            },
         }
         written.result()
     write_json_atomically(summary, summary_path(output))
@@ -792,9 +998,11 @@ def build_manifest(shards_dir: Path | None = None, output: Path | None = None, *
 
 
 def format_summary(summary: dict[str, Any], output: Path) -> str:
-    lines = [f"shards: {summary['shards_read']} read, {len(summary['bad_shards'])} unreadable",
-             f"rows: {summary['rows_in']:,} read, {summary['rows_out']:,} kept, "
-             f"{summary['rows_in'] - summary['rows_out']:,} dropped"]
+    lines = [
+        f"shards: {summary['shards_read']} read, {len(summary['bad_shards'])} unreadable",
+        f"rows: {summary['rows_in']:,} read, {summary['rows_out']:,} kept, "
+        f"{summary['rows_in'] - summary['rows_out']:,} dropped",
+    ]
     for reason, n in sorted(summary["dropped"].items(), key=lambda kv: -kv[1]):
         lines.append(f"  dropped {reason:<24} {n:>12,}")
     langs = sorted(set(summary["kept_by_lang"]) | set(summary["dropped_by_lang"]))
@@ -803,11 +1011,15 @@ def format_summary(summary: dict[str, Any], output: Path) -> str:
         for lang in langs:
             drops = summary["dropped_by_lang"].get(lang, {})
             detail = ", ".join(f"{r}={n:,}" for r, n in sorted(drops.items()))
-            lines.append(f"  {lang:<8} {summary['kept_by_lang'].get(lang, 0):>12,} "
-                         f"{sum(drops.values()):>12,}  {detail}")
+            lines.append(
+                f"  {lang:<8} {summary['kept_by_lang'].get(lang, 0):>12,} "
+                f"{sum(drops.values()):>12,}  {detail}"
+            )
     if summary["audio_index_without_metadata"]:
-        lines.append(f"audio_index entries without metadata (ignored): "
-                     f"{summary['audio_index_without_metadata']:,}")
+        lines.append(
+            f"audio_index entries without metadata (ignored): "
+            f"{summary['audio_index_without_metadata']:,}"
+        )
     for b in summary["bad_shards"]:
         lines.append(f"UNREADABLE {b['path']}: {b['reason']}")
     lines.append(f"wrote {output} and {summary_path(output).name}")
@@ -818,21 +1030,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  SHARDS_DIR=/nvme/shards python build_manifest.py --output /nvme/master.parquet")
-    parser.add_argument("--shards-dir", type=Path, default=None,
-                        help=f"shard tree (default SHARDS_DIR = {config.SHARDS_DIR})")
-    parser.add_argument("--output", type=Path, default=None,
-                        help=f"manifest to write (default MASTER_MANIFEST_PATH = {config.MASTER_MANIFEST_PATH})")
-    parser.add_argument("--strict", action="store_true",
-                        help="exit non-zero without writing if any shard cannot be read")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="threads reading shards (default: min(8, CPUs))")
+        epilog="example:\n  SHARDS_DIR=/nvme/shards python build_manifest.py --output /nvme/master.parquet",
+    )
+    parser.add_argument(
+        "--shards-dir",
+        type=Path,
+        default=None,
+        help=f"shard tree (default SHARDS_DIR = {config.SHARDS_DIR})",
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help=f"manifest to write (default MASTER_MANIFEST_PATH = {config.MASTER_MANIFEST_PATH})",
+    )
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit non-zero without writing if any shard cannot be read",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=None, help="threads reading shards (default: min(8, CPUs))"
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
     output = Path(config.MASTER_MANIFEST_PATH if args.output is None else args.output)
     try:
-        summary = build_manifest(args.shards_dir, output, strict=args.strict, workers=args.workers,
-                                 progress=not args.no_progress)
+        summary = build_manifest(
+            args.shards_dir,
+            output,
+            strict=args.strict,
+            workers=args.workers,
+            progress=not args.no_progress,
+        )
     except ManifestError as exc:
         print(f"build_manifest: error: {exc}", file=sys.stderr)
         return 2

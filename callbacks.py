@@ -5,6 +5,7 @@ EncoderUnfreezeCallback (the two phases), TrainingMetricsCallback and OptimizerS
 EpochBoundarySyncCallback, PerLanguageWERCallback, and the one WER/CER implementation that
 scripts/evaluate.py shares.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,8 +19,9 @@ import re
 import secrets
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import lightning.pytorch as _pl
 import numpy as np
@@ -64,9 +66,11 @@ class EncoderUnfreezeCallback(_pl.Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         frozen = [n for n, p in pl_module.model.encoder.named_parameters() if not p.requires_grad]
         if frozen:
-            raise RuntimeError(f"encoder parameters {frozen[:3]}... are frozen before DDP wraps the model; DDP would "
-                               "never all-reduce their gradients after unfreezing. Leave freezing to "
-                               "EncoderUnfreezeCallback (do not call encoder.freeze() or load a frozen model).")
+            raise RuntimeError(
+                f"encoder parameters {frozen[:3]}... are frozen before DDP wraps the model; DDP would "
+                "never all-reduce their gradients after unfreezing. Leave freezing to "
+                "EncoderUnfreezeCallback (do not call encoder.freeze() or load a frozen model)."
+            )
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._apply(trainer, pl_module)
@@ -87,12 +91,18 @@ class EncoderUnfreezeCallback(_pl.Callback):
                 p.requires_grad_(True)
             encoder.train()
             if stop_searching_unused_parameters(trainer) and trainer.global_rank == 0:
-                _unfreeze_log.info("step %d: DDP re-wrapped with find_unused_parameters=False for phase 2",
-                                   trainer.global_step)
+                _unfreeze_log.info(
+                    "step %d: DDP re-wrapped with find_unused_parameters=False for phase 2",
+                    trainer.global_step,
+                )
         if phase != self.phase:
             if trainer.global_rank == 0:
-                _unfreeze_log.info("step %d: phase %d, encoder %s", trainer.global_step, phase,
-                                   "frozen (eval mode, no gradients)" if phase == 1 else "unfrozen (training)")
+                _unfreeze_log.info(
+                    "step %d: phase %d, encoder %s",
+                    trainer.global_step,
+                    phase,
+                    "frozen (eval mode, no gradients)" if phase == 1 else "unfrozen (training)",
+                )
             self.phase = phase
         pl_module.encoder_frozen = phase == 1
         pl_module.phase = phase
@@ -177,12 +187,15 @@ class ErrorCounts:
         self.utterances += 1
 
 
-def corpus_error_rates(references: Sequence[str], hypotheses: Sequence[str],
-                       languages: Sequence[str]) -> dict[str, ErrorCounts]:
+def corpus_error_rates(
+    references: Sequence[str], hypotheses: Sequence[str], languages: Sequence[str]
+) -> dict[str, ErrorCounts]:
     """ErrorCounts per language plus "all" (every utterance), corpus-level, tags stripped."""
     if not len(references) == len(hypotheses) == len(languages):
-        raise ValueError(f"corpus_error_rates: {len(references)} references, {len(hypotheses)} hypotheses and "
-                         f"{len(languages)} languages; expected one of each per utterance")
+        raise ValueError(
+            f"corpus_error_rates: {len(references)} references, {len(hypotheses)} hypotheses and "
+            f"{len(languages)} languages; expected one of each per utterance"
+        )
     counts: dict[str, ErrorCounts] = {}
     total = ErrorCounts()
     for ref, hyp, lang in zip(references, hypotheses, languages):
@@ -195,6 +208,7 @@ def corpus_error_rates(references: Sequence[str], hypotheses: Sequence[str],
 
 # ---- greedy decoding with our dataset + collate (PerLanguageWERCallback and scripts/evaluate.py) --
 
+
 def select_eval_indices(lang_codes: np.ndarray, per_lang: int, seed: int = 0) -> np.ndarray:
     """Up to ``per_lang`` dataset indices per language code, a seeded choice, sorted (the same on every rank)."""
     rng = np.random.default_rng(seed)
@@ -205,7 +219,9 @@ def select_eval_indices(lang_codes: np.ndarray, per_lang: int, seed: int = 0) ->
     return np.sort(np.concatenate(chosen)) if chosen else np.zeros(0, dtype=np.int64)
 
 
-def pack_by_duration(indices: Sequence[int], durations: np.ndarray, max_batch_seconds: float) -> list[list[int]]:
+def pack_by_duration(
+    indices: Sequence[int], durations: np.ndarray, max_batch_seconds: float
+) -> list[list[int]]:
     """``indices`` sorted by duration and cut into batches of at most ``max_batch_seconds`` of audio
     (an utterance longer than that gets a batch of its own)."""
     order = sorted((int(i) for i in indices), key=lambda i: float(durations[i]))
@@ -229,9 +245,16 @@ def _module_modes(model: torch.nn.Module) -> dict[torch.nn.Module, bool]:
 
 
 @torch.no_grad()
-def greedy_transcribe(model, dataset, indices: Sequence[int], *, max_batch_seconds: float = 60.0,
-                      device: torch.device | str | None = None,
-                      autocast: Callable[[], Any] | None = None, progress: bool = False) -> dict[int, str | None]:
+def greedy_transcribe(
+    model,
+    dataset,
+    indices: Sequence[int],
+    *,
+    max_batch_seconds: float = 60.0,
+    device: torch.device | str | None = None,
+    autocast: Callable[[], Any] | None = None,
+    progress: bool = False,
+) -> dict[int, str | None]:
     """Greedy hypotheses of ``dataset[i]`` for each ``i`` in ``indices``: {index: text, or None for bad audio}.
 
     Audio goes through the training pipeline's own loading and collate (soundfile + soxr, the same
@@ -248,6 +271,7 @@ def greedy_transcribe(model, dataset, indices: Sequence[int], *, max_batch_secon
     batches = pack_by_duration(indices, dataset.durations, max_batch_seconds)
     if progress:
         from tqdm import tqdm
+
         batches = tqdm(batches, desc="decoding", unit="batch")
     try:
         for batch_indices in batches:
@@ -257,11 +281,14 @@ def greedy_transcribe(model, dataset, indices: Sequence[int], *, max_batch_secon
             if not good:
                 continue
             batch = collate_asr_batch([item for item in items if item is not None])
-            with (autocast() if autocast is not None else contextlib.nullcontext()):
-                encoded, encoded_len = model.forward(input_signal=batch.signal.to(device),
-                                                     input_signal_length=batch.signal_len.to(device))
-                hyps = model.decoding.rnnt_decoder_predictions_tensor(encoder_output=encoded,
-                                                                      encoded_lengths=encoded_len)
+            with autocast() if autocast is not None else contextlib.nullcontext():
+                encoded, encoded_len = model.forward(
+                    input_signal=batch.signal.to(device),
+                    input_signal_length=batch.signal_len.to(device),
+                )
+                hyps = model.decoding.rnnt_decoder_predictions_tensor(
+                    encoder_output=encoded, encoded_lengths=encoded_len
+                )
             if isinstance(hyps, tuple):  # older NeMo returned (best, all)
                 hyps = hyps[0]
             for i, hyp in zip(good, hyps):
@@ -281,6 +308,7 @@ def manifest_texts(dataset) -> list[str]:
 
 
 # ---- local metrics file and loggers ----------------------------------------------------------------
+
 
 def _json_value(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
@@ -320,20 +348,43 @@ class JsonlMetricsLogger(Logger):
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self._write({"step": step, "time": round(time.time(), 3), **{k: _json_value(v) for k, v in metrics.items()}})
+        self._write(
+            {
+                "step": step,
+                "time": round(time.time(), 3),
+                **{k: _json_value(v) for k, v in metrics.items()},
+            }
+        )
 
     @rank_zero_only
-    def log_table(self, key: str, columns: list[str], data: list[list[Any]], step: int | None = None) -> None:
-        self._write({"step": step, "table": key, "columns": list(columns),
-                     "rows": [[_json_value(v) for v in row] for row in data]})
+    def log_table(
+        self, key: str, columns: list[str], data: list[list[Any]], step: int | None = None
+    ) -> None:
+        self._write(
+            {
+                "step": step,
+                "table": key,
+                "columns": list(columns),
+                "rows": [[_json_value(v) for v in row] for row in data],
+            }
+        )
 
     @rank_zero_only
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
         """The run's settings to ``hparams.json`` beside the metrics file (the latest launch's)."""
         params = params if isinstance(params, dict) else vars(params)
-        text = json.dumps({k: _json_value(v) if isinstance(v, (int, float)) else str(v) for k, v in params.items()},
-                          indent=1, ensure_ascii=False)
-        atomic_write(self.path.with_name("hparams.json"), lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+        text = json.dumps(
+            {
+                k: _json_value(v) if isinstance(v, (int, float)) else str(v)
+                for k, v in params.items()
+            },
+            indent=1,
+            ensure_ascii=False,
+        )
+        atomic_write(
+            self.path.with_name("hparams.json"),
+            lambda tmp: Path(tmp).write_text(text, encoding="utf-8"),
+        )
 
 
 def run_directory(run_name: str | None = None, log_dir: Path | None = None) -> Path:
@@ -389,8 +440,16 @@ def build_loggers(run_dir: Path | None = None, resuming: bool = False) -> list[L
 
         if int(os.environ.get("RANK", "0")) == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
-        loggers.append(WandbLogger(project=_config.WANDB_PROJECT, name=name, id=run_id,
-                                   save_dir=str(run_dir), mode=mode, log_model=False))
+        loggers.append(
+            WandbLogger(
+                project=_config.WANDB_PROJECT,
+                name=name,
+                id=run_id,
+                save_dir=str(run_dir),
+                mode=mode,
+                log_model=False,
+            )
+        )
     loggers.append(JsonlMetricsLogger(run_dir / "metrics.jsonl"))
     return loggers
 
@@ -404,6 +463,7 @@ def log_to_loggers(trainer, metrics: dict[str, float], step: int) -> None:
 
 # ---- cross-rank reductions ------------------------------------------------------------------------
 
+
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
@@ -412,8 +472,10 @@ def all_reduce_tensor(values: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """``values`` reduced over every rank (sum or max); unchanged in a single process."""
     if _distributed():
         values = values.clone()
-        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.SUM if op == "sum"
-                                     else torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(
+            values,
+            op=torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX,
+        )
     return values
 
 
@@ -428,8 +490,10 @@ def all_gather_objects(obj: Any) -> list[Any]:
 
 # ---- TrainingMetricsCallback ----------------------------------------------------------------------
 
+
 def _bad_audio_reasons() -> tuple[str, ...]:
     from dataset import BAD_AUDIO_REASONS
+
     return tuple(BAD_AUDIO_REASONS)
 
 
@@ -445,7 +509,11 @@ class TrainingMetricsCallback(_pl.Callback):
     ``last_metrics`` holds the latest dict (the progress bar shows part of it).
     """
 
-    _COUNTERS = ("skipped_steps", "empty_micro_batches", "nonfinite_losses")  # order used in _step_metrics
+    _COUNTERS = (
+        "skipped_steps",
+        "empty_micro_batches",
+        "nonfinite_losses",
+    )  # order used in _step_metrics
 
     def __init__(self, share_window: int = 100):
         self.share_window = int(share_window)
@@ -463,8 +531,16 @@ class TrainingMetricsCallback(_pl.Callback):
         self._reset_window()
 
     def _reset_window(self) -> None:
-        self._w = dict(loss_sum=0.0, loss_n=0, utterances=0, audio_s=0.0, real=0, padded=0, wait_s=0.0,
-                       checkpoint_s=0.0)
+        self._w = dict(
+            loss_sum=0.0,
+            loss_n=0,
+            utterances=0,
+            audio_s=0.0,
+            real=0,
+            padded=0,
+            wait_s=0.0,
+            checkpoint_s=0.0,
+        )
         self._w_lang = np.zeros(len(self._langs), dtype=np.float64)
         self._w_bad = np.zeros(len(_bad_audio_reasons()), dtype=np.float64)
 
@@ -513,7 +589,9 @@ class TrainingMetricsCallback(_pl.Callback):
             self._w["wait_s"] += max(0.0, now - ended)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self._lr = float(optimizer.param_groups[0]["lr"])  # the LR this step uses (the scheduler moves it after)
+        self._lr = float(
+            optimizer.param_groups[0]["lr"]
+        )  # the LR this step uses (the scheduler moves it after)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         w = self._w
@@ -560,23 +638,52 @@ class TrainingMetricsCallback(_pl.Callback):
         # The module's fault counters are per rank and restart at 0 in a resumed process: sum their
         # growth over ranks into totals that the checkpoint carries.
         counters = [float(getattr(pl_module, name, 0)) for name in self._COUNTERS]
-        grown = [now_ - self._counters_seen.get(name, 0.0) for name, now_ in zip(self._COUNTERS, counters)]
+        grown = [
+            now_ - self._counters_seen.get(name, 0.0)
+            for name, now_ in zip(self._COUNTERS, counters)
+        ]
         self._counters_seen = dict(zip(self._COUNTERS, counters))
-        sums = torch.tensor([w["loss_sum"], w["loss_n"], w["utterances"], w["audio_s"], w["real"], w["padded"],
-                             w["wait_s"], step_s, grown[1], grown[2], *self._w_lang, *self._w_bad],
-                            dtype=torch.float64, device=device)
+        sums = torch.tensor(
+            [
+                w["loss_sum"],
+                w["loss_n"],
+                w["utterances"],
+                w["audio_s"],
+                w["real"],
+                w["padded"],
+                w["wait_s"],
+                step_s,
+                grown[1],
+                grown[2],
+                *self._w_lang,
+                *self._w_bad,
+            ],
+            dtype=torch.float64,
+            device=device,
+        )
         peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
-        maxes = torch.tensor([step_s, w["wait_s"] / step_s if step_s > 0 else 0.0, peak_gib, grown[0]],
-                             dtype=torch.float64, device=device)
+        maxes = torch.tensor(
+            [step_s, w["wait_s"] / step_s if step_s > 0 else 0.0, peak_gib, grown[0]],
+            dtype=torch.float64,
+            device=device,
+        )
         sums = all_reduce_tensor(sums, "sum").cpu().tolist()
         maxes = all_reduce_tensor(maxes, "max").cpu().tolist()
-        loss_sum, loss_n, utts, audio_s, real, padded, wait_s, step_s_sum, empty, nonfinite = sums[:10]
+        loss_sum, loss_n, utts, audio_s, real, padded, wait_s, step_s_sum, empty, nonfinite = sums[
+            :10
+        ]
         n_lang = len(self._langs)
-        lang_counts = np.array(sums[10:10 + n_lang])
-        bad = sums[10 + n_lang:]
-        step_max, wait_frac_max, peak, skipped = maxes  # a skip is decided on all ranks alike: not summed
+        lang_counts = np.array(sums[10 : 10 + n_lang])
+        bad = sums[10 + n_lang :]
+        step_max, wait_frac_max, peak, skipped = (
+            maxes  # a skip is decided on all ranks alike: not summed
+        )
 
-        for name, grew in (("skipped_steps", skipped), ("empty_micro_batches", empty), ("nonfinite_losses", nonfinite)):
+        for name, grew in (
+            ("skipped_steps", skipped),
+            ("empty_micro_batches", empty),
+            ("nonfinite_losses", nonfinite),
+        ):
             self.totals[name] = self.totals.get(name, 0.0) + grew
         self.totals["bad_audio_total"] = self.totals.get("bad_audio_total", 0.0) + sum(bad)
         for reason, n in zip(_bad_audio_reasons(), bad):
@@ -590,7 +697,9 @@ class TrainingMetricsCallback(_pl.Callback):
             "train/phase": float(getattr(pl_module, "phase", math.nan)),
             "train/grad_norm": _float_or_nan(getattr(pl_module, "last_grad_norm", None)),
             "train/epoch": float(trainer.current_epoch),
-            "train/micro_batch": float(trainer.fit_loop.epoch_loop.batch_progress.current.processed),
+            "train/micro_batch": float(
+                trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            ),
             "train/skipped_steps": self.totals["skipped_steps"],
             "train/empty_micro_batches": self.totals["empty_micro_batches"],
             "train/nonfinite_losses": self.totals["nonfinite_losses"],
@@ -623,8 +732,16 @@ def _float_or_nan(value: Any) -> float:
 
 # ---- progress bar ----------------------------------------------------------------------------------
 
-def progress_postfix(micro_batch: int, epoch: int, epoch_micro_batch: int, epoch_micro_batches: int | None,
-                     loss: float | None, lr: float | None, phase: int | None) -> str:
+
+def progress_postfix(
+    micro_batch: int,
+    epoch: int,
+    epoch_micro_batch: int,
+    epoch_micro_batches: int | None,
+    loss: float | None,
+    lr: float | None,
+    phase: int | None,
+) -> str:
     """The text after the optimizer-step counter, e.g.
     ``micro-batch 49 (epoch 0: 48/5000) | loss 1.2345 | lr 3.00e-04 | phase 1``."""
     of = f"/{epoch_micro_batches}" if epoch_micro_batches else ""
@@ -678,7 +795,14 @@ class OptimizerStepProgressBar(TQDMProgressBar):
         last = trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps
         if not self.is_enabled or (progress.total.processed % self.refresh_rate and not last):
             return
-        metrics = next((cb.last_metrics for cb in trainer.callbacks if isinstance(cb, TrainingMetricsCallback)), {})
+        metrics = next(
+            (
+                cb.last_metrics
+                for cb in trainer.callbacks
+                if isinstance(cb, TrainingMetricsCallback)
+            ),
+            {},
+        )
         loss = metrics.get("train/loss")
         if loss is None and getattr(pl_module, "last_loss", None) is not None:
             loss = float(pl_module.last_loss)
@@ -686,10 +810,18 @@ class OptimizerStepProgressBar(TQDMProgressBar):
         if lr is None and trainer.optimizers:
             lr = float(trainer.optimizers[0].param_groups[0]["lr"])
         epoch_total = trainer.num_training_batches
-        self.train_progress_bar.set_postfix_str(progress_postfix(
-            progress.total.processed, trainer.current_epoch, progress.current.processed,
-            int(epoch_total) if epoch_total and math.isfinite(epoch_total) else None,
-            loss, lr, getattr(pl_module, "phase", None)), refresh=False)
+        self.train_progress_bar.set_postfix_str(
+            progress_postfix(
+                progress.total.processed,
+                trainer.current_epoch,
+                progress.current.processed,
+                int(epoch_total) if epoch_total and math.isfinite(epoch_total) else None,
+                loss,
+                lr,
+                getattr(pl_module, "phase", None),
+            ),
+            refresh=False,
+        )
         self._set_n(trainer.global_step)
 
 
@@ -710,10 +842,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     whole checkpoint in memory: a crash mid-copy leaves a truncated file that looks whole.
     """
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path, storage_options: Any | None = None
+    ) -> None:
         if storage_options is not None:
-            raise TypeError(f"AtomicCheckpointIO.save_checkpoint got storage_options={storage_options!r}; "
-                            "it writes local files only")
+            raise TypeError(
+                f"AtomicCheckpointIO.save_checkpoint got storage_options={storage_options!r}; "
+                "it writes local files only"
+            )
         atomic_write(path, lambda tmp: torch.save(checkpoint, tmp))
 
 
@@ -723,11 +859,15 @@ def find_last_checkpoint(checkpoint_dir: Path | None = None) -> Path | None:
     directory = Path(checkpoint_dir or _config.CHECKPOINT_DIR)
     if not directory.is_dir():
         return None
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := CHECKPOINT_PATTERN.match(p.name))]
+    found = [
+        (int(m.group(1)), p) for p in directory.iterdir() if (m := CHECKPOINT_PATTERN.match(p.name))
+    ]
     return max(found)[1] if found else None
 
 
-def resolve_resume_from(resume_from: str | None = None, checkpoint_dir: Path | None = None) -> str | None:
+def resolve_resume_from(
+    resume_from: str | None = None, checkpoint_dir: Path | None = None
+) -> str | None:
     """``ckpt_path`` for trainer.fit from RESUME_FROM: '' -> None (fresh start); 'last' -> the newest
     step checkpoint in CHECKPOINT_DIR (None, logged, when there is none yet, so a restart loop can
     always pass RESUME_FROM=last); otherwise a path that must exist."""
@@ -738,14 +878,18 @@ def resolve_resume_from(resume_from: str | None = None, checkpoint_dir: Path | N
         directory = Path(checkpoint_dir or _config.CHECKPOINT_DIR)
         last = find_last_checkpoint(directory)
         if last is None:
-            _log.warning("RESUME_FROM=last: no step checkpoint (step_*.ckpt) in CHECKPOINT_DIR=%s; starting fresh",
-                         directory)
+            _log.warning(
+                "RESUME_FROM=last: no step checkpoint (step_*.ckpt) in CHECKPOINT_DIR=%s; starting fresh",
+                directory,
+            )
             return None
         _log.info("RESUME_FROM=last: resuming from %s", last)
         return str(last)
     if not Path(resume_from).is_file():
-        raise FileNotFoundError(f"RESUME_FROM={resume_from}: no such checkpoint file; give a step_*.ckpt path, "
-                                f"'last' (newest in CHECKPOINT_DIR) or leave it empty")
+        raise FileNotFoundError(
+            f"RESUME_FROM={resume_from}: no such checkpoint file; give a step_*.ckpt path, "
+            f"'last' (newest in CHECKPOINT_DIR) or leave it empty"
+        )
     return resume_from
 
 
@@ -767,14 +911,25 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
       ``trainer.save_checkpoint`` holds every rank until then.
     """
 
-    def __init__(self, dirpath: str | os.PathLike | None = None, every_n_steps: int | None = None,
-                 export_nemo_at_end: bool = True):
+    def __init__(
+        self,
+        dirpath: str | os.PathLike | None = None,
+        every_n_steps: int | None = None,
+        export_nemo_at_end: bool = True,
+    ):
         every = int(_config.CHECKPOINT_EVERY if every_n_steps is None else every_n_steps)
         if every < 1:
             raise ValueError(f"CHECKPOINT_EVERY={every}: expected >= 1")
-        super().__init__(dirpath=str(dirpath or _config.CHECKPOINT_DIR), filename="step_{step:08d}",
-                         auto_insert_metric_name=False, save_top_k=-1, save_last=False,
-                         every_n_train_steps=every, save_on_train_epoch_end=False, enable_version_counter=False)
+        super().__init__(
+            dirpath=str(dirpath or _config.CHECKPOINT_DIR),
+            filename="step_{step:08d}",
+            auto_insert_metric_name=False,
+            save_top_k=-1,
+            save_last=False,
+            every_n_train_steps=every,
+            save_on_train_epoch_end=False,
+            enable_version_counter=False,
+        )
         self.every_n_steps = every
         self.export_nemo_at_end = export_nemo_at_end
         self._seen_step = 0
@@ -792,8 +947,11 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
         if type(io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         elif not isinstance(io, AtomicCheckpointIO):
-            _log.warning("checkpoint IO %s is not TorchCheckpointIO: checkpoints are written by it, not atomically "
-                         "by StepOnlyModelCheckpoint", type(io).__name__)
+            _log.warning(
+                "checkpoint IO %s is not TorchCheckpointIO: checkpoints are written by it, not atomically "
+                "by StepOnlyModelCheckpoint",
+                type(io).__name__,
+            )
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
@@ -827,16 +985,23 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
 
 # ---- exact resume -------------------------------------------------------------------------------------
 
+
 def capture_rng_state(module: torch.nn.Module | None = None) -> dict[str, Any]:
     """Every random generator a training step draws from, in this process: torch (CPU and CUDA),
     NumPy, Python's ``random``, and any ``random.Random`` a module keeps (NeMo's SpecAugment ``_rng``)."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                             "python": random.getstate()}
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     if module is not None:
-        state["modules"] = {name: m._rng.getstate() for name, m in module.named_modules()
-                            if isinstance(getattr(m, "_rng", None), random.Random)}
+        state["modules"] = {
+            name: m._rng.getstate()
+            for name, m in module.named_modules()
+            if isinstance(getattr(m, "_rng", None), random.Random)
+        }
     return state
 
 
@@ -900,19 +1065,26 @@ class ExactResumeCallback(_pl.Callback):
 
         # Lightning's "dataloader is not resumable" warning is about the plain DataLoader; the sampler
         # state restored here makes the resume exact, so the warning would only mislead.
-        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+        warnings.filterwarnings(
+            "ignore", message="You're resuming from a checkpoint that ended before the epoch ended"
+        )
         state = checkpoint.get("sampler_state")
         if state is None:
-            _log.warning("checkpoint has no sampler_state: the data order restarts at the beginning of epoch %s",
-                         checkpoint.get("epoch"))
+            _log.warning(
+                "checkpoint has no sampler_state: the data order restarts at the beginning of epoch %s",
+                checkpoint.get("epoch"),
+            )
         pl_module.resume_sampler_state = state
         rng = checkpoint.get("rng_states")
         if rng and len(rng) == trainer.world_size:
             self._pending_rng = rng[trainer.global_rank]
         elif rng:
-            _log.warning("checkpoint was written by %d ranks, this run has %d: RNG states are not restored "
-                         "(the data order still is, if the sampler accepts the new world size)",
-                         len(rng), trainer.world_size)
+            _log.warning(
+                "checkpoint was written by %d ranks, this run has %d: RNG states are not restored "
+                "(the data order still is, if the sampler accepts the new world size)",
+                len(rng),
+                trainer.world_size,
+            )
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self._pending_rng is not None:
@@ -921,6 +1093,7 @@ class ExactResumeCallback(_pl.Callback):
 
 
 # ---- EpochBoundarySyncCallback --------------------------------------------------------------------------
+
 
 class EpochBoundarySyncCallback(_pl.Callback):
     """At every epoch start: ``set_epoch(current_epoch)`` on the batch sampler, then a barrier, so no
@@ -944,6 +1117,7 @@ class EpochBoundarySyncCallback(_pl.Callback):
 
 # ---- PerLanguageWERCallback -------------------------------------------------------------------------------
 
+
 class PerLanguageWERCallback(_pl.Callback):
     """Every ``every_n_steps`` optimizer steps (EVAL_EVERY_STEPS; 0 = off): greedy WER and CER per language
     on ``samples_per_lang`` (EVAL_SAMPLES_PER_LANG) utterances per language of VAL_MANIFEST_PATH.
@@ -957,13 +1131,24 @@ class PerLanguageWERCallback(_pl.Callback):
     need temporary JSON manifests, its own audio loading and a cfg.validation_ds.
     """
 
-    def __init__(self, every_n_steps: int | None = None, samples_per_lang: int | None = None,
-                 manifest_path: str | os.PathLike | None = None, max_batch_seconds: float | None = None,
-                 examples_per_lang: int = 3):
-        self.every_n_steps = int(_config.EVAL_EVERY_STEPS if every_n_steps is None else every_n_steps)
-        self.samples_per_lang = int(_config.EVAL_SAMPLES_PER_LANG if samples_per_lang is None else samples_per_lang)
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        samples_per_lang: int | None = None,
+        manifest_path: str | os.PathLike | None = None,
+        max_batch_seconds: float | None = None,
+        examples_per_lang: int = 3,
+    ):
+        self.every_n_steps = int(
+            _config.EVAL_EVERY_STEPS if every_n_steps is None else every_n_steps
+        )
+        self.samples_per_lang = int(
+            _config.EVAL_SAMPLES_PER_LANG if samples_per_lang is None else samples_per_lang
+        )
         self.manifest_path = Path(manifest_path or _config.VAL_MANIFEST_PATH)
-        self.max_batch_seconds = float(_config.MAX_BATCH_DURATION if max_batch_seconds is None else max_batch_seconds)
+        self.max_batch_seconds = float(
+            _config.MAX_BATCH_DURATION if max_batch_seconds is None else max_batch_seconds
+        )
         self.examples_per_lang = examples_per_lang
         self.dataset = None
         self.indices = np.zeros(0, dtype=np.int64)
@@ -978,10 +1163,16 @@ class PerLanguageWERCallback(_pl.Callback):
         from dataset import LocalShardDataset
 
         if not self.manifest_path.is_file():
-            raise FileNotFoundError(f"EVAL_EVERY_STEPS={self.every_n_steps} but VAL_MANIFEST_PATH={self.manifest_path} "
-                                    "does not exist; build it with scripts/make_train_val.py or set EVAL_EVERY_STEPS=0")
-        self.dataset = LocalShardDataset(self.manifest_path, pl_module.model.tokenizer, progress=False)
-        self.indices = select_eval_indices(self.dataset.lang_codes, self.samples_per_lang, seed=_config.SEED)
+            raise FileNotFoundError(
+                f"EVAL_EVERY_STEPS={self.every_n_steps} but VAL_MANIFEST_PATH={self.manifest_path} "
+                "does not exist; build it with scripts/make_train_val.py or set EVAL_EVERY_STEPS=0"
+            )
+        self.dataset = LocalShardDataset(
+            self.manifest_path, pl_module.model.tokenizer, progress=False
+        )
+        self.indices = select_eval_indices(
+            self.dataset.lang_codes, self.samples_per_lang, seed=_config.SEED
+        )
         texts = manifest_texts(self.dataset)
         self.references = {int(i): texts[int(i)] for i in self.indices}
 
@@ -998,9 +1189,15 @@ class PerLanguageWERCallback(_pl.Callback):
         started = time.perf_counter()
         # Interleave by duration so every rank gets a similar amount of audio.
         by_duration = sorted(self.indices.tolist(), key=lambda i: float(self.dataset.durations[i]))
-        mine = by_duration[trainer.global_rank::max(1, trainer.world_size)]
-        hyps = greedy_transcribe(pl_module.model, self.dataset, mine, max_batch_seconds=self.max_batch_seconds,
-                                 device=pl_module.device, autocast=trainer.precision_plugin.forward_context)
+        mine = by_duration[trainer.global_rank :: max(1, trainer.world_size)]
+        hyps = greedy_transcribe(
+            pl_module.model,
+            self.dataset,
+            mine,
+            max_batch_seconds=self.max_batch_seconds,
+            device=pl_module.device,
+            autocast=trainer.precision_plugin.forward_context,
+        )
         gathered: dict[int, str | None] = {}
         for part in all_gather_objects(hyps):
             gathered.update(part)
@@ -1013,8 +1210,10 @@ class PerLanguageWERCallback(_pl.Callback):
         results = corpus_error_rates(refs, outs, langs)
         self.last_results = results
         if trainer.is_global_zero:
-            metrics: dict[str, float] = {"val/utterances": float(len(done)),
-                                         "val/seconds": time.perf_counter() - started}
+            metrics: dict[str, float] = {
+                "val/utterances": float(len(done)),
+                "val/seconds": time.perf_counter() - started,
+            }
             for lang, c in results.items():
                 metrics[f"val/wer/{lang}"] = c.wer
                 metrics[f"val/cer/{lang}"] = c.cer
@@ -1026,9 +1225,17 @@ class PerLanguageWERCallback(_pl.Callback):
                     rows.append([lang, strip_lang_tag(ref), strip_lang_tag(hyp)])
             for logger in trainer.loggers:
                 if hasattr(logger, "log_table"):
-                    logger.log_table("val/examples", ["lang", "reference", "hypothesis"], rows,
-                                     step=trainer.global_step)
-            _log.info("step %d: greedy WER on %d utterances in %.1f s: %s", trainer.global_step, len(done),
-                      time.perf_counter() - started,
-                      ", ".join(f"{lang} {c.wer:.3f}" for lang, c in results.items()))
+                    logger.log_table(
+                        "val/examples",
+                        ["lang", "reference", "hypothesis"],
+                        rows,
+                        step=trainer.global_step,
+                    )
+            _log.info(
+                "step %d: greedy WER on %d utterances in %.1f s: %s",
+                trainer.global_step,
+                len(done),
+                time.perf_counter() - started,
+                ", ".join(f"{lang} {c.wer:.3f}" for lang, c in results.items()),
+            )
         return results

@@ -13,13 +13,15 @@ test can monkeypatch one value. Derived paths (manifests, tokenizer, checkpoints
 A bad value fails at import with one ``ConfigError`` that names each bad variable, the value given
 and what is expected, for example ``GRAD_ACCUM='four': expected an integer``.
 """
+
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from atomic_files import atomic_write
 
@@ -43,6 +45,7 @@ class Knob:
 
 
 # --- parsers: each turns the raw string into a typed value or raises ValueError("expected ...") ---
+
 
 def _int(raw: str) -> int:
     try:
@@ -85,7 +88,9 @@ def _boundaries(raw: str) -> tuple[float, ...] | str:
     if raw.startswith("auto:"):
         k = raw[5:]
         if not k.isdigit() or int(k) < 2:
-            raise ValueError("expected 'auto:K' with an integer K >= 2, or increasing seconds like '3,5,8'")
+            raise ValueError(
+                "expected 'auto:K' with an integer K >= 2, or increasing seconds like '3,5,8'"
+            )
         return raw
     try:
         values = tuple(float(v) for v in raw.split(",") if v.strip())
@@ -104,10 +109,12 @@ def _choice(*allowed: str) -> Callable[[str], str]:
         if value not in allowed:
             raise ValueError(f"expected one of {', '.join(allowed)}")
         return value
+
     return parse
 
 
 # --- checks on a typed value: return None when fine, else what is expected ---
+
 
 def _positive(v: float) -> str | None:
     return None if v > 0 else "expected a value > 0"
@@ -122,8 +129,14 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knobs: dict[str, Knob] = {}
     errors: list[str] = []
 
-    def knob(name: str, default: Any, parse: Callable[[str], Any], help: str,
-             check: Callable[[Any], str | None] | None = None, derived: bool = False) -> Any:
+    def knob(
+        name: str,
+        default: Any,
+        parse: Callable[[str], Any],
+        help: str,
+        check: Callable[[Any], str | None] | None = None,
+        derived: bool = False,
+    ) -> Any:
         raw = env.get(name)
         if raw is None or (raw.strip() == "" and parse is not _str and parse is not _languages):
             value, source = default, ("derived" if derived else "default")
@@ -142,51 +155,197 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         return value
 
     # Paths
-    data_dir = knob("DATA_DIR", REPO_DIR / "data", _path, "Root of the data tree; the paths below follow it unless set")
-    knob("SHARDS_DIR", data_dir / "shards", _path, "Input shards: <source>/<lang>/<shard>/{metadata,audio_index}.parquet + audio.tar", derived=True)
-    knob("MASTER_MANIFEST_PATH", data_dir / "master_manifest.parquet", _path, "build_manifest.py output", derived=True)
-    knob("TRAIN_MANIFEST_PATH", data_dir / "train_manifest_v2.parquet", _path, "make_train_val.py output read by train.py", derived=True)
-    knob("VAL_MANIFEST_PATH", data_dir / "val_manifest_v2.parquet", _path, "make_train_val.py output read by evaluation", derived=True)
-    knob("TOKENIZER_DIR", data_dir / "tokenizer", _path, "SentencePiece tokenizer directory (train_tokenizer.py output)", derived=True)
-    knob("CHECKPOINT_DIR", data_dir / "checkpoints", _path, "Step checkpoints and the final .nemo", derived=True)
-    knob("WANDB_LOG_DIR", data_dir / "wandb_logs", _path, "W&B run directory (offline runs live here) and the local metrics JSONL", derived=True)
+    data_dir = knob(
+        "DATA_DIR",
+        REPO_DIR / "data",
+        _path,
+        "Root of the data tree; the paths below follow it unless set",
+    )
+    knob(
+        "SHARDS_DIR",
+        data_dir / "shards",
+        _path,
+        "Input shards: <source>/<lang>/<shard>/{metadata,audio_index}.parquet + audio.tar",
+        derived=True,
+    )
+    knob(
+        "MASTER_MANIFEST_PATH",
+        data_dir / "master_manifest.parquet",
+        _path,
+        "build_manifest.py output",
+        derived=True,
+    )
+    knob(
+        "TRAIN_MANIFEST_PATH",
+        data_dir / "train_manifest_v2.parquet",
+        _path,
+        "make_train_val.py output read by train.py",
+        derived=True,
+    )
+    knob(
+        "VAL_MANIFEST_PATH",
+        data_dir / "val_manifest_v2.parquet",
+        _path,
+        "make_train_val.py output read by evaluation",
+        derived=True,
+    )
+    knob(
+        "TOKENIZER_DIR",
+        data_dir / "tokenizer",
+        _path,
+        "SentencePiece tokenizer directory (train_tokenizer.py output)",
+        derived=True,
+    )
+    knob(
+        "CHECKPOINT_DIR",
+        data_dir / "checkpoints",
+        _path,
+        "Step checkpoints and the final .nemo",
+        derived=True,
+    )
+    knob(
+        "WANDB_LOG_DIR",
+        data_dir / "wandb_logs",
+        _path,
+        "W&B run directory (offline runs live here) and the local metrics JSONL",
+        derived=True,
+    )
 
     # Weights & Biases
     knob("WANDB_PROJECT", "parakeet-tdt-finetune", _str, "W&B project name")
-    knob("WANDB_MODE", "", _choice("", *WANDB_MODES), "online, offline or disabled; empty = online with WANDB_API_KEY, else offline")
+    knob(
+        "WANDB_MODE",
+        "",
+        _choice("", *WANDB_MODES),
+        "online, offline or disabled; empty = online with WANDB_API_KEY, else offline",
+    )
     knob("WANDB_RUN_NAME", "", _str, "W&B run name; empty = generated")
 
     # Model
-    knob("INIT_MODEL", "", _str, "A .nemo path or a pretrained name (e.g. nvidia/parakeet-tdt-0.6b-v2); empty = fresh model from MODEL_CONFIG")
-    knob("MODEL_CONFIG", REPO_DIR / "configs" / "tiny_tdt.yaml", _path, "YAML of a fresh model, used when INIT_MODEL is empty")
-    knob("RESUME_FROM", "", _str, "A checkpoint path, or 'last' for the newest in CHECKPOINT_DIR; empty = start fresh")
-    knob("VOCAB_SIZE", 12000, _int, "SentencePiece vocabulary size for train_tokenizer.py", _positive)
-    knob("TDT_LOSS", "numba", _choice("numba", "torch"), "TDT loss on CUDA: numba = NeMo's kernel (requirements-gpu.txt), torch = tdt_loss.py (no numba needed, slower); CPU always runs tdt_loss.py")
-    knob("ENCODER_FRAME_SECONDS", 0.08, _float, "Seconds per encoder frame (10 ms hop x 8x subsampling); utterances with more tokens than frames are dropped", _positive)
+    knob(
+        "INIT_MODEL",
+        "",
+        _str,
+        "A .nemo path or a pretrained name (e.g. nvidia/parakeet-tdt-0.6b-v2); empty = fresh model from MODEL_CONFIG",
+    )
+    knob(
+        "MODEL_CONFIG",
+        REPO_DIR / "configs" / "tiny_tdt.yaml",
+        _path,
+        "YAML of a fresh model, used when INIT_MODEL is empty",
+    )
+    knob(
+        "RESUME_FROM",
+        "",
+        _str,
+        "A checkpoint path, or 'last' for the newest in CHECKPOINT_DIR; empty = start fresh",
+    )
+    knob(
+        "VOCAB_SIZE", 12000, _int, "SentencePiece vocabulary size for train_tokenizer.py", _positive
+    )
+    knob(
+        "TDT_LOSS",
+        "numba",
+        _choice("numba", "torch"),
+        "TDT loss on CUDA: numba = NeMo's kernel (requirements-gpu.txt), torch = tdt_loss.py (no numba needed, slower); CPU always runs tdt_loss.py",
+    )
+    knob(
+        "ENCODER_FRAME_SECONDS",
+        0.08,
+        _float,
+        "Seconds per encoder frame (10 ms hop x 8x subsampling); utterances with more tokens than frames are dropped",
+        _positive,
+    )
 
     # Data
-    knob("LANGUAGES", (), _languages, "Comma-separated language codes to keep (e.g. 'hi,ta,en'); empty = all")
+    knob(
+        "LANGUAGES",
+        (),
+        _languages,
+        "Comma-separated language codes to keep (e.g. 'hi,ta,en'); empty = all",
+    )
     knob("TARGET_SAMPLE_RATE", 16000, _int, "Audio is resampled to this rate (Hz)", _positive)
     knob("MIN_DURATION", 0.5, _float, "Shortest utterance kept, seconds", _non_negative)
     knob("MAX_DURATION", 20.0, _float, "Longest utterance kept, seconds", _positive)
     knob("MIN_QUALITY", 0.0, _float, "Lowest tx_quality_score kept")
     knob("MAX_TOKEN_LEN", 512, _int, "Token sequences are truncated to this length", _positive)
-    knob("AUDIO_DURATION_TOLERANCE", 0.25, _float, "Decoded audio whose length differs from the manifest by more (seconds) is bad audio", _non_negative)
-    knob("VAL_PER_LANG", 200, _int, "Validation utterances per language (make_train_val.py)", _non_negative)
-    knob("VAL_MAX_FRACTION", 0.5, _float, "At most this share of a language's rows goes to validation (make_train_val.py)",
-         lambda v: None if 0 <= v <= 1 else "expected a fraction between 0 and 1")
-    knob("SCRIPT_VOTE_THRESHOLD", 0.9, _float, "Share of a transcript's letters in one script for that script to correct its language tag (make_train_val.py)",
-         lambda v: None if 0.5 < v <= 1 else "expected a fraction above 0.5 and at most 1")
+    knob(
+        "AUDIO_DURATION_TOLERANCE",
+        0.25,
+        _float,
+        "Decoded audio whose length differs from the manifest by more (seconds) is bad audio",
+        _non_negative,
+    )
+    knob(
+        "VAL_PER_LANG",
+        200,
+        _int,
+        "Validation utterances per language (make_train_val.py)",
+        _non_negative,
+    )
+    knob(
+        "VAL_MAX_FRACTION",
+        0.5,
+        _float,
+        "At most this share of a language's rows goes to validation (make_train_val.py)",
+        lambda v: None if 0 <= v <= 1 else "expected a fraction between 0 and 1",
+    )
+    knob(
+        "SCRIPT_VOTE_THRESHOLD",
+        0.9,
+        _float,
+        "Share of a transcript's letters in one script for that script to correct its language tag (make_train_val.py)",
+        lambda v: None if 0.5 < v <= 1 else "expected a fraction above 0.5 and at most 1",
+    )
 
     # Sampler
-    knob("BUCKET_BOUNDARIES", (3.0, 5.0, 8.0, 12.0, 16.0), _boundaries, "Duration bucket edges in seconds, or 'auto:K' for K quantile buckets")
-    knob("MAX_BATCH_DURATION", 90.0, _float, "Seconds of raw audio per micro-batch (per GPU)", _positive)
-    knob("TEMPERATURE", 0.3, _float, "Language mix: share ~ n_l^T (1 = natural, 0 = uniform)",
-         lambda v: None if v >= 0 else "expected a value >= 0 (1 = natural shares, 0 = uniform)")
-    knob("LANG_WEIGHTING", "count", _choice(*LANG_WEIGHTINGS), "Temperature over utterance counts or over hours")
-    knob("EPOCH_SIZE", 0, _int, "Utterances per sampler epoch; 0 = the number of utterances", _non_negative)
-    knob("BATCH_COST_QUADRATIC", 0.0, _float, "Quadratic term of the batch cost model (attention), per second^2", _non_negative)
-    knob("BUCKET_SORT_JITTER", 0.05, _float, "Relative random spread of the within-bucket duration sort: higher = more random batches, more padding", _non_negative)
+    knob(
+        "BUCKET_BOUNDARIES",
+        (3.0, 5.0, 8.0, 12.0, 16.0),
+        _boundaries,
+        "Duration bucket edges in seconds, or 'auto:K' for K quantile buckets",
+    )
+    knob(
+        "MAX_BATCH_DURATION",
+        90.0,
+        _float,
+        "Seconds of raw audio per micro-batch (per GPU)",
+        _positive,
+    )
+    knob(
+        "TEMPERATURE",
+        0.3,
+        _float,
+        "Language mix: share ~ n_l^T (1 = natural, 0 = uniform)",
+        lambda v: None if v >= 0 else "expected a value >= 0 (1 = natural shares, 0 = uniform)",
+    )
+    knob(
+        "LANG_WEIGHTING",
+        "count",
+        _choice(*LANG_WEIGHTINGS),
+        "Temperature over utterance counts or over hours",
+    )
+    knob(
+        "EPOCH_SIZE",
+        0,
+        _int,
+        "Utterances per sampler epoch; 0 = the number of utterances",
+        _non_negative,
+    )
+    knob(
+        "BATCH_COST_QUADRATIC",
+        0.0,
+        _float,
+        "Quadratic term of the batch cost model (attention), per second^2",
+        _non_negative,
+    )
+    knob(
+        "BUCKET_SORT_JITTER",
+        0.05,
+        _float,
+        "Relative random spread of the within-bucket duration sort: higher = more random batches, more padding",
+        _non_negative,
+    )
 
     # Training
     knob("NUM_WORKERS", 12, _int, "DataLoader workers per rank", _non_negative)
@@ -196,13 +355,31 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob("PHASE1_LR", 3e-4, _float, "Peak LR of phase 1 (encoder frozen)", _positive)
     knob("PHASE2_LR", 1e-4, _float, "Peak LR of phase 2 (encoder unfrozen)", _positive)
     knob("MIN_LR", 1e-6, _float, "LR at MAX_STEPS after cosine decay", _non_negative)
-    knob("UNFREEZE_STEP", 40000, _int, "Optimizer step at which the encoder is unfrozen (0 = never frozen)", _non_negative)
+    knob(
+        "UNFREEZE_STEP",
+        40000,
+        _int,
+        "Optimizer step at which the encoder is unfrozen (0 = never frozen)",
+        _non_negative,
+    )
     knob("WARMUP_STEPS", 5000, _int, "Linear warmup steps of phase 1", _non_negative)
     knob("PHASE2_WARMUP", 3000, _int, "Linear warmup steps after unfreezing", _non_negative)
     knob("WEIGHT_DECAY", 1e-3, _float, "AdamW weight decay", _non_negative)
     knob("GRAD_CLIP", 1.0, _float, "Gradient norm clip (0 = off)", _non_negative)
-    knob("EVAL_EVERY_STEPS", 0, _int, "Per-language WER every N optimizer steps (0 = off)", _non_negative)
-    knob("EVAL_SAMPLES_PER_LANG", 10, _int, "Validation utterances per language for that WER", _positive)
+    knob(
+        "EVAL_EVERY_STEPS",
+        0,
+        _int,
+        "Per-language WER every N optimizer steps (0 = off)",
+        _non_negative,
+    )
+    knob(
+        "EVAL_SAMPLES_PER_LANG",
+        10,
+        _int,
+        "Validation utterances per language for that WER",
+        _positive,
+    )
     knob("SEED", 1234, _int, "Seed of the sampler plan, model init and workers")
     knob("PRECISION", "bf16-mixed", _choice(*PRECISIONS), "Lightning precision")
     knob("ACCELERATOR", "auto", _choice("auto", "cpu", "gpu", "cuda"), "Lightning accelerator")
@@ -210,8 +387,10 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     # Cross-checks, reported with the values that clash.
     v = {k: kn.value for k, kn in knobs.items()}
     if v["MIN_DURATION"] >= v["MAX_DURATION"]:
-        errors.append(f"MAX_DURATION={v['MAX_DURATION']!r} with MIN_DURATION={v['MIN_DURATION']!r}: "
-                      "expected MIN_DURATION < MAX_DURATION")
+        errors.append(
+            f"MAX_DURATION={v['MAX_DURATION']!r} with MIN_DURATION={v['MIN_DURATION']!r}: "
+            "expected MIN_DURATION < MAX_DURATION"
+        )
     if v["MIN_LR"] > min(v["PHASE1_LR"], v["PHASE2_LR"]):
         errors.append(f"MIN_LR={v['MIN_LR']!r}: expected at most PHASE1_LR and PHASE2_LR")
     if errors:
@@ -228,7 +407,9 @@ def _format_value(value: Any) -> str:
 def describe(knobs: Mapping[str, Knob]) -> str:
     """A plain table of every effective value and its source."""
     width = max(len(n) for n in knobs)
-    return "\n".join(f"{k.name:<{width}}  {_format_value(k.value)!s:<40}  ({k.source})" for k in knobs.values())
+    return "\n".join(
+        f"{k.name:<{width}}  {_format_value(k.value)!s:<40}  ({k.source})" for k in knobs.values()
+    )
 
 
 def markdown_table(knobs: Mapping[str, Knob]) -> str:
@@ -257,7 +438,9 @@ def update_readme(readme: Path) -> bool:
         head, rest = text.split(README_TABLE_START, 1)
         _, tail = rest.split(README_TABLE_END, 1)
     except ValueError:
-        raise ConfigError(f"{readme}: missing the markers {README_TABLE_START!r} ... {README_TABLE_END!r}") from None
+        raise ConfigError(
+            f"{readme}: missing the markers {README_TABLE_START!r} ... {README_TABLE_END!r}"
+        ) from None
     new = f"{head}{README_TABLE_START}\n{markdown_table(read_config({}))}\n{README_TABLE_END}{tail}"
     if new == text:
         return False

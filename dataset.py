@@ -40,6 +40,7 @@ manifest by more than ``AUDIO_DURATION_TOLERANCE``) makes ``__getitem__`` return
 logged with its shard and file at a limited rate and counted per reason; ``collate_asr_batch`` drops
 it and hands the counts on in ``AsrBatch.bad_audio``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -90,6 +91,7 @@ _TAG_PATTERN_PLAIN = r"^<\|[^|]*\|>(?: |$)"
 # Bad audio: a process-local counter and rate-limited logging
 # --------------------------------------------------------------------------------------------------
 
+
 class BadAudio(Exception):
     """An audio file that must not be trained on; ``reason`` is one of BAD_AUDIO_REASONS."""
 
@@ -115,8 +117,15 @@ def _record_bad_audio(reason: str, shard_id: str, path: str, detail: str) -> Non
     # The first few of each reason, then one line at every power of ten: a corpus with millions of
     # bad files logs a few dozen lines per worker, not millions.
     if n <= _LOG_FIRST_PER_REASON or (n >= 10 and 10 ** round(math.log10(n)) == n):
-        log.warning("bad audio (%s, %d so far in pid %d): shard=%s file=%s: %s",
-                    reason, n, os.getpid(), shard_id, path, detail)
+        log.warning(
+            "bad audio (%s, %d so far in pid %d): shard=%s file=%s: %s",
+            reason,
+            n,
+            os.getpid(),
+            shard_id,
+            path,
+            detail,
+        )
 
 
 def drain_bad_audio_counts() -> dict[str, int]:
@@ -130,8 +139,14 @@ def drain_bad_audio_counts() -> dict[str, int]:
 # Audio
 # --------------------------------------------------------------------------------------------------
 
-def load_audio(path: str, *, expected_duration: float | None = None, sample_rate: int | None = None,
-               duration_tolerance: float | None = None) -> np.ndarray:
+
+def load_audio(
+    path: str,
+    *,
+    expected_duration: float | None = None,
+    sample_rate: int | None = None,
+    duration_tolerance: float | None = None,
+) -> np.ndarray:
     """Decode ``path`` to mono float32 at ``sample_rate`` (None = config.TARGET_SAMPLE_RATE).
 
     Raises BadAudio("missing" | "unreadable" | "empty" | "non_finite" | "duration_mismatch"). The
@@ -139,13 +154,17 @@ def load_audio(path: str, *, expected_duration: float | None = None, sample_rate
     manifest's, before resampling.
     """
     sample_rate = config.TARGET_SAMPLE_RATE if sample_rate is None else sample_rate
-    tolerance = config.AUDIO_DURATION_TOLERANCE if duration_tolerance is None else duration_tolerance
+    tolerance = (
+        config.AUDIO_DURATION_TOLERANCE if duration_tolerance is None else duration_tolerance
+    )
     try:
         with sf.SoundFile(path) as audio:
             sr = audio.samplerate
             integer_pcm = audio.subtype.startswith("PCM_")
             data = audio.read(dtype="float32", always_2d=True)
-    except Exception as exc:  # libsndfile reports every failure its own way; all of them are bad audio
+    except (
+        Exception
+    ) as exc:  # libsndfile reports every failure its own way; all of them are bad audio
         try:
             size = os.stat(path).st_size
         except FileNotFoundError:
@@ -164,9 +183,11 @@ def load_audio(path: str, *, expected_duration: float | None = None, sample_rate
         raise BadAudio("non_finite", "NaN or Inf samples")
     decoded = data.shape[0] / sr
     if expected_duration is not None and abs(decoded - expected_duration) > tolerance:
-        raise BadAudio("duration_mismatch",
-                       f"decoded {decoded:.3f} s, manifest says {expected_duration:.3f} s "
-                       f"(AUDIO_DURATION_TOLERANCE={tolerance})")
+        raise BadAudio(
+            "duration_mismatch",
+            f"decoded {decoded:.3f} s, manifest says {expected_duration:.3f} s "
+            f"(AUDIO_DURATION_TOLERANCE={tolerance})",
+        )
     if sr != sample_rate:
         signal = soxr.resample(signal, sr, sample_rate)
     return np.ascontiguousarray(signal, dtype=np.float32)
@@ -175,6 +196,7 @@ def load_audio(path: str, *, expected_duration: float | None = None, sample_rate
 # --------------------------------------------------------------------------------------------------
 # Tokenizer helpers
 # --------------------------------------------------------------------------------------------------
+
 
 def language_tag(lang: str) -> str:
     return f"<|{lang}|>"
@@ -192,7 +214,8 @@ def tag_token_id(tokenizer, lang: str) -> int:
             f"piece {tokenizer.ids_to_tokens([token_id])[0]!r}); the configured tokenizer is "
             f"TOKENIZER_DIR={config.TOKENIZER_DIR}. Train the tokenizer with every language tag as a "
             f"user_defined_symbol (scripts/train_tokenizer.py), or point TOKENIZER_DIR at the one "
-            f"trained on this manifest")
+            f"trained on this manifest"
+        )
     return token_id
 
 
@@ -216,8 +239,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
-def encode_transcripts(tokenizer, transcripts: pa.Array, max_ids: int | None = None,
-                       progress: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def encode_transcripts(
+    tokenizer, transcripts: pa.Array, max_ids: int | None = None, progress: bool = True
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``tokenizer.text_to_ids(t)[:max_ids]`` of every string, as one flat array.
 
     Returns ``(offsets, ids, full_lengths)``: row r's ids are ``ids[offsets[r]:offsets[r + 1]]`` (int64
@@ -228,10 +252,15 @@ def encode_transcripts(tokenizer, transcripts: pa.Array, max_ids: int | None = N
     from tqdm import tqdm
 
     processor = getattr(tokenizer, "tokenizer", None)
-    bulk = (hasattr(processor, "encode") and hasattr(processor, "serialized_model_proto")
-            and not getattr(tokenizer, "legacy", False)
-            and not (getattr(tokenizer, "removed_extra_spaces", False)
-                     and not getattr(tokenizer, "ignore_extra_whitespaces", True)))
+    bulk = (
+        hasattr(processor, "encode")
+        and hasattr(processor, "serialized_model_proto")
+        and not getattr(tokenizer, "legacy", False)
+        and not (
+            getattr(tokenizer, "removed_extra_spaces", False)
+            and not getattr(tokenizer, "ignore_extra_whitespaces", True)
+        )
+    )
     threads = len(os.sched_getaffinity(0))
     n = len(transcripts)
     full_lengths = np.empty(n, dtype=np.int64)
@@ -245,14 +274,16 @@ def encode_transcripts(tokenizer, transcripts: pa.Array, max_ids: int | None = N
                 encoded = [tokenizer.text_to_ids(t) for t in texts]
             del texts
             lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
-            full_lengths[start:start + len(encoded)] = lengths
+            full_lengths[start : start + len(encoded)] = lengths
             flat = np.fromiter(itertools.chain.from_iterable(encoded), np.int32, int(lengths.sum()))
             del encoded
             if max_ids is not None and (lengths > max_ids).any():
                 # Keep the first max_ids of each row: a position's rank inside its row is its flat
                 # index minus its row's start.
                 starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-                flat = flat[np.arange(len(flat)) - starts < np.repeat(np.minimum(lengths, max_ids), lengths)]
+                flat = flat[
+                    np.arange(len(flat)) - starts < np.repeat(np.minimum(lengths, max_ids), lengths)
+                ]
             chunks.append(flat)
             bar.update(len(lengths))
     kept_lengths = full_lengths if max_ids is None else np.minimum(full_lengths, max_ids)
@@ -266,10 +297,19 @@ def encode_transcripts(tokenizer, transcripts: pa.Array, max_ids: int | None = N
 # The sidecar: the manifest's needed columns, feasibility-filtered, as one memory-mappable Arrow file
 # --------------------------------------------------------------------------------------------------
 
+
 def _sidecar_key(manifest_path: Path, tok_fp: str, frame_seconds: float, max_token_len: int) -> str:
     st = manifest_path.stat()
-    ident = json.dumps([SIDECAR_FORMAT, st.st_size, st.st_mtime_ns, tok_fp, repr(float(frame_seconds)),
-                        int(max_token_len)])
+    ident = json.dumps(
+        [
+            SIDECAR_FORMAT,
+            st.st_size,
+            st.st_mtime_ns,
+            tok_fp,
+            repr(float(frame_seconds)),
+            int(max_token_len),
+        ]
+    )
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
@@ -287,8 +327,10 @@ def _check_manifest(manifest_path: Path) -> int:
     names = meta.schema.to_arrow_schema().names
     missing = [c for c in MANIFEST_COLUMNS if c not in names]
     if missing:
-        raise ValueError(f"manifest {manifest_path} lacks the columns {missing} (has {names}); "
-                         f"rebuild it with build_manifest.py and scripts/make_train_val.py")
+        raise ValueError(
+            f"manifest {manifest_path} lacks the columns {missing} (has {names}); "
+            f"rebuild it with build_manifest.py and scripts/make_train_val.py"
+        )
     return meta.num_rows
 
 
@@ -297,16 +339,23 @@ def _read_column(manifest_path: Path, name: str, string: bool = False) -> pa.Arr
     column = pq.read_table(manifest_path, columns=[name])[name]
     if column.null_count:
         first = pc.index(pc.is_null(column), True).as_py()
-        raise ValueError(f"manifest {manifest_path}: column {name!r} has {column.null_count} nulls (first at "
-                         f"row {first}); every training row needs {list(MANIFEST_COLUMNS)}")
+        raise ValueError(
+            f"manifest {manifest_path}: column {name!r} has {column.null_count} nulls (first at "
+            f"row {first}); every training row needs {list(MANIFEST_COLUMNS)}"
+        )
     if string:
         # 32-bit offsets cap a string array at 2 GiB; the texts of 70M rows are far more.
         column = column.cast(pa.large_string())
     return column.combine_chunks()
 
 
-def _split_language_tags(manifest_path: Path, text: pa.Array, lang_codes: np.ndarray,
-                         lang_names: list[str], first_row: int = 0) -> pa.Array:
+def _split_language_tags(
+    manifest_path: Path,
+    text: pa.Array,
+    lang_codes: np.ndarray,
+    lang_names: list[str],
+    first_row: int = 0,
+) -> pa.Array:
     """The transcripts without their leading ``<|lang|> `` tag; ValueError if a row's tag is not its lang.
 
     ``text`` holds the manifest rows from ``first_row`` on, ``lang_codes`` their codes.
@@ -314,9 +363,17 @@ def _split_language_tags(manifest_path: Path, text: pa.Array, lang_codes: np.nda
     parts = pc.extract_regex(text, _TAG_PATTERN)  # a null struct where the text has no leading tag
     # Compare tag and lang as integer codes: the distinct tags are few, the rows are many.
     tags = pc.struct_field(parts, "tag").dictionary_encode()
-    code_of_tag = np.array([lang_names.index(t[2:-2]) if t[2:-2] in lang_names else -1
-                            for t in tags.dictionary.to_pylist()] + [-1], dtype=np.int64)
-    tag_codes = code_of_tag[tags.indices.fill_null(len(code_of_tag) - 1).to_numpy(zero_copy_only=False)]
+    code_of_tag = np.array(
+        [
+            lang_names.index(t[2:-2]) if t[2:-2] in lang_names else -1
+            for t in tags.dictionary.to_pylist()
+        ]
+        + [-1],
+        dtype=np.int64,
+    )
+    tag_codes = code_of_tag[
+        tags.indices.fill_null(len(code_of_tag) - 1).to_numpy(zero_copy_only=False)
+    ]
     tag_codes[~parts.is_valid().to_numpy(zero_copy_only=False)] = -1
     mismatch = np.flatnonzero(tag_codes != lang_codes)
     if len(mismatch):
@@ -326,12 +383,20 @@ def _split_language_tags(manifest_path: Path, text: pa.Array, lang_codes: np.nda
             f"with its language tag (lang={lang_names[lang_codes[bad]]!r}; {len(mismatch)} such rows in "
             f"rows {first_row}-{first_row + len(text) - 1}); "
             f"the manifest contract is text = '<|lang|> ' + transcript: rebuild it with "
-            f"build_manifest.py / make_train_val.py")
+            f"build_manifest.py / make_train_val.py"
+        )
     return pc.replace_substring_regex(text, _TAG_PATTERN_PLAIN, "", max_replacements=1)
 
 
-def _tokenize_manifest(manifest_path: Path, tokenizer, lang_codes: np.ndarray, lang_names: list[str],
-                       max_ids: int, id_dtype, progress: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _tokenize_manifest(
+    manifest_path: Path,
+    tokenizer,
+    lang_codes: np.ndarray,
+    lang_names: list[str],
+    max_ids: int,
+    id_dtype,
+    progress: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """encode_transcripts over the manifest's text column, read in batches so the whole column of
     text (the largest by far) is never in memory; ids as ``id_dtype``."""
     from tqdm import tqdm
@@ -339,15 +404,20 @@ def _tokenize_manifest(manifest_path: Path, tokenizer, lang_codes: np.ndarray, l
     id_parts, length_parts, full_parts = [], [], []
     first_row = 0
     with tqdm(total=len(lang_codes), desc="tokenizing", unit="utt", disable=not progress) as bar:
-        for batch in pq.ParquetFile(manifest_path).iter_batches(batch_size=_TEXT_BATCH_ROWS, columns=["text"]):
+        for batch in pq.ParquetFile(manifest_path).iter_batches(
+            batch_size=_TEXT_BATCH_ROWS, columns=["text"]
+        ):
             text = batch.column(0)
             if text.null_count:
                 first = first_row + pc.index(pc.is_null(text), True).as_py()
-                raise ValueError(f"manifest {manifest_path}: column 'text' is null at row {first}; every "
-                                 f"training row needs {list(MANIFEST_COLUMNS)}")
+                raise ValueError(
+                    f"manifest {manifest_path}: column 'text' is null at row {first}; every "
+                    f"training row needs {list(MANIFEST_COLUMNS)}"
+                )
             rows = slice(first_row, first_row + len(text))
-            rest = _split_language_tags(manifest_path, text.cast(pa.large_string()), lang_codes[rows],
-                                        lang_names, first_row)
+            rest = _split_language_tags(
+                manifest_path, text.cast(pa.large_string()), lang_codes[rows], lang_names, first_row
+            )
             del text, batch
             offsets, ids, full = encode_transcripts(tokenizer, rest, max_ids, progress=False)
             id_parts.append(ids.astype(id_dtype, copy=False))
@@ -356,8 +426,10 @@ def _tokenize_manifest(manifest_path: Path, tokenizer, lang_codes: np.ndarray, l
             first_row += len(full)
             bar.update(len(full))
     if first_row != len(lang_codes):
-        raise ValueError(f"manifest {manifest_path} changed while it was read ({first_row} text rows, "
-                         f"{len(lang_codes)} lang rows); rerun once it is complete")
+        raise ValueError(
+            f"manifest {manifest_path} changed while it was read ({first_row} text rows, "
+            f"{len(lang_codes)} lang rows); rerun once it is complete"
+        )
     lengths = np.concatenate(length_parts) if length_parts else np.empty(0, np.int64)
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -366,18 +438,30 @@ def _tokenize_manifest(manifest_path: Path, tokenizer, lang_codes: np.ndarray, l
     return offsets, ids, full
 
 
-def build_sidecar(manifest_path: Path, tokenizer, out_path: Path, key: str, *, frame_seconds: float,
-                  max_token_len: int, progress: bool = True) -> None:
+def build_sidecar(
+    manifest_path: Path,
+    tokenizer,
+    out_path: Path,
+    key: str,
+    *,
+    frame_seconds: float,
+    max_token_len: int,
+    progress: bool = True,
+) -> None:
     """Write the sidecar for ``manifest_path`` atomically to ``out_path`` (temp file + os.replace)."""
     t0 = time.monotonic()
     n = _check_manifest(manifest_path)
-    duration = _read_column(manifest_path, "duration").cast(pa.float64()).to_numpy(zero_copy_only=False)
+    duration = (
+        _read_column(manifest_path, "duration").cast(pa.float64()).to_numpy(zero_copy_only=False)
+    )
 
     lang_dict = _read_column(manifest_path, "lang", string=True).dictionary_encode()
     lang_names = [str(s) for s in lang_dict.dictionary.to_pylist()]
     if len(lang_names) > np.iinfo(np.int16).max:
-        raise ValueError(f"manifest {manifest_path} has {len(lang_names)} distinct lang values; expected "
-                         f"language codes")
+        raise ValueError(
+            f"manifest {manifest_path} has {len(lang_names)} distinct lang values; expected "
+            f"language codes"
+        )
     lang_codes = lang_dict.indices.to_numpy(zero_copy_only=False).astype(np.int16)
     del lang_dict
     for lang in lang_names:  # fail before the expensive part if the tokenizer does not fit
@@ -387,8 +471,9 @@ def build_sidecar(manifest_path: Path, tokenizer, out_path: Path, key: str, *, f
     # sidecar stores the ids: one tokenizer pass for the whole node, and ids take a fraction of the
     # text's bytes (uint16 below 65,536 pieces).
     id_dtype = np.uint16 if getattr(tokenizer, "vocab_size", 1 << 31) <= 1 << 16 else np.int32
-    id_offsets, ids, rest_lengths = _tokenize_manifest(manifest_path, tokenizer, lang_codes, lang_names,
-                                                       max_token_len - 1, id_dtype, progress)
+    id_offsets, ids, rest_lengths = _tokenize_manifest(
+        manifest_path, tokenizer, lang_codes, lang_names, max_token_len - 1, id_dtype, progress
+    )
     n_tokens = 1 + rest_lengths
     token_len = np.minimum(n_tokens, max_token_len)
     with np.errstate(invalid="ignore"):
@@ -403,10 +488,13 @@ def build_sidecar(manifest_path: Path, tokenizer, out_path: Path, key: str, *, f
         return array if take is None else array.take(take)
 
     def dictionary_column(codes: np.ndarray, names, index_type) -> pa.DictionaryArray:
-        return pa.DictionaryArray.from_arrays(pa.array(codes[kept_rows], index_type),
-                                              pa.array(list(names), pa.string()))
+        return pa.DictionaryArray.from_arrays(
+            pa.array(codes[kept_rows], index_type), pa.array(list(names), pa.string())
+        )
 
-    columns = {"token_ids": kept(pa.LargeListArray.from_arrays(pa.array(id_offsets), pa.array(ids)))}
+    columns = {
+        "token_ids": kept(pa.LargeListArray.from_arrays(pa.array(id_offsets), pa.array(ids)))
+    }
     del ids, id_offsets
     # Audio lives at dirname(tar_path)/tar_member_name; tar_path has one value per shard, so dirname
     # runs on the few distinct values and each row keeps an int32 code.
@@ -415,23 +503,42 @@ def build_sidecar(manifest_path: Path, tokenizer, out_path: Path, key: str, *, f
     dir_names, dir_of_tar_code = np.unique(np.array(dir_of_tar, dtype=object), return_inverse=True)
     columns["audio_dir"] = dictionary_column(
         dir_of_tar_code.astype(np.int32)[tar_dict.indices.to_numpy(zero_copy_only=False)],
-        dir_names.tolist(), pa.int32())
+        dir_names.tolist(),
+        pa.int32(),
+    )
     del tar_dict
     shard_dict = _read_column(manifest_path, "shard_id", string=True).dictionary_encode()
-    columns["shard_id"] = dictionary_column(shard_dict.indices.to_numpy(zero_copy_only=False),
-                                            shard_dict.dictionary.to_pylist(), pa.int32())
+    columns["shard_id"] = dictionary_column(
+        shard_dict.indices.to_numpy(zero_copy_only=False),
+        shard_dict.dictionary.to_pylist(),
+        pa.int32(),
+    )
     del shard_dict
     columns["tar_member_name"] = kept(_read_column(manifest_path, "tar_member_name", string=True))
-    columns.update({
-        "duration": pa.array(duration[kept_rows], pa.float64()),
-        "lang": dictionary_column(lang_codes, lang_names, pa.int16()),
-        "manifest_row": pa.array(kept_rows.astype(np.int64)),
-    })
-    summary = _summarize(manifest_path, n, lang_codes, lang_names, bad_duration, infeasible, keep,
-                         n_tokens > max_token_len, frame_seconds, max_token_len, tokenizer)
+    columns.update(
+        {
+            "duration": pa.array(duration[kept_rows], pa.float64()),
+            "lang": dictionary_column(lang_codes, lang_names, pa.int16()),
+            "manifest_row": pa.array(kept_rows.astype(np.int64)),
+        }
+    )
+    summary = _summarize(
+        manifest_path,
+        n,
+        lang_codes,
+        lang_names,
+        bad_duration,
+        infeasible,
+        keep,
+        n_tokens > max_token_len,
+        frame_seconds,
+        max_token_len,
+        tokenizer,
+    )
     summary["build_seconds"] = round(time.monotonic() - t0, 3)
     out = pa.table(columns).replace_schema_metadata(
-        {"dataset.key": key, "dataset.summary": json.dumps(summary)})
+        {"dataset.key": key, "dataset.summary": json.dumps(summary)}
+    )
 
     tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
     try:
@@ -446,15 +553,29 @@ def build_sidecar(manifest_path: Path, tokenizer, out_path: Path, key: str, *, f
             tmp.unlink()
 
 
-def _summarize(manifest_path, n, lang_codes, lang_names, bad_duration, infeasible, keep, truncated,
-               frame_seconds, max_token_len, tokenizer) -> dict[str, Any]:
+def _summarize(
+    manifest_path,
+    n,
+    lang_codes,
+    lang_names,
+    bad_duration,
+    infeasible,
+    keep,
+    truncated,
+    frame_seconds,
+    max_token_len,
+    tokenizer,
+) -> dict[str, Any]:
     k = len(lang_names)
 
     def by_lang(mask: np.ndarray) -> np.ndarray:
         return np.bincount(lang_codes[mask], minlength=k)
 
     dropped_by_lang: dict[str, dict[str, int]] = {}
-    for reason, mask in (("infeasible_tokens_gt_frames", infeasible), ("bad_duration", bad_duration)):
+    for reason, mask in (
+        ("infeasible_tokens_gt_frames", infeasible),
+        ("bad_duration", bad_duration),
+    ):
         for lang, count in zip(lang_names, by_lang(mask)):
             if count:
                 dropped_by_lang.setdefault(lang, {})[reason] = int(count)
@@ -462,8 +583,10 @@ def _summarize(manifest_path, n, lang_codes, lang_names, bad_duration, infeasibl
         "manifest": str(manifest_path),
         "rows_read": int(n),
         "rows_kept": int(keep.sum()),
-        "dropped": {"infeasible_tokens_gt_frames": int(infeasible.sum()),
-                    "bad_duration": int(bad_duration.sum())},
+        "dropped": {
+            "infeasible_tokens_gt_frames": int(infeasible.sum()),
+            "bad_duration": int(bad_duration.sum()),
+        },
         "dropped_by_lang": dropped_by_lang,
         "kept_by_lang": {lang: int(c) for lang, c in zip(lang_names, by_lang(keep))},
         "truncated_to_max_token_len": int((truncated & keep).sum()),
@@ -490,14 +613,23 @@ def _open_sidecar(path: Path, key: str) -> tuple[pa.Table, dict] | None:
         return None
 
 
-def ensure_sidecar(manifest_path: Path, tokenizer, *, frame_seconds: float, max_token_len: int,
-                   cache_dir: Path | None = None, progress: bool = True) -> tuple[Path, str, bool]:
+def ensure_sidecar(
+    manifest_path: Path,
+    tokenizer,
+    *,
+    frame_seconds: float,
+    max_token_len: int,
+    cache_dir: Path | None = None,
+    progress: bool = True,
+) -> tuple[Path, str, bool]:
     """Build the sidecar unless a valid one exists; (path, key, built_by_this_call).
 
     Safe when all ranks of a node call it at once: an exclusive flock on ``<sidecar>.lock`` lets one
     process build while the others wait and then reuse its file.
     """
-    key = _sidecar_key(manifest_path, tokenizer_fingerprint(tokenizer), frame_seconds, max_token_len)
+    key = _sidecar_key(
+        manifest_path, tokenizer_fingerprint(tokenizer), frame_seconds, max_token_len
+    )
     path = sidecar_path_for(manifest_path, key, cache_dir)
     if _open_sidecar(path, key) is not None:
         return path, key, False
@@ -505,9 +637,11 @@ def ensure_sidecar(manifest_path: Path, tokenizer, *, frame_seconds: float, max_
     try:
         lock = open(lock_path, "a+")
     except OSError as exc:
-        raise OSError(exc.errno or errno.EACCES,
-                      f"cannot create the dataset sidecar lock {lock_path} ({exc.strerror}); the sidecar is "
-                      f"written beside the manifest: make {path.parent} writable or pass cache_dir=") from None
+        raise OSError(
+            exc.errno or errno.EACCES,
+            f"cannot create the dataset sidecar lock {lock_path} ({exc.strerror}); the sidecar is "
+            f"written beside the manifest: make {path.parent} writable or pass cache_dir=",
+        ) from None
     with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -517,10 +651,18 @@ def ensure_sidecar(manifest_path: Path, tokenizer, *, frame_seconds: float, max_
         if _open_sidecar(path, key) is not None:
             return path, key, False
         log.info("building the dataset sidecar %s from %s", path, manifest_path)
-        build_sidecar(manifest_path, tokenizer, path, key, frame_seconds=frame_seconds,
-                      max_token_len=max_token_len, progress=progress)
-        stale = sorted(p.name for p in path.parent.glob(f"{manifest_path.stem}.*{SIDECAR_SUFFIX}")
-                       if p != path)
+        build_sidecar(
+            manifest_path,
+            tokenizer,
+            path,
+            key,
+            frame_seconds=frame_seconds,
+            max_token_len=max_token_len,
+            progress=progress,
+        )
+        stale = sorted(
+            p.name for p in path.parent.glob(f"{manifest_path.stem}.*{SIDECAR_SUFFIX}") if p != path
+        )
         if stale:
             log.info("older dataset sidecars of %s you may delete: %s", manifest_path.name, stale)
         return path, key, True
@@ -529,6 +671,7 @@ def ensure_sidecar(manifest_path: Path, tokenizer, *, frame_seconds: float, max_
 # --------------------------------------------------------------------------------------------------
 # The dataset
 # --------------------------------------------------------------------------------------------------
+
 
 class _Columns:
     """NumPy views into one memory-mapped sidecar (no copies, no per-row Python objects)."""
@@ -539,14 +682,20 @@ class _Columns:
             if col.num_chunks == 0:  # every row was dropped: the file holds no record batch
                 return col.combine_chunks()
             if col.num_chunks != 1:
-                raise ValueError(f"dataset sidecar column {name!r} has {col.num_chunks} chunks; expected 1")
+                raise ValueError(
+                    f"dataset sidecar column {name!r} has {col.num_chunks} chunks; expected 1"
+                )
             return col.chunk(0)
 
         def strings(name: str) -> tuple[np.ndarray, np.ndarray]:
             arr = one(name)
             _, offsets, data = arr.buffers()
-            offsets = np.frombuffer(offsets, dtype=np.int64, count=len(arr) + 1, offset=arr.offset * 8)
-            data = np.frombuffer(data, dtype=np.uint8) if data is not None else np.empty(0, np.uint8)
+            offsets = np.frombuffer(
+                offsets, dtype=np.int64, count=len(arr) + 1, offset=arr.offset * 8
+            )
+            data = (
+                np.frombuffer(data, dtype=np.uint8) if data is not None else np.empty(0, np.uint8)
+            )
             return offsets, data
 
         def dictionary(name: str) -> tuple[np.ndarray, list[str]]:
@@ -566,7 +715,7 @@ class _Columns:
 
     @staticmethod
     def string_at(offsets: np.ndarray, data: np.ndarray, i: int) -> str:
-        return data[offsets[i]:offsets[i + 1]].tobytes().decode("utf-8")
+        return data[offsets[i] : offsets[i + 1]].tobytes().decode("utf-8")
 
 
 class LocalShardDataset(torch.utils.data.Dataset):
@@ -584,40 +733,74 @@ class LocalShardDataset(torch.utils.data.Dataset):
       sidecar again on first use. Forked workers share the parent's mapping.
     """
 
-    def __init__(self, manifest_path, tokenizer, sample_rate: int | None = None, *,
-                 max_token_len: int | None = None, frame_seconds: float | None = None,
-                 duration_tolerance: float | None = None, cache_dir=None, progress: bool = True):
+    def __init__(
+        self,
+        manifest_path,
+        tokenizer,
+        sample_rate: int | None = None,
+        *,
+        max_token_len: int | None = None,
+        frame_seconds: float | None = None,
+        duration_tolerance: float | None = None,
+        cache_dir=None,
+        progress: bool = True,
+    ):
         self.manifest_path = Path(manifest_path)
         if not self.manifest_path.is_file():
-            raise FileNotFoundError(f"manifest {self.manifest_path} does not exist; build it with "
-                                    f"build_manifest.py and scripts/make_train_val.py")
+            raise FileNotFoundError(
+                f"manifest {self.manifest_path} does not exist; build it with "
+                f"build_manifest.py and scripts/make_train_val.py"
+            )
         self.tokenizer = tokenizer
         self.sample_rate = int(config.TARGET_SAMPLE_RATE if sample_rate is None else sample_rate)
         self.max_token_len = int(config.MAX_TOKEN_LEN if max_token_len is None else max_token_len)
-        self.frame_seconds = float(config.ENCODER_FRAME_SECONDS if frame_seconds is None else frame_seconds)
-        self.duration_tolerance = float(config.AUDIO_DURATION_TOLERANCE if duration_tolerance is None
-                                        else duration_tolerance)
+        self.frame_seconds = float(
+            config.ENCODER_FRAME_SECONDS if frame_seconds is None else frame_seconds
+        )
+        self.duration_tolerance = float(
+            config.AUDIO_DURATION_TOLERANCE if duration_tolerance is None else duration_tolerance
+        )
         if self.max_token_len < 1:
-            raise ValueError(f"max_token_len={self.max_token_len}: the language tag alone needs 1 token")
+            raise ValueError(
+                f"max_token_len={self.max_token_len}: the language tag alone needs 1 token"
+            )
         if self.frame_seconds <= 0:
-            raise ValueError(f"frame_seconds={self.frame_seconds}: expected seconds per encoder frame > 0")
+            raise ValueError(
+                f"frame_seconds={self.frame_seconds}: expected seconds per encoder frame > 0"
+            )
         self.sidecar_path, self._key, built = ensure_sidecar(
-            self.manifest_path, tokenizer, frame_seconds=self.frame_seconds,
-            max_token_len=self.max_token_len, cache_dir=cache_dir, progress=progress)
+            self.manifest_path,
+            tokenizer,
+            frame_seconds=self.frame_seconds,
+            max_token_len=self.max_token_len,
+            cache_dir=cache_dir,
+            progress=progress,
+        )
         self._cols: _Columns | None = None
         self._tag_ids: np.ndarray | None = None
         cols = self._columns()
         self.load_summary = dict(self._summary, sidecar=str(self.sidecar_path), sidecar_built=built)
         dropped = self.load_summary["dropped"]
         if not len(cols.durations):
-            log.warning("dataset %s: no utterance is left after the feasibility filter (%s)",
-                        self.manifest_path, dropped)
-        log.info("dataset %s: %d rows read, %d kept, dropped %d infeasible (tokens > duration / %.3f s) "
-                 "and %d with a bad duration, %d truncated to %d tokens; sidecar %s (%s)",
-                 self.manifest_path, self.load_summary["rows_read"], len(cols.durations),
-                 dropped["infeasible_tokens_gt_frames"], self.frame_seconds, dropped["bad_duration"],
-                 self.load_summary["truncated_to_max_token_len"], self.max_token_len, self.sidecar_path,
-                 "built" if built else "reused")
+            log.warning(
+                "dataset %s: no utterance is left after the feasibility filter (%s)",
+                self.manifest_path,
+                dropped,
+            )
+        log.info(
+            "dataset %s: %d rows read, %d kept, dropped %d infeasible (tokens > duration / %.3f s) "
+            "and %d with a bad duration, %d truncated to %d tokens; sidecar %s (%s)",
+            self.manifest_path,
+            self.load_summary["rows_read"],
+            len(cols.durations),
+            dropped["infeasible_tokens_gt_frames"],
+            self.frame_seconds,
+            dropped["bad_duration"],
+            self.load_summary["truncated_to_max_token_len"],
+            self.max_token_len,
+            self.sidecar_path,
+            "built" if built else "reused",
+        )
 
     # -- the memory map, opened lazily so a pickled copy re-opens it in its own process -------------
     def _columns(self) -> _Columns:
@@ -626,11 +809,14 @@ class LocalShardDataset(torch.utils.data.Dataset):
             if opened is None:
                 raise FileNotFoundError(
                     f"dataset sidecar {self.sidecar_path} of {self.manifest_path} is missing or was "
-                    f"replaced by one for another manifest/tokenizer; recreate the dataset")
+                    f"replaced by one for another manifest/tokenizer; recreate the dataset"
+                )
             table, self._summary = opened
             self._cols = _Columns(table)
-            self._tag_ids = np.array([tag_token_id(self.tokenizer, lang) for lang in self._cols.lang_names],
-                                     dtype=np.int64)
+            self._tag_ids = np.array(
+                [tag_token_id(self.tokenizer, lang) for lang in self._cols.lang_names],
+                dtype=np.int64,
+            )
         return self._cols
 
     def __getstate__(self) -> dict:
@@ -678,21 +864,29 @@ class LocalShardDataset(torch.utils.data.Dataset):
 
     def audio_path(self, i: int) -> str:
         cols = self._columns()
-        return os.path.join(cols.dir_names[cols.dir_codes[i]],
-                            cols.string_at(cols.member_offsets, cols.member_data, i))
+        return os.path.join(
+            cols.dir_names[cols.dir_codes[i]],
+            cols.string_at(cols.member_offsets, cols.member_data, i),
+        )
 
     def __getitem__(self, i: int) -> dict | None:
         cols = self._columns()
         n = len(cols.durations)
         i = int(i)
         if not -n <= i < n:
-            raise IndexError(f"index {i} out of range for a dataset of {n} items ({self.manifest_path})")
+            raise IndexError(
+                f"index {i} out of range for a dataset of {n} items ({self.manifest_path})"
+            )
         i %= n
         duration = float(cols.durations[i])
         path = self.audio_path(i)
         try:
-            signal = load_audio(path, expected_duration=duration, sample_rate=self.sample_rate,
-                                duration_tolerance=self.duration_tolerance)
+            signal = load_audio(
+                path,
+                expected_duration=duration,
+                sample_rate=self.sample_rate,
+                duration_tolerance=self.duration_tolerance,
+            )
         except BadAudio as bad:
             _record_bad_audio(bad.reason, cols.shard_names[cols.shard_codes[i]], path, bad.detail)
             return None
@@ -713,6 +907,7 @@ class LocalShardDataset(torch.utils.data.Dataset):
 # --------------------------------------------------------------------------------------------------
 # Collation
 # --------------------------------------------------------------------------------------------------
+
 
 class AsrBatch(NamedTuple):
     """A padded micro-batch in the layout NeMo's transducer models take, plus what metrics need.
@@ -752,6 +947,12 @@ def collate_asr_batch(items: list[dict | None]) -> AsrBatch:
     for row, item in enumerate(good):
         signal[row, : item["signal"].shape[0]] = item["signal"]
         tokens[row, : item["tokens"].shape[0]] = item["tokens"]
-    return AsrBatch(signal=signal, signal_len=signal_len, tokens=tokens, token_len=token_len,
-                    langs=[item["lang"] for item in good],
-                    durations=[float(item["duration"]) for item in good], bad_audio=bad_audio)
+    return AsrBatch(
+        signal=signal,
+        signal_len=signal_len,
+        tokens=tokens,
+        token_len=token_len,
+        langs=[item["lang"] for item in good],
+        durations=[float(item["duration"]) for item in good],
+        bad_audio=bad_audio,
+    )

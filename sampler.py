@@ -15,11 +15,13 @@ An epoch plan is a handful of NumPy passes (per-language shuffles, one integer s
 greedy packing loop whose iterations are batches of a lane, never utterances), about 1.5 s for 10M
 utterances, and every rank builds the same global plan without communicating.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -43,8 +45,8 @@ _CHUNK = 1 << 16
 class _Plan:
     """One epoch's global plan (identical on every rank) and this rank's slice of it."""
 
-    flat: np.ndarray          # int32 manifest rows, batches laid out back to back
-    offsets: np.ndarray       # int64 [num_batches + 1]: batch b is flat[offsets[b]:offsets[b+1]]
+    flat: np.ndarray  # int32 manifest rows, batches laid out back to back
+    offsets: np.ndarray  # int64 [num_batches + 1]: batch b is flat[offsets[b]:offsets[b+1]]
     rank_batches: np.ndarray  # int32 [num_batches_per_rank]: this rank's batch ids in step order
     stats: dict[str, Any]
 
@@ -144,11 +146,15 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         self.num_utterances = n
         requested = int(_default(epoch_size, "EPOCH_SIZE"))
         if requested < 0:
-            raise ValueError(f"epoch_size={requested}: expected >= 0 (0 = the number of utterances)")
+            raise ValueError(
+                f"epoch_size={requested}: expected >= 0 (0 = the number of utterances)"
+            )
         self.epoch_size = requested or n
         if self.epoch_size >= 2**31:
             raise ValueError(f"epoch_size={self.epoch_size}: expected < 2**31 utterances per epoch")
-        self.boundaries = _resolve_boundaries(_default(boundaries, "BUCKET_BOUNDARIES"), self.durations)
+        self.boundaries = _resolve_boundaries(
+            _default(boundaries, "BUCKET_BOUNDARIES"), self.durations
+        )
 
         # Per-language totals slice by slice: a whole-array bincount would make an int64 copy.
         self._codes = codes
@@ -163,11 +169,14 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         self._lang_rows = np.argsort(codes, kind="stable").astype(np.int32)
         # Each language's rows in a fixed random order (its base order, see _pass_order).
         for lang in range(num_langs):
-            self._rng(1, lang).shuffle(self._lang_rows[self._lang_offsets[lang]:self._lang_offsets[lang + 1]])
+            self._rng(1, lang).shuffle(
+                self._lang_rows[self._lang_offsets[lang] : self._lang_offsets[lang + 1]]
+            )
         self._counts = counts
         self._seconds = seconds
         self._natural_share, self._target_share, self._quotas = _language_quotas(
-            counts, seconds, self.temperature, self.lang_weighting, self.epoch_size, self.languages)
+            counts, seconds, self.temperature, self.lang_weighting, self.epoch_size, self.languages
+        )
 
         self._epoch = 0
         self._position = 0
@@ -184,7 +193,7 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         while self._position < total:
             b = int(plan.rank_batches[self._position])
             self._position += 1
-            yield plan.flat[plan.offsets[b]:plan.offsets[b + 1]].tolist()
+            yield plan.flat[plan.offsets[b] : plan.offsets[b + 1]].tolist()
         # Like any torch sampler, the next iterator makes a full pass (of this epoch, until set_epoch).
         self._position = 0
 
@@ -216,34 +225,50 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         """Continue at the very next batch of ``state``; refuse a plan this run cannot reproduce."""
         missing = [k for k in ("epoch", "position") if k not in state]
         if missing:
-            raise ValueError(f"sampler state is missing {missing}: expected a DurationBucketBatchSampler.state_dict()")
+            raise ValueError(
+                f"sampler state is missing {missing}: expected a DurationBucketBatchSampler.state_dict()"
+            )
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or position < 0:
-            raise ValueError(f"sampler state has epoch={epoch}, position={position}: expected both >= 0")
+            raise ValueError(
+                f"sampler state has epoch={epoch}, position={position}: expected both >= 0"
+            )
         if position > 0:
             mine = self._plan_settings()
-            clashes = [f"{k}: checkpoint {state[k]!r}, this run {mine[k]!r}"
-                       for k in mine if k in state and _differs(state[k], mine[k])]
+            clashes = [
+                f"{k}: checkpoint {state[k]!r}, this run {mine[k]!r}"
+                for k in mine
+                if k in state and _differs(state[k], mine[k])
+            ]
             if clashes:
                 raise ValueError(
                     f"cannot continue epoch {epoch} at micro-batch {position}: the epoch plan depends on "
                     + "; ".join(clashes)
                     + ". Resume with the checkpoint's settings (e.g. the same number of ranks), or restart "
-                    "the epoch from its beginning (position 0) or at the next epoch.")
+                    "the epoch from its beginning (position 0) or at the next epoch."
+                )
         self.set_epoch(epoch)
         self._epoch, self._position = epoch, position
         total = len(self)
         if position > total:
-            raise ValueError(f"sampler state position={position} but epoch {epoch} has only {total} "
-                             f"micro-batches per rank: the checkpoint does not match this data")
+            raise ValueError(
+                f"sampler state position={position} but epoch {epoch} has only {total} "
+                f"micro-batches per rank: the checkpoint does not match this data"
+            )
 
     def _plan_settings(self) -> dict[str, Any]:
         return {
-            "seed": self.seed, "world_size": self.world_size, "grad_accum": self.grad_accum,
-            "num_utterances": self.num_utterances, "epoch_size": self.epoch_size,
-            "temperature": self.temperature, "lang_weighting": self.lang_weighting,
-            "boundaries": list(self.boundaries), "max_batch_duration": self.max_batch_duration,
-            "cost_quadratic": self.cost_quadratic, "sort_jitter": self.sort_jitter,
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "grad_accum": self.grad_accum,
+            "num_utterances": self.num_utterances,
+            "epoch_size": self.epoch_size,
+            "temperature": self.temperature,
+            "lang_weighting": self.lang_weighting,
+            "boundaries": list(self.boundaries),
+            "max_batch_duration": self.max_batch_duration,
+            "cost_quadratic": self.cost_quadratic,
+            "sort_jitter": self.sort_jitter,
             "languages": list(self.languages),
         }
 
@@ -277,10 +302,10 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         for lang, (quota, size) in enumerate(zip(self._quotas.tolist(), self._counts.tolist())):
             if quota == 0:
                 continue
-            rows = self._lang_rows[self._lang_offsets[lang]:self._lang_offsets[lang + 1]]
+            rows = self._lang_rows[self._lang_offsets[lang] : self._lang_offsets[lang + 1]]
             whole, part = divmod(quota, size)
             if whole:
-                out[at:at + whole * size].reshape(whole, size)[:] = rows
+                out[at : at + whole * size].reshape(whole, size)[:] = rows
                 at += whole * size
                 window_from = at
             # The partial draws of all epochs read one endless chain of passes over the language
@@ -289,7 +314,9 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
             while part:
                 k, offset = divmod(start, size)
                 take = min(part, size - offset)
-                out[at:at + take] = self._pass_order(lang, k, size - (quota % size))[offset:offset + take]
+                out[at : at + take] = self._pass_order(lang, k, size - (quota % size))[
+                    offset : offset + take
+                ]
                 at, start, part = at + take, start + take, part - take
             if whole:
                 extra[lang] = out[window_from:at]
@@ -304,7 +331,7 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         different blocks, hence hold different rows. A strongly downsampled language has ~2 blocks,
         so each pass is close to a full reshuffle.
         """
-        rows = self._lang_rows[self._lang_offsets[lang]:self._lang_offsets[lang + 1]]
+        rows = self._lang_rows[self._lang_offsets[lang] : self._lang_offsets[lang + 1]]
         rng = self._rng(4, lang, k)
         full = len(rows) // block * block
         order = np.empty_like(rows)
@@ -348,7 +375,8 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
             key[lo:hi] = chunk
         key.sort()
         bucket_starts = np.searchsorted(
-            key, np.arange(1, num_buckets, dtype=np.uint64) << np.uint64(key_bits + index_bits))
+            key, np.arange(1, num_buckets, dtype=np.uint64) << np.uint64(key_bits + index_bits)
+        )
         key &= np.uint64((1 << index_bits) - 1)
         # The rows are written over the key buffer's already-read front half: no third epoch array.
         flat = key.view(np.int32)[:size]
@@ -358,7 +386,9 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         flat = flat.copy()
         del key
 
-        starts, audio, max_dur = _greedy_pack(self.durations, flat, bucket_starts, self.max_batch_duration)
+        starts, audio, max_dur = _greedy_pack(
+            self.durations, flat, bucket_starts, self.max_batch_duration
+        )
         offsets = np.append(starts, size)
         counts = np.diff(offsets)
         cost = counts * max_dur * (1.0 + self.cost_quadratic * max_dur)
@@ -366,18 +396,45 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
 
         steps, dropped = _deal(cost, self.world_size, self.grad_accum, self._rng(3, epoch))
         rank_batches = steps[:, self.rank].astype(np.int32)
-        stats = self._stats(epoch, flat, offsets, counts, max_dur, audio, cost, batch_bucket, steps,
-                            dropped, rank_batches, extra)
+        stats = self._stats(
+            epoch,
+            flat,
+            offsets,
+            counts,
+            max_dur,
+            audio,
+            cost,
+            batch_bucket,
+            steps,
+            dropped,
+            rank_batches,
+            extra,
+        )
         return _Plan(flat=flat, offsets=offsets, rank_batches=rank_batches, stats=stats)
 
-    def _stats(self, epoch, flat, offsets, counts, max_dur, audio, cost, batch_bucket, steps,
-               dropped, rank_batches, extra) -> dict[str, Any]:
+    def _stats(
+        self,
+        epoch,
+        flat,
+        offsets,
+        counts,
+        max_dur,
+        audio,
+        cost,
+        batch_bucket,
+        steps,
+        dropped,
+        rank_batches,
+        extra,
+    ) -> dict[str, Any]:
         """Epoch statistics from the quotas and the few trimmed batches: no pass over the epoch."""
         names = self.languages
         num_langs = len(names)
         kept_batch = np.ones(len(counts), dtype=bool)
         kept_batch[dropped] = False
-        lost = np.concatenate([flat[offsets[b]:offsets[b + 1]] for b in dropped.tolist()] + [flat[:0]])
+        lost = np.concatenate(
+            [flat[offsets[b] : offsets[b + 1]] for b in dropped.tolist()] + [flat[:0]]
+        )
         lost_lang = self._codes[lost]
         trimmed = np.bincount(lost_lang, minlength=num_langs)
         used_count = self._quotas - trimmed
@@ -385,7 +442,9 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
             used = np.zeros(num_langs)
             for lo, hi in _slices(len(flat)):
                 rows = flat[lo:hi]
-                used += np.bincount(self._codes[rows], weights=self.durations[rows], minlength=num_langs)
+                used += np.bincount(
+                    self._codes[rows], weights=self.durations[rows], minlength=num_langs
+                )
             used -= np.bincount(lost_lang, weights=self.durations[lost], minlength=num_langs)
         else:
             used = used_count.astype(np.float64)
@@ -422,7 +481,9 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
             "skipped": _by_lang(names, self._counts - distinct, int),
             "trimmed": _by_lang(names, trimmed, int),
             "trimmed_batches": int(len(dropped)),
-            "over_cap_batches": int(np.count_nonzero((counts == 1) & (max_dur > self.max_batch_duration))),
+            "over_cap_batches": int(
+                np.count_nonzero((counts == 1) & (max_dur > self.max_batch_duration))
+            ),
             "utterances_in_plan": int(len(flat) - len(lost)),
             "epoch_size": self.epoch_size,
             "world_size": self.world_size,
@@ -438,6 +499,7 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
 
 
 # ---- pure helpers ---------------------------------------------------------------------------
+
 
 def _default(value: Any, name: str) -> Any:
     return getattr(config, name) if value is None else value
@@ -462,9 +524,13 @@ def _check_settings(s: DurationBucketBatchSampler) -> None:
     if not (s.max_batch_duration > 0 and math.isfinite(s.max_batch_duration)):
         problems.append(f"max_batch_duration={s.max_batch_duration}: expected seconds > 0")
     if not (s.temperature >= 0 and math.isfinite(s.temperature)):
-        problems.append(f"temperature={s.temperature}: expected >= 0 (1 = natural shares, 0 = uniform)")
+        problems.append(
+            f"temperature={s.temperature}: expected >= 0 (1 = natural shares, 0 = uniform)"
+        )
     if s.lang_weighting not in config.LANG_WEIGHTINGS:
-        problems.append(f"lang_weighting={s.lang_weighting!r}: expected one of {config.LANG_WEIGHTINGS}")
+        problems.append(
+            f"lang_weighting={s.lang_weighting!r}: expected one of {config.LANG_WEIGHTINGS}"
+        )
     if not (s.cost_quadratic >= 0 and math.isfinite(s.cost_quadratic)):
         problems.append(f"cost_quadratic={s.cost_quadratic}: expected >= 0")
     if not (s.sort_jitter >= 0 and math.isfinite(s.sort_jitter)):
@@ -481,30 +547,42 @@ def _check_durations(durations: Any) -> np.ndarray:
     if d.ndim != 1:
         raise ValueError(f"durations: expected a 1-D array, got shape {d.shape}")
     if len(d) == 0:
-        raise ValueError("durations is empty: the sampler needs at least one utterance (is the manifest empty?)")
+        raise ValueError(
+            "durations is empty: the sampler needs at least one utterance (is the manifest empty?)"
+        )
     if not (d.min() >= 0 and d.max() < np.inf):  # NaN fails both comparisons
         bad = ~(np.isfinite(d) & (d >= 0))
         row = int(np.argmax(bad))
-        raise ValueError(f"durations[{row}] = {float(d[row])!r}: expected finite seconds >= 0 "
-                         f"({int(bad.sum())} bad rows; fix or drop them in the manifest)")
+        raise ValueError(
+            f"durations[{row}] = {float(d[row])!r}: expected finite seconds >= 0 "
+            f"({int(bad.sum())} bad rows; fix or drop them in the manifest)"
+        )
     return d
 
 
-def _encode_languages(languages: Any, n: int, names: Sequence[str] | None) -> tuple[np.ndarray, list[str]]:
+def _encode_languages(
+    languages: Any, n: int, names: Sequence[str] | None
+) -> tuple[np.ndarray, list[str]]:
     """Small-integer codes 0..L-1 in sorted-name order, and the sorted language names."""
     arr = np.asarray(languages)
     if arr.ndim != 1:
         raise ValueError(f"languages: expected a 1-D array, got shape {arr.shape}")
     if len(arr) != n:
-        raise ValueError(f"languages has {len(arr)} rows but durations has {n}: expected one language per utterance")
+        raise ValueError(
+            f"languages has {len(arr)} rows but durations has {n}: expected one language per utterance"
+        )
     if arr.dtype.kind in "iu":
         if arr.min() < 0:
             row = int(np.argmin(arr))
-            raise ValueError(f"languages[{row}] = {int(arr[row])}: expected integer language codes >= 0")
+            raise ValueError(
+                f"languages[{row}] = {int(arr[row])}: expected integer language codes >= 0"
+            )
         present = np.flatnonzero(np.bincount(arr)) if arr.max() < 2**20 else np.unique(arr)
         if names is not None and present[-1] >= len(names):
-            raise ValueError(f"language code {int(present[-1])} has no entry in language_names "
-                             f"({len(names)} names): expected codes < len(language_names)")
+            raise ValueError(
+                f"language code {int(present[-1])} has no entry in language_names "
+                f"({len(names)} names): expected codes < len(language_names)"
+            )
         found = [str(names[c]) if names is not None else str(c) for c in present.tolist()]
         order = sorted(range(len(found)), key=lambda i: found[i])
         dtype = _code_dtype(len(found))
@@ -599,21 +677,25 @@ def _text(value: Any) -> str:
 def _first_negative(values: np.ndarray, start: int) -> int:
     """Index of the first negative value at or after ``start``, or -1; scans a slice at a time."""
     for lo, hi in _slices(len(values) - start):
-        hit = np.flatnonzero(values[start + lo:start + hi] < 0)
+        hit = np.flatnonzero(values[start + lo : start + hi] < 0)
         if len(hit):
             return start + lo + int(hit[0])
     return -1
 
 
-def _resolve_boundaries(boundaries: Sequence[float] | str, durations: np.ndarray) -> tuple[float, ...]:
+def _resolve_boundaries(
+    boundaries: Sequence[float] | str, durations: np.ndarray
+) -> tuple[float, ...]:
     if isinstance(boundaries, str):
         text = boundaries.strip()
         if not (text.startswith("auto:") and text[5:].isdigit() and int(text[5:]) >= 2):
-            raise ValueError(f"boundaries={boundaries!r}: expected 'auto:K' with K >= 2, or increasing seconds")
+            raise ValueError(
+                f"boundaries={boundaries!r}: expected 'auto:K' with K >= 2, or increasing seconds"
+            )
         k = int(text[5:])
         # A regular subsample of at most ~1M rows pins quantiles to well under a millisecond and
         # spares a full float64 copy of the durations (np.quantile partitions a copy).
-        edges = np.quantile(durations[::max(1, len(durations) // 1_000_000)], np.arange(1, k) / k)
+        edges = np.quantile(durations[:: max(1, len(durations) // 1_000_000)], np.arange(1, k) / k)
         # Ties in the quantiles (many equal durations) collapse to fewer buckets; a bucket boundary
         # at the minimum would leave bucket 0 empty.
         edges = np.unique(edges[edges > durations.min()])
@@ -621,9 +703,15 @@ def _resolve_boundaries(boundaries: Sequence[float] | str, durations: np.ndarray
     try:
         edges = tuple(float(b) for b in boundaries)
     except (TypeError, ValueError):
-        raise ValueError(f"boundaries={boundaries!r}: expected increasing seconds or 'auto:K'") from None
-    if any(not (b > 0 and math.isfinite(b)) for b in edges) or any(b <= a for a, b in zip(edges, edges[1:])):
-        raise ValueError(f"boundaries={boundaries!r}: expected strictly increasing positive seconds")
+        raise ValueError(
+            f"boundaries={boundaries!r}: expected increasing seconds or 'auto:K'"
+        ) from None
+    if any(not (b > 0 and math.isfinite(b)) for b in edges) or any(
+        b <= a for a, b in zip(edges, edges[1:])
+    ):
+        raise ValueError(
+            f"boundaries={boundaries!r}: expected strictly increasing positive seconds"
+        )
     return edges
 
 
@@ -637,14 +725,22 @@ def _by_lang(names: Sequence[str], values: np.ndarray, cast: type = float) -> di
     return {name: cast(v) for name, v in zip(names, np.asarray(values).tolist())}
 
 
-def _language_quotas(counts: np.ndarray, seconds: np.ndarray, temperature: float, weighting: str,
-                     epoch_size: int, names: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _language_quotas(
+    counts: np.ndarray,
+    seconds: np.ndarray,
+    temperature: float,
+    weighting: str,
+    epoch_size: int,
+    names: Sequence[str],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(natural share, target share, utterances per language per epoch) for the chosen weighting."""
     if weighting == "hours":
         empty = [names[i] for i in np.flatnonzero(seconds <= 0)]
         if empty:
-            raise ValueError(f"lang_weighting='hours' but languages {empty} have 0 s of audio: "
-                             "use lang_weighting='count' or drop them")
+            raise ValueError(
+                f"lang_weighting='hours' but languages {empty} have 0 s of audio: "
+                "use lang_weighting='count' or drop them"
+            )
         base = seconds
     else:
         base = counts.astype(np.float64)
@@ -681,8 +777,9 @@ def _slices(size: int) -> Iterator[tuple[int, int]]:
     return ((lo, min(size, lo + _CHUNK)) for lo in range(0, size, _CHUNK))
 
 
-def _greedy_pack(durations: np.ndarray, flat: np.ndarray, bucket_starts: np.ndarray,
-                 cap: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _greedy_pack(
+    durations: np.ndarray, flat: np.ndarray, bucket_starts: np.ndarray, cap: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(batch starts in ``flat``, seconds of audio, longest duration) per batch: greedy fill to ``cap``.
 
     The plan order is cut into lanes, at every bucket start and every ``_LANE_BATCHES`` x ``cap``
@@ -697,7 +794,7 @@ def _greedy_pack(durations: np.ndarray, flat: np.ndarray, bucket_starts: np.ndar
     cum = np.empty(size + 1)
     cum[0] = 0.0
     for lo, hi in _slices(size):
-        np.take(durations, flat[lo:hi], out=cum[lo + 1:hi + 1])
+        np.take(durations, flat[lo:hi], out=cum[lo + 1 : hi + 1])
     np.cumsum(cum[1:], out=cum[1:])
     lane_seconds = _LANE_BATCHES * cap
     marks = np.arange(1, int(min(cum[-1] // lane_seconds, size)) + 1) * lane_seconds
@@ -734,15 +831,18 @@ def _greedy_pack(durations: np.ndarray, flat: np.ndarray, bucket_starts: np.ndar
     b = 0
     while b < len(starts):
         # Batches covering about one slice of items (at least one batch): one gather, one reduceat.
-        e = min(max(int(bounds.searchsorted(bounds[b] + _CHUNK, side="right")) - 1, b + 1), len(starts))
+        e = min(
+            max(int(bounds.searchsorted(bounds[b] + _CHUNK, side="right")) - 1, b + 1), len(starts)
+        )
         lo, hi = int(bounds[b]), int(bounds[e])
         longest[b:e] = np.maximum.reduceat(durations[flat[lo:hi]], bounds[b:e] - lo)
         b = e
     return starts, seconds, longest
 
 
-def _deal(cost: np.ndarray, world_size: int, grad_accum: int,
-          rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def _deal(
+    cost: np.ndarray, world_size: int, grad_accum: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """Batch ids per (step, rank) and the dropped batch ids.
 
     Batches sorted by cost are cut into groups of ``world_size`` neighbours (one step each), so a
@@ -756,7 +856,8 @@ def _deal(cost: np.ndarray, world_size: int, grad_accum: int,
         raise ValueError(
             f"the epoch packs into only {num} batches, fewer than world_size x grad_accum = "
             f"{world_size} x {grad_accum}: raise epoch_size (EPOCH_SIZE), lower MAX_BATCH_DURATION, "
-            "or use more data")
+            "or use more data"
+        )
     order = np.argsort(-cost, kind="stable")
     used = steps_per_rank * world_size
     steps = order[:used].reshape(steps_per_rank, world_size)

@@ -33,10 +33,11 @@ frame; that chain is a linear recurrence in the log semiring, solved in closed f
 sum and ``torch.logcumsumexp``: alpha[t, u] = S[u] + logcumsumexp_k(c[k] - S[k]) with S the running
 sum of the duration-0 label scores. Gradients come from autograd.
 """
+
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -45,21 +46,31 @@ NEG = -1e30
 REDUCTIONS = (None, "none", "sum", "mean", "mean_batch", "mean_volume")
 
 
-def _arc_scores(acts: torch.Tensor, labels: torch.Tensor, blank: int, durations: Sequence[int],
-                sigma: float, use_rnnt: bool):
+def _arc_scores(
+    acts: torch.Tensor,
+    labels: torch.Tensor,
+    blank: int,
+    durations: Sequence[int],
+    sigma: float,
+    use_rnnt: bool,
+):
     """Time-major [T, B, U1] blank-arc and [T, B, U1-1] label-arc scores, each a list of (duration, scores)."""
     n_dur = len(durations)
     token_lp = torch.log_softmax(acts[..., : acts.shape[-1] - n_dur], dim=-1)
     u1 = acts.shape[2]
-    blank_lp = token_lp[..., blank]                                                   # [B, T, U1]
+    blank_lp = token_lp[..., blank]  # [B, T, U1]
     index = labels[:, None, : u1 - 1, None].expand(-1, acts.shape[1], -1, 1)
-    label_lp = torch.gather(token_lp[:, :, : u1 - 1, :], 3, index).squeeze(3)        # [B, T, U1-1]
+    label_lp = torch.gather(token_lp[:, :, : u1 - 1, :], 3, index).squeeze(3)  # [B, T, U1-1]
     tm = lambda x: x.permute(1, 0, 2)  # noqa: E731  (time-major: frame t is a contiguous slab)
     if use_rnnt:
         return [(1, tm(blank_lp))], [(0, tm(label_lp))]
-    dur_lp = torch.log_softmax(acts[..., acts.shape[-1] - n_dur:], dim=-1)
-    blank_arcs = [(d, tm(blank_lp - sigma + dur_lp[..., i])) for i, d in enumerate(durations) if d > 0]
-    label_arcs = [(d, tm(label_lp - sigma + dur_lp[:, :, : u1 - 1, i])) for i, d in enumerate(durations)]
+    dur_lp = torch.log_softmax(acts[..., acts.shape[-1] - n_dur :], dim=-1)
+    blank_arcs = [
+        (d, tm(blank_lp - sigma + dur_lp[..., i])) for i, d in enumerate(durations) if d > 0
+    ]
+    label_arcs = [
+        (d, tm(label_lp - sigma + dur_lp[:, :, : u1 - 1, i])) for i, d in enumerate(durations)
+    ]
     return blank_arcs, label_arcs
 
 
@@ -83,32 +94,43 @@ def _delayed(arcs, steps: list[int], T: int, like: torch.Tensor) -> torch.Tensor
     return torch.stack(rows, dim=1)
 
 
-def _log_likelihood(blank_arcs, label_arcs, act_lens: torch.Tensor, label_lens: torch.Tensor) -> torch.Tensor:
+def _log_likelihood(
+    blank_arcs, label_arcs, act_lens: torch.Tensor, label_lens: torch.Tensor
+) -> torch.Tensor:
     """log P(y|x) per utterance [B] from time-major arc scores (see the module docstring)."""
     first = blank_arcs[0][1]
     T, B, U1 = first.shape
     dtype, device = first.dtype, first.device
-    start = torch.cat([torch.zeros(B, 1, dtype=dtype, device=device),
-                       torch.full((B, U1 - 1), NEG, dtype=dtype, device=device)], dim=1)
+    start = torch.cat(
+        [
+            torch.zeros(B, 1, dtype=dtype, device=device),
+            torch.full((B, U1 - 1), NEG, dtype=dtype, device=device),
+        ],
+        dim=1,
+    )
     never = torch.full((B, U1), NEG, dtype=dtype, device=device)
     zero_label = [w for d, w in label_arcs if d == 0]
     if zero_label and U1 > 1:
         # S[t, :, u] = sum of the duration-0 label scores along u at frame t: the in-frame chain.
-        chain = torch.cat([torch.zeros(T, B, 1, dtype=dtype, device=device), zero_label[0].cumsum(dim=2)], dim=2)
+        chain = torch.cat(
+            [torch.zeros(T, B, 1, dtype=dtype, device=device), zero_label[0].cumsum(dim=2)], dim=2
+        )
     else:
         chain = None
     # Arcs that arrive at frame t from frame t - d, all durations d >= 1 side by side, so one step of
     # the loop is a handful of batched ops over (duration, batch, u) whatever the number of durations.
     steps = sorted({d for d, _ in blank_arcs + label_arcs if d > 0})
-    blank_in = _delayed(blank_arcs, steps, T, first)                                    # [T, D, B, U1]
-    label_in = _delayed(label_arcs, steps, T, first[:, :, 1:]) if U1 > 1 else None      # [T, D, B, U1-1]
+    blank_in = _delayed(blank_arcs, steps, T, first)  # [T, D, B, U1]
+    label_in = (
+        _delayed(label_arcs, steps, T, first[:, :, 1:]) if U1 > 1 else None
+    )  # [T, D, B, U1-1]
 
     alphas: list[torch.Tensor] = []
     for t in range(T):
         if t == 0:
             c = start
         else:
-            history = torch.stack([alphas[t - d] if d <= t else never for d in steps])   # [D, B, U1]
+            history = torch.stack([alphas[t - d] if d <= t else never for d in steps])  # [D, B, U1]
             c = torch.logsumexp(history + blank_in[t], dim=0)
             if label_in is not None:
                 arrive = torch.logsumexp(history[:, :, :-1] + label_in[t], dim=0)
@@ -116,7 +138,7 @@ def _log_likelihood(blank_arcs, label_arcs, act_lens: torch.Tensor, label_lens: 
         if chain is not None:
             c = chain[t] + torch.logcumsumexp(c - chain[t], dim=1)
         alphas.append(c)
-    alpha = torch.stack(alphas)                                                        # [T, B, U1]
+    alpha = torch.stack(alphas)  # [T, B, U1]
 
     batch = torch.arange(B, device=device)
     ends = []
@@ -129,9 +151,18 @@ def _log_likelihood(blank_arcs, label_arcs, act_lens: torch.Tensor, label_lens: 
     return _lse(ends)
 
 
-def tdt_loss(acts: torch.Tensor, labels: torch.Tensor, act_lens: torch.Tensor, label_lens: torch.Tensor, *,
-             blank: int, durations: Sequence[int], sigma: float = 0.0, omega: float = 0.0,
-             reduction: str | None = None) -> torch.Tensor:
+def tdt_loss(
+    acts: torch.Tensor,
+    labels: torch.Tensor,
+    act_lens: torch.Tensor,
+    label_lens: torch.Tensor,
+    *,
+    blank: int,
+    durations: Sequence[int],
+    sigma: float = 0.0,
+    omega: float = 0.0,
+    reduction: str | None = None,
+) -> torch.Tensor:
     """NeMo's TDT loss of joint logits ``acts`` [B, T, U+1, V+1+D] (blank = ``blank`` = V).
 
     ``labels`` [B, >=U] int, ``act_lens`` / ``label_lens`` [B]. ``reduction`` None / "none" gives the
@@ -142,12 +173,25 @@ def tdt_loss(acts: torch.Tensor, labels: torch.Tensor, act_lens: torch.Tensor, l
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction={reduction!r}: expected one of {REDUCTIONS}")
     durations = [int(d) for d in durations]
-    if not durations or sorted(durations) != durations or durations[0] < 0 or not any(d > 0 for d in durations):
-        raise ValueError(f"durations={durations}: expected ascending non-negative durations with one >= 1, "
-                         "e.g. [0, 1, 2, 3, 4] (the model's loss.tdt_kwargs.durations)")
-    if acts.dim() != 4 or acts.shape[-1] <= len(durations) or blank != acts.shape[-1] - len(durations) - 1:
-        raise ValueError(f"acts of shape {tuple(acts.shape)} with blank={blank} and {len(durations)} durations: "
-                         "expected [B, T, U+1, V+1+D] with blank = V (the last token logit)")
+    if (
+        not durations
+        or sorted(durations) != durations
+        or durations[0] < 0
+        or not any(d > 0 for d in durations)
+    ):
+        raise ValueError(
+            f"durations={durations}: expected ascending non-negative durations with one >= 1, "
+            "e.g. [0, 1, 2, 3, 4] (the model's loss.tdt_kwargs.durations)"
+        )
+    if (
+        acts.dim() != 4
+        or acts.shape[-1] <= len(durations)
+        or blank != acts.shape[-1] - len(durations) - 1
+    ):
+        raise ValueError(
+            f"acts of shape {tuple(acts.shape)} with blank={blank} and {len(durations)} durations: "
+            "expected [B, T, U+1, V+1+D] with blank = V (the last token logit)"
+        )
     if acts.dtype in (torch.float16, torch.bfloat16):
         acts = acts.float()
     act_lens = act_lens.long().to(acts.device)
@@ -189,10 +233,20 @@ class DeviceDispatchTDTLoss(torch.nn.Module):
     settable ``reduction`` attribute (the wrapper sets it to None and reduces itself).
     """
 
-    def __init__(self, blank: int, durations: Sequence[int], *, sigma: float = 0.0, omega: float = 0.0,
-                 fastemit_lambda: float = 0.0, clamp: float = -1.0, reduction: str | None = None,
-                 cuda_loss: torch.nn.Module | None = None, cuda_backend: str = "numba",
-                 cuda_loss_error: str | None = None):
+    def __init__(
+        self,
+        blank: int,
+        durations: Sequence[int],
+        *,
+        sigma: float = 0.0,
+        omega: float = 0.0,
+        fastemit_lambda: float = 0.0,
+        clamp: float = -1.0,
+        reduction: str | None = None,
+        cuda_loss: torch.nn.Module | None = None,
+        cuda_backend: str = "numba",
+        cuda_loss_error: str | None = None,
+    ):
         super().__init__()
         if cuda_backend not in BACKENDS:
             raise ValueError(f"TDT_LOSS={cuda_backend!r}: expected one of {', '.join(BACKENDS)}")
@@ -216,27 +270,44 @@ class DeviceDispatchTDTLoss(torch.nn.Module):
             if self.cuda_loss is None:
                 raise TDTLossCheckFailed(
                     f"CUDA tensors reached the TDT loss, but NeMo's numba TDT loss could not be built "
-                    f"({self.cuda_loss_error}); install it with: {GPU_INSTALL_LINE}, or set TDT_LOSS=torch")
+                    f"({self.cuda_loss_error}); install it with: {GPU_INSTALL_LINE}, or set TDT_LOSS=torch"
+                )
             self.cuda_loss.reduction = self.reduction
-            return self.cuda_loss(acts=acts, labels=labels, act_lens=act_lens, label_lens=label_lens)
+            return self.cuda_loss(
+                acts=acts, labels=labels, act_lens=act_lens, label_lens=label_lens
+            )
         if self.fastemit_lambda != 0.0 or self.clamp > 0:
             raise NotImplementedError(
                 f"tdt_loss has no FastEmit or gradient clamp (fastemit_lambda={self.fastemit_lambda}, "
                 f"clamp={self.clamp}); set model.loss.tdt_kwargs.fastemit_lambda=0 and clamp=-1, or use "
-                "TDT_LOSS=numba on CUDA")
-        return tdt_loss(acts, labels, act_lens, label_lens, blank=self.blank, durations=self.durations,
-                        sigma=self.sigma, omega=self.omega, reduction=self.reduction)
+                "TDT_LOSS=numba on CUDA"
+            )
+        return tdt_loss(
+            acts,
+            labels,
+            act_lens,
+            label_lens,
+            blank=self.blank,
+            durations=self.durations,
+            sigma=self.sigma,
+            omega=self.omega,
+            reduction=self.reduction,
+        )
 
     def extra_repr(self) -> str:
-        return (f"blank={self.blank}, durations={self.durations}, sigma={self.sigma}, omega={self.omega}, "
-                f"cuda={self.cuda_backend}")
+        return (
+            f"blank={self.blank}, durations={self.durations}, sigma={self.sigma}, omega={self.omega}, "
+            f"cuda={self.cuda_backend}"
+        )
 
 
 def _numba_tdt_loss(blank: int, kwargs: dict, reduction: str):
     """NeMo's ``RNNTLoss`` wrapper around its numba TDT loss (ImportError without numba)."""
     from nemo.collections.asr.losses.rnnt import RNNTLoss
 
-    return RNNTLoss(num_classes=blank, loss_name="tdt", loss_kwargs=dict(kwargs), reduction=reduction)
+    return RNNTLoss(
+        num_classes=blank, loss_name="tdt", loss_kwargs=dict(kwargs), reduction=reduction
+    )
 
 
 def attach_tdt_loss(model, cuda_backend: str | None = None) -> torch.nn.Module:
@@ -256,17 +327,24 @@ def attach_tdt_loss(model, cuda_backend: str | None = None) -> torch.nn.Module:
     cuda_backend = cuda_backend or config.TDT_LOSS
     loss_name, loss_kwargs = model.extract_rnnt_loss_cfg(model.cfg.get("loss", None))
     if loss_name != "tdt":
-        raise ValueError(f"model.cfg.loss.loss_name={loss_name!r}: expected 'tdt' (a Parakeet-TDT model); "
-                         "check INIT_MODEL / MODEL_CONFIG")
+        raise ValueError(
+            f"model.cfg.loss.loss_name={loss_name!r}: expected 'tdt' (a Parakeet-TDT model); "
+            "check INIT_MODEL / MODEL_CONFIG"
+        )
     from omegaconf import DictConfig, OmegaConf
 
     # Plain containers: NeMo's numba loss keeps `durations` and indexes it in its CUDA wrapper.
-    kwargs = OmegaConf.to_container(loss_kwargs, resolve=True) if isinstance(loss_kwargs, DictConfig) \
+    kwargs = (
+        OmegaConf.to_container(loss_kwargs, resolve=True)
+        if isinstance(loss_kwargs, DictConfig)
         else dict(loss_kwargs or {})
+    )
     durations = list(kwargs.get("durations") or [])
     if len(durations) != model.joint.num_extra_outputs:
-        raise ValueError(f"model.cfg.loss.tdt_kwargs.durations={durations} but the joint has "
-                         f"{model.joint.num_extra_outputs} duration outputs; they must match")
+        raise ValueError(
+            f"model.cfg.loss.tdt_kwargs.durations={durations} but the joint has "
+            f"{model.joint.num_extra_outputs} duration outputs; they must match"
+        )
     blank = model.joint.num_classes_with_blank - 1 - model.joint.num_extra_outputs
     reduction = model.cfg.get("rnnt_reduction", "mean_batch")
     cuda_loss = error = None
@@ -274,22 +352,36 @@ def attach_tdt_loss(model, cuda_backend: str | None = None) -> torch.nn.Module:
         try:
             wrapper = _numba_tdt_loss(blank, kwargs, reduction)
             cuda_loss = wrapper._loss
-        except ImportError as exc:  # no numba: CPU runs and TDT_LOSS=torch still train with tdt_loss
+        except (
+            ImportError
+        ) as exc:  # no numba: CPU runs and TDT_LOSS=torch still train with tdt_loss
             error = f"{type(exc).__name__}: {exc}"
     if cuda_loss is None:
         wrapper = RNNTLoss(num_classes=blank, loss_name="pytorch", reduction=reduction)
     wrapper._loss = DeviceDispatchTDTLoss(
-        blank, durations, sigma=kwargs.get("sigma", 0.0), omega=kwargs.get("omega", 0.0),
-        fastemit_lambda=kwargs.get("fastemit_lambda", 0.0), clamp=kwargs.get("clamp", -1.0), cuda_loss=cuda_loss,
-        cuda_backend=cuda_backend, cuda_loss_error=error)
+        blank,
+        durations,
+        sigma=kwargs.get("sigma", 0.0),
+        omega=kwargs.get("omega", 0.0),
+        fastemit_lambda=kwargs.get("fastemit_lambda", 0.0),
+        clamp=kwargs.get("clamp", -1.0),
+        cuda_loss=cuda_loss,
+        cuda_backend=cuda_backend,
+        cuda_loss_error=error,
+    )
     model.loss = wrapper
     if model.joint.fuse_loss_wer:
         model.joint.set_loss(wrapper)
     return wrapper
 
 
-def check_cuda_loss(loss: DeviceDispatchTDTLoss, device: torch.device | str, *, rtol: float = 1e-4,
-                    atol: float = 1e-3) -> float:
+def check_cuda_loss(
+    loss: DeviceDispatchTDTLoss,
+    device: torch.device | str,
+    *,
+    rtol: float = 1e-4,
+    atol: float = 1e-3,
+) -> float:
     """Run ``loss``'s CUDA path once on a small random problem; compare with ``tdt_loss`` in float64 on CPU.
 
     The problem (2 utterances, 12 frames, up to 4 labels, 8 tokens, the loss's durations and sigma,
@@ -307,16 +399,21 @@ def check_cuda_loss(loss: DeviceDispatchTDTLoss, device: torch.device | str, *, 
     act_lens, label_lens = torch.tensor([T, T - 3]), torch.tensor([U, U - 1])
 
     ref_acts = acts.clone().requires_grad_(True)
-    ref = tdt_loss(ref_acts, labels, act_lens, label_lens, blank=V, durations=loss.durations, sigma=loss.sigma)
+    ref = tdt_loss(
+        ref_acts, labels, act_lens, label_lens, blank=V, durations=loss.durations, sigma=loss.sigma
+    )
     ref.sum().backward()
 
-    probe = DeviceDispatchTDTLoss(V, loss.durations, sigma=loss.sigma, cuda_backend=loss.cuda_backend)
+    probe = DeviceDispatchTDTLoss(
+        V, loss.durations, sigma=loss.sigma, cuda_backend=loss.cuda_backend
+    )
     numba = probe.uses_numba(device)
     what = "NeMo's numba TDT loss" if numba else "tdt_loss"
     try:
         if numba:
-            probe.cuda_loss = _numba_tdt_loss(V, {"durations": loss.durations, "sigma": loss.sigma, "omega": 0.0},
-                                              "none")._loss
+            probe.cuda_loss = _numba_tdt_loss(
+                V, {"durations": loss.durations, "sigma": loss.sigma, "omega": 0.0}, "none"
+            )._loss
         got_acts = acts.float().to(device).requires_grad_(True)
         got = probe(got_acts, labels.to(device), act_lens.to(device), label_lens.to(device))
         got.sum().backward()
@@ -325,12 +422,16 @@ def check_cuda_loss(loss: DeviceDispatchTDTLoss, device: torch.device | str, *, 
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise TDTLossCheckFailed(
             f"{what} failed on {device} ({type(exc).__name__}: {first}); install the CUDA loss with: "
-            f"{GPU_INSTALL_LINE}, or set TDT_LOSS=torch to train with tdt_loss.py on CUDA") from exc
+            f"{GPU_INSTALL_LINE}, or set TDT_LOSS=torch to train with tdt_loss.py on CUDA"
+        ) from exc
     diff = max(float((got - ref.detach()).abs().max()), float((grad - ref_acts.grad).abs().max()))
-    if not (torch.allclose(got, ref.detach(), rtol=rtol, atol=atol)
-            and torch.allclose(grad, ref_acts.grad, rtol=rtol, atol=atol)):
+    if not (
+        torch.allclose(got, ref.detach(), rtol=rtol, atol=atol)
+        and torch.allclose(grad, ref_acts.grad, rtol=rtol, atol=atol)
+    ):
         raise TDTLossCheckFailed(
             f"{what} on {device} disagrees with tdt_loss on a known problem (losses {got.tolist()} vs "
             f"{ref.detach().tolist()}, largest difference {diff:.3g}); reinstall with: {GPU_INSTALL_LINE}, "
-            "or set TDT_LOSS=torch")
+            "or set TDT_LOSS=torch"
+        )
     return diff

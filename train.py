@@ -59,6 +59,7 @@ Watching and keeping a run (callbacks.py):
   (before clipping, of the last optimizer step), ``phase`` (1 or 2). The batch itself (an
   ``AsrBatch`` with langs and durations) reaches ``on_train_batch_end`` of every callback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,14 +82,46 @@ import tdt_loss
 log = logging.getLogger("train")
 
 ENV_VARS = (
-    "INIT_MODEL", "MODEL_CONFIG", "TOKENIZER_DIR", "TDT_LOSS", "TRAIN_MANIFEST_PATH", "NUM_WORKERS",
-    "GRAD_ACCUM", "MAX_STEPS", "PRECISION", "ACCELERATOR", "PHASE1_LR", "PHASE2_LR", "MIN_LR", "WARMUP_STEPS",
-    "UNFREEZE_STEP", "PHASE2_WARMUP", "WEIGHT_DECAY", "GRAD_CLIP", "SEED", "MAX_BATCH_DURATION",
-    "BUCKET_BOUNDARIES", "BUCKET_SORT_JITTER", "TEMPERATURE", "LANG_WEIGHTING", "EPOCH_SIZE",
-    "BATCH_COST_QUADRATIC", "TARGET_SAMPLE_RATE", "MAX_TOKEN_LEN", "ENCODER_FRAME_SECONDS",
+    "INIT_MODEL",
+    "MODEL_CONFIG",
+    "TOKENIZER_DIR",
+    "TDT_LOSS",
+    "TRAIN_MANIFEST_PATH",
+    "NUM_WORKERS",
+    "GRAD_ACCUM",
+    "MAX_STEPS",
+    "PRECISION",
+    "ACCELERATOR",
+    "PHASE1_LR",
+    "PHASE2_LR",
+    "MIN_LR",
+    "WARMUP_STEPS",
+    "UNFREEZE_STEP",
+    "PHASE2_WARMUP",
+    "WEIGHT_DECAY",
+    "GRAD_CLIP",
+    "SEED",
+    "MAX_BATCH_DURATION",
+    "BUCKET_BOUNDARIES",
+    "BUCKET_SORT_JITTER",
+    "TEMPERATURE",
+    "LANG_WEIGHTING",
+    "EPOCH_SIZE",
+    "BATCH_COST_QUADRATIC",
+    "TARGET_SAMPLE_RATE",
+    "MAX_TOKEN_LEN",
+    "ENCODER_FRAME_SECONDS",
     "AUDIO_DURATION_TOLERANCE",
-    "RESUME_FROM", "CHECKPOINT_DIR", "CHECKPOINT_EVERY", "EVAL_EVERY_STEPS", "EVAL_SAMPLES_PER_LANG",
-    "VAL_MANIFEST_PATH", "WANDB_MODE", "WANDB_PROJECT", "WANDB_RUN_NAME", "WANDB_LOG_DIR",
+    "RESUME_FROM",
+    "CHECKPOINT_DIR",
+    "CHECKPOINT_EVERY",
+    "EVAL_EVERY_STEPS",
+    "EVAL_SAMPLES_PER_LANG",
+    "VAL_MANIFEST_PATH",
+    "WANDB_MODE",
+    "WANDB_PROJECT",
+    "WANDB_RUN_NAME",
+    "WANDB_LOG_DIR",
 )
 
 
@@ -96,8 +129,18 @@ ENV_VARS = (
 # Learning rate
 # --------------------------------------------------------------------------------------------------
 
-def lr_at_step(step: int, *, warmup_steps: int, phase1_lr: float, unfreeze_step: int, phase2_warmup: int,
-               phase2_lr: float, min_lr: float, max_steps: int) -> float:
+
+def lr_at_step(
+    step: int,
+    *,
+    warmup_steps: int,
+    phase1_lr: float,
+    unfreeze_step: int,
+    phase2_warmup: int,
+    phase2_lr: float,
+    min_lr: float,
+    max_steps: int,
+) -> float:
     """LR of optimizer step ``step`` (0-based).
 
     Phase 1 (step < unfreeze_step): linear warmup over ``warmup_steps`` to ``phase1_lr``, then flat.
@@ -119,15 +162,22 @@ def lr_at_step(step: int, *, warmup_steps: int, phase1_lr: float, unfreeze_step:
 
 def lr_schedule_from_config():
     """``lr_at_step`` with every keyword taken from config.py at call time."""
-    kwargs = dict(warmup_steps=config.WARMUP_STEPS, phase1_lr=config.PHASE1_LR, unfreeze_step=config.UNFREEZE_STEP,
-                  phase2_warmup=config.PHASE2_WARMUP, phase2_lr=config.PHASE2_LR, min_lr=config.MIN_LR,
-                  max_steps=config.MAX_STEPS)
+    kwargs = dict(
+        warmup_steps=config.WARMUP_STEPS,
+        phase1_lr=config.PHASE1_LR,
+        unfreeze_step=config.UNFREEZE_STEP,
+        phase2_warmup=config.PHASE2_WARMUP,
+        phase2_lr=config.PHASE2_LR,
+        min_lr=config.MIN_LR,
+        max_steps=config.MAX_STEPS,
+    )
     return lambda step: lr_at_step(step, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------------
 # Model
 # --------------------------------------------------------------------------------------------------
+
 
 def _spm_pieces(model_file: Path) -> list[str]:
     import sentencepiece as spm
@@ -151,12 +201,22 @@ def ensure_validation_ds(model) -> None:
 
     if model.cfg.get("validation_ds") is None:
         with open_dict(model.cfg):
-            model.cfg.validation_ds = {"manifest_filepath": None, "sample_rate": model.cfg.get("sample_rate", 16000),
-                                       "batch_size": 4, "shuffle": False, "num_workers": 0, "pin_memory": False,
-                                       "use_start_end_token": False}
+            model.cfg.validation_ds = {
+                "manifest_filepath": None,
+                "sample_rate": model.cfg.get("sample_rate", 16000),
+                "batch_size": 4,
+                "shuffle": False,
+                "num_workers": 0,
+                "pin_memory": False,
+                "use_start_end_token": False,
+            }
 
 
-def build_model(init_model: str | None = None, model_config: Path | None = None, tokenizer_dir: Path | None = None):
+def build_model(
+    init_model: str | None = None,
+    model_config: Path | None = None,
+    tokenizer_dir: Path | None = None,
+):
     """The NeMo TDT model to train, on CPU, with TOKENIZER_DIR's vocabulary and a device-dispatching TDT loss.
 
     ``init_model``: a .nemo path (restore_from) or a pretrained name (from_pretrained); empty means a
@@ -170,8 +230,10 @@ def build_model(init_model: str | None = None, model_config: Path | None = None,
     model_config = Path(model_config or config.MODEL_CONFIG)
     tokenizer_dir = Path(tokenizer_dir or config.TOKENIZER_DIR)
     if not (tokenizer_dir / "tokenizer.model").exists():
-        raise FileNotFoundError(f"TOKENIZER_DIR={tokenizer_dir} has no tokenizer.model; "
-                                "run scripts/train_tokenizer.py or point TOKENIZER_DIR at one")
+        raise FileNotFoundError(
+            f"TOKENIZER_DIR={tokenizer_dir} has no tokenizer.model; "
+            "run scripts/train_tokenizer.py or point TOKENIZER_DIR at one"
+        )
 
     if init_model:
         if init_model.endswith(".nemo") or Path(init_model).exists():
@@ -184,7 +246,9 @@ def build_model(init_model: str | None = None, model_config: Path | None = None,
             model = ASRModel.from_pretrained(init_model, map_location="cpu")
     else:
         if not model_config.exists():
-            raise FileNotFoundError(f"MODEL_CONFIG={model_config} does not exist (INIT_MODEL is empty)")
+            raise FileNotFoundError(
+                f"MODEL_CONFIG={model_config} does not exist (INIT_MODEL is empty)"
+            )
         cfg = OmegaConf.load(model_config)
         cfg = cfg.model if "model" in cfg else cfg
         with open_dict(cfg):
@@ -211,8 +275,12 @@ def use_tokenizer(model, tokenizer_dir: Path) -> None:
         # NeMo 3.0 replaces the TDT loss here with an RNN-T loss whose blank counts the durations:
         # attach_tdt_loss below rebuilds it from cfg.loss.
         model.change_vocabulary(new_tokenizer_dir=str(tokenizer_dir), new_tokenizer_type="bpe")
-        log.info("vocabulary changed from %d to %d pieces (TOKENIZER_DIR=%s): decoder and joint are new",
-                 old, model.tokenizer.vocab_size, tokenizer_dir)
+        log.info(
+            "vocabulary changed from %d to %d pieces (TOKENIZER_DIR=%s): decoder and joint are new",
+            old,
+            model.tokenizer.vocab_size,
+            tokenizer_dir,
+        )
     tdt_loss.attach_tdt_loss(model)
 
 
@@ -236,6 +304,7 @@ def make_encoder_forward_rank_local(model) -> None:
 # The LightningModule
 # --------------------------------------------------------------------------------------------------
 
+
 class TrainingModule(pl.LightningModule):
     """Trains a NeMo TDT model on our AsrBatch micro-batches; the NeMo model itself stays unchanged.
 
@@ -257,39 +326,60 @@ class TrainingModule(pl.LightningModule):
         self.bad_audio: collections.Counter = collections.Counter()
         self.last_loss: torch.Tensor | None = None
         self.last_grad_norm: float | None = None
-        self._grad_norm: torch.Tensor | None = None  # of this optimizer step, for configure_gradient_clipping
-        self._window_bad = 0          # non-finite losses of this rank since the last optimizer step
-        self._window_utterances = 0   # real utterances of this rank since the last optimizer step
-        self._window_buffers: dict[str, torch.Tensor] | None = None  # BatchNorm buffers when the window began
+        self._grad_norm: torch.Tensor | None = (
+            None  # of this optimizer step, for configure_gradient_clipping
+        )
+        self._window_bad = 0  # non-finite losses of this rank since the last optimizer step
+        self._window_utterances = 0  # real utterances of this rank since the last optimizer step
+        self._window_buffers: dict[str, torch.Tensor] | None = (
+            None  # BatchNorm buffers when the window began
+        )
         self._batchnorms: list[tuple[str, torch.nn.Module]] | None = None
 
     def on_fit_start(self):
         # Before the dataset is loaded: a CUDA loss that cannot run should cost seconds, not a node-hour.
         if self.device.type == "cuda":
             diff = tdt_loss.check_cuda_loss(self.model.loss._loss, self.device)
-            log.info("rank %d: TDT loss on %s (TDT_LOSS=%s) agrees with tdt_loss.py on a known problem "
-                     "(largest difference %.2g)", self.global_rank, self.device, config.TDT_LOSS, diff)
+            log.info(
+                "rank %d: TDT loss on %s (TDT_LOSS=%s) agrees with tdt_loss.py on a known problem "
+                "(largest difference %.2g)",
+                self.global_rank,
+                self.device,
+                config.TDT_LOSS,
+                diff,
+            )
 
     # ---- data -----------------------------------------------------------------------------------
     def train_dataloader(self):
         rank, world_size = self.trainer.global_rank, self.trainer.world_size
-        if dist.is_available() and dist.is_initialized() and (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
-            raise RuntimeError(f"Lightning says rank {rank}/{world_size} but torch.distributed says "
-                               f"{dist.get_rank()}/{dist.get_world_size()}; check the torchrun launch")
+        if (
+            dist.is_available()
+            and dist.is_initialized()
+            and (dist.get_rank(), dist.get_world_size()) != (rank, world_size)
+        ):
+            raise RuntimeError(
+                f"Lightning says rank {rank}/{world_size} but torch.distributed says "
+                f"{dist.get_rank()}/{dist.get_world_size()}; check the torchrun launch"
+            )
         # Rank 0 loads first so any cache the dataset builds next to the manifest is written once.
         if rank != 0:
             self.trainer.strategy.barrier("dataset")
         self.dataset = build_dataset(self.model.tokenizer)
         if rank == 0:
             self.trainer.strategy.barrier("dataset")
-        loader, self.sampler = build_dataloader(self.dataset, world_size=world_size, rank=rank,
-                                                pin_memory=self.device.type == "cuda")
+        loader, self.sampler = build_dataloader(
+            self.dataset, world_size=world_size, rank=rank, pin_memory=self.device.type == "cuda"
+        )
         if getattr(self, "resume_sampler_state", None) is not None:
             # Set by callbacks.ExactResumeCallback from the checkpoint; Lightning builds the iterator
             # right after this returns, so it yields only the epoch's remaining micro-batches.
             self.sampler.load_state_dict(self.resume_sampler_state)
-            log.info("rank %d: sampler resumes epoch %d at micro-batch %d", rank,
-                     self.resume_sampler_state["epoch"], self.resume_sampler_state["position"])
+            log.info(
+                "rank %d: sampler resumes epoch %d at micro-batch %d",
+                rank,
+                self.resume_sampler_state["epoch"],
+                self.resume_sampler_state["position"],
+            )
             self.resume_sampler_state = None
         log_first_step(self.sampler, rank)
         return loader
@@ -308,7 +398,9 @@ class TrainingModule(pl.LightningModule):
             # there would poison every later step), so they are restored from here. Only BatchNorm's:
             # no other buffer changes in a forward, and some are large (the relative-position table of
             # the full-size encoder is 41 MB).
-            self._window_buffers = {name: b.detach().clone() for name, b in self.batchnorm_buffers()}
+            self._window_buffers = {
+                name: b.detach().clone() for name, b in self.batchnorm_buffers()
+            }
 
     # ---- the step -------------------------------------------------------------------------------
     def compute_loss(self, batch) -> torch.Tensor:
@@ -316,14 +408,27 @@ class TrainingModule(pl.LightningModule):
         m = self.model
         # A frozen encoder needs no autograd graph: less memory and time; its outputs are constants.
         with torch.no_grad() if self.encoder_frozen else contextlib.nullcontext():
-            encoded, encoded_len = m.forward(input_signal=batch.signal, input_signal_length=batch.signal_len)
+            encoded, encoded_len = m.forward(
+                input_signal=batch.signal, input_signal_length=batch.signal_len
+            )
         decoded, target_len, _ = m.decoder(targets=batch.tokens, target_length=batch.token_len)
         if m.joint.fuse_loss_wer:
-            loss, _, _, _ = m.joint(encoder_outputs=encoded, decoder_outputs=decoded, encoder_lengths=encoded_len,
-                                    transcripts=batch.tokens, transcript_lengths=batch.token_len, compute_wer=False)
+            loss, _, _, _ = m.joint(
+                encoder_outputs=encoded,
+                decoder_outputs=decoded,
+                encoder_lengths=encoded_len,
+                transcripts=batch.tokens,
+                transcript_lengths=batch.token_len,
+                compute_wer=False,
+            )
             return loss
         joint = m.joint(encoder_outputs=encoded, decoder_outputs=decoded)
-        return m.loss(log_probs=joint, targets=batch.tokens, input_lengths=encoded_len, target_lengths=target_len)
+        return m.loss(
+            log_probs=joint,
+            targets=batch.tokens,
+            input_lengths=encoded_len,
+            target_lengths=target_len,
+        )
 
     def zero_loss(self) -> torch.Tensor:
         """0 that depends on every trainable parameter: DDP sees them all used, gradients are zeros."""
@@ -334,8 +439,11 @@ class TrainingModule(pl.LightningModule):
             self.bad_audio[reason] += n
         if batch.is_empty:
             self.empty_micro_batches += 1
-            log.warning("rank %d micro-batch %d: every utterance was bad audio; it contributes nothing",
-                        self.global_rank, batch_idx)
+            log.warning(
+                "rank %d micro-batch %d: every utterance was bad audio; it contributes nothing",
+                self.global_rank,
+                batch_idx,
+            )
             loss = self.zero_loss()
         else:
             self._window_utterances += batch.batch_size
@@ -343,22 +451,32 @@ class TrainingModule(pl.LightningModule):
             if not torch.isfinite(loss).item():
                 self.nonfinite_losses += 1
                 self._window_bad += 1
-                log.warning("rank %d micro-batch %d: loss %s (langs %s, durations %s); this optimizer step "
-                            "is skipped on every rank", self.global_rank, batch_idx, loss.item(),
-                            sorted(set(batch.langs)), [round(d, 2) for d in batch.durations])
+                log.warning(
+                    "rank %d micro-batch %d: loss %s (langs %s, durations %s); this optimizer step "
+                    "is skipped on every rank",
+                    self.global_rank,
+                    batch_idx,
+                    loss.item(),
+                    sorted(set(batch.langs)),
+                    [round(d, 2) for d in batch.durations],
+                )
                 loss = self.zero_loss()
         self.last_loss = loss.detach()
         return loss
 
     def on_before_optimizer_step(self, optimizer):
         # Every rank reaches this point once per optimizer step, so the all-reduce cannot hang.
-        flags = torch.tensor([float(self._window_bad), float(self._window_utterances)], device=self.device)
+        flags = torch.tensor(
+            [float(self._window_bad), float(self._window_utterances)], device=self.device
+        )
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(flags)
         self._window_bad = self._window_utterances = 0
         window_buffers, self._window_buffers = self._window_buffers, None
         params = [p for p in self.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+        grad_norm = (
+            torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+        )
         self.last_grad_norm = float(grad_norm)
         self._grad_norm = grad_norm
         reason = None
@@ -378,8 +496,12 @@ class TrainingModule(pl.LightningModule):
                         b.copy_(window_buffers[name])
             self.skipped_steps += 1
             if self.global_rank == 0:
-                log.warning("optimizer step %d skipped on every rank: %s (%d skipped so far)",
-                            self.global_step, reason, self.skipped_steps)
+                log.warning(
+                    "optimizer step %d skipped on every rank: %s (%d skipped so far)",
+                    self.global_step,
+                    reason,
+                    self.skipped_steps,
+                )
         else:
             self.average_batchnorm_statistics()
             if self.encoder_frozen:
@@ -390,19 +512,36 @@ class TrainingModule(pl.LightningModule):
     def batchnorm_buffers(self) -> list[tuple[str, torch.Tensor]]:
         """(name, buffer) of every BatchNorm running statistic: the buffers a forward pass changes."""
         if self._batchnorms is None:  # the module tree is fixed once training starts
-            self._batchnorms = [(prefix, m) for prefix, m in self.named_modules()
-                                if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-        return [(f"{prefix}.{name}", b) for prefix, m in self._batchnorms
-                for name, b in m.named_buffers(recurse=False) if b is not None]
+            self._batchnorms = [
+                (prefix, m)
+                for prefix, m in self.named_modules()
+                if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+            ]
+        return [
+            (f"{prefix}.{name}", b)
+            for prefix, m in self._batchnorms
+            for name, b in m.named_buffers(recurse=False)
+            if b is not None
+        ]
 
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ):
         # on_before_optimizer_step (just before this) measured the norm of these very gradients: clip
         # with it instead of letting Lightning read every gradient a second time (a full pass over
         # 0.6 B values per optimizer step at full size). Same norm, same clipping, bit for bit.
         grad_norm, self._grad_norm = self._grad_norm, None
-        if not gradient_clip_val or grad_norm is None or gradient_clip_algorithm not in (None, "norm"):
-            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if (
+            not gradient_clip_val
+            or grad_norm is None
+            or gradient_clip_algorithm not in (None, "norm")
+        ):
+            return super().configure_gradient_clipping(
+                optimizer, gradient_clip_val, gradient_clip_algorithm
+            )
+        params = [
+            p for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+        ]
         if params:
             torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, grad_norm)
 
@@ -418,8 +557,13 @@ class TrainingModule(pl.LightningModule):
         """
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return
-        norms = [m for m in self.modules()
-                 if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats]
+        norms = [
+            m
+            for m in self.modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+            and m.training
+            and m.track_running_stats
+        ]
         if not norms:
             return
         stats = [b for m in norms for b in (m.running_mean, m.running_var)]
@@ -435,15 +579,20 @@ class TrainingModule(pl.LightningModule):
 
     def configure_optimizers(self):
         # Base LR 1.0, so LambdaLR's factor IS the learning rate of lr_at_step.
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=1.0, betas=(0.9, 0.98),
-                                      weight_decay=config.WEIGHT_DECAY)
+        optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=1.0, betas=(0.9, 0.98), weight_decay=config.WEIGHT_DECAY
+        )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule_from_config())
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
+        }
 
 
 # --------------------------------------------------------------------------------------------------
 # Data
 # --------------------------------------------------------------------------------------------------
+
 
 def build_dataset(tokenizer):
     """LocalShardDataset over TRAIN_MANIFEST_PATH (feasibility-filtered)."""
@@ -451,11 +600,15 @@ def build_dataset(tokenizer):
 
     path = Path(config.TRAIN_MANIFEST_PATH)
     if not path.exists():
-        raise FileNotFoundError(f"TRAIN_MANIFEST_PATH={path} does not exist; build it with scripts/make_train_val.py")
+        raise FileNotFoundError(
+            f"TRAIN_MANIFEST_PATH={path} does not exist; build it with scripts/make_train_val.py"
+        )
     dataset = LocalShardDataset(path, tokenizer)
     if len(dataset) == 0:
-        raise ValueError(f"TRAIN_MANIFEST_PATH={path}: no utterance is left after the feasibility filter "
-                         f"({getattr(dataset, 'load_summary', {})})")
+        raise ValueError(
+            f"TRAIN_MANIFEST_PATH={path}: no utterance is left after the feasibility filter "
+            f"({getattr(dataset, 'load_summary', {})})"
+        )
     return dataset
 
 
@@ -465,28 +618,48 @@ def build_dataloader(dataset, *, world_size: int, rank: int, pin_memory: bool):
     from sampler import DurationBucketBatchSampler
 
     if hasattr(dataset, "lang_codes") and hasattr(dataset, "lang_names"):
-        sampler = DurationBucketBatchSampler(dataset.durations, dataset.lang_codes, language_names=dataset.lang_names,
-                                             world_size=world_size, rank=rank)
+        sampler = DurationBucketBatchSampler(
+            dataset.durations,
+            dataset.lang_codes,
+            language_names=dataset.lang_names,
+            world_size=world_size,
+            rank=rank,
+        )
     else:
-        sampler = DurationBucketBatchSampler(dataset.durations, dataset.languages, world_size=world_size, rank=rank)
+        sampler = DurationBucketBatchSampler(
+            dataset.durations, dataset.languages, world_size=world_size, rank=rank
+        )
     workers = config.NUM_WORKERS
     loader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, collate_fn=collate_asr_batch, num_workers=workers,
-        pin_memory=pin_memory, persistent_workers=workers > 0, prefetch_factor=2 if workers > 0 else None)
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=collate_asr_batch,
+        num_workers=workers,
+        pin_memory=pin_memory,
+        persistent_workers=workers > 0,
+        prefetch_factor=2 if workers > 0 else None,
+    )
     return loader, sampler
 
 
 def log_first_step(sampler, rank: int) -> None:
     stats = sampler.epoch_stats()
     first = stats["first_step"]
-    log.info("rank %d: %d micro-batches this epoch; the first optimizer step starts with this rank's most "
-             "expensive micro-batch: %d utterances, %.1f s of audio, longest %.1f s",
-             rank, stats["num_batches_per_rank"], first["utterances"], first["audio_seconds"], first["max_duration"])
+    log.info(
+        "rank %d: %d micro-batches this epoch; the first optimizer step starts with this rank's most "
+        "expensive micro-batch: %d utterances, %.1f s of audio, longest %.1f s",
+        rank,
+        stats["num_batches_per_rank"],
+        first["utterances"],
+        first["audio_seconds"],
+        first["max_duration"],
+    )
 
 
 # --------------------------------------------------------------------------------------------------
 # Trainer
 # --------------------------------------------------------------------------------------------------
+
 
 def distributed_env() -> dict:
     """World size, ranks and node layout from torchrun's variables (1 process when they are absent)."""
@@ -494,19 +667,32 @@ def distributed_env() -> dict:
     world_size = int(env.get("WORLD_SIZE", 1))
     local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
     if world_size % local_world_size:
-        raise RuntimeError(f"WORLD_SIZE={world_size} is not a multiple of LOCAL_WORLD_SIZE={local_world_size}: "
-                           "every node must run the same --nproc_per_node")
-    return {"world_size": world_size, "rank": int(env.get("RANK", 0)), "local_rank": int(env.get("LOCAL_RANK", 0)),
-            "local_world_size": local_world_size, "num_nodes": world_size // local_world_size}
+        raise RuntimeError(
+            f"WORLD_SIZE={world_size} is not a multiple of LOCAL_WORLD_SIZE={local_world_size}: "
+            "every node must run the same --nproc_per_node"
+        )
+    return {
+        "world_size": world_size,
+        "rank": int(env.get("RANK", 0)),
+        "local_rank": int(env.get("LOCAL_RANK", 0)),
+        "local_world_size": local_world_size,
+        "num_nodes": world_size // local_world_size,
+    }
 
 
 def build_callbacks() -> list[pl.Callback]:
     """The trainer's callbacks (callbacks.py). TrainingMetricsCallback comes after PerLanguageWERCallback
     so an evaluation's time counts in its step's time, not as data wait; Lightning moves the
     checkpoint callback to the end of the list itself."""
-    return [callbacks.EncoderUnfreezeCallback(), callbacks.EpochBoundarySyncCallback(),
-            callbacks.ExactResumeCallback(), callbacks.StepOnlyModelCheckpoint(), callbacks.PerLanguageWERCallback(),
-            callbacks.TrainingMetricsCallback(), callbacks.OptimizerStepProgressBar()]
+    return [
+        callbacks.EncoderUnfreezeCallback(),
+        callbacks.EpochBoundarySyncCallback(),
+        callbacks.ExactResumeCallback(),
+        callbacks.StepOnlyModelCheckpoint(),
+        callbacks.PerLanguageWERCallback(),
+        callbacks.TrainingMetricsCallback(),
+        callbacks.OptimizerStepProgressBar(),
+    ]
 
 
 def build_loggers(resuming: bool):
@@ -519,7 +705,9 @@ def resume_checkpoint() -> str | None:
     return callbacks.resolve_resume_from()
 
 
-def build_trainer(callback_list: list[pl.Callback], env: dict, resuming: bool = False) -> pl.Trainer:
+def build_trainer(
+    callback_list: list[pl.Callback], env: dict, resuming: bool = False
+) -> pl.Trainer:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -531,55 +719,108 @@ def build_trainer(callback_list: list[pl.Callback], env: dict, resuming: bool = 
         # Phase 2 switches it off (callbacks.stop_searching_unused_parameters).
         # broadcast_buffers=False: BatchNorm statistics are averaged once per step instead
         # (TrainingModule.average_batchnorm_statistics).
-        strategy = DDPStrategy(find_unused_parameters=True, gradient_as_bucket_view=True, broadcast_buffers=False)
+        strategy = DDPStrategy(
+            find_unused_parameters=True, gradient_as_bucket_view=True, broadcast_buffers=False
+        )
     else:
         strategy = "auto"
     return pl.Trainer(
-        accelerator=accelerator, devices=env["local_world_size"], num_nodes=env["num_nodes"], strategy=strategy,
-        precision=config.PRECISION, max_steps=config.MAX_STEPS, max_epochs=-1,
-        accumulate_grad_batches=config.GRAD_ACCUM, gradient_clip_val=config.GRAD_CLIP or None,
-        use_distributed_sampler=False, num_sanity_val_steps=0, limit_val_batches=0,
+        accelerator=accelerator,
+        devices=env["local_world_size"],
+        num_nodes=env["num_nodes"],
+        strategy=strategy,
+        precision=config.PRECISION,
+        max_steps=config.MAX_STEPS,
+        max_epochs=-1,
+        accumulate_grad_batches=config.GRAD_ACCUM,
+        gradient_clip_val=config.GRAD_CLIP or None,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
         enable_checkpointing=any(isinstance(cb, ModelCheckpoint) for cb in callback_list),
-        callbacks=callback_list, logger=build_loggers(resuming), log_every_n_steps=1, benchmark=False,
-        enable_model_summary=False)
+        callbacks=callback_list,
+        logger=build_loggers(resuming),
+        log_every_n_steps=1,
+        benchmark=False,
+        enable_model_summary=False,
+    )
 
 
 def log_startup(trainer: pl.Trainer, env: dict, model) -> None:
     """Every distributed assumption, once per rank (rank lines) and once for the run (rank 0)."""
     device = trainer.strategy.root_device
-    log.info("rank %d/%d (local %d/%d, node %d/%d) on %s, threads %d",
-             trainer.global_rank, trainer.world_size, env["local_rank"], env["local_world_size"],
-             trainer.node_rank, env["num_nodes"], device, torch.get_num_threads())
+    log.info(
+        "rank %d/%d (local %d/%d, node %d/%d) on %s, threads %d",
+        trainer.global_rank,
+        trainer.world_size,
+        env["local_rank"],
+        env["local_world_size"],
+        trainer.node_rank,
+        env["num_nodes"],
+        device,
+        torch.get_num_threads(),
+    )
     if trainer.global_rank != 0:
         return
     audio_per_step = config.MAX_BATCH_DURATION * config.GRAD_ACCUM * trainer.world_size
     n_params = sum(p.numel() for p in model.parameters())
-    log.info("world size %d = %d node(s) x %d process(es); strategy %s; precision %s; accelerator %s",
-             trainer.world_size, env["num_nodes"], env["local_world_size"], type(trainer.strategy).__name__,
-             config.PRECISION, config.ACCELERATOR)
-    log.info("optimizer step = %d ranks x %d micro-batches x <= %.0f s = up to %.0f s (%.1f min) of audio",
-             trainer.world_size, config.GRAD_ACCUM, config.MAX_BATCH_DURATION, audio_per_step, audio_per_step / 60)
-    log.info("model %s: %.1f M parameters, vocabulary %d, TDT loss %s; encoder frozen for steps < %d",
-             type(model).__name__, n_params / 1e6, model.tokenizer.vocab_size, model.loss._loss,
-             config.UNFREEZE_STEP)
-    log.info("max_steps %d, LR: warmup %d -> %.2e, phase 2 at %d: warmup %d -> %.2e, cosine -> %.2e; "
-             "AdamW weight decay %g; grad clip %g", config.MAX_STEPS, config.WARMUP_STEPS, config.PHASE1_LR,
-             config.UNFREEZE_STEP, config.PHASE2_WARMUP, config.PHASE2_LR, config.MIN_LR, config.WEIGHT_DECAY,
-             config.GRAD_CLIP)
+    log.info(
+        "world size %d = %d node(s) x %d process(es); strategy %s; precision %s; accelerator %s",
+        trainer.world_size,
+        env["num_nodes"],
+        env["local_world_size"],
+        type(trainer.strategy).__name__,
+        config.PRECISION,
+        config.ACCELERATOR,
+    )
+    log.info(
+        "optimizer step = %d ranks x %d micro-batches x <= %.0f s = up to %.0f s (%.1f min) of audio",
+        trainer.world_size,
+        config.GRAD_ACCUM,
+        config.MAX_BATCH_DURATION,
+        audio_per_step,
+        audio_per_step / 60,
+    )
+    log.info(
+        "model %s: %.1f M parameters, vocabulary %d, TDT loss %s; encoder frozen for steps < %d",
+        type(model).__name__,
+        n_params / 1e6,
+        model.tokenizer.vocab_size,
+        model.loss._loss,
+        config.UNFREEZE_STEP,
+    )
+    log.info(
+        "max_steps %d, LR: warmup %d -> %.2e, phase 2 at %d: warmup %d -> %.2e, cosine -> %.2e; "
+        "AdamW weight decay %g; grad clip %g",
+        config.MAX_STEPS,
+        config.WARMUP_STEPS,
+        config.PHASE1_LR,
+        config.UNFREEZE_STEP,
+        config.PHASE2_WARMUP,
+        config.PHASE2_LR,
+        config.MIN_LR,
+        config.WEIGHT_DECAY,
+        config.GRAD_CLIP,
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     epilog = "Effective values now:\n" + "\n".join(
-        f"  {name}={config.KNOBS[name].value!s}  ({config.KNOBS[name].help})" for name in ENV_VARS)
-    parser = argparse.ArgumentParser(description=__doc__, epilog=epilog,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+        f"  {name}={config.KNOBS[name].value!s}  ({config.KNOBS[name].help})" for name in ENV_VARS
+    )
+    parser = argparse.ArgumentParser(
+        description=__doc__, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     parse_args(argv)
     env = distributed_env()
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank {env['rank']}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s [rank {env['rank']}] %(levelname)s %(name)s: %(message)s",
+    )
     # Same seed everywhere for the model's initial weights (DDP also broadcasts rank 0's).
     pl.seed_everything(config.SEED, workers=True)
     model = build_model()
@@ -591,9 +832,14 @@ def main(argv: list[str] | None = None) -> int:
     trainer = build_trainer(callback_list, env, resuming=ckpt_path is not None)
     log_startup(trainer, env, model)
     trainer.fit(module, ckpt_path=ckpt_path)
-    log.info("done: %d optimizer steps, %d skipped; %d empty micro-batches, %d non-finite losses; bad audio %s",
-             trainer.global_step, module.skipped_steps, module.empty_micro_batches, module.nonfinite_losses,
-             dict(module.bad_audio))
+    log.info(
+        "done: %d optimizer steps, %d skipped; %d empty micro-batches, %d non-finite losses; bad audio %s",
+        trainer.global_step,
+        module.skipped_steps,
+        module.empty_micro_batches,
+        module.nonfinite_losses,
+        dict(module.bad_audio),
+    )
     return 0
 
 

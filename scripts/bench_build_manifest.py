@@ -21,6 +21,7 @@ cleaning fixes the old one on purpose:
     once every space, punctuation and symbol character is removed from both.
 Any other difference fails the bench (exit 1). It prints both timings and the speed ratio.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,6 @@ import tempfile
 import time
 import unicodedata
 from pathlib import Path
-
 
 import numpy as np
 import pandas as pd
@@ -59,13 +59,20 @@ TAGS = ["[music]", "[laugh]", "[noise]", "[inaudible]"]
 # compare with earlier numbers. In both, English words carry apostrophes and the Malayalam ones
 # ZWJ chillus, so about a third of the rows take the cleaning's slower path.
 TEXT_MIXES = {
-    "realistic": dict(punct=[""] * 88 + [",", ",", ",", ",", ".", ".", "।", "।", "?", "!", "-", "…"],
-                      wraps=[("", "")] * 174 + [("«", "»"), ("“", "”"), ("‘", "’"), ("(", ")"), ("„", "“"),
-                                                ("[", "]")],
-                      glued_rows=0.0, glued_marks=0.1),
-    "dense": dict(punct=["", "", "", "", "", ",", ".", "।", "॥", "?", "!", "-", "…", "—", "–", "\""],
-                  wraps=[("", "")] * 12 + [("«", "»"), ("“", "”"), ("‘", "’"), ("(", ")"), ("„", "“"), ("[", "]")],
-                  glued_rows=0.3, glued_marks=0.0),
+    "realistic": dict(
+        punct=[""] * 88 + [",", ",", ",", ",", ".", ".", "।", "।", "?", "!", "-", "…"],
+        wraps=[("", "")] * 174
+        + [("«", "»"), ("“", "”"), ("‘", "’"), ("(", ")"), ("„", "“"), ("[", "]")],
+        glued_rows=0.0,
+        glued_marks=0.1,
+    ),
+    "dense": dict(
+        punct=["", "", "", "", "", ",", ".", "।", "॥", "?", "!", "-", "…", "—", "–", '"'],
+        wraps=[("", "")] * 12
+        + [("«", "»"), ("“", "”"), ("‘", "’"), ("(", ")"), ("„", "“"), ("[", "]")],
+        glued_rows=0.3,
+        glued_marks=0.0,
+    ),
 }
 
 
@@ -96,13 +103,21 @@ def make_transcript_pool(lang: str, n: int, rng: np.random.Generator, mix: dict)
     return pool
 
 
-def write_corpus(root: Path, n_shards: int, rows_per_shard: int, seed: int, text_mix: str = "realistic",
-                 pool_size: int = 4000) -> int:
+def write_corpus(
+    root: Path,
+    n_shards: int,
+    rows_per_shard: int,
+    seed: int,
+    text_mix: str = "realistic",
+    pool_size: int = 4000,
+) -> int:
     """Write the shard tree, each row's transcript drawn from ``pool_size`` per language; return the
     number of metadata rows."""
     rng = np.random.default_rng(seed)
     langs = list(LANG_WORDS)
-    pools = {lang: make_transcript_pool(lang, pool_size, rng, TEXT_MIXES[text_mix]) for lang in langs}
+    pools = {
+        lang: make_transcript_pool(lang, pool_size, rng, TEXT_MIXES[text_mix]) for lang in langs
+    }
     total = 0
     for s in range(n_shards):
         lang = langs[s % len(langs)]
@@ -118,15 +133,29 @@ def write_corpus(root: Path, n_shards: int, rows_per_shard: int, seed: int, text
         quality_arr = pa.array(quality, mask=rng.random(n) < 0.01)
         seg_lang = pa.array(np.where(rng.random(n) < 0.05, "en", None).tolist(), pa.string())
         speaker = pa.array([f"spk{s}_{k}" for k in rng.integers(20, size=n)], pa.string())
-        pq.write_table(pa.table({"segment_id": pa.array(seg, pa.string()),
-                                 "transcription_native": pa.array(texts, pa.string()),
-                                 "duration_s": duration, "tx_quality_score": quality_arr,
-                                 "segment_language": seg_lang, "speaker_id": speaker}),
-                       shard_dir / "metadata.parquet")
+        pq.write_table(
+            pa.table(
+                {
+                    "segment_id": pa.array(seg, pa.string()),
+                    "transcription_native": pa.array(texts, pa.string()),
+                    "duration_s": duration,
+                    "tx_quality_score": quality_arr,
+                    "segment_language": seg_lang,
+                    "speaker_id": speaker,
+                }
+            ),
+            shard_dir / "metadata.parquet",
+        )
         indexed = rng.random(n) > 0.01  # ~1% of rows have no audio entry
-        pq.write_table(pa.table({"segment_id": pa.array(seg[indexed], pa.string()),
-                                 "tar_member_name": pa.array([f"{x}.flac" for x in seg[indexed]], pa.string())}),
-                       shard_dir / "audio_index.parquet")
+        pq.write_table(
+            pa.table(
+                {
+                    "segment_id": pa.array(seg[indexed], pa.string()),
+                    "tar_member_name": pa.array([f"{x}.flac" for x in seg[indexed]], pa.string()),
+                }
+            ),
+            shard_dir / "audio_index.parquet",
+        )
         total += n
     return total
 
@@ -152,13 +181,25 @@ def baseline_build(shards_dir: Path, output: Path) -> pd.DataFrame:
     for meta_path in sorted(shards_dir.rglob("metadata.parquet")):
         shard_dir = meta_path.parent
         source, lang_dir, _ = shard_dir.relative_to(shards_dir).parts
-        meta = pq.read_table(meta_path, columns=["segment_id", "transcription_native", "duration_s",
-                                                 "tx_quality_score", "segment_language"]).to_pandas()
+        meta = pq.read_table(
+            meta_path,
+            columns=[
+                "segment_id",
+                "transcription_native",
+                "duration_s",
+                "tx_quality_score",
+                "segment_language",
+            ],
+        ).to_pandas()
         index = pq.read_table(shard_dir / "audio_index.parquet").to_pandas()
         df = meta.merge(index, on="segment_id", how="inner")
-        df = df[(df["duration_s"] >= MIN_DURATION) & (df["duration_s"] <= MAX_DURATION)
-                & (df["tx_quality_score"] >= MIN_QUALITY) & df["transcription_native"].notna()
-                & (df["transcription_native"].str.strip().str.len() > 0)].copy()
+        df = df[
+            (df["duration_s"] >= MIN_DURATION)
+            & (df["duration_s"] <= MAX_DURATION)
+            & (df["tx_quality_score"] >= MIN_QUALITY)
+            & df["transcription_native"].notna()
+            & (df["transcription_native"].str.strip().str.len() > 0)
+        ].copy()
         if df.empty:
             continue
 
@@ -182,7 +223,9 @@ def baseline_build(shards_dir: Path, output: Path) -> pd.DataFrame:
 def squash(text: str) -> str:
     """Text with every space, punctuation and symbol removed, NFC: what both cleanings must share."""
     text = unicodedata.normalize("NFC", text)
-    return "".join(ch for ch in text if not ch.isspace() and unicodedata.category(ch)[0] not in "PSC")
+    return "".join(
+        ch for ch in text if not ch.isspace() and unicodedata.category(ch)[0] not in "PSC"
+    )
 
 
 def compare(baseline: pd.DataFrame, candidate: pl.DataFrame) -> dict[str, int]:
@@ -192,16 +235,21 @@ def compare(baseline: pd.DataFrame, candidate: pl.DataFrame) -> dict[str, int]:
     only_cand = cand.join(base, on="segment_id", how="anti")
     both = base.join(cand, on="segment_id", how="inner", suffix="_new")
     bare = only_base.filter(pl.col("text").str.contains(r"^<\|[^|]*\|> ?$"))
-    result = {"rows_baseline": base.height, "rows_new": cand.height,
-              "bare_tag_rows": bare.height,
-              "unexpected_only_in_baseline": only_base.height - bare.height,
-              "unexpected_only_in_new": only_cand.height}
+    result = {
+        "rows_baseline": base.height,
+        "rows_new": cand.height,
+        "bare_tag_rows": bare.height,
+        "unexpected_only_in_baseline": only_base.height - bare.height,
+        "unexpected_only_in_new": only_cand.height,
+    }
     mismatched_fields = 0
     for column in ("shard_id", "duration", "lang", "tar_member_name", "tar_path", "source"):
         mismatched_fields += both.filter(pl.col(column) != pl.col(f"{column}_new")).height
     result["unexpected_field_mismatches"] = mismatched_fields
     differing = both.filter(pl.col("text") != pl.col("text_new"))
-    unexpected = sum(squash(a) != squash(b) for a, b in differing.select("text", "text_new").iter_rows())
+    unexpected = sum(
+        squash(a) != squash(b) for a, b in differing.select("text", "text_new").iter_rows()
+    )
     result["identical_text"] = both.height - differing.height
     result["respaced_text"] = differing.height - unexpected
     result["unexpected_text_mismatches"] = unexpected
@@ -209,18 +257,32 @@ def compare(baseline: pd.DataFrame, candidate: pl.DataFrame) -> dict[str, int]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="example:\n  python scripts/bench_build_manifest.py --shards 320 --rows-per-shard 1600")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  python scripts/bench_build_manifest.py --shards 320 --rows-per-shard 1600",
+    )
     parser.add_argument("--shards", type=int, default=320, help="number of shards (default 320)")
-    parser.add_argument("--rows-per-shard", type=int, default=1600, help="metadata rows per shard (default 1600)")
+    parser.add_argument(
+        "--rows-per-shard", type=int, default=1600, help="metadata rows per shard (default 1600)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="corpus seed")
-    parser.add_argument("--text-mix", choices=sorted(TEXT_MIXES), default="realistic",
-                        help="transcript punctuation mix (default realistic; dense = this bench's first version)")
-    parser.add_argument("--pool-size", type=int, default=4000,
-                        help="distinct transcripts per language (default 4000, so most repeat; real corpora "
-                             "rarely repeat one: 110000 makes nearly every row unique, and the corpus slower to write)")
-    parser.add_argument("--workers", type=int, default=None, help="build_manifest.py threads (default: its own)")
+    parser.add_argument(
+        "--text-mix",
+        choices=sorted(TEXT_MIXES),
+        default="realistic",
+        help="transcript punctuation mix (default realistic; dense = this bench's first version)",
+    )
+    parser.add_argument(
+        "--pool-size",
+        type=int,
+        default=4000,
+        help="distinct transcripts per language (default 4000, so most repeat; real corpora "
+        "rarely repeat one: 110000 makes nearly every row unique, and the corpus slower to write)",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=None, help="build_manifest.py threads (default: its own)"
+    )
     parser.add_argument("--keep", type=Path, default=None, help="write the corpus here and keep it")
     args = parser.parse_args(argv)
 
@@ -230,35 +292,58 @@ def main(argv=None) -> int:
         if shards_dir.exists():
             shutil.rmtree(shards_dir)
         t0 = time.perf_counter()
-        n_rows = write_corpus(shards_dir, args.shards, args.rows_per_shard, args.seed, args.text_mix, args.pool_size)
-        print(f"corpus: {n_rows:,} rows over {args.shards} shards ({args.text_mix} text mix, "
-              f"{args.pool_size:,} transcripts per language) in {shards_dir} "
-              f"({time.perf_counter() - t0:.1f}s to write)")
+        n_rows = write_corpus(
+            shards_dir, args.shards, args.rows_per_shard, args.seed, args.text_mix, args.pool_size
+        )
+        print(
+            f"corpus: {n_rows:,} rows over {args.shards} shards ({args.text_mix} text mix, "
+            f"{args.pool_size:,} transcripts per language) in {shards_dir} "
+            f"({time.perf_counter() - t0:.1f}s to write)"
+        )
 
-        print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (other jobs share it)")
+        print(
+            f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (other jobs share it)"
+        )
         t0, c0 = time.perf_counter(), time.process_time()
         baseline = baseline_build(shards_dir, root / "baseline.parquet")
         t_base, c_base = time.perf_counter() - t0, time.process_time() - c0
-        print(f"baseline (pandas merge + df.apply): {t_base:7.2f}s wall {c_base:7.2f}s cpu  {len(baseline):,} rows")
+        print(
+            f"baseline (pandas merge + df.apply): {t_base:7.2f}s wall {c_base:7.2f}s cpu  {len(baseline):,} rows"
+        )
 
         t0, c0 = time.perf_counter(), time.process_time()
-        summary = bm.build_manifest(shards_dir, root / "master.parquet", languages=(),
-                                    min_duration=MIN_DURATION, max_duration=MAX_DURATION,
-                                    min_quality=MIN_QUALITY, workers=args.workers, progress=False)
+        summary = bm.build_manifest(
+            shards_dir,
+            root / "master.parquet",
+            languages=(),
+            min_duration=MIN_DURATION,
+            max_duration=MAX_DURATION,
+            min_quality=MIN_QUALITY,
+            workers=args.workers,
+            progress=False,
+        )
         t_new, c_new = time.perf_counter() - t0, time.process_time() - c0
-        print(f"build_manifest.py (polars):         {t_new:7.2f}s wall {c_new:7.2f}s cpu  "
-              f"{summary['rows_out']:,} rows  ({os.cpu_count()} CPUs, {args.workers or 'default'} workers)")
+        print(
+            f"build_manifest.py (polars):         {t_new:7.2f}s wall {c_new:7.2f}s cpu  "
+            f"{summary['rows_out']:,} rows  ({os.cpu_count()} CPUs, {args.workers or 'default'} workers)"
+        )
 
         result = compare(baseline, pl.read_parquet(root / "master.parquet"))
         for key, value in result.items():
             print(f"  {key:<30} {value:>10,}")
         print(f"  new drops by reason: {summary['dropped']}")
-        ok = (result["unexpected_only_in_baseline"] == 0 and result["unexpected_only_in_new"] == 0
-              and result["unexpected_field_mismatches"] == 0 and result["unexpected_text_mismatches"] == 0
-              and result["rows_baseline"] - result["bare_tag_rows"] == result["rows_new"])
+        ok = (
+            result["unexpected_only_in_baseline"] == 0
+            and result["unexpected_only_in_new"] == 0
+            and result["unexpected_field_mismatches"] == 0
+            and result["unexpected_text_mismatches"] == 0
+            and result["rows_baseline"] - result["bare_tag_rows"] == result["rows_new"]
+        )
         print(f"rows agree except intended fixes: {'yes' if ok else 'NO'}")
-        print(f"speed ratio (baseline / build_manifest.py): {t_base / t_new:.1f}x wall clock, "
-              f"{c_base / c_new:.1f}x cpu time")
+        print(
+            f"speed ratio (baseline / build_manifest.py): {t_base / t_new:.1f}x wall clock, "
+            f"{c_base / c_new:.1f}x cpu time"
+        )
         return 0 if ok else 1
     finally:
         if not args.keep:

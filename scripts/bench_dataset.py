@@ -28,6 +28,7 @@ bare ``soundfile.read`` of the same file, alternating item by item, in CPU time 
 (time.process_time: on a shared machine, wall time also counts the waits for a core); the median
 over rounds of the ratio. Target: <= 1.25x. Items per second of one process = per DataLoader worker.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -50,17 +50,21 @@ LANGS = ("hi", "en", "mr", "ta")
 POOL_SIZE = 64
 ROWS_PER_SHARD = 1000
 WORDS_PER_SECOND = 2.5
-VOCAB_WORDS = 600  # few enough that the 1024-piece tokenizer keeps most words whole, as a real one does
+VOCAB_WORDS = (
+    600  # few enough that the 1024-piece tokenizer keeps most words whole, as a real one does
+)
 INFEASIBLE_SHARE = 0.005  # rows given far too much text for their audio, to exercise the filter
 
 
 def _quiet_nemo_logging():
     import logging
+
     for name in ("nemo_logger", "nv_one_logger", "NeMo"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
 # ------------------------------------------------------------------------------------------ corpus
+
 
 def _pseudo_words(rng: np.random.Generator, n: int) -> list[str]:
     deva = [chr(c) for c in range(0x0915, 0x0939)]
@@ -89,7 +93,9 @@ def build_corpus(workdir: Path, rows: int, seed: int = 0) -> dict:
         pool.mkdir(parents=True, exist_ok=True)
         for name, seconds in zip(pool_names, pool_durations):
             samples = int((seconds if kind == "real" else 0.1) * 16000)
-            sf.write(str(pool / name), (rng.standard_normal(samples) * 0.1).astype(np.float32), 16000)
+            sf.write(
+                str(pool / name), (rng.standard_normal(samples) * 0.1).astype(np.float32), 16000
+            )
     use_pool(workdir, "real")
 
     n_shards = max(1, rows // ROWS_PER_SHARD)
@@ -110,30 +116,50 @@ def build_corpus(workdir: Path, rows: int, seed: int = 0) -> dict:
     n_words[infeasible] = (duration[infeasible] * 20).astype(np.int64)
     offsets = np.concatenate([[0], np.cumsum(n_words)])
     words = pa.array(vocab).take(pa.array(rng.integers(0, len(vocab), int(offsets[-1]))))
-    transcripts = pc.binary_join(pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), words), " ")
+    transcripts = pc.binary_join(
+        pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), words), " "
+    )
     lang = pa.array(lang_of_shard[shard_of_row])
-    text = pc.binary_join_element_wise(pc.binary_join_element_wise("<|", lang, "|>", ""), transcripts, " ")
+    text = pc.binary_join_element_wise(
+        pc.binary_join_element_wise("<|", lang, "|>", ""), transcripts, " "
+    )
     shard_col = pa.array(shard_ids).take(pa.array(shard_of_row))
-    tar_path = pa.array([str(workdir / "shards" / s / "audio.tar") for s in shard_ids]).take(pa.array(shard_of_row))
-    table = pa.table({
-        "segment_id": pa.array(np.char.add("seg", np.arange(rows).astype(str))),
-        "shard_id": shard_col, "text": text, "duration": pa.array(duration), "lang": lang,
-        "tar_member_name": pa.array(pool_names).take(pa.array(pool_of_row)),
-        "tar_path": tar_path, "source": pc.utf8_slice_codeunits(shard_col, 0, 4),
-        "tx_quality_score": pa.array(rng.uniform(0, 1, rows)),
-        "speaker_id": pa.nulls(rows, pa.string()),
-    })
+    tar_path = pa.array([str(workdir / "shards" / s / "audio.tar") for s in shard_ids]).take(
+        pa.array(shard_of_row)
+    )
+    table = pa.table(
+        {
+            "segment_id": pa.array(np.char.add("seg", np.arange(rows).astype(str))),
+            "shard_id": shard_col,
+            "text": text,
+            "duration": pa.array(duration),
+            "lang": lang,
+            "tar_member_name": pa.array(pool_names).take(pa.array(pool_of_row)),
+            "tar_path": tar_path,
+            "source": pc.utf8_slice_codeunits(shard_col, 0, 4),
+            "tx_quality_score": pa.array(rng.uniform(0, 1, rows)),
+            "speaker_id": pa.nulls(rows, pa.string()),
+        }
+    )
     manifest = workdir / "train_manifest_v2.parquet"
     pq.write_table(table, manifest)
 
     sample = workdir / "tokenizer_corpus.txt"
     sample.write_text("\n".join(text.slice(0, min(rows, 20000)).to_pylist()), encoding="utf-8")
     sentencepiece.SentencePieceTrainer.train(
-        input=str(sample), model_prefix=str(workdir / "tokenizer"), vocab_size=1024, hard_vocab_limit=False,
+        input=str(sample),
+        model_prefix=str(workdir / "tokenizer"),
+        vocab_size=1024,
+        hard_vocab_limit=False,
         character_coverage=1.0,
-        user_defined_symbols=[f"<|{lang}|>" for lang in LANGS], minloglevel=2)
-    return {"manifest": str(manifest), "tokenizer": str(workdir / "tokenizer.model"),
-            "pool": [str(workdir / "audio" / n) for n in pool_names]}
+        user_defined_symbols=[f"<|{lang}|>" for lang in LANGS],
+        minloglevel=2,
+    )
+    return {
+        "manifest": str(manifest),
+        "tokenizer": str(workdir / "tokenizer.model"),
+        "pool": [str(workdir / "audio" / n) for n in pool_names],
+    }
 
 
 def use_pool(workdir: Path, kind: str) -> None:
@@ -148,11 +174,13 @@ def use_pool(workdir: Path, kind: str) -> None:
 def load_tokenizer(model_path: str):
     _quiet_nemo_logging()
     from nemo.collections.common.tokenizers import SentencePieceTokenizer
+
     _quiet_nemo_logging()
     return SentencePieceTokenizer(model_path)
 
 
 # ------------------------------------------------------------------------------------------ datasets
+
 
 def make_dataset(kind: str, corpus: dict, tokenizer):
     """The dataset under test, and the arrays a sampler would read from it (touched, like a sampler)."""
@@ -166,6 +194,7 @@ def make_dataset(kind: str, corpus: dict, tokenizer):
         return ds
 
     if kind == "pandas":
+
         class PandasIlocDataset(torch.utils.data.Dataset):
             """The replaced pipeline: a DataFrame per rank, one .iloc row per item."""
 
@@ -184,10 +213,16 @@ def make_dataset(kind: str, corpus: dict, tokenizer):
                 except dataset.BadAudio:
                     return None
                 tag = f"<|{row['lang']}|>"
-                tokens = dataset.tokenize_transcript(tokenizer, tokenizer.token_to_id(tag),
-                                                     row["text"][len(tag) + 1:], 512)
-                return {"signal": torch.from_numpy(signal), "tokens": torch.tensor(tokens),
-                        "duration": float(row["duration"]), "lang": row["lang"], "index": idx}
+                tokens = dataset.tokenize_transcript(
+                    tokenizer, tokenizer.token_to_id(tag), row["text"][len(tag) + 1 :], 512
+                )
+                return {
+                    "signal": torch.from_numpy(signal),
+                    "tokens": torch.tensor(tokens),
+                    "duration": float(row["duration"]),
+                    "lang": row["lang"],
+                    "index": idx,
+                }
 
         ds = PandasIlocDataset()
         ds.df["duration"].to_numpy().sum(), ds.df["lang"].to_numpy()
@@ -207,14 +242,20 @@ def make_dataset(kind: str, corpus: dict, tokenizer):
             def __getitem__(self, idx):
                 signal = dataset.load_audio(pool[idx % len(pool)])
                 tokens = dataset.tokenize_transcript(tokenizer, tag_id, "kabir mehta", 512)
-                return {"signal": torch.from_numpy(signal), "tokens": torch.tensor(tokens),
-                        "duration": len(signal) / 16000, "lang": "hi", "index": idx}
+                return {
+                    "signal": torch.from_numpy(signal),
+                    "tokens": torch.tensor(tokens),
+                    "duration": len(signal) / 16000,
+                    "lang": "hi",
+                    "index": idx,
+                }
 
         return NullDataset()
     raise ValueError(f"unknown dataset kind {kind!r}: expected arrow, pandas or null")
 
 
 # ------------------------------------------------------------------------------------------ rank process
+
 
 def run_rank(args) -> None:
     """One 'rank': DataLoader with forked workers over random batches, throttled; then waits on stdin."""
@@ -233,8 +274,13 @@ def run_rank(args) -> None:
             while True:
                 yield rng.integers(0, n, args.batch).tolist()
 
-    loader = torch.utils.data.DataLoader(ds, batch_sampler=RandomBatches(), num_workers=args.workers,
-                                         collate_fn=dataset.collate_asr_batch, prefetch_factor=2)
+    loader = torch.utils.data.DataLoader(
+        ds,
+        batch_sampler=RandomBatches(),
+        num_workers=args.workers,
+        collate_fn=dataset.collate_asr_batch,
+        prefetch_factor=2,
+    )
     batches = iter(loader)
     next(batches)
     print("STARTED", flush=True)
@@ -246,7 +292,10 @@ def run_rank(args) -> None:
         bad += sum(batch.bad_audio.values())
         n_batches += 1
         time.sleep(max(0.0, n_batches / args.rate - (time.monotonic() - t0)))
-    print("READY " + json.dumps({"items": items, "bad": bad, "seconds": round(elapsed, 2)}), flush=True)
+    print(
+        "READY " + json.dumps({"items": items, "bad": bad, "seconds": round(elapsed, 2)}),
+        flush=True,
+    )
     sys.stdin.readline()  # the parent reads our PSS now, with every worker alive
     del batches
 
@@ -290,12 +339,33 @@ def _pss_bytes(pid: int) -> int:
 
 def measure_memory(kind: str, args) -> dict:
     """Start the ranks, sample summed PSS every second; the final sample is taken with all alive."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--workdir", str(args.workdir), "--_rank", kind,
-           "--workers", str(args.workers), "--seconds", str(args.seconds), "--rate", str(args.rate),
-           "--batch", str(args.batch)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--workdir",
+        str(args.workdir),
+        "--_rank",
+        kind,
+        "--workers",
+        str(args.workers),
+        "--seconds",
+        str(args.seconds),
+        "--rate",
+        str(args.rate),
+        "--batch",
+        str(args.batch),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", AUDIO_DURATION_TOLERANCE="1000")  # tiny pool files
-    ranks = [subprocess.Popen(cmd + ["--_rank-seed", str(r)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True, env=env) for r in range(args.ranks)]
+    ranks = [
+        subprocess.Popen(
+            cmd + ["--_rank-seed", str(r)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in range(args.ranks)
+    ]
     try:
         for proc in ranks:
             line = proc.stdout.readline()
@@ -324,12 +394,18 @@ def measure_memory(kind: str, args) -> dict:
         for proc in ranks:
             if proc.poll() is None:
                 proc.kill()
-    return {"processes": len(pids), "final": final, "peak": max(peak, final),
-            "items": sum(r["items"] for r in reports), "bad": sum(r["bad"] for r in reports),
-            "seconds": max(r["seconds"] for r in reports)}
+    return {
+        "processes": len(pids),
+        "final": final,
+        "peak": max(peak, final),
+        "items": sum(r["items"] for r in reports),
+        "bad": sum(r["bad"] for r in reports),
+        "seconds": max(r["seconds"] for r in reports),
+    }
 
 
 # ------------------------------------------------------------------------------------------ overhead
+
 
 def measure_overhead(corpus: dict, items: int, rounds: int) -> list[str]:
     import soundfile as sf
@@ -340,8 +416,10 @@ def measure_overhead(corpus: dict, items: int, rounds: int) -> list[str]:
     ds = dataset.LocalShardDataset(corpus["manifest"], tokenizer, progress=False)
     rng = np.random.default_rng(1)
     lines = []
-    groups = {"all durations (1-16 s)": np.arange(len(ds)),
-              "short only (<= 2 s)": np.flatnonzero(ds.durations <= 2.0)}
+    groups = {
+        "all durations (1-16 s)": np.arange(len(ds)),
+        "short only (<= 2 s)": np.flatnonzero(ds.durations <= 2.0),
+    }
     for label, candidates in groups.items():
         idx = rng.choice(candidates, size=min(items, len(candidates)), replace=False)
         paths = [ds.audio_path(i) for i in idx]
@@ -366,34 +444,62 @@ def measure_overhead(corpus: dict, items: int, rounds: int) -> list[str]:
             ours_wall.append(wall)
         n = len(idx)
         b, o = float(np.median(bare_cpu)) / n, float(np.median(ours_cpu)) / n
-        lines.append(f"  {label:24s} items={n:4d} mean {ds.durations[idx].mean():5.2f} s   soundfile.read "
-                     f"{b * 1e6:7.1f} us   ds[i] {o * 1e6:7.1f} us   ({(o - b) * 1e6:+6.1f} us)   ratio "
-                     f"{float(np.median(ratios)):5.3f}x (target <= 1.25; rounds "
-                     f"{min(ratios):.3f}-{max(ratios):.3f})   {1 / o:6.1f} items/s/worker CPU-bound, "
-                     f"{n / float(np.median(ours_wall)):6.1f} wall")
+        lines.append(
+            f"  {label:24s} items={n:4d} mean {ds.durations[idx].mean():5.2f} s   soundfile.read "
+            f"{b * 1e6:7.1f} us   ds[i] {o * 1e6:7.1f} us   ({(o - b) * 1e6:+6.1f} us)   ratio "
+            f"{float(np.median(ratios)):5.3f}x (target <= 1.25; rounds "
+            f"{min(ratios):.3f}-{max(ratios):.3f})   {1 / o:6.1f} items/s/worker CPU-bound, "
+            f"{n / float(np.median(ours_wall)):6.1f} wall"
+        )
     return lines
 
 
 # ------------------------------------------------------------------------------------------ main
 
+
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--rows", type=int, default=2_000_000, help="manifest rows (default 2M)")
     ap.add_argument("--ranks", type=int, default=2, help="rank processes (default 2)")
-    ap.add_argument("--workers", type=int, default=4, help="DataLoader workers per rank (default 4)")
-    ap.add_argument("--seconds", type=float, default=30.0, help="seconds each memory run reads items (default 30)")
-    ap.add_argument("--rate", type=float, default=10.0,
-                    help="batches per second per rank, to keep CPU use modest (default 10)")
+    ap.add_argument(
+        "--workers", type=int, default=4, help="DataLoader workers per rank (default 4)"
+    )
+    ap.add_argument(
+        "--seconds",
+        type=float,
+        default=30.0,
+        help="seconds each memory run reads items (default 30)",
+    )
+    ap.add_argument(
+        "--rate",
+        type=float,
+        default=10.0,
+        help="batches per second per rank, to keep CPU use modest (default 10)",
+    )
     ap.add_argument("--batch", type=int, default=16, help="items per batch (default 16)")
     ap.add_argument("--items", type=int, default=300, help="items per overhead round (default 300)")
-    ap.add_argument("--rounds", type=int, default=5, help="overhead rounds, median reported (default 5)")
-    ap.add_argument("--part", choices=("all", "memory", "overhead"), default="all", help="what to run (default all)")
-    ap.add_argument("--impls", default="null,arrow,pandas",
-                    help="datasets of the memory part, comma-separated; null is the baseline subtracted")
-    ap.add_argument("--workdir", type=Path,
-                    help="where the corpus goes; kept and reused on the next run with the same --rows "
-                         "(default: a temp dir, removed at the end)")
+    ap.add_argument(
+        "--rounds", type=int, default=5, help="overhead rounds, median reported (default 5)"
+    )
+    ap.add_argument(
+        "--part",
+        choices=("all", "memory", "overhead"),
+        default="all",
+        help="what to run (default all)",
+    )
+    ap.add_argument(
+        "--impls",
+        default="null,arrow,pandas",
+        help="datasets of the memory part, comma-separated; null is the baseline subtracted",
+    )
+    ap.add_argument(
+        "--workdir",
+        type=Path,
+        help="where the corpus goes; kept and reused on the next run with the same --rows "
+        "(default: a temp dir, removed at the end)",
+    )
     ap.add_argument("--_rank", dest="rank_kind", help=argparse.SUPPRESS)
     ap.add_argument("--_rank-seed", dest="rank_seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--_build", dest="build_only", action="store_true", help=argparse.SUPPRESS)
@@ -404,13 +510,22 @@ def main(argv=None) -> None:
         return
     if args.build_only:  # a child, so its memory high-water mark is the build's alone
         import dataset
+
         corpus = json.loads(Path(args.workdir, "corpus.json").read_text())
         tokenizer = load_tokenizer(corpus["tokenizer"])
         before = _high_water_rss()
         t = time.monotonic()
         ds = dataset.LocalShardDataset(corpus["manifest"], tokenizer, progress=False)
-        print(json.dumps({"seconds": time.monotonic() - t, "summary": ds.load_summary,
-                          "hwm_before": before, "hwm_after": _high_water_rss()}))
+        print(
+            json.dumps(
+                {
+                    "seconds": time.monotonic() - t,
+                    "summary": ds.load_summary,
+                    "hwm_before": before,
+                    "hwm_after": _high_water_rss(),
+                }
+            )
+        )
         return
 
     own_dir = args.workdir is None
@@ -424,50 +539,76 @@ def main(argv=None) -> None:
             t = time.monotonic()
             corpus = dict(build_corpus(args.workdir, args.rows), rows=args.rows)
             corpus_file.write_text(json.dumps(corpus))
-            print(f"corpus: {args.rows:,} rows written in {time.monotonic() - t:.1f} s to {args.workdir}")
+            print(
+                f"corpus: {args.rows:,} rows written in {time.monotonic() - t:.1f} s to {args.workdir}"
+            )
 
-        columns = pq.read_table(corpus["manifest"], columns=["text", "duration", "lang", "tar_path",
-                                                             "tar_member_name", "shard_id"])
+        columns = pq.read_table(
+            corpus["manifest"],
+            columns=["text", "duration", "lang", "tar_path", "tar_member_name", "shard_id"],
+        )
         one_copy = columns.nbytes
         del columns
-        build = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_build", "--workdir",
-                                str(args.workdir)], capture_output=True, text=True,
-                               env=dict(os.environ, OMP_NUM_THREADS="1"))
+        build = subprocess.run(
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--_build",
+                "--workdir",
+                str(args.workdir),
+            ],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
         if build.returncode:
             raise RuntimeError(f"building the dataset failed:\n{build.stderr[-3000:]}")
         built = json.loads(build.stdout.strip().splitlines()[-1])
         summary = built["summary"]
-        print(f"manifest: {summary['rows_read']:,} rows, {summary['rows_kept']:,} kept, dropped "
-              f"{summary['dropped']}; one copy of the 6 manifest columns in Arrow = {one_copy / 2**20:.1f} MiB")
-        print(f"sidecar: {'built' if summary['sidecar_built'] else 'reused'} in {built['seconds']:.1f} s, "
-              f"peak RSS of that process {built['hwm_after'] / 2**20:.0f} MiB, of which "
-              f"{(built['hwm_after'] - built['hwm_before']) / 2**20:.0f} MiB above its imports + tokenizer; "
-              f"file {os.path.getsize(summary['sidecar']) / 2**20:.1f} MiB")
+        print(
+            f"manifest: {summary['rows_read']:,} rows, {summary['rows_kept']:,} kept, dropped "
+            f"{summary['dropped']}; one copy of the 6 manifest columns in Arrow = {one_copy / 2**20:.1f} MiB"
+        )
+        print(
+            f"sidecar: {'built' if summary['sidecar_built'] else 'reused'} in {built['seconds']:.1f} s, "
+            f"peak RSS of that process {built['hwm_after'] / 2**20:.0f} MiB, of which "
+            f"{(built['hwm_after'] - built['hwm_before']) / 2**20:.0f} MiB above its imports + tokenizer; "
+            f"file {os.path.getsize(summary['sidecar']) / 2**20:.1f} MiB"
+        )
 
         if args.part in ("all", "memory"):
             use_pool(args.workdir, "tiny")
-            print(f"\nmemory: {args.ranks} ranks x {args.workers} workers, random batches of {args.batch}, "
-                  f"{args.rate:g} batches/s per rank, {args.seconds:g} s, summed PSS of all processes")
+            print(
+                f"\nmemory: {args.ranks} ranks x {args.workers} workers, random batches of {args.batch}, "
+                f"{args.rate:g} batches/s per rank, {args.seconds:g} s, summed PSS of all processes"
+            )
             results = {}
             for kind in args.impls.split(","):
                 results[kind] = r = measure_memory(kind, args)
-                print(f"  {kind:7s} processes={r['processes']:2d}  PSS final {r['final'] / 2**20:8.1f} MiB  "
-                      f"peak {r['peak'] / 2**20:8.1f} MiB  items read {r['items']:6d} (+{r['bad']} bad) "
-                      f"in {r['seconds']:.0f} s", flush=True)
+                print(
+                    f"  {kind:7s} processes={r['processes']:2d}  PSS final {r['final'] / 2**20:8.1f} MiB  "
+                    f"peak {r['peak'] / 2**20:8.1f} MiB  items read {r['items']:6d} (+{r['bad']} bad) "
+                    f"in {r['seconds']:.0f} s",
+                    flush=True,
+                )
             if "null" in results:
                 base = results["null"]
                 for kind, r in results.items():
                     if kind == "null":
                         continue
                     extra = r["peak"] - base["peak"]
-                    print(f"  {kind:7s} dataset memory = peak PSS - null peak PSS = {extra / 2**20:8.1f} MiB = "
-                          f"{extra / one_copy:5.2f}x one copy of the columns"
-                          + ("  (target <= 1.5x)" if kind == "arrow" else ""))
+                    print(
+                        f"  {kind:7s} dataset memory = peak PSS - null peak PSS = {extra / 2**20:8.1f} MiB = "
+                        f"{extra / one_copy:5.2f}x one copy of the columns"
+                        + ("  (target <= 1.5x)" if kind == "arrow" else "")
+                    )
 
         if args.part in ("all", "overhead"):
             use_pool(args.workdir, "real")
-            print(f"\noverhead: one process, {args.rounds} rounds, CPU time, median; 16 kHz mono FLAC "
-                  f"(no resampling)")
+            print(
+                f"\noverhead: one process, {args.rounds} rounds, CPU time, median; 16 kHz mono FLAC "
+                f"(no resampling)"
+            )
             for line in measure_overhead(corpus, args.items, args.rounds):
                 print(line)
     finally:

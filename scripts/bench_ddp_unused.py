@@ -13,6 +13,7 @@ either way. Printed: the median step of each setting, their difference and ratio
 autograd nodes DDP's search walks and the time of that search alone (the work find_unused_parameters
 adds to every forward; it also adds an all-reduce of a used-parameter bitmap to every backward).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
 
 import torch
 import torch.distributed as dist
@@ -60,8 +60,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     from nemo.utils import logging as nemo_logging
 
     nemo_logging.setLevel(logging.ERROR)
-    from scripts import bench_train_step as bench
     import train
+    from scripts import bench_train_step as bench
 
     torch.set_num_threads(args.threads)
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
@@ -72,12 +72,23 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     torch.manual_seed(0)
     model = train.build_model(tokenizer_dir=tokenizer_dir).to(device)
     module = train.TrainingModule(model).to(device)
-    shape = bench.BatchShape([args.seconds] * args.batch, [max(2, int(5 * args.seconds))] * args.batch)
+    shape = bench.BatchShape(
+        [args.seconds] * args.batch, [max(2, int(5 * args.seconds))] * args.batch
+    )
     batch = bench.make_batch(shape, model.tokenizer, seed=rank)
-    batch = batch._replace(**{k: getattr(batch, k).to(device) for k in ("signal", "signal_len", "tokens", "token_len")})
-    wrappers = {flag: torch.nn.parallel.DistributedDataParallel(
-        _Loss(module), device_ids=[device.index] if use_cuda else None, find_unused_parameters=flag,
-        gradient_as_bucket_view=True, broadcast_buffers=False) for flag in (True, False)}
+    batch = batch._replace(
+        **{k: getattr(batch, k).to(device) for k in ("signal", "signal_len", "tokens", "token_len")}
+    )
+    wrappers = {
+        flag: torch.nn.parallel.DistributedDataParallel(
+            _Loss(module),
+            device_ids=[device.index] if use_cuda else None,
+            find_unused_parameters=flag,
+            gradient_as_bucket_view=True,
+            broadcast_buffers=False,
+        )
+        for flag in (True, False)
+    }
     times = {True: [], False: []}
     nodes = 0
     for round_ in range(args.rounds):
@@ -117,18 +128,23 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             f"the search alone {1e3 * statistics.median(search):.3f} ms\n"
             f"find_unused_parameters=True : median forward+backward {on * 1e3:9.1f} ms\n"
             f"find_unused_parameters=False: median forward+backward {off * 1e3:9.1f} ms\n"
-            f"difference {1e3 * (on - off):+.1f} ms per micro-batch, ratio True / False {on / off:.3f}\n")
+            f"difference {1e3 * (on - off):+.1f} ms per micro-batch, ratio True / False {on / off:.3f}\n"
+        )
     dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch", type=int, default=4, help="utterances per micro-batch")
     parser.add_argument("--seconds", type=float, default=4.0, help="seconds per utterance")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per setting and round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    parser.add_argument("--vocab-size", type=int, default=1000, help="pieces of the synthetic tokenizer")
+    parser.add_argument(
+        "--vocab-size", type=int, default=1000, help="pieces of the synthetic tokenizer"
+    )
     parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "bench_train_step"))
     args = parser.parse_args(argv)
     with socket.socket() as s:

@@ -24,21 +24,19 @@ Measured per sampler:
 - realized vs target share of the largest and the smallest language over the whole plan (all ranks),
   padding efficiency, and the p99 over steps of max/mean rank cost.
 """
+
 from __future__ import annotations
 
 import argparse
 import bisect
 import gc
 import random
-import sys
 import time
 import tracemalloc
 from collections import defaultdict
-from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
-
 
 from sampler import DurationBucketBatchSampler
 
@@ -48,14 +46,30 @@ TEMPERATURE = 0.3
 GRAD_ACCUM = 4
 SEED = 1234
 # Natural language shares of the synthetic corpus (percent), largest first.
-LANGUAGE_PERCENT = {"hi": 30, "en": 15, "bn": 10, "ta": 8, "te": 7, "mr": 6, "gu": 5, "kn": 4,
-                    "ml": 4, "pa": 3, "ur": 3, "ne": 2, "or": 2, "as": 1}
+LANGUAGE_PERCENT = {
+    "hi": 30,
+    "en": 15,
+    "bn": 10,
+    "ta": 8,
+    "te": 7,
+    "mr": 6,
+    "gu": 5,
+    "kn": 4,
+    "ml": 4,
+    "pa": 3,
+    "ur": 3,
+    "ne": 2,
+    "or": 2,
+    "as": 1,
+}
 
 
 class LegacySampler:
     """The replaced sampler's algorithm in plain Python, for comparison only (see module docstring)."""
 
-    def __init__(self, durations: list[float], languages: list[str], *, world_size: int, rank: int) -> None:
+    def __init__(
+        self, durations: list[float], languages: list[str], *, world_size: int, rank: int
+    ) -> None:
         self.durations, self.languages = durations, languages
         self.world_size, self.rank = world_size, rank
 
@@ -66,7 +80,7 @@ class LegacySampler:
         for lang in self.languages:
             per_lang[lang] += 1
         total = len(self.durations)
-        powered = {lang: count ** TEMPERATURE for lang, count in per_lang.items()}
+        powered = {lang: count**TEMPERATURE for lang, count in per_lang.items()}
         norm = sum(powered.values())
         ratio = {lang: (powered[lang] / norm) / (per_lang[lang] / total) for lang in per_lang}
         weights = [ratio[lang] for lang in self.languages]
@@ -76,7 +90,9 @@ class LegacySampler:
             buckets[bisect.bisect_right(BOUNDARIES, dur)].append(i)
         batches: list[list[int]] = []
         for rows in buckets.values():
-            ranked = sorted(((rng.random() ** (1.0 / max(weights[i], 1e-12)), i) for i in rows), reverse=True)
+            ranked = sorted(
+                ((rng.random() ** (1.0 / max(weights[i], 1e-12)), i) for i in rows), reverse=True
+            )
             batch: list[int] = []
             filled = 0.0
             for _, i in ranked:
@@ -92,8 +108,8 @@ class LegacySampler:
         usable = len(batches) // self.world_size * self.world_size
         every_rank = []
         for r in range(self.world_size):
-            mine = batches[r:usable:self.world_size]
-            mine = mine[:len(mine) - len(mine) % GRAD_ACCUM]
+            mine = batches[r : usable : self.world_size]
+            mine = mine[: len(mine) - len(mine) % GRAD_ACCUM]
             every_rank.append(mine)
         # Every rank's RNG is in the same state here, so the shuffles are the same permutation.
         state = rng.getstate()
@@ -132,8 +148,12 @@ def peak_extra_bytes(fn: Callable[[], object]) -> int:
     return peak - base
 
 
-def plan_summary(batches: list[list[int]], durations: np.ndarray, languages: np.ndarray,
-                 steps: list[list[list[int]]]) -> dict[str, float]:
+def plan_summary(
+    batches: list[list[int]],
+    durations: np.ndarray,
+    languages: np.ndarray,
+    steps: list[list[list[int]]],
+) -> dict[str, float]:
     """Shares, padding efficiency and rank balance of a whole plan given as lists of row ids."""
     rows = np.fromiter((i for b in batches for i in b), dtype=np.int64)
     names, counts = np.unique(languages[rows], return_counts=True)
@@ -153,28 +173,49 @@ def target_shares(languages: np.ndarray) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--utterances", type=int, default=2_000_000, help="corpus size of the head-to-head run")
-    parser.add_argument("--large", type=int, default=10_000_000, help="corpus size of our solo timing (0 = skip)")
-    parser.add_argument("--world-size", type=int, default=8, help="ranks (the plan is built for rank 0)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs of ours (best is reported)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--utterances", type=int, default=2_000_000, help="corpus size of the head-to-head run"
+    )
+    parser.add_argument(
+        "--large", type=int, default=10_000_000, help="corpus size of our solo timing (0 = skip)"
+    )
+    parser.add_argument(
+        "--world-size", type=int, default=8, help="ranks (the plan is built for rank 0)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs of ours (best is reported)"
+    )
     args = parser.parse_args(argv)
     ws = args.world_size
 
     durations, languages = make_corpus(args.utterances, SEED)
     dur_list, lang_list = durations.tolist(), languages.tolist()
-    print(f"corpus: {args.utterances:,} utterances, {len(LANGUAGE_PERCENT)} languages, world_size {ws}, "
-          f"grad_accum {GRAD_ACCUM}, T={TEMPERATURE}, cap {MAX_BATCH_SECONDS:g} s")
+    print(
+        f"corpus: {args.utterances:,} utterances, {len(LANGUAGE_PERCENT)} languages, world_size {ws}, "
+        f"grad_accum {GRAD_ACCUM}, T={TEMPERATURE}, cap {MAX_BATCH_SECONDS:g} s"
+    )
 
     def run_legacy():
         return LegacySampler(dur_list, lang_list, world_size=ws, rank=0).build(epoch=0)
 
     def run_ours():
         sampler = DurationBucketBatchSampler(
-            durations, languages, boundaries=BOUNDARIES, max_batch_duration=MAX_BATCH_SECONDS,
-            temperature=TEMPERATURE, world_size=ws, rank=0, grad_accum=GRAD_ACCUM, seed=SEED,
-            epoch_size=0, lang_weighting="count", cost_quadratic=0.0)
+            durations,
+            languages,
+            boundaries=BOUNDARIES,
+            max_batch_duration=MAX_BATCH_SECONDS,
+            temperature=TEMPERATURE,
+            world_size=ws,
+            rank=0,
+            grad_accum=GRAD_ACCUM,
+            seed=SEED,
+            epoch_size=0,
+            lang_weighting="count",
+            cost_quadratic=0.0,
+        )
         len(sampler)  # builds the epoch plan
         return sampler
 
@@ -195,44 +236,91 @@ def main(argv: list[str] | None = None) -> None:
 
     # Whole plans (all ranks) for shares, padding and balance.
     legacy_batches = [b for rank in legacy_ranks for b in rank]
-    legacy = plan_summary(legacy_batches, durations, languages, [list(s) for s in zip(*legacy_ranks)])
-    ours_ranks = [list(DurationBucketBatchSampler(
-        durations, languages, boundaries=BOUNDARIES, max_batch_duration=MAX_BATCH_SECONDS,
-        temperature=TEMPERATURE, world_size=ws, rank=r, grad_accum=GRAD_ACCUM, seed=SEED,
-        epoch_size=0, lang_weighting="count", cost_quadratic=0.0)) for r in range(ws)]
-    ours = plan_summary([b for rank in ours_ranks for b in rank], durations, languages,
-                        [list(s) for s in zip(*ours_ranks)])
+    legacy = plan_summary(
+        legacy_batches, durations, languages, [list(s) for s in zip(*legacy_ranks)]
+    )
+    ours_ranks = [
+        list(
+            DurationBucketBatchSampler(
+                durations,
+                languages,
+                boundaries=BOUNDARIES,
+                max_batch_duration=MAX_BATCH_SECONDS,
+                temperature=TEMPERATURE,
+                world_size=ws,
+                rank=r,
+                grad_accum=GRAD_ACCUM,
+                seed=SEED,
+                epoch_size=0,
+                lang_weighting="count",
+                cost_quadratic=0.0,
+            )
+        )
+        for r in range(ws)
+    ]
+    ours = plan_summary(
+        [b for rank in ours_ranks for b in rank],
+        durations,
+        languages,
+        [list(s) for s in zip(*ours_ranks)],
+    )
     target = target_shares(languages)
     largest, smallest = max(target, key=target.get), min(target, key=target.get)
 
     mib = 1 / 2**20
     print()
     print(f"{'':34s}{'baseline':>14s}{'ours':>14s}")
-    print(f"{'wall time, construct + plan (s)':34s}{legacy_s:14.2f}{ours_s:14.3f}   "
-          f"ratio {legacy_s / ours_s:.1f}x (target >= 20x)")
-    print(f"{'CPU time, construct + plan (s)':34s}{legacy_cpu:14.2f}{ours_cpu:14.3f}   "
-          f"ratio {legacy_cpu / ours_cpu:.1f}x")
+    print(
+        f"{'wall time, construct + plan (s)':34s}{legacy_s:14.2f}{ours_s:14.3f}   "
+        f"ratio {legacy_s / ours_s:.1f}x (target >= 20x)"
+    )
+    print(
+        f"{'CPU time, construct + plan (s)':34s}{legacy_cpu:14.2f}{ours_cpu:14.3f}   "
+        f"ratio {legacy_cpu / ours_cpu:.1f}x"
+    )
     print(f"{'wall / CPU time, next epoch (s)':34s}{'':14s}{epoch_s:8.3f} /{epoch_cpu:5.3f}")
-    print(f"{'peak extra memory (MiB)':34s}{legacy_mem * mib:14.1f}{ours_mem * mib:14.1f}   "
-          f"ours/baseline {ours_mem / legacy_mem:.3f} (target <= 0.25)")
+    print(
+        f"{'peak extra memory (MiB)':34s}{legacy_mem * mib:14.1f}{ours_mem * mib:14.1f}   "
+        f"ours/baseline {ours_mem / legacy_mem:.3f} (target <= 0.25)"
+    )
     for lang in (largest, smallest):
-        print(f"{'share of ' + lang + f' (target {100 * target[lang]:.1f} %)':34s}"
-              f"{100 * legacy['share'].get(lang, 0.0):13.2f}%{100 * ours['share'].get(lang, 0.0):13.2f}%")
-    print(f"{'padding efficiency':34s}{legacy['padding_efficiency']:14.4f}{ours['padding_efficiency']:14.4f}")
-    print(f"{'rank cost balance p99 (max/mean)':34s}{legacy['balance_p99']:14.4f}{ours['balance_p99']:14.4f}")
+        print(
+            f"{'share of ' + lang + f' (target {100 * target[lang]:.1f} %)':34s}"
+            f"{100 * legacy['share'].get(lang, 0.0):13.2f}%{100 * ours['share'].get(lang, 0.0):13.2f}%"
+        )
+    print(
+        f"{'padding efficiency':34s}{legacy['padding_efficiency']:14.4f}{ours['padding_efficiency']:14.4f}"
+    )
+    print(
+        f"{'rank cost balance p99 (max/mean)':34s}{legacy['balance_p99']:14.4f}{ours['balance_p99']:14.4f}"
+    )
     print(f"{'micro-batches per rank':34s}{len(legacy_ranks[0]):14d}{len(ours_ranks[0]):14d}")
 
     if args.large:
         del legacy_ranks, legacy_batches, ours_ranks, sampler, dur_list, lang_list
         big_d, big_l = make_corpus(args.large, SEED + 1)
         print(f"\nours at {args.large:,} utterances ...", flush=True)
-        big_mem = peak_extra_bytes(lambda: DurationBucketBatchSampler(
-            big_d, big_l, world_size=ws, rank=0, seed=SEED).__len__())
-        timed(lambda: len(DurationBucketBatchSampler(big_d, big_l, world_size=ws, rank=0, seed=SEED)))
-        runs = [timed(lambda: len(DurationBucketBatchSampler(big_d, big_l, world_size=ws, rank=0, seed=SEED)))[:2]
-                for _ in range(max(1, args.repeats - 1))]
-        print(f"{'wall time, construct + plan (s)':34s}{min(w for w, _ in runs):14.3f}   (target < 5 s; runs: "
-              + ", ".join(f"{w:.2f}" for w, _ in runs) + ")")
+        big_mem = peak_extra_bytes(
+            lambda: DurationBucketBatchSampler(
+                big_d, big_l, world_size=ws, rank=0, seed=SEED
+            ).__len__()
+        )
+        timed(
+            lambda: len(DurationBucketBatchSampler(big_d, big_l, world_size=ws, rank=0, seed=SEED))
+        )
+        runs = [
+            timed(
+                lambda: len(
+                    DurationBucketBatchSampler(big_d, big_l, world_size=ws, rank=0, seed=SEED)
+                )
+            )[:2]
+            for _ in range(max(1, args.repeats - 1))
+        ]
+        print(
+            f"{'wall time, construct + plan (s)':34s}{min(w for w, _ in runs):14.3f}   (target < 5 s; runs: "
+            + ", ".join(f"{w:.2f}" for w, _ in runs)
+            + ")"
+        )
         print(f"{'CPU time, construct + plan (s)':34s}{min(c for _, c in runs):14.3f}")
         print(f"{'peak extra memory (MiB)':34s}{big_mem * mib:14.1f}")
 

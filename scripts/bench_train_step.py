@@ -41,6 +41,7 @@ micro-batch runs two phase-2 optimizer steps with peak allocated memory <= 90% o
 memory, by bisection between MAX_DURATION and ``--max-search`` seconds; an out-of-memory counts as
 "does not fit" and everything is freed before the next try. Prints the line to set.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,10 +56,9 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
-
 
 import lightning.pytorch as pl
 import numpy as np
@@ -83,6 +83,7 @@ SEARCH_STEP_S = 5.0
 # Inputs
 # --------------------------------------------------------------------------------------------------
 
+
 def synthetic_tokenizer(vocab_size: int, work_dir: Path, seed: int = 0) -> Path:
     """A BPE tokenizer with language tags, ``vocab_size`` pieces, trained once on random multi-script words."""
     from scripts import train_tokenizer
@@ -91,24 +92,37 @@ def synthetic_tokenizer(vocab_size: int, work_dir: Path, seed: int = 0) -> Path:
     if (out / "tokenizer.model").exists():
         return out
     rng = np.random.default_rng(seed)
-    alphabets = {"hi": (0x0905, 0x0939), "bn": (0x0985, 0x09B9), "ta": (0x0B85, 0x0BB9), "te": (0x0C05, 0x0C39),
-                 "kn": (0x0C85, 0x0CB9), "mr": (0x0905, 0x0939), "en": (0x61, 0x7A)}
+    alphabets = {
+        "hi": (0x0905, 0x0939),
+        "bn": (0x0985, 0x09B9),
+        "ta": (0x0B85, 0x0BB9),
+        "te": (0x0C05, 0x0C39),
+        "kn": (0x0C85, 0x0CB9),
+        "mr": (0x0905, 0x0939),
+        "en": (0x61, 0x7A),
+    }
     texts, langs = [], []
     for lang in LANGS:
         lo, hi = alphabets[lang]
         letters = np.array([chr(c) for c in range(lo, hi + 1)])
         # A Zipf-like lexicon of 2 x vocab_size words per language: enough distinct merges for the pieces.
         words_per_lang, sentences = max(1_000, 2 * vocab_size), max(500, 3 * vocab_size)
-        lexicon = ["".join(rng.choice(letters, size=int(n))) for n in rng.integers(2, 9, size=words_per_lang)]
+        lexicon = [
+            "".join(rng.choice(letters, size=int(n)))
+            for n in rng.integers(2, 9, size=words_per_lang)
+        ]
         ranks = np.minimum(rng.zipf(1.2, size=sentences * 12), len(lexicon)) - 1
         words = np.array(lexicon, dtype=object)[ranks].reshape(sentences, 12)
         texts += [f"<|{lang}|> " + " ".join(row) for row in words]
         langs += [lang] * len(words)
     work_dir.mkdir(parents=True, exist_ok=True)
     manifest = work_dir / "tokenizer_corpus.parquet"
-    pq.write_table(pa.table({"text": texts, "lang": langs, "duration": np.full(len(texts), 6.0)}), manifest)
-    train_tokenizer.train_tokenizer(manifest, out, vocab_size=vocab_size, temperature=1.0,
-                                    lang_weighting="count", seed=seed)
+    pq.write_table(
+        pa.table({"text": texts, "lang": langs, "duration": np.full(len(texts), 6.0)}), manifest
+    )
+    train_tokenizer.train_tokenizer(
+        manifest, out, vocab_size=vocab_size, temperature=1.0, lang_weighting="count", seed=seed
+    )
     return out
 
 
@@ -122,23 +136,38 @@ class BatchShape:
         return float(sum(self.durations))
 
     def describe(self) -> str:
-        return (f"{len(self.durations)} utterances, {self.audio_seconds:.1f} s of audio, longest "
-                f"{max(self.durations):.1f} s, {max(self.tokens)} tokens at most")
+        return (
+            f"{len(self.durations)} utterances, {self.audio_seconds:.1f} s of audio, longest "
+            f"{max(self.durations):.1f} s, {max(self.tokens)} tokens at most"
+        )
 
 
-def heaviest_batch_shape(max_batch_duration: float, tokens_per_second: float, seed: int = 0) -> BatchShape:
+def heaviest_batch_shape(
+    max_batch_duration: float, tokens_per_second: float, seed: int = 0
+) -> BatchShape:
     """Durations and token counts of the sampler's first (most expensive) micro-batch on a synthetic corpus."""
     rng = np.random.default_rng(seed)
     n = 200_000
-    durations = np.clip(rng.lognormal(np.log(6.0), 0.6, n), config.MIN_DURATION, config.MAX_DURATION)
+    durations = np.clip(
+        rng.lognormal(np.log(6.0), 0.6, n), config.MIN_DURATION, config.MAX_DURATION
+    )
     languages = np.array(LANGS)[rng.integers(0, len(LANGS), n)]
-    edges = DurationBucketBatchSampler(durations, languages, world_size=1, rank=0, seed=seed).boundaries
+    edges = DurationBucketBatchSampler(
+        durations, languages, world_size=1, rank=0, seed=seed
+    ).boundaries
     # The longest bucket: by the sampler's linear cost a batch of many short utterances can cost as
     # much, but the transducer joint (B x T x U) and attention (T^2) make the longest the heaviest.
     longest = durations >= edges[-1] if len(edges) else np.ones(n, dtype=bool)
     durations, languages = durations[longest], languages[longest]
-    sampler = DurationBucketBatchSampler(durations, languages, boundaries=edges,
-                                         max_batch_duration=max_batch_duration, world_size=1, rank=0, seed=seed)
+    sampler = DurationBucketBatchSampler(
+        durations,
+        languages,
+        boundaries=edges,
+        max_batch_duration=max_batch_duration,
+        world_size=1,
+        rank=0,
+        seed=seed,
+    )
     rows = next(iter(sampler))
     chosen = sorted((float(durations[i]) for i in rows), reverse=True)
     tokens = []
@@ -153,7 +182,10 @@ def estimated_host_bytes(model, shape: BatchShape) -> int:
     moments) plus 8 float32 copies of the joint tensor of one fused sub-batch (logits, their log-softmax,
     gradients and the loss's temporaries; 8 fits the full-size model's measured peak)."""
     joint = model.joint
-    sub = min(len(shape.durations), joint._fused_batch_size if joint.fuse_loss_wer else len(shape.durations))
+    sub = min(
+        len(shape.durations),
+        joint._fused_batch_size if joint.fuse_loss_wer else len(shape.durations),
+    )
     frames = int(max(shape.durations) / config.ENCODER_FRAME_SECONDS) + 1
     logits = sub * frames * (max(shape.tokens) + 1) * joint.num_classes_with_blank * 4
     return 16 * sum(p.numel() for p in model.parameters()) + 8 * logits
@@ -185,14 +217,21 @@ def make_batch(shape: BatchShape, tokenizer, seed: int = 0) -> AsrBatch:
     for i, u in enumerate(shape.tokens):
         tokens[i, 0] = tags[i]
         tokens[i, 1:u] = torch.randint(len(LANGS), vocab, (u - 1,), generator=g)
-    return AsrBatch(signal=signal, signal_len=torch.tensor(lengths), tokens=tokens,
-                    token_len=torch.tensor(shape.tokens), langs=langs,
-                    durations=list(shape.durations), bad_audio={})
+    return AsrBatch(
+        signal=signal,
+        signal_len=torch.tensor(lengths),
+        tokens=tokens,
+        token_len=torch.tensor(shape.tokens),
+        langs=langs,
+        durations=list(shape.durations),
+        bad_audio={},
+    )
 
 
 # --------------------------------------------------------------------------------------------------
 # Timing
 # --------------------------------------------------------------------------------------------------
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -279,8 +318,17 @@ class RunResult:
         return statistics.median(self.times)
 
 
-def run_steps(side: str, model, batch: AsrBatch, phase: int, *, warmup: int, steps: int,
-              device: torch.device, precision: str) -> RunResult:
+def run_steps(
+    side: str,
+    model,
+    batch: AsrBatch,
+    phase: int,
+    *,
+    warmup: int,
+    steps: int,
+    device: torch.device,
+    precision: str,
+) -> RunResult:
     """``warmup + steps`` optimizer steps of ``side`` ("project" or "nemo") in one Trainer.fit."""
     reset_model(model)
     timer = StepTimer()
@@ -292,11 +340,23 @@ def run_steps(side: str, model, batch: AsrBatch, phase: int, *, warmup: int, ste
         module = model
         extra = [NemoFrozenEncoder()] if phase == 1 else []
         data = [(batch.signal, batch.signal_len, batch.tokens, batch.token_len)] * (warmup + steps)
-    trainer = pl.Trainer(accelerator=device.type, devices=1, precision=precision, max_steps=warmup + steps,
-                         max_epochs=1, gradient_clip_val=config.GRAD_CLIP or None, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
-                         log_every_n_steps=NEMO_LOG_EVERY_N_STEPS, callbacks=[*extra, timer])
+    trainer = pl.Trainer(
+        accelerator=device.type,
+        devices=1,
+        precision=precision,
+        max_steps=warmup + steps,
+        max_epochs=1,
+        gradient_clip_val=config.GRAD_CLIP or None,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        log_every_n_steps=NEMO_LOG_EVERY_N_STEPS,
+        callbacks=[*extra, timer],
+    )
     loader = torch.utils.data.DataLoader(data, batch_size=None, collate_fn=_same)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -313,6 +373,7 @@ def run_steps(side: str, model, batch: AsrBatch, phase: int, *, warmup: int, ste
 # --------------------------------------------------------------------------------------------------
 # FLOPs
 # --------------------------------------------------------------------------------------------------
+
 
 def step_flops(model, batch: AsrBatch, phase: int) -> float:
     """Model FLOPs of one optimizer step on ``batch`` (formula in the module docstring)."""
@@ -342,18 +403,22 @@ def peak_flops(device: torch.device, override_tflops: float | None) -> float | N
 # --find-max-batch-duration
 # --------------------------------------------------------------------------------------------------
 
+
 def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def fits(model, tokenizer, cap: float, tokens_per_second: float, device: torch.device,
-         precision: str) -> tuple[bool, int]:
+def fits(
+    model, tokenizer, cap: float, tokens_per_second: float, device: torch.device, precision: str
+) -> tuple[bool, int]:
     """(fits with headroom, peak allocated bytes or 0 after an out-of-memory) for phase 2 at ``cap`` seconds."""
     batch = make_batch(heaviest_batch_shape(cap, tokens_per_second), tokenizer)
     total = torch.cuda.get_device_properties(device).total_memory
     peak, ok = 0, False
     try:
-        result = run_steps("project", model, batch, 2, warmup=1, steps=1, device=device, precision=precision)
+        result = run_steps(
+            "project", model, batch, 2, warmup=1, steps=1, device=device, precision=precision
+        )
         peak, ok = result.peak_bytes, result.peak_bytes <= HEADROOM * total
     except Exception as exc:  # noqa: BLE001  (only an out-of-memory is an answer; anything else is a bug)
         if not _is_oom(exc):
@@ -364,8 +429,9 @@ def fits(model, tokenizer, cap: float, tokens_per_second: float, device: torch.d
     return ok, peak
 
 
-def bisect_max_batch_duration(fits_at: Callable[[float], bool], lowest: float, highest: float,
-                              step: float = SEARCH_STEP_S) -> float | None:
+def bisect_max_batch_duration(
+    fits_at: Callable[[float], bool], lowest: float, highest: float, step: float = SEARCH_STEP_S
+) -> float | None:
     """The largest multiple of ``step`` in [lowest, highest] at which ``fits_at`` is True, assuming it
     is True up to some duration and False beyond; None when it is False already at ``lowest``."""
     lo = max(step, step * math.ceil(lowest / step))
@@ -381,8 +447,14 @@ def bisect_max_batch_duration(fits_at: Callable[[float], bool], lowest: float, h
     return lo
 
 
-def find_max_batch_duration(model, tokenizer, tokens_per_second: float, max_search: float,
-                            device: torch.device, precision: str) -> float | None:
+def find_max_batch_duration(
+    model,
+    tokenizer,
+    tokens_per_second: float,
+    max_search: float,
+    device: torch.device,
+    precision: str,
+) -> float | None:
     total = torch.cuda.get_device_properties(device).total_memory
 
     def fits_at(cap: float) -> bool:
@@ -398,25 +470,53 @@ def find_max_batch_duration(model, tokenizer, tokens_per_second: float, max_sear
 # Main
 # --------------------------------------------------------------------------------------------------
 
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per phase and side")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--steps", type=int, default=3, help="timed optimizer steps per phase and side"
+    )
     parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps before them")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="repeat the runs, pooling the step times; odd rounds run NeMo first")
-    parser.add_argument("--tokens-per-second", type=float, default=5.0,
-                        help="transcript tokens per second of audio (about 2.5-3 words/s x 1.7 pieces/word "
-                             "for a 12k multilingual BPE)")
-    parser.add_argument("--vocab-size", type=int, default=None,
-                        help="pieces of the synthetic tokenizer when TOKENIZER_DIR has none (default VOCAB_SIZE)")
-    parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "bench_train_step",
-                        help="where the synthetic tokenizer is kept between runs")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="repeat the runs, pooling the step times; odd rounds run NeMo first",
+    )
+    parser.add_argument(
+        "--tokens-per-second",
+        type=float,
+        default=5.0,
+        help="transcript tokens per second of audio (about 2.5-3 words/s x 1.7 pieces/word "
+        "for a 12k multilingual BPE)",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="pieces of the synthetic tokenizer when TOKENIZER_DIR has none (default VOCAB_SIZE)",
+    )
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "bench_train_step",
+        help="where the synthetic tokenizer is kept between runs",
+    )
     parser.add_argument("--phases", default="1,2", help="which phases to time, e.g. 2")
     parser.add_argument("--skip-nemo", action="store_true", help="time the project's step only")
-    parser.add_argument("--find-max-batch-duration", action="store_true",
-                        help="(CUDA) bisect the largest MAX_BATCH_DURATION that fits phase 2 with 10%% headroom")
-    parser.add_argument("--max-search", type=float, default=600.0, help="upper end of that search, seconds")
-    parser.add_argument("--peak-tflops", type=float, default=None, help="device bf16 peak for MFU if not known")
+    parser.add_argument(
+        "--find-max-batch-duration",
+        action="store_true",
+        help="(CUDA) bisect the largest MAX_BATCH_DURATION that fits phase 2 with 10%% headroom",
+    )
+    parser.add_argument(
+        "--max-search", type=float, default=600.0, help="upper end of that search, seconds"
+    )
+    parser.add_argument(
+        "--peak-tflops", type=float, default=None, help="device bf16 peak for MFU if not known"
+    )
     return parser.parse_args(argv)
 
 
@@ -426,7 +526,13 @@ def main(argv: list[str] | None = None) -> int:
     from nemo.utils import logging as nemo_logging
 
     nemo_logging.setLevel(logging.ERROR)
-    for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", "train", "callbacks"):
+    for name in (
+        "lightning.pytorch",
+        "lightning.fabric",
+        "pytorch_lightning",
+        "train",
+        "callbacks",
+    ):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     accelerator = config.ACCELERATOR
@@ -437,43 +543,62 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu" and config.KNOBS["PRECISION"].source == "default":
         precision = "32-true"  # bf16 autocast is the GPU default; CPU runs train in float32
     if args.find_max_batch_duration and device.type != "cuda":
-        print("--find-max-batch-duration needs a CUDA device (ACCELERATOR=cpu or no GPU here)", file=sys.stderr)
+        print(
+            "--find-max-batch-duration needs a CUDA device (ACCELERATOR=cpu or no GPU here)",
+            file=sys.stderr,
+        )
         return 2
 
     tokenizer_dir = Path(config.TOKENIZER_DIR)
     if not (tokenizer_dir / "tokenizer.model").exists():
         vocab = args.vocab_size or config.VOCAB_SIZE
-        print(f"TOKENIZER_DIR={tokenizer_dir} has no tokenizer.model: using a synthetic {vocab}-piece one")
+        print(
+            f"TOKENIZER_DIR={tokenizer_dir} has no tokenizer.model: using a synthetic {vocab}-piece one"
+        )
         tokenizer_dir = synthetic_tokenizer(vocab, args.work_dir)
     torch.manual_seed(config.SEED)
     model = train.build_model(tokenizer_dir=tokenizer_dir)
     source = config.INIT_MODEL or config.MODEL_CONFIG
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {source}: {n_params / 1e9:.3f} B parameters ({n_params:,}), vocabulary "
-          f"{model.tokenizer.vocab_size}, device {device}"
-          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
-          + f", precision {precision}, threads {torch.get_num_threads()}")
+    print(
+        f"model: {source}: {n_params / 1e9:.3f} B parameters ({n_params:,}), vocabulary "
+        f"{model.tokenizer.vocab_size}, device {device}"
+        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+        + f", precision {precision}, threads {torch.get_num_threads()}"
+    )
 
     if args.find_max_batch_duration:
-        print(f"searching MAX_BATCH_DURATION (phase 2, peak allocated <= {HEADROOM:.0%} of device memory):")
-        best = find_max_batch_duration(model, model.tokenizer, args.tokens_per_second, args.max_search, device,
-                                       precision)
+        print(
+            f"searching MAX_BATCH_DURATION (phase 2, peak allocated <= {HEADROOM:.0%} of device memory):"
+        )
+        best = find_max_batch_duration(
+            model, model.tokenizer, args.tokens_per_second, args.max_search, device, precision
+        )
         if best is None:
-            print(f"even MAX_DURATION={config.MAX_DURATION:g} s does not fit: lower MAX_DURATION or use a larger GPU")
+            print(
+                f"even MAX_DURATION={config.MAX_DURATION:g} s does not fit: lower MAX_DURATION or use a larger GPU"
+            )
             return 1
-        print(f"largest MAX_BATCH_DURATION that fits: {best:g} s -> set MAX_BATCH_DURATION={best:g} "
-              f"(GRAD_ACCUM x ranks x {best:g} s of audio per optimizer step)")
+        print(
+            f"largest MAX_BATCH_DURATION that fits: {best:g} s -> set MAX_BATCH_DURATION={best:g} "
+            f"(GRAD_ACCUM x ranks x {best:g} s of audio per optimizer step)"
+        )
         return 0
 
     shape = heaviest_batch_shape(config.MAX_BATCH_DURATION, args.tokens_per_second)
     if device.type == "cpu" and estimated_host_bytes(model, shape) > available_host_bytes():
-        print(f"MAX_BATCH_DURATION={config.MAX_BATCH_DURATION:g}: a phase-2 step of {shape.describe()} needs "
-              f"about {estimated_host_bytes(model, shape) / 2**30:.0f} GiB on CPU, {available_host_bytes() / 2**30:.0f} "
-              "GiB are available; set MAX_BATCH_DURATION=20 (or lower) for CPU runs", file=sys.stderr)
+        print(
+            f"MAX_BATCH_DURATION={config.MAX_BATCH_DURATION:g}: a phase-2 step of {shape.describe()} needs "
+            f"about {estimated_host_bytes(model, shape) / 2**30:.0f} GiB on CPU, {available_host_bytes() / 2**30:.0f} "
+            "GiB are available; set MAX_BATCH_DURATION=20 (or lower) for CPU runs",
+            file=sys.stderr,
+        )
         return 2
     batch = make_batch(shape, model.tokenizer)
-    print(f"micro-batch: the sampler's heaviest at MAX_BATCH_DURATION={config.MAX_BATCH_DURATION:g}: "
-          f"{shape.describe()}")
+    print(
+        f"micro-batch: the sampler's heaviest at MAX_BATCH_DURATION={config.MAX_BATCH_DURATION:g}: "
+        f"{shape.describe()}"
+    )
     phases = [int(p) for p in args.phases.split(",") if p.strip()]
     sides = ["project"] if args.skip_nemo else ["project", "nemo"]
     results: dict[tuple[str, int], list[RunResult]] = {}
@@ -481,10 +606,19 @@ def main(argv: list[str] | None = None) -> int:
         for phase in phases:
             # Odd rounds run NeMo first: whatever the first run of a process pays (allocator and page
             # warm-up) falls on each side equally often.
-            for side in (sides if round_ % 2 == 0 else sides[::-1]):
+            for side in sides if round_ % 2 == 0 else sides[::-1]:
                 results.setdefault((side, phase), []).append(
-                    run_steps(side, model, batch, phase, warmup=args.warmup, steps=args.steps, device=device,
-                              precision=precision))
+                    run_steps(
+                        side,
+                        model,
+                        batch,
+                        phase,
+                        warmup=args.warmup,
+                        steps=args.steps,
+                        device=device,
+                        precision=precision,
+                    )
+                )
     peak = peak_flops(device, args.peak_tflops)
     memory_kind = "peak GPU memory allocated" if device.type == "cuda" else "peak host RSS"
     for phase in phases:
@@ -495,18 +629,25 @@ def main(argv: list[str] | None = None) -> int:
             times = [t for r in runs for t in r.times]
             med = statistics.median(times)
             medians[side] = med
-            line = (f"phase {phase} {side:<7}: median step {med:8.3f} s over {len(times)} steps "
-                    f"(min {min(times):.3f}, max {max(times):.3f}), {shape.audio_seconds / med:8.1f} audio s/s, "
-                    f"{memory_kind} {max(r.peak_bytes for r in runs) / 2**30:.2f} GiB, {flops / 1e9:.1f} GFLOP/step")
+            line = (
+                f"phase {phase} {side:<7}: median step {med:8.3f} s over {len(times)} steps "
+                f"(min {min(times):.3f}, max {max(times):.3f}), {shape.audio_seconds / med:8.1f} audio s/s, "
+                f"{memory_kind} {max(r.peak_bytes for r in runs) / 2**30:.2f} GiB, {flops / 1e9:.1f} GFLOP/step"
+            )
             if peak:
                 line += f", MFU {flops / med / peak:.1%}"
             print(line)
         if "nemo" in medians:
             ratio = medians["project"] / medians["nemo"]
-            per_round = [p.median / n.median for p, n in zip(results[("project", phase)], results[("nemo", phase)])]
-            print(f"phase {phase} ratio project / NeMo step time: {ratio:.3f} "
-                  f"({'meets' if ratio <= 1.0 else 'misses'} the target <= 1.0); per round "
-                  + ", ".join(f"{r:.3f}" for r in per_round))
+            per_round = [
+                p.median / n.median
+                for p, n in zip(results[("project", phase)], results[("nemo", phase)])
+            ]
+            print(
+                f"phase {phase} ratio project / NeMo step time: {ratio:.3f} "
+                f"({'meets' if ratio <= 1.0 else 'misses'} the target <= 1.0); per round "
+                + ", ".join(f"{r:.3f}" for r in per_round)
+            )
     return 0
 
 

@@ -8,6 +8,7 @@ Training loss is noisy per micro-batch, so "start" and "end" are the means of th
 ``--window`` logged optimizer steps of ``metrics.jsonl``. The exit status is 1 when end/start is above
 ``--max-loss-ratio``, so a demo whose model did not learn does not look like a success.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,6 @@ import csv
 import json
 import sys
 from pathlib import Path
-
 
 import config
 from callbacks import run_directory
@@ -38,7 +38,9 @@ def loss_drop(curve: list[tuple[int, float]], window: int) -> tuple[float, float
     at each end, fewer for a run shorter than two windows."""
     window = min(window, len(curve) // 2)
     if window < 1:
-        raise ValueError(f"only {len(curve)} logged optimizer step(s); need at least 2 to compare start and end")
+        raise ValueError(
+            f"only {len(curve)} logged optimizer step(s); need at least 2 to compare start and end"
+        )
     losses = [loss for _, loss in curve]
     return sum(losses[:window]) / window, sum(losses[-window:]) / window, window
 
@@ -47,20 +49,38 @@ def format_table(rows: list[dict[str, str]]) -> str:
     header = f"{'lang':<6} {'utts':>5} {'words':>6} {'WER %':>7} {'CER %':>7}"
     lines = [header, "-" * len(header)]
     for row in rows:
-        lines.append(f"{row['lang']:<6} {int(row['utterances']):>5} {int(row['words']):>6} "
-                     f"{100 * float(row['wer']):>7.1f} {100 * float(row['cer']):>7.1f}")
+        lines.append(
+            f"{row['lang']:<6} {int(row['utterances']):>5} {int(row['words']):>6} "
+            f"{100 * float(row['wer']):>7.1f} {100 * float(row['cer']):>7.1f}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run-dir", type=Path, default=None,
-                        help="the run's directory (default WANDB_LOG_DIR/WANDB_RUN_NAME)")
-    parser.add_argument("--wer-csv", type=Path, default=None,
-                        help="evaluate.py's CSV (default DATA_DIR/eval/wer_by_language.csv)")
-    parser.add_argument("--window", type=int, default=10, help="steps averaged at each end (default 10)")
-    parser.add_argument("--max-loss-ratio", type=float, default=0.7,
-                        help="fail when end/start loss is above this (default 0.7)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="the run's directory (default WANDB_LOG_DIR/WANDB_RUN_NAME)",
+    )
+    parser.add_argument(
+        "--wer-csv",
+        type=Path,
+        default=None,
+        help="evaluate.py's CSV (default DATA_DIR/eval/wer_by_language.csv)",
+    )
+    parser.add_argument(
+        "--window", type=int, default=10, help="steps averaged at each end (default 10)"
+    )
+    parser.add_argument(
+        "--max-loss-ratio",
+        type=float,
+        default=0.7,
+        help="fail when end/start loss is above this (default 0.7)",
+    )
     args = parser.parse_args(argv)
 
     data = Path(config.DATA_DIR)
@@ -84,9 +104,13 @@ def main(argv: list[str] | None = None) -> int:
 
     start, end, window = loss_drop(loss_curve(run_dir / "metrics.jsonl"), args.window)
     ratio = end / start
-    verdict = "ok" if ratio <= args.max_loss_ratio else f"ABOVE the {args.max_loss_ratio:.0%} target"
-    print(f"\nTraining loss: start {start:.3f} (mean of first {window} steps), end {end:.3f} "
-          f"(last {window}); end/start = {ratio:.2f} ({verdict})")
+    verdict = (
+        "ok" if ratio <= args.max_loss_ratio else f"ABOVE the {args.max_loss_ratio:.0%} target"
+    )
+    print(
+        f"\nTraining loss: start {start:.3f} (mean of first {window} steps), end {end:.3f} "
+        f"(last {window}); end/start = {ratio:.2f} ({verdict})"
+    )
 
     with open(wer_csv, encoding="utf-8", newline="") as f:
         rows = list(csv.DictReader(f))

@@ -18,6 +18,7 @@ dataset and collate; decoding is the model's greedy decoding (callbacks.greedy_t
 The CSV (default: ``<model stem>.<manifest stem>.wer.csv`` beside the model) has one row per language
 plus ``all``: lang, utterances, words, word_edits, wer, chars, char_edits, cer, bad_audio.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,12 +27,21 @@ import logging
 import sys
 from pathlib import Path
 
-
 import config
 
 log = logging.getLogger("evaluate")
 
-CSV_COLUMNS = ("lang", "utterances", "words", "word_edits", "wer", "chars", "char_edits", "cer", "bad_audio")
+CSV_COLUMNS = (
+    "lang",
+    "utterances",
+    "words",
+    "word_edits",
+    "wer",
+    "chars",
+    "char_edits",
+    "cer",
+    "bad_audio",
+)
 
 
 def resolve_model_path(model: str) -> Path:
@@ -41,11 +51,15 @@ def resolve_model_path(model: str) -> Path:
     if model == "last":
         found = callbacks.find_last_checkpoint()
         if found is None:
-            raise FileNotFoundError(f"'last': no step_*.ckpt in CHECKPOINT_DIR={config.CHECKPOINT_DIR}")
+            raise FileNotFoundError(
+                f"'last': no step_*.ckpt in CHECKPOINT_DIR={config.CHECKPOINT_DIR}"
+            )
         return found
     path = Path(model)
     if not path.is_file():
-        raise FileNotFoundError(f"model {path} does not exist; give a .nemo file, a step_*.ckpt or 'last'")
+        raise FileNotFoundError(
+            f"model {path} does not exist; give a .nemo file, a step_*.ckpt or 'last'"
+        )
     if path.suffix not in (".nemo", ".ckpt"):
         raise ValueError(f"model {path}: expected a .nemo file or a .ckpt step checkpoint")
     return path
@@ -66,19 +80,35 @@ def load_model(path: str | Path, device: str = "cpu"):
         model = train.build_model()
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
         if "state_dict" not in checkpoint:
-            raise ValueError(f"{path} has no 'state_dict': expected a Lightning checkpoint written by train.py")
-        weights = {k[len("model."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
+            raise ValueError(
+                f"{path} has no 'state_dict': expected a Lightning checkpoint written by train.py"
+            )
+        weights = {
+            k[len("model.") :]: v
+            for k, v in checkpoint["state_dict"].items()
+            if k.startswith("model.")
+        }
         missing, unexpected = model.load_state_dict(weights, strict=False)
         if missing or unexpected:
-            raise ValueError(f"{path} does not fit the model train.build_model() builds from INIT_MODEL="
-                             f"{config.INIT_MODEL!r} / MODEL_CONFIG={config.MODEL_CONFIG} / TOKENIZER_DIR="
-                             f"{config.TOKENIZER_DIR}: missing {missing[:5]}, unexpected {unexpected[:5]}; set "
-                             "them as in training")
+            raise ValueError(
+                f"{path} does not fit the model train.build_model() builds from INIT_MODEL="
+                f"{config.INIT_MODEL!r} / MODEL_CONFIG={config.MODEL_CONFIG} / TOKENIZER_DIR="
+                f"{config.TOKENIZER_DIR}: missing {missing[:5]}, unexpected {unexpected[:5]}; set "
+                "them as in training"
+            )
     return model.to(device).eval()
 
 
-def evaluate(model, manifest: Path, *, per_lang: int = 0, batch_seconds: float = 120.0, seed: int = 0,
-             device: str = "cpu", progress: bool = True) -> tuple[dict, dict[str, int]]:
+def evaluate(
+    model,
+    manifest: Path,
+    *,
+    per_lang: int = 0,
+    batch_seconds: float = 120.0,
+    seed: int = 0,
+    device: str = "cpu",
+    progress: bool = True,
+) -> tuple[dict, dict[str, int]]:
     """(ErrorCounts per language + 'all', bad-audio count per language) of ``model`` on ``manifest``."""
     import numpy as np
 
@@ -87,34 +117,52 @@ def evaluate(model, manifest: Path, *, per_lang: int = 0, batch_seconds: float =
 
     dataset = LocalShardDataset(manifest, model.tokenizer, progress=progress)
     codes, names = dataset.lang_codes, dataset.lang_names
-    indices = (callbacks.select_eval_indices(codes, per_lang, seed=seed) if per_lang > 0
-               else np.arange(len(dataset)))
+    indices = (
+        callbacks.select_eval_indices(codes, per_lang, seed=seed)
+        if per_lang > 0
+        else np.arange(len(dataset))
+    )
     texts = callbacks.manifest_texts(dataset)
-    hyps = callbacks.greedy_transcribe(model, dataset, indices, max_batch_seconds=batch_seconds, device=device,
-                                       progress=progress)
+    hyps = callbacks.greedy_transcribe(
+        model, dataset, indices, max_batch_seconds=batch_seconds, device=device, progress=progress
+    )
     done = [i for i in sorted(hyps) if hyps[i] is not None]
     bad: dict[str, int] = {}
     for i in sorted(hyps):
         if hyps[i] is None:
             lang = names[codes[i]]
             bad[lang] = bad.get(lang, 0) + 1
-    results = callbacks.corpus_error_rates([texts[i] for i in done], [hyps[i] for i in done],
-                                           [names[codes[i]] for i in done])
+    results = callbacks.corpus_error_rates(
+        [texts[i] for i in done], [hyps[i] for i in done], [names[codes[i]] for i in done]
+    )
     bad["all"] = sum(bad.values())
     return results, bad
 
 
 def result_rows(results: dict, bad: dict[str, int]) -> list[dict]:
-    return [{"lang": lang, "utterances": c.utterances, "words": c.words, "word_edits": c.word_edits,
-             "wer": round(c.wer, 6), "chars": c.chars, "char_edits": c.char_edits, "cer": round(c.cer, 6),
-             "bad_audio": bad.get(lang, 0)} for lang, c in results.items()]
+    return [
+        {
+            "lang": lang,
+            "utterances": c.utterances,
+            "words": c.words,
+            "word_edits": c.word_edits,
+            "wer": round(c.wer, 6),
+            "chars": c.chars,
+            "char_edits": c.char_edits,
+            "cer": round(c.cer, 6),
+            "bad_audio": bad.get(lang, 0),
+        }
+        for lang, c in results.items()
+    ]
 
 
 def format_table(rows: list[dict]) -> str:
     lines = [f"{'lang':<8} {'utts':>7} {'words':>9} {'WER':>8} {'CER':>8} {'bad':>5}"]
     for r in rows:
-        lines.append(f"{r['lang']:<8} {r['utterances']:>7} {r['words']:>9} {r['wer']:>8.4f} {r['cer']:>8.4f} "
-                     f"{r['bad_audio']:>5}")
+        lines.append(
+            f"{r['lang']:<8} {r['utterances']:>7} {r['words']:>9} {r['wer']:>8.4f} {r['cer']:>8.4f} "
+            f"{r['bad_audio']:>5}"
+        )
     return "\n".join(lines)
 
 
@@ -131,35 +179,63 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("model", help="a .nemo file, a train.py step checkpoint (.ckpt), or 'last'")
-    parser.add_argument("--manifest", type=Path, default=None,
-                        help=f"manifest to evaluate on (default VAL_MANIFEST_PATH={config.VAL_MANIFEST_PATH})")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="CSV path (default <model stem>.<manifest stem>.wer.csv beside the model)")
-    parser.add_argument("--per-lang", type=int, default=0,
-                        help="at most this many utterances per language, a seeded choice (default 0 = all)")
-    parser.add_argument("--batch-seconds", type=float, default=120.0, help="seconds of audio per decoding batch")
+    parser.add_argument(
+        "--manifest",
+        type=Path,
+        default=None,
+        help=f"manifest to evaluate on (default VAL_MANIFEST_PATH={config.VAL_MANIFEST_PATH})",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="CSV path (default <model stem>.<manifest stem>.wer.csv beside the model)",
+    )
+    parser.add_argument(
+        "--per-lang",
+        type=int,
+        default=0,
+        help="at most this many utterances per language, a seeded choice (default 0 = all)",
+    )
+    parser.add_argument(
+        "--batch-seconds", type=float, default=120.0, help="seconds of audio per decoding batch"
+    )
     parser.add_argument("--device", default=None, help="cpu or cuda (default cuda when available)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the --per-lang choice")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
     import torch
 
     model_path = resolve_model_path(args.model)
     manifest = Path(args.manifest or config.VAL_MANIFEST_PATH)
     if not manifest.is_file():
-        raise FileNotFoundError(f"manifest {manifest} does not exist (--manifest or VAL_MANIFEST_PATH)")
+        raise FileNotFoundError(
+            f"manifest {manifest} does not exist (--manifest or VAL_MANIFEST_PATH)"
+        )
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = args.out or model_path.with_name(f"{model_path.stem}.{manifest.stem}.wer.csv")
 
     model = load_model(model_path, device)
-    results, bad = evaluate(model, manifest, per_lang=args.per_lang, batch_seconds=args.batch_seconds,
-                            seed=args.seed, device=device)
+    results, bad = evaluate(
+        model,
+        manifest,
+        per_lang=args.per_lang,
+        batch_seconds=args.batch_seconds,
+        seed=args.seed,
+        device=device,
+    )
     rows = result_rows(results, bad)
     write_csv(rows, out)
-    print(f"{model_path} on {manifest} (greedy decoding, corpus-level rates, language tags stripped):")
+    print(
+        f"{model_path} on {manifest} (greedy decoding, corpus-level rates, language tags stripped):"
+    )
     print(format_table(rows))
     print(f"wrote {out}")
     return 0

@@ -9,6 +9,7 @@ The model is rebuilt the way train.py builds it (INIT_MODEL or MODEL_CONFIG, and
 in training), the checkpoint's weights are loaded, and NeMo's ``save_to`` writes the file (the end of a
 training run writes CHECKPOINT_DIR/step_<MAX_STEPS>.nemo by itself).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,13 +18,18 @@ import sys
 from pathlib import Path
 
 
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("checkpoint", help="a step_*.ckpt written by train.py, or 'last'")
-    parser.add_argument("--out", type=Path, default=None, help="the .nemo path (default: the checkpoint's, .nemo)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="the .nemo path (default: the checkpoint's, .nemo)"
+    )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
     import callbacks
     from scripts.evaluate import load_model, resolve_model_path

@@ -28,6 +28,7 @@ For each ``<SHARDS_DIR>/<source>/<lang>/<shard>/`` holding audio.tar and audio_i
 A summary is printed and written to ``<SHARDS_DIR>/extract_audio.summary.json``. The exit status
 is 1 when any shard is unverified or failed, 2 on bad input (no SHARDS_DIR, no shards).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,11 +40,10 @@ import sys
 import tarfile
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
-
 
 import polars as pl
 from tqdm import tqdm
@@ -66,10 +66,10 @@ class ShardReport:
     shard_dir: str
     status: str = "pending"  # extracted | skipped_done | failed | unverified
     extracted: int = 0
-    refused: list[dict[str, str]] = field(default_factory=list)   # {"member", "reason"}
+    refused: list[dict[str, str]] = field(default_factory=list)  # {"member", "reason"}
     refused_count: int = 0
-    not_in_index: int = 0      # regular members that audio_index does not list: not written
-    missing: list[str] = field(default_factory=list)                # index members absent afterwards
+    not_in_index: int = 0  # regular members that audio_index does not list: not written
+    missing: list[str] = field(default_factory=list)  # index members absent afterwards
     missing_count: int = 0
     stale_temps_removed: int = 0
     tar_deleted: bool = False
@@ -80,10 +80,14 @@ def find_shards(shards_dir: Path) -> list[Path]:
     """Shard directories (holding audio_index.parquet) under ``shards_dir``, sorted."""
     shards_dir = Path(shards_dir)
     if not shards_dir.is_dir():
-        raise ExtractError(f"SHARDS_DIR {shards_dir} is not a directory: set SHARDS_DIR (or --shards-dir)")
+        raise ExtractError(
+            f"SHARDS_DIR {shards_dir} is not a directory: set SHARDS_DIR (or --shards-dir)"
+        )
     shards = sorted(p.parent for p in shards_dir.rglob(INDEX_FILE))
     if not shards:
-        raise ExtractError(f"no shards found under {shards_dir}: expected <source>/<lang>/<shard>/{INDEX_FILE}")
+        raise ExtractError(
+            f"no shards found under {shards_dir}: expected <source>/<lang>/<shard>/{INDEX_FILE}"
+        )
     return shards
 
 
@@ -118,7 +122,11 @@ def target_path(shard_dir: Path, name: str) -> tuple[Path | None, str | None]:
     rel = normalized_name(name)
     if not rel:
         return None, "empty name"
-    if rel in RESERVED_NAMES or rel.startswith(TEMP_PREFIX) or Path(rel).name.startswith(TEMP_PREFIX):
+    if (
+        rel in RESERVED_NAMES
+        or rel.startswith(TEMP_PREFIX)
+        or Path(rel).name.startswith(TEMP_PREFIX)
+    ):
         return None, "would overwrite the shard's own file"
     root = shard_dir.resolve()
     target = root / rel
@@ -144,7 +152,9 @@ def read_index(shard_dir: Path) -> list[str]:
     return [n for n in index.get_column("tar_member_name").cast(pl.String).to_list() if n]
 
 
-def verify(shard_dir: Path, members: Sequence[str], sizes: dict[str, int] | None = None) -> list[str]:
+def verify(
+    shard_dir: Path, members: Sequence[str], sizes: dict[str, int] | None = None
+) -> list[str]:
     """Index members that are not a regular file of the expected size in ``shard_dir``."""
     missing = []
     root = shard_dir.resolve()
@@ -156,7 +166,9 @@ def verify(shard_dir: Path, members: Sequence[str], sizes: dict[str, int] | None
         except (OSError, ValueError):
             missing.append(name)
             continue
-        if not stat.S_ISREG(st.st_mode) or (sizes is not None and rel in sizes and st.st_size != sizes[rel]):
+        if not stat.S_ISREG(st.st_mode) or (
+            sizes is not None and rel in sizes and st.st_size != sizes[rel]
+        ):
             missing.append(name)
     return missing
 
@@ -193,7 +205,11 @@ def extract_shard(shard_dir: Path, delete_tar: bool = False, force: bool = False
             if delete_tar and tar_path.exists():
                 missing = verify(shard_dir, members)
                 if missing:
-                    report.status, report.missing_count, report.missing = "unverified", len(missing), missing[:MAX_LISTED]
+                    report.status, report.missing_count, report.missing = (
+                        "unverified",
+                        len(missing),
+                        missing[:MAX_LISTED],
+                    )
                     marker.unlink()  # the marker no longer tells the truth: extract again next run
                     return report
                 tar_path.unlink()
@@ -233,8 +249,15 @@ def extract_shard(shard_dir: Path, delete_tar: bool = False, force: bool = False
             if not tar_path.exists():
                 report.error = f"{tar_path} is gone and {len(missing)} member(s) are not extracted"
             return report
-        write_json_atomically({"members": len(members), "extracted": report.extracted,
-                               "refused": report.refused_count, "time": time.time()}, marker)
+        write_json_atomically(
+            {
+                "members": len(members),
+                "extracted": report.extracted,
+                "refused": report.refused_count,
+                "time": time.time(),
+            },
+            marker,
+        )
         report.status = "extracted"
         if delete_tar and tar_path.exists():
             tar_path.unlink()
@@ -245,8 +268,14 @@ def extract_shard(shard_dir: Path, delete_tar: bool = False, force: bool = False
     return report
 
 
-def extract_all(shards_dir: Path | None = None, *, workers: int | None = None, delete_tars: bool = False,
-                force: bool = False, progress: bool = True) -> dict:
+def extract_all(
+    shards_dir: Path | None = None,
+    *,
+    workers: int | None = None,
+    delete_tars: bool = False,
+    force: bool = False,
+    progress: bool = True,
+) -> dict:
     """Extract every shard under ``shards_dir`` (default SHARDS_DIR) on a process pool; return
     the summary, also written to ``<shards_dir>/extract_audio.summary.json``."""
     shards_dir = Path(config.SHARDS_DIR if shards_dir is None else shards_dir)
@@ -260,9 +289,16 @@ def extract_all(shards_dir: Path | None = None, *, workers: int | None = None, d
                 bar.update()
         else:
             # spawn, not fork: forking a process that already runs polars' thread pool can deadlock
-            with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-                for report in pool.map(extract_shard, shards, [delete_tars] * len(shards),
-                                       [force] * len(shards), chunksize=1):
+            with ProcessPoolExecutor(
+                max_workers=workers, mp_context=multiprocessing.get_context("spawn")
+            ) as pool:
+                for report in pool.map(
+                    extract_shard,
+                    shards,
+                    [delete_tars] * len(shards),
+                    [force] * len(shards),
+                    chunksize=1,
+                ):
                     reports.append(report)
                     bar.update()
     by_status: dict[str, int] = {}
@@ -277,22 +313,29 @@ def extract_all(shards_dir: Path | None = None, *, workers: int | None = None, d
         "members_missing": sum(r.missing_count for r in reports),
         "stale_temps_removed": sum(r.stale_temps_removed for r in reports),
         "tars_deleted": sum(r.tar_deleted for r in reports),
-        "problems": [asdict(r) for r in reports
-                     if r.status in ("failed", "unverified") or r.refused_count],
+        "problems": [
+            asdict(r) for r in reports if r.status in ("failed", "unverified") or r.refused_count
+        ],
     }
     write_json_atomically(summary, shards_dir / "extract_audio.summary.json")
     return summary
 
 
 def format_summary(summary: dict) -> str:
-    lines = [f"shards: {summary['shards']} ({', '.join(f'{k}={v}' for k, v in summary['by_status'].items())})",
-             f"files extracted: {summary['files_extracted']:,}; refused: {summary['members_refused']:,}; "
-             f"missing after extraction: {summary['members_missing']:,}; not in index (skipped): "
-             f"{summary['members_not_in_index']:,}; tars deleted: {summary['tars_deleted']:,}"]
+    lines = [
+        f"shards: {summary['shards']} ({', '.join(f'{k}={v}' for k, v in summary['by_status'].items())})",
+        f"files extracted: {summary['files_extracted']:,}; refused: {summary['members_refused']:,}; "
+        f"missing after extraction: {summary['members_missing']:,}; not in index (skipped): "
+        f"{summary['members_not_in_index']:,}; tars deleted: {summary['tars_deleted']:,}",
+    ]
     if summary["stale_temps_removed"]:
-        lines.append(f"temp files of an interrupted run removed: {summary['stale_temps_removed']:,}")
+        lines.append(
+            f"temp files of an interrupted run removed: {summary['stale_temps_removed']:,}"
+        )
     for p in summary["problems"]:
-        lines.append(f"{p['status'].upper()} {p['shard_dir']}" + (f": {p['error']}" if p["error"] else ""))
+        lines.append(
+            f"{p['status'].upper()} {p['shard_dir']}" + (f": {p['error']}" if p["error"] else "")
+        )
         for r in p["refused"]:
             lines.append(f"  refused {r['member']!r}: {r['reason']}")
         if p["refused_count"] > len(p["refused"]):
@@ -306,19 +349,37 @@ def format_summary(summary: dict) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  SHARDS_DIR=/nvme/shards python scripts/extract_audio.py --workers 16 --delete-tars")
-    parser.add_argument("--shards-dir", type=Path, default=None,
-                        help=f"shard tree (default SHARDS_DIR = {config.SHARDS_DIR})")
-    parser.add_argument("--workers", type=int, default=None, help="processes (default: min(8, CPUs))")
-    parser.add_argument("--delete-tars", action="store_true",
-                        help="delete each audio.tar once its shard is verified")
-    parser.add_argument("--force", action="store_true", help="extract shards that already have a done marker")
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  SHARDS_DIR=/nvme/shards python scripts/extract_audio.py --workers 16 --delete-tars",
+    )
+    parser.add_argument(
+        "--shards-dir",
+        type=Path,
+        default=None,
+        help=f"shard tree (default SHARDS_DIR = {config.SHARDS_DIR})",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=None, help="processes (default: min(8, CPUs))"
+    )
+    parser.add_argument(
+        "--delete-tars",
+        action="store_true",
+        help="delete each audio.tar once its shard is verified",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="extract shards that already have a done marker"
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
     try:
-        summary = extract_all(args.shards_dir, workers=args.workers, delete_tars=args.delete_tars,
-                              force=args.force, progress=not args.no_progress)
+        summary = extract_all(
+            args.shards_dir,
+            workers=args.workers,
+            delete_tars=args.delete_tars,
+            force=args.force,
+            progress=not args.no_progress,
+        )
     except ExtractError as exc:
         print(f"extract_audio: error: {exc}", file=sys.stderr)
         return 2

@@ -36,22 +36,30 @@ asserted and printed, and written to ``<train manifest minus .parquet>.summary.j
 Outputs are written atomically and sorted like the master manifest (shard_id, segment_id): the
 same inputs give byte-identical outputs.
 """
+
 from __future__ import annotations
 
 import argparse
 import hashlib
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
-
+from typing import Any
 
 import numpy as np
 import polars as pl
 
 import config
-from build_manifest import (LANG_CODE_PATTERN, OUTPUT_COLUMNS, ManifestError, counts_by,
-                            summary_path, write_atomically, write_json_atomically)
+from build_manifest import (
+    LANG_CODE_PATTERN,
+    OUTPUT_COLUMNS,
+    ManifestError,
+    counts_by,
+    summary_path,
+    write_atomically,
+    write_json_atomically,
+)
 
 # Script (Rust-regex Script name) -> (language it implies, languages legitimately written in it).
 SCRIPT_LANGUAGES: dict[str, tuple[str | None, frozenset[str]]] = {
@@ -65,8 +73,29 @@ SCRIPT_LANGUAGES: dict[str, tuple[str | None, frozenset[str]]] = {
     "Latin": ("en", frozenset({"en"})),
     "Arabic": ("ur", frozenset({"ur", "ks", "sd"})),
     "Bengali": ("bn", frozenset({"bn", "as", "mni"})),
-    "Devanagari": (None, frozenset({"hi", "mr", "ne", "sa", "kok", "mai", "doi", "brx", "bho", "mag",
-                                    "awa", "hne", "raj", "new", "sd", "ks"})),
+    "Devanagari": (
+        None,
+        frozenset(
+            {
+                "hi",
+                "mr",
+                "ne",
+                "sa",
+                "kok",
+                "mai",
+                "doi",
+                "brx",
+                "bho",
+                "mag",
+                "awa",
+                "hne",
+                "raj",
+                "new",
+                "sd",
+                "ks",
+            }
+        ),
+    ),
 }
 ASSAMESE_LETTERS = "\u09f0\u09f1"  # RA and WA with the Assamese shapes; Bengali has neither
 ASSAMESE_EXEMPT = frozenset({"as", "mni"})  # Manipuri in Bengali script also writes WA
@@ -101,8 +130,9 @@ def _by_groups(frame: pl.DataFrame, key: str, compute) -> pl.Series:
     return pl.concat(parts).sort("i").get_column("v")
 
 
-def detect_corrections(body: pl.Series, lang: pl.Series, threshold: float
-                       ) -> tuple[pl.Series, pl.Series]:
+def detect_corrections(
+    body: pl.Series, lang: pl.Series, threshold: float
+) -> tuple[pl.Series, pl.Series]:
     """(corrected lang, deciding script or null) per row, from the transcript ``body`` (no tag).
 
     Vectorized in two stages: each row's letters are counted, and counted in the script of its own
@@ -110,45 +140,93 @@ def detect_corrections(body: pl.Series, lang: pl.Series, threshold: float
     falls short of ``threshold``, and Bengali-script rows holding an Assamese letter, are then
     counted in every script. The deciding script is set where one script reached the threshold.
     """
-    frame = pl.DataFrame({"body": body, "lang": lang}).with_row_index("i").with_columns(
-        pl.col("body").str.count_matches(LETTER).alias("letters"),
-        pl.col("lang").replace_strict(LANG_SCRIPT, default=None, return_dtype=pl.String).alias("own_script"))
-    own = _by_groups(frame, "own_script", lambda g, script: (
-        g.get_column("body").str.count_matches(_script_class(script)) if script is not None
-        else pl.Series([0] * g.height, dtype=pl.UInt32)))
+    frame = (
+        pl.DataFrame({"body": body, "lang": lang})
+        .with_row_index("i")
+        .with_columns(
+            pl.col("body").str.count_matches(LETTER).alias("letters"),
+            pl.col("lang")
+            .replace_strict(LANG_SCRIPT, default=None, return_dtype=pl.String)
+            .alias("own_script"),
+        )
+    )
+    own = _by_groups(
+        frame,
+        "own_script",
+        lambda g, script: (
+            g.get_column("body").str.count_matches(_script_class(script))
+            if script is not None
+            else pl.Series([0] * g.height, dtype=pl.UInt32)
+        ),
+    )
     frame = frame.with_columns(own.cast(pl.UInt32).alias("own"))
     has_assamese = pl.col("body").str.contains(f"[{ASSAMESE_LETTERS}]")
-    suspects = frame.filter((pl.col("letters") > 0) & (
-        (pl.col("own").cast(pl.Float64) < threshold * pl.col("letters"))
-        | ((pl.col("own_script") == "Bengali") & ~pl.col("lang").is_in(list(ASSAMESE_EXEMPT)) & has_assamese)))
+    suspects = frame.filter(
+        (pl.col("letters") > 0)
+        & (
+            (pl.col("own").cast(pl.Float64) < threshold * pl.col("letters"))
+            | (
+                (pl.col("own_script") == "Bengali")
+                & ~pl.col("lang").is_in(list(ASSAMESE_EXEMPT))
+                & has_assamese
+            )
+        )
+    )
     corrected = frame.get_column("lang")
     deciding = pl.Series("script", [None] * frame.height, dtype=pl.String)
     if suspects.is_empty():
         return corrected, deciding
     scripts = list(SCRIPT_LANGUAGES)
-    counts = suspects.select(*[pl.col("body").str.count_matches(_script_class(s)).alias(s) for s in scripts]
-                             ).to_numpy().reshape(suspects.height, len(scripts))
+    counts = (
+        suspects.select(
+            *[pl.col("body").str.count_matches(_script_class(s)).alias(s) for s in scripts]
+        )
+        .to_numpy()
+        .reshape(suspects.height, len(scripts))
+    )
     best = counts.argmax(axis=1)
-    reached = counts[np.arange(len(best)), best] >= threshold * suspects.get_column("letters").to_numpy()
-    legit = pl.DataFrame([(s, l) for s, (_, ls) in SCRIPT_LANGUAGES.items() for l in ls],
-                         schema=["script", "lang"], orient="row").with_columns(pl.lit(True).alias("legit"))
+    reached = (
+        counts[np.arange(len(best)), best] >= threshold * suspects.get_column("letters").to_numpy()
+    )
+    legit = pl.DataFrame(
+        [(s, l) for s, (_, ls) in SCRIPT_LANGUAGES.items() for l in ls],
+        schema=["script", "lang"],
+        orient="row",
+    ).with_columns(pl.lit(True).alias("legit"))
     defaults = {s: d for s, (d, _) in SCRIPT_LANGUAGES.items() if d is not None}
-    voted = (suspects.select("i", "lang", has_assamese.alias("assamese"))
-             .with_columns(pl.Series("script", np.array(scripts, dtype=object)[best].tolist(), dtype=pl.String),
-                           pl.Series("reached", reached))
-             .with_columns(pl.when(pl.col("reached")).then(pl.col("script")).alias("script"))
-             .join(legit, on=["script", "lang"], how="left", maintain_order="left")
-             .with_columns(pl.col("script").replace_strict(defaults, default=None, return_dtype=pl.String)
-                           .alias("default")))
-    new_lang = (pl.when(pl.col("script").is_null()).then(pl.col("lang"))
-                .when((pl.col("script") == "Bengali") & pl.col("assamese")
-                      & ~pl.col("lang").is_in(list(ASSAMESE_EXEMPT))).then(pl.lit("as"))
-                .when(pl.col("default").is_not_null() & pl.col("legit").is_null()).then(pl.col("default"))
-                .otherwise(pl.col("lang")))
+    voted = (
+        suspects.select("i", "lang", has_assamese.alias("assamese"))
+        .with_columns(
+            pl.Series("script", np.array(scripts, dtype=object)[best].tolist(), dtype=pl.String),
+            pl.Series("reached", reached),
+        )
+        .with_columns(pl.when(pl.col("reached")).then(pl.col("script")).alias("script"))
+        .join(legit, on=["script", "lang"], how="left", maintain_order="left")
+        .with_columns(
+            pl.col("script")
+            .replace_strict(defaults, default=None, return_dtype=pl.String)
+            .alias("default")
+        )
+    )
+    new_lang = (
+        pl.when(pl.col("script").is_null())
+        .then(pl.col("lang"))
+        .when(
+            (pl.col("script") == "Bengali")
+            & pl.col("assamese")
+            & ~pl.col("lang").is_in(list(ASSAMESE_EXEMPT))
+        )
+        .then(pl.lit("as"))
+        .when(pl.col("default").is_not_null() & pl.col("legit").is_null())
+        .then(pl.col("default"))
+        .otherwise(pl.col("lang"))
+    )
     voted = voted.with_columns(new_lang.alias("new_lang"))
     idx = voted.get_column("i")
-    return (corrected.scatter(idx, voted.get_column("new_lang")),
-            deciding.scatter(idx, voted.get_column("script")))
+    return (
+        corrected.scatter(idx, voted.get_column("new_lang")),
+        deciding.scatter(idx, voted.get_column("script")),
+    )
 
 
 # --- input -----------------------------------------------------------------------------------
@@ -156,25 +234,34 @@ def load_master(path: Path) -> pl.DataFrame:
     """The master manifest, checked: required columns present, text prefixed by its own tag."""
     path = Path(path)
     if not path.is_file():
-        raise SplitError(f"master manifest {path} not found: run build_manifest.py first, or set "
-                         f"MASTER_MANIFEST_PATH (or --master)")
+        raise SplitError(
+            f"master manifest {path} not found: run build_manifest.py first, or set "
+            f"MASTER_MANIFEST_PATH (or --master)"
+        )
     try:
         frame = pl.read_parquet(path)
     except Exception as exc:
         raise SplitError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
     missing = [c for c in OUTPUT_COLUMNS if c not in frame.columns]
     if missing:
-        raise SplitError(f"{path}: missing column(s) {missing}; expected the build_manifest.py schema "
-                         f"{list(OUTPUT_COLUMNS)}")
+        raise SplitError(
+            f"{path}: missing column(s) {missing}; expected the build_manifest.py schema "
+            f"{list(OUTPUT_COLUMNS)}"
+        )
     if "tx_quality_score" not in frame.columns:
         frame = frame.with_columns(pl.lit(None, dtype=pl.Float64).alias("tx_quality_score"))
-    bad_prefix = frame.filter(~pl.col("text").str.starts_with(pl.concat_str(pl.lit("<|"), pl.col("lang"), pl.lit("|> ")))
-                              | pl.col("text").is_null() | pl.col("lang").is_null())
+    bad_prefix = frame.filter(
+        ~pl.col("text").str.starts_with(pl.concat_str(pl.lit("<|"), pl.col("lang"), pl.lit("|> ")))
+        | pl.col("text").is_null()
+        | pl.col("lang").is_null()
+    )
     if bad_prefix.height:
         first = bad_prefix.row(0, named=True)
-        raise SplitError(f"{path}: {bad_prefix.height} row(s) whose text does not start with '<|lang|> ' "
-                         f"for their lang, e.g. segment_id={first['segment_id']!r} lang={first['lang']!r} "
-                         f"text={first['text'][:60] if first['text'] else None!r}; rebuild it with build_manifest.py")
+        raise SplitError(
+            f"{path}: {bad_prefix.height} row(s) whose text does not start with '<|lang|> ' "
+            f"for their lang, e.g. segment_id={first['segment_id']!r} lang={first['lang']!r} "
+            f"text={first['text'][:60] if first['text'] else None!r}; rebuild it with build_manifest.py"
+        )
     return frame
 
 
@@ -188,17 +275,30 @@ def load_lang_fixes(path: Path) -> pl.DataFrame:
     except Exception as exc:
         raise SplitError(f"--lang-fixes {path}: unreadable CSV ({exc})") from None
     if fixes.columns[:2] != ["segment_id", "lang"]:
-        raise SplitError(f"--lang-fixes {path}: expected the header 'segment_id,lang', got {fixes.columns}")
+        raise SplitError(
+            f"--lang-fixes {path}: expected the header 'segment_id,lang', got {fixes.columns}"
+        )
     fixes = fixes.select(pl.col("segment_id"), pl.col("lang").str.strip_chars().str.to_lowercase())
-    bad = fixes.filter(pl.col("segment_id").is_null() | ~pl.col("lang").str.contains(LANG_CODE_PATTERN).fill_null(False))
+    bad = fixes.filter(
+        pl.col("segment_id").is_null()
+        | ~pl.col("lang").str.contains(LANG_CODE_PATTERN).fill_null(False)
+    )
     if bad.height:
-        raise SplitError(f"--lang-fixes {path}: {bad.height} row(s) without a segment_id or with a bad "
-                         f"language code, first: {bad.row(0)}")
-    duplicated = fixes.filter(pl.col("segment_id").is_duplicated()).group_by("segment_id").agg(pl.col("lang").n_unique())
+        raise SplitError(
+            f"--lang-fixes {path}: {bad.height} row(s) without a segment_id or with a bad "
+            f"language code, first: {bad.row(0)}"
+        )
+    duplicated = (
+        fixes.filter(pl.col("segment_id").is_duplicated())
+        .group_by("segment_id")
+        .agg(pl.col("lang").n_unique())
+    )
     conflicting = duplicated.filter(pl.col("lang") > 1)
     if conflicting.height:
-        raise SplitError(f"--lang-fixes {path}: segment_id {conflicting.item(0, 'segment_id')!r} is given "
-                         f"different languages")
+        raise SplitError(
+            f"--lang-fixes {path}: segment_id {conflicting.item(0, 'segment_id')!r} is given "
+            f"different languages"
+        )
     return fixes.unique("segment_id", keep="first", maintain_order=True)
 
 
@@ -206,8 +306,13 @@ def load_lang_fixes(path: Path) -> pl.DataFrame:
 def group_hash(keys: Sequence[str], seed: int) -> np.ndarray:
     """A stable 64-bit rank per group key: BLAKE2b keyed by the seed (Python's hash() is salted)."""
     salt = str(seed).encode()
-    return np.array([int.from_bytes(hashlib.blake2b(k.encode(), digest_size=8, key=salt).digest(), "big")
-                     for k in keys], dtype=np.uint64)
+    return np.array(
+        [
+            int.from_bytes(hashlib.blake2b(k.encode(), digest_size=8, key=salt).digest(), "big")
+            for k in keys
+        ],
+        dtype=np.uint64,
+    )
 
 
 def choose_val_groups(groups: pl.DataFrame, quota: dict[str, int], seed: int) -> set[str]:
@@ -218,9 +323,15 @@ def choose_val_groups(groups: pl.DataFrame, quota: dict[str, int], seed: int) ->
     is met (about val_per_lang * languages rows visited in the common case).
     """
     keys = groups.get_column("group").unique().sort()
-    order = pl.DataFrame({"group": keys, "rank": group_hash(keys.to_list(), seed)}).sort(["rank", "group"])
-    per_group = (groups.group_by("group").agg(pl.col("lang"), pl.col("n"))
-                 .join(order, on="group").sort(["rank", "group"]))
+    order = pl.DataFrame({"group": keys, "rank": group_hash(keys.to_list(), seed)}).sort(
+        ["rank", "group"]
+    )
+    per_group = (
+        groups.group_by("group")
+        .agg(pl.col("lang"), pl.col("n"))
+        .join(order, on="group")
+        .sort(["rank", "group"])
+    )
     remaining = {lang: q for lang, q in quota.items() if q > 0}
     chosen: set[str] = set()
     for key, langs, ns in per_group.select("group", "lang", "n").iter_rows():
@@ -236,11 +347,19 @@ def choose_val_groups(groups: pl.DataFrame, quota: dict[str, int], seed: int) ->
 
 
 # --- main pipeline -------------------------------------------------------------------------------
-def make_train_val(master: Path | None = None, train_path: Path | None = None, val_path: Path | None = None,
-                   *, val_per_lang: int | None = None, seed: int | None = None, lang_fixes: Path | None = None,
-                   keep_duplicate_texts: bool = False, threshold: float | None = None,
-                   max_val_fraction: float | None = None, languages: Sequence[str] | None = None
-                   ) -> dict[str, Any]:
+def make_train_val(
+    master: Path | None = None,
+    train_path: Path | None = None,
+    val_path: Path | None = None,
+    *,
+    val_per_lang: int | None = None,
+    seed: int | None = None,
+    lang_fixes: Path | None = None,
+    keep_duplicate_texts: bool = False,
+    threshold: float | None = None,
+    max_val_fraction: float | None = None,
+    languages: Sequence[str] | None = None,
+) -> dict[str, Any]:
     """Write the train and validation manifests and the summary; return the summary.
 
     None means the config value (MASTER_MANIFEST_PATH, TRAIN_MANIFEST_PATH, VAL_MANIFEST_PATH,
@@ -265,52 +384,93 @@ def make_train_val(master: Path | None = None, train_path: Path | None = None, v
     columns = [c for c in frame.columns if c != "row"]
 
     # 1. language tags from the script, then explicit fixes; lang and the text prefix together
-    body = frame.select(pl.col("text").str.strip_prefix(pl.concat_str(pl.lit("<|"), pl.col("lang"), pl.lit("|> ")))).to_series()
+    body = frame.select(
+        pl.col("text").str.strip_prefix(pl.concat_str(pl.lit("<|"), pl.col("lang"), pl.lit("|> ")))
+    ).to_series()
     by_script, deciding = detect_corrections(body, frame.get_column("lang"), threshold)
-    frame = frame.with_columns(body.alias("body"), frame.get_column("lang").alias("given_lang"),
-                               by_script.alias("script_lang"), deciding.alias("script"))
+    frame = frame.with_columns(
+        body.alias("body"),
+        frame.get_column("lang").alias("given_lang"),
+        by_script.alias("script_lang"),
+        deciding.alias("script"),
+    )
     fixes_summary: dict[str, Any] = {}
     if lang_fixes is not None:
         fixes = load_lang_fixes(lang_fixes)
         matched = fixes.join(frame.select("segment_id"), on="segment_id", how="semi")
-        fixes_summary = {"file": str(lang_fixes), "rows": fixes.height, "matched": matched.height,
-                         "unmatched_segment_ids": fixes.height - matched.height}
-        frame = frame.join(fixes.rename({"lang": "fixed_lang"}), on="segment_id", how="left", maintain_order="left")
+        fixes_summary = {
+            "file": str(lang_fixes),
+            "rows": fixes.height,
+            "matched": matched.height,
+            "unmatched_segment_ids": fixes.height - matched.height,
+        }
+        frame = frame.join(
+            fixes.rename({"lang": "fixed_lang"}), on="segment_id", how="left", maintain_order="left"
+        )
     else:
         frame = frame.with_columns(pl.lit(None, dtype=pl.String).alias("fixed_lang"))
     frame = frame.with_columns(pl.coalesce("fixed_lang", "script_lang").alias("lang"))
-    frame = frame.with_columns(pl.concat_str(pl.lit("<|"), pl.col("lang"), pl.lit("|> "), pl.col("body")).alias("text"))
+    frame = frame.with_columns(
+        pl.concat_str(pl.lit("<|"), pl.col("lang"), pl.lit("|> "), pl.col("body")).alias("text")
+    )
     changed = frame.filter(pl.col("lang") != pl.col("given_lang"))
     corrections = counts_pairs(changed)
-    by_cause = {"script": counts_pairs(changed.filter(pl.col("fixed_lang").is_null())),
-                "lang_fixes": counts_pairs(changed.filter(pl.col("fixed_lang").is_not_null()))}
+    by_cause = {
+        "script": counts_pairs(changed.filter(pl.col("fixed_lang").is_null())),
+        "lang_fixes": counts_pairs(changed.filter(pl.col("fixed_lang").is_not_null())),
+    }
     devanagari = list(SCRIPT_LANGUAGES["Devanagari"][1])
-    unresolved = counts_by(frame.filter((pl.col("script") == "Devanagari") & ~pl.col("given_lang").is_in(devanagari)
-                                        & pl.col("fixed_lang").is_null()), "given_lang")
+    unresolved = counts_by(
+        frame.filter(
+            (pl.col("script") == "Devanagari")
+            & ~pl.col("given_lang").is_in(devanagari)
+            & pl.col("fixed_lang").is_null()
+        ),
+        "given_lang",
+    )
 
     # 2.-3. filters and dedup, each row getting the first reason that drops it
     frame = frame.with_columns(pl.lit(None, dtype=pl.String).alias("reason"))
     if languages:
-        frame = frame.with_columns(pl.when(~pl.col("lang").is_in(list(languages)))
-                                   .then(pl.lit("language_not_selected")).otherwise("reason").alias("reason"))
+        frame = frame.with_columns(
+            pl.when(~pl.col("lang").is_in(list(languages)))
+            .then(pl.lit("language_not_selected"))
+            .otherwise("reason")
+            .alias("reason")
+        )
     best_first = ["tx_quality_score", "shard_id", "segment_id", "tar_member_name", "row"]
     descending = [True, False, False, False, False]
-    alive = frame.filter(pl.col("reason").is_null()).sort(best_first, descending=descending, nulls_last=True)
+    alive = frame.filter(pl.col("reason").is_null()).sort(
+        best_first, descending=descending, nulls_last=True
+    )
     dup_id = alive.filter(~pl.col("segment_id").is_first_distinct()).get_column("row")
     alive = alive.filter(pl.col("segment_id").is_first_distinct())
-    dup_text = (alive.filter(~pl.struct("lang", "text", "duration").is_first_distinct()).get_column("row")
-                if not keep_duplicate_texts else pl.Series([], dtype=pl.UInt32))
+    dup_text = (
+        alive.filter(~pl.struct("lang", "text", "duration").is_first_distinct()).get_column("row")
+        if not keep_duplicate_texts
+        else pl.Series([], dtype=pl.UInt32)
+    )
     frame = frame.with_columns(
-        pl.when(pl.col("row").is_in(dup_id.implode())).then(pl.lit("duplicate_segment_id"))
-        .when(pl.col("row").is_in(dup_text.implode())).then(pl.lit("duplicate_text"))
-        .otherwise("reason").alias("reason"))
+        pl.when(pl.col("row").is_in(dup_id.implode()))
+        .then(pl.lit("duplicate_segment_id"))
+        .when(pl.col("row").is_in(dup_text.implode()))
+        .then(pl.lit("duplicate_text"))
+        .otherwise("reason")
+        .alias("reason")
+    )
 
     # 4. split by group
     kept = frame.filter(pl.col("reason").is_null())
-    has_speaker = "speaker_id" in kept.columns and kept.get_column("speaker_id").null_count() < kept.height
-    group = (pl.when(pl.col("speaker_id").is_not_null()).then(pl.concat_str(pl.lit("speaker:"), pl.col("speaker_id")))
-             .otherwise(pl.concat_str(pl.lit("shard:"), pl.col("shard_id")))
-             if "speaker_id" in kept.columns else pl.concat_str(pl.lit("shard:"), pl.col("shard_id")))
+    has_speaker = (
+        "speaker_id" in kept.columns and kept.get_column("speaker_id").null_count() < kept.height
+    )
+    group = (
+        pl.when(pl.col("speaker_id").is_not_null())
+        .then(pl.concat_str(pl.lit("speaker:"), pl.col("speaker_id")))
+        .otherwise(pl.concat_str(pl.lit("shard:"), pl.col("shard_id")))
+        if "speaker_id" in kept.columns
+        else pl.concat_str(pl.lit("shard:"), pl.col("shard_id"))
+    )
     kept = kept.with_columns(group.alias("group"))
     lang_rows = dict(kept.group_by("lang").len().iter_rows())
     quota = {lang: min(val_per_lang, int(max_val_fraction * n)) for lang, n in lang_rows.items()}
@@ -332,17 +492,29 @@ def make_train_val(master: Path | None = None, train_path: Path | None = None, v
         "dropped_by_lang": counts_by(dropped_rows, "lang", "reason"),
         "kept_by_lang": counts_by(train, "lang"),
         "val_by_lang": val_by_lang,
-        "val_shortfall": {lang: q - val_by_lang.get(lang, 0) for lang, q in sorted(quota.items())
-                          if q > val_by_lang.get(lang, 0)},
+        "val_shortfall": {
+            lang: q - val_by_lang.get(lang, 0)
+            for lang, q in sorted(quota.items())
+            if q > val_by_lang.get(lang, 0)
+        },
         "lang_corrections": corrections,
         "lang_corrections_by_cause": by_cause,
         "unresolved_devanagari_conflicts": unresolved,
         "lang_fixes": fixes_summary,
-        "split": {"grouped_by": "speaker_id, else shard_id" if has_speaker else "shard_id",
-                  "val_groups": len(chosen), "train_groups": train.get_column("group").n_unique(),
-                  "seed": seed, "val_per_lang": val_per_lang, "max_val_fraction": max_val_fraction},
-        "settings": {"master": str(master), "threshold": threshold, "languages": list(languages),
-                     "keep_duplicate_texts": keep_duplicate_texts},
+        "split": {
+            "grouped_by": "speaker_id, else shard_id" if has_speaker else "shard_id",
+            "val_groups": len(chosen),
+            "train_groups": train.get_column("group").n_unique(),
+            "seed": seed,
+            "val_per_lang": val_per_lang,
+            "max_val_fraction": max_val_fraction,
+        },
+        "settings": {
+            "master": str(master),
+            "threshold": threshold,
+            "languages": list(languages),
+            "keep_duplicate_texts": keep_duplicate_texts,
+        },
     }
     total = summary["rows_out"] + summary["val_rows"] + sum(dropped.values())
     assert rows_in == total, f"row accounting broke: {rows_in} in != {total} out"
@@ -356,8 +528,13 @@ def make_train_val(master: Path | None = None, train_path: Path | None = None, v
 
 def counts_pairs(changed: pl.DataFrame) -> dict[str, int]:
     """{"given->corrected": n} for the changed rows, sorted."""
-    return {f"{g}->{c}": int(n) for g, c, n in
-            changed.group_by("given_lang", "lang").len().sort("given_lang", "lang").iter_rows()}
+    return {
+        f"{g}->{c}": int(n)
+        for g, c, n in changed.group_by("given_lang", "lang")
+        .len()
+        .sort("given_lang", "lang")
+        .iter_rows()
+    }
 
 
 def format_confusion(corrections: dict[str, int]) -> str:
@@ -368,66 +545,124 @@ def format_confusion(corrections: dict[str, int]) -> str:
     given = sorted({g for g, _ in pairs})
     corrected = sorted({c for _, c in pairs})
     width = max(6, *(len(c) + 1 for c in corrected))
-    lines = ["language corrections (rows: given tag, columns: corrected tag)",
-             "given   " + "".join(f"{c:>{width}}" for c in corrected)]
+    lines = [
+        "language corrections (rows: given tag, columns: corrected tag)",
+        "given   " + "".join(f"{c:>{width}}" for c in corrected),
+    ]
     for g in given:
-        lines.append(f"{g:<8}" + "".join(f"{pairs.get((g, c), 0) or '.':>{width}}" for c in corrected))
+        lines.append(
+            f"{g:<8}" + "".join(f"{pairs.get((g, c), 0) or '.':>{width}}" for c in corrected)
+        )
     return "\n".join(lines)
 
 
 def format_summary(summary: dict[str, Any], train_path: Path, val_path: Path) -> str:
     lines = [format_confusion(summary["lang_corrections"])]
     if summary["unresolved_devanagari_conflicts"]:
-        lines.append("Devanagari text under a non-Devanagari tag, left as tagged (use --lang-fixes): "
-                     + ", ".join(f"{k}={v:,}" for k, v in summary["unresolved_devanagari_conflicts"].items()))
+        lines.append(
+            "Devanagari text under a non-Devanagari tag, left as tagged (use --lang-fixes): "
+            + ", ".join(f"{k}={v:,}" for k, v in summary["unresolved_devanagari_conflicts"].items())
+        )
     dropped = sum(summary["dropped"].values())
-    lines.append(f"rows: {summary['rows_in']:,} in = {summary['rows_out']:,} train + {summary['val_rows']:,} val "
-                 f"+ {dropped:,} dropped")
+    lines.append(
+        f"rows: {summary['rows_in']:,} in = {summary['rows_out']:,} train + {summary['val_rows']:,} val "
+        f"+ {dropped:,} dropped"
+    )
     for reason, n in sorted(summary["dropped"].items()):
         lines.append(f"  dropped {reason:<24} {n:>12,}")
-    langs = sorted(set(summary["kept_by_lang"]) | set(summary["val_by_lang"]) | set(summary["dropped_by_lang"]))
+    langs = sorted(
+        set(summary["kept_by_lang"]) | set(summary["val_by_lang"]) | set(summary["dropped_by_lang"])
+    )
     lines.append(f"  {'lang':<8} {'train':>12} {'val':>8} {'dropped':>10}")
     for lang in langs:
-        lines.append(f"  {lang:<8} {summary['kept_by_lang'].get(lang, 0):>12,} {summary['val_by_lang'].get(lang, 0):>8,} "
-                     f"{sum(summary['dropped_by_lang'].get(lang, {}).values()):>10,}")
+        lines.append(
+            f"  {lang:<8} {summary['kept_by_lang'].get(lang, 0):>12,} {summary['val_by_lang'].get(lang, 0):>8,} "
+            f"{sum(summary['dropped_by_lang'].get(lang, {}).values()):>10,}"
+        )
     if summary["val_shortfall"]:
-        lines.append("validation short of its quota (groups too large to fit): "
-                     + ", ".join(f"{k}={v}" for k, v in summary["val_shortfall"].items()))
-    lines.append(f"split grouped by {summary['split']['grouped_by']}: {summary['split']['val_groups']:,} val groups, "
-                 f"{summary['split']['train_groups']:,} train groups")
+        lines.append(
+            "validation short of its quota (groups too large to fit): "
+            + ", ".join(f"{k}={v}" for k, v in summary["val_shortfall"].items())
+        )
+    lines.append(
+        f"split grouped by {summary['split']['grouped_by']}: {summary['split']['val_groups']:,} val groups, "
+        f"{summary['split']['train_groups']:,} train groups"
+    )
     lines.append(f"wrote {train_path}, {val_path} and {summary_path(train_path).name}")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  python scripts/make_train_val.py --val-per-lang 500 --lang-fixes fixes.csv")
-    parser.add_argument("--master", type=Path, default=None,
-                        help=f"input manifest (default MASTER_MANIFEST_PATH = {config.MASTER_MANIFEST_PATH})")
-    parser.add_argument("--train", type=Path, default=None,
-                        help=f"train manifest to write (default TRAIN_MANIFEST_PATH = {config.TRAIN_MANIFEST_PATH})")
-    parser.add_argument("--val", type=Path, default=None,
-                        help=f"validation manifest to write (default VAL_MANIFEST_PATH = {config.VAL_MANIFEST_PATH})")
-    parser.add_argument("--val-per-lang", type=int, default=None,
-                        help=f"validation utterances per language (default VAL_PER_LANG = {config.VAL_PER_LANG})")
-    parser.add_argument("--max-val-fraction", type=float, default=None,
-                        help=f"cap on a language's share in validation (default VAL_MAX_FRACTION = {config.VAL_MAX_FRACTION})")
-    parser.add_argument("--seed", type=int, default=None, help=f"split seed (default SEED = {config.SEED})")
-    parser.add_argument("--lang-fixes", type=Path, default=None,
-                        help="CSV with header segment_id,lang: tags to set explicitly (e.g. Devanagari languages)")
-    parser.add_argument("--keep-duplicate-texts", action="store_true",
-                        help="keep rows with the same (lang, text, duration) as another row")
-    parser.add_argument("--script-threshold", type=float, default=None,
-                        help=f"share of letters in one script that decides the tag (default SCRIPT_VOTE_THRESHOLD = {config.SCRIPT_VOTE_THRESHOLD})")
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  python scripts/make_train_val.py --val-per-lang 500 --lang-fixes fixes.csv",
+    )
+    parser.add_argument(
+        "--master",
+        type=Path,
+        default=None,
+        help=f"input manifest (default MASTER_MANIFEST_PATH = {config.MASTER_MANIFEST_PATH})",
+    )
+    parser.add_argument(
+        "--train",
+        type=Path,
+        default=None,
+        help=f"train manifest to write (default TRAIN_MANIFEST_PATH = {config.TRAIN_MANIFEST_PATH})",
+    )
+    parser.add_argument(
+        "--val",
+        type=Path,
+        default=None,
+        help=f"validation manifest to write (default VAL_MANIFEST_PATH = {config.VAL_MANIFEST_PATH})",
+    )
+    parser.add_argument(
+        "--val-per-lang",
+        type=int,
+        default=None,
+        help=f"validation utterances per language (default VAL_PER_LANG = {config.VAL_PER_LANG})",
+    )
+    parser.add_argument(
+        "--max-val-fraction",
+        type=float,
+        default=None,
+        help=f"cap on a language's share in validation (default VAL_MAX_FRACTION = {config.VAL_MAX_FRACTION})",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=None, help=f"split seed (default SEED = {config.SEED})"
+    )
+    parser.add_argument(
+        "--lang-fixes",
+        type=Path,
+        default=None,
+        help="CSV with header segment_id,lang: tags to set explicitly (e.g. Devanagari languages)",
+    )
+    parser.add_argument(
+        "--keep-duplicate-texts",
+        action="store_true",
+        help="keep rows with the same (lang, text, duration) as another row",
+    )
+    parser.add_argument(
+        "--script-threshold",
+        type=float,
+        default=None,
+        help=f"share of letters in one script that decides the tag (default SCRIPT_VOTE_THRESHOLD = {config.SCRIPT_VOTE_THRESHOLD})",
+    )
     args = parser.parse_args(argv)
     train_path = Path(config.TRAIN_MANIFEST_PATH if args.train is None else args.train)
     val_path = Path(config.VAL_MANIFEST_PATH if args.val is None else args.val)
     try:
-        summary = make_train_val(args.master, train_path, val_path, val_per_lang=args.val_per_lang,
-                                 seed=args.seed, lang_fixes=args.lang_fixes,
-                                 keep_duplicate_texts=args.keep_duplicate_texts, threshold=args.script_threshold,
-                                 max_val_fraction=args.max_val_fraction)
+        summary = make_train_val(
+            args.master,
+            train_path,
+            val_path,
+            val_per_lang=args.val_per_lang,
+            seed=args.seed,
+            lang_fixes=args.lang_fixes,
+            keep_duplicate_texts=args.keep_duplicate_texts,
+            threshold=args.script_threshold,
+            max_val_fraction=args.max_val_fraction,
+        )
     except ManifestError as exc:
         print(f"make_train_val: error: {exc}", file=sys.stderr)
         return 2

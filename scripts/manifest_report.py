@@ -19,6 +19,7 @@ MAX_BATCH_DURATION, TEMPERATURE, LANG_WEIGHTING, GRAD_ACCUM, SEED, EPOCH_SIZE) o
 the plots show the plan of a whole epoch. Build summaries default to every ``*.summary.json`` beside
 the manifest that has a ``dropped`` table (build_manifest.py, make_train_val.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,13 +30,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import matplotlib
 import numpy as np
 import pyarrow.parquet as pq
 
 import config
 from atomic_files import atomic_write
-
-import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -47,17 +47,22 @@ DPI = 110
 
 # --- data --------------------------------------------------------------------------------------
 
+
 def read_manifest(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """(durations float64, languages str) of the manifest; a clear error when columns are missing."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"manifest {path} does not exist; build it first (build_manifest.py, "
-                                "scripts/make_train_val.py) or pass another path")
+        raise FileNotFoundError(
+            f"manifest {path} does not exist; build it first (build_manifest.py, "
+            "scripts/make_train_val.py) or pass another path"
+        )
     names = pq.read_schema(path).names
     missing = [c for c in ("duration", "lang") if c not in names]
     if missing:
-        raise ValueError(f"manifest {path} lacks column(s) {missing}; expected the manifest schema "
-                         "(segment_id, shard_id, text, duration, lang, ...)")
+        raise ValueError(
+            f"manifest {path} lacks column(s) {missing}; expected the manifest schema "
+            "(segment_id, shard_id, text, duration, lang, ...)"
+        )
     table = pq.read_table(path, columns=["duration", "lang"])
     if table.num_rows == 0:
         raise ValueError(f"manifest {path} has no rows")
@@ -76,9 +81,17 @@ def language_table(durations: np.ndarray, languages: np.ndarray) -> list[dict[st
     rows = []
     for i, name in enumerate(names):
         d = by_lang[i]
-        rows.append({"lang": str(name), "utterances": int(counts[i]), "hours": float(seconds[i] / 3600),
-                     "median_s": float(np.median(d)), "p95_s": float(np.quantile(d, 0.95)),
-                     "min_s": float(d[0]), "max_s": float(d[-1])})
+        rows.append(
+            {
+                "lang": str(name),
+                "utterances": int(counts[i]),
+                "hours": float(seconds[i] / 3600),
+                "median_s": float(np.median(d)),
+                "p95_s": float(np.quantile(d, 0.95)),
+                "min_s": float(d[0]),
+                "max_s": float(d[-1]),
+            }
+        )
     return sorted(rows, key=lambda r: (-r["hours"], r["lang"]))
 
 
@@ -96,12 +109,16 @@ def sampler_plan(durations: np.ndarray, languages: np.ndarray) -> dict[str, Any]
     # The plan's batches, flattened in C (no per-row Python): bucket, size, longest and total audio.
     batches = list(sampler)
     sizes = np.fromiter(map(len, batches), dtype=np.int64, count=len(batches))
-    flat = np.fromiter(itertools.chain.from_iterable(batches), dtype=np.int64, count=int(sizes.sum()))
+    flat = np.fromiter(
+        itertools.chain.from_iterable(batches), dtype=np.int64, count=int(sizes.sum())
+    )
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     dur = durations[flat]
     longest = np.maximum.reduceat(dur, starts) if len(starts) else np.zeros(0)
     audio = np.add.reduceat(dur, starts) if len(starts) else np.zeros(0)
-    bucket = np.searchsorted(edges, longest, side="right")  # the sampler's bucket: edges <= duration
+    bucket = np.searchsorted(
+        edges, longest, side="right"
+    )  # the sampler's bucket: edges <= duration
     n = len(labels)
     padded = np.bincount(bucket, weights=sizes * longest, minlength=n)
     real = np.bincount(bucket, weights=audio, minlength=n)
@@ -139,17 +156,27 @@ def read_summaries(paths: list[Path]) -> list[dict[str, Any]]:
         except (OSError, ValueError) as exc:
             raise ValueError(f"summary {path}: cannot be read as JSON ({exc})") from None
         if not isinstance(data.get("dropped"), dict):
-            raise ValueError(f"summary {path}: no 'dropped' table; expected a build summary "
-                             "(build_manifest.py or make_train_val.py output)")
-        steps.append({"step": Path(path).name.removesuffix(".summary.json"), "path": str(path),
-                      "rows_in": data.get("rows_in"), "rows_out": data.get("rows_out"),
-                      "dropped": {str(k): int(v) for k, v in data["dropped"].items()},
-                      "dropped_by_lang": data.get("dropped_by_lang", {}),
-                      "val_rows": data.get("val_rows"), "lang_corrections": data.get("lang_corrections", {})})
+            raise ValueError(
+                f"summary {path}: no 'dropped' table; expected a build summary "
+                "(build_manifest.py or make_train_val.py output)"
+            )
+        steps.append(
+            {
+                "step": Path(path).name.removesuffix(".summary.json"),
+                "path": str(path),
+                "rows_in": data.get("rows_in"),
+                "rows_out": data.get("rows_out"),
+                "dropped": {str(k): int(v) for k, v in data["dropped"].items()},
+                "dropped_by_lang": data.get("dropped_by_lang", {}),
+                "val_rows": data.get("val_rows"),
+                "lang_corrections": data.get("lang_corrections", {}),
+            }
+        )
     return steps
 
 
 # --- plots -------------------------------------------------------------------------------------
+
 
 def _thousands(axis: matplotlib.axis.Axis) -> None:
     """At most ~6 ticks, written 120,000: long plain numbers collide on a crowded axis."""
@@ -163,15 +190,18 @@ def _save(fig: plt.Figure, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_durations(durations: np.ndarray, languages: np.ndarray, table: list[dict], edges: list[float]
-                   ) -> plt.Figure:
+def plot_durations(
+    durations: np.ndarray, languages: np.ndarray, table: list[dict], edges: list[float]
+) -> plt.Figure:
     langs = [r["lang"] for r in table]
     cols = min(3, len(langs))
     rows = -(-len(langs) // cols)
     top = max(float(durations.max()), float(config.MAX_DURATION))
     width = 0.5 if top <= 40 else top / 80
     bins = np.arange(0.0, top + width, width)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.6 * rows + 0.8), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(4.2 * cols, 2.6 * rows + 0.8), sharex=True, squeeze=False
+    )
     for ax, r in zip(axes.flat, table):
         ax.hist(durations[languages == r["lang"]], bins=bins, color="#1f77b4")
         for edge in edges:
@@ -185,7 +215,9 @@ def plot_durations(durations: np.ndarray, languages: np.ndarray, table: list[dic
         elif i >= len(table) - cols:  # the lowest visible panel of each column
             ax.set_xlabel("duration (s)")
             ax.tick_params(labelbottom=True)
-    fig.suptitle(f"Utterance duration per language ({width:g} s bins; dashed: bucket edges)", fontsize=12)
+    fig.suptitle(
+        f"Utterance duration per language ({width:g} s bins; dashed: bucket edges)", fontsize=12
+    )
     fig.tight_layout()
     return fig
 
@@ -200,7 +232,9 @@ def plot_hours(table: list[dict]) -> plt.Figure:
     ax.set_xlim(0, hours.max() * 1.45)  # room for the labels
     ax.set_xlabel("hours of audio")
     ax.set_ylabel("language")
-    ax.set_title(f"Hours per language (total {hours.sum():.2f} h, {sum(r['utterances'] for r in table):,} utts)")
+    ax.set_title(
+        f"Hours per language (total {hours.sum():.2f} h, {sum(r['utterances'] for r in table):,} utts)"
+    )
     fig.tight_layout()
     return fig
 
@@ -225,9 +259,21 @@ def plot_language_mix(stats: dict, langs: list[str]) -> plt.Figure:
 def plot_buckets(plan: dict) -> plt.Figure:
     labels, x = plan["labels"], np.arange(len(plan["labels"]))
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
-    panels = ((plan["batches"], "batches", "Batches per bucket", "{:,.0f}"),
-              (plan["planned_utterances"], "utterances in the epoch plan", "Utterances per bucket", "{:,.0f}"),
-              (plan["padding_efficiency"], "real audio / padded audio", "Padding efficiency per bucket", "{:.3f}"))
+    panels = (
+        (plan["batches"], "batches", "Batches per bucket", "{:,.0f}"),
+        (
+            plan["planned_utterances"],
+            "utterances in the epoch plan",
+            "Utterances per bucket",
+            "{:,.0f}",
+        ),
+        (
+            plan["padding_efficiency"],
+            "real audio / padded audio",
+            "Padding efficiency per bucket",
+            "{:.3f}",
+        ),
+    )
     for k, (ax, (values, ylabel, title, fmt)) in enumerate(zip(axes, panels)):
         bars = ax.bar(x, values, color="#1f77b4")
         texts = [fmt.format(v) if v else "" for v in values]
@@ -245,14 +291,20 @@ def plot_buckets(plan: dict) -> plt.Figure:
     overall = plan["stats"]["padding_efficiency"]
     axes[2].set_ylim(0, 1.12)
     axes[2].axhline(overall, color="#ff7f0e", linestyle="--", linewidth=1)
-    axes[2].set_title(f"Padding efficiency per bucket\n(dashed: whole epoch, {overall:.3f})", fontsize=11)
+    axes[2].set_title(
+        f"Padding efficiency per bucket\n(dashed: whole epoch, {overall:.3f})", fontsize=11
+    )
     fig.suptitle(f"Bucket fill at MAX_BATCH_DURATION={config.MAX_BATCH_DURATION:g} s", fontsize=12)
     fig.tight_layout()
     return fig
 
 
 def plot_dropped(steps: list[dict]) -> plt.Figure:
-    items = [(s["step"], reason, n) for s in steps for reason, n in sorted(s["dropped"].items(), key=lambda kv: -kv[1])]
+    items = [
+        (s["step"], reason, n)
+        for s in steps
+        for reason, n in sorted(s["dropped"].items(), key=lambda kv: -kv[1])
+    ]
     fig, ax = plt.subplots(figsize=(10, 0.42 * max(1, len(items)) + 1.8))
     if not items:
         ax.text(0.5, 0.5, "no rows dropped", ha="center", va="center", fontsize=12)
@@ -269,19 +321,36 @@ def plot_dropped(steps: list[dict]) -> plt.Figure:
         ax.set_xlabel("rows dropped")
         ax.set_ylabel("reason")
         handles = [plt.Rectangle((0, 0), 1, 1, color=step_color[s["step"]]) for s in steps]
-        ax.legend(handles, [f"{s['step']} ({s['rows_in']:,} rows in)" if s["rows_in"] is not None else s["step"]
-                            for s in steps], title="build step", loc="upper left", bbox_to_anchor=(1.01, 1.0),
-                  frameon=False, fontsize=9)
+        ax.legend(
+            handles,
+            [
+                f"{s['step']} ({s['rows_in']:,} rows in)" if s["rows_in"] is not None else s["step"]
+                for s in steps
+            ],
+            title="build step",
+            loc="upper left",
+            bbox_to_anchor=(1.01, 1.0),
+            frameon=False,
+            fontsize=9,
+        )
     ax.set_title("Rows dropped by reason, per build step")
     fig.tight_layout()
     return fig
 
 
-def build_figures(durations: np.ndarray, languages: np.ndarray, table: list[dict], plan: dict | None,
-                  steps: list[dict], edges: list[float]) -> dict[str, plt.Figure]:
+def build_figures(
+    durations: np.ndarray,
+    languages: np.ndarray,
+    table: list[dict],
+    plan: dict | None,
+    steps: list[dict],
+    edges: list[float],
+) -> dict[str, plt.Figure]:
     """File name -> figure, for every plot the inputs allow (no sampler plan: no mix or bucket plots)."""
-    figures = {"durations.png": plot_durations(durations, languages, table, edges),
-               "hours.png": plot_hours(table)}
+    figures = {
+        "durations.png": plot_durations(durations, languages, table, edges),
+        "hours.png": plot_hours(table),
+    }
     if plan is not None:
         figures["language_mix.png"] = plot_language_mix(plan["stats"], [r["lang"] for r in table])
         figures["buckets.png"] = plot_buckets(plan)
@@ -292,51 +361,131 @@ def build_figures(durations: np.ndarray, languages: np.ndarray, table: list[dict
 
 # --- markdown ----------------------------------------------------------------------------------
 
+
 def _md_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
 
 
-def write_markdown(out: Path, manifest: Path, table: list[dict], plan: dict | None, steps: list[dict]) -> str:
+def write_markdown(
+    out: Path, manifest: Path, table: list[dict], plan: dict | None, steps: list[dict]
+) -> str:
     total_h = sum(r["hours"] for r in table)
-    parts = [f"# Data report: {manifest.name}", "",
-             f"Manifest `{manifest}`: {sum(r['utterances'] for r in table):,} utterances, {total_h:.2f} hours, "
-             f"{len(table)} languages. Written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", "",
-             "## Hours per language", "", "![hours per language](hours.png)", "",
-             _md_table(["lang", "utterances", "hours", "share of hours", "median s", "p95 s", "min s", "max s"],
-                       [[r["lang"], f"{r['utterances']:,}", f"{r['hours']:.3f}",
-                         f"{100 * r['hours'] / max(total_h, 1e-12):.1f}%", f"{r['median_s']:.2f}",
-                         f"{r['p95_s']:.2f}", f"{r['min_s']:.2f}", f"{r['max_s']:.2f}"] for r in table]),
-             "", "## Duration per language", "", "![duration histograms](durations.png)", ""]
+    parts = [
+        f"# Data report: {manifest.name}",
+        "",
+        f"Manifest `{manifest}`: {sum(r['utterances'] for r in table):,} utterances, {total_h:.2f} hours, "
+        f"{len(table)} languages. Written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
+        "",
+        "## Hours per language",
+        "",
+        "![hours per language](hours.png)",
+        "",
+        _md_table(
+            [
+                "lang",
+                "utterances",
+                "hours",
+                "share of hours",
+                "median s",
+                "p95 s",
+                "min s",
+                "max s",
+            ],
+            [
+                [
+                    r["lang"],
+                    f"{r['utterances']:,}",
+                    f"{r['hours']:.3f}",
+                    f"{100 * r['hours'] / max(total_h, 1e-12):.1f}%",
+                    f"{r['median_s']:.2f}",
+                    f"{r['p95_s']:.2f}",
+                    f"{r['min_s']:.2f}",
+                    f"{r['max_s']:.2f}",
+                ]
+                for r in table
+            ],
+        ),
+        "",
+        "## Duration per language",
+        "",
+        "![duration histograms](durations.png)",
+        "",
+    ]
     if plan is not None:
         st = plan["stats"]
         langs = [r["lang"] for r in table]
-        parts += [f"## Language mix at TEMPERATURE={config.TEMPERATURE:g}", "",
-                  f"One epoch of the sampler (LANG_WEIGHTING={config.LANG_WEIGHTING}, shares of "
-                  f"{st.get('share_unit', 'utterances')}): natural = the manifest's own mix, target ~ n^T, "
-                  "realized = the epoch's plan.", "", "![language mix](language_mix.png)", "",
-                  _md_table(["lang", "natural", "target", "realized", "repeated", "skipped"],
-                            [[lang, f"{100 * st['natural_share'].get(lang, 0):.1f}%",
-                              f"{100 * st['target_share'].get(lang, 0):.1f}%",
-                              f"{100 * st['realized_share'].get(lang, 0):.1f}%",
-                              st.get("repeated", {}).get(lang, 0), st.get("skipped", {}).get(lang, 0)]
-                             for lang in langs]),
-                  "", "## Buckets and padding", "",
-                  f"Padding efficiency of the epoch: **{st['padding_efficiency']:.3f}** (real audio / batch size x "
-                  f"longest utterance). MAX_BATCH_DURATION={config.MAX_BATCH_DURATION:g} s, "
-                  f"{sum(plan['batches']):,} batches.", "", "![buckets](buckets.png)", "",
-                  _md_table(["bucket", "utterances in manifest", "utterances in plan", "batches", "utts / batch",
-                             "audio s / batch", "padding efficiency"],
-                            [[lab, f"{c:,}", f"{u:,}", f"{b:,}", f"{u / b:.1f}" if b else "-",
-                              f"{s:.1f}" if b else "-", f"{e:.3f}" if b else "-"]
-                             for lab, c, u, b, s, e in zip(plan["labels"], plan["corpus_utterances"],
-                                                           plan["planned_utterances"], plan["batches"],
-                                                           plan["mean_batch_seconds"],
-                                                           plan["padding_efficiency"])]), ""]
+        parts += [
+            f"## Language mix at TEMPERATURE={config.TEMPERATURE:g}",
+            "",
+            f"One epoch of the sampler (LANG_WEIGHTING={config.LANG_WEIGHTING}, shares of "
+            f"{st.get('share_unit', 'utterances')}): natural = the manifest's own mix, target ~ n^T, "
+            "realized = the epoch's plan.",
+            "",
+            "![language mix](language_mix.png)",
+            "",
+            _md_table(
+                ["lang", "natural", "target", "realized", "repeated", "skipped"],
+                [
+                    [
+                        lang,
+                        f"{100 * st['natural_share'].get(lang, 0):.1f}%",
+                        f"{100 * st['target_share'].get(lang, 0):.1f}%",
+                        f"{100 * st['realized_share'].get(lang, 0):.1f}%",
+                        st.get("repeated", {}).get(lang, 0),
+                        st.get("skipped", {}).get(lang, 0),
+                    ]
+                    for lang in langs
+                ],
+            ),
+            "",
+            "## Buckets and padding",
+            "",
+            f"Padding efficiency of the epoch: **{st['padding_efficiency']:.3f}** (real audio / batch size x "
+            f"longest utterance). MAX_BATCH_DURATION={config.MAX_BATCH_DURATION:g} s, "
+            f"{sum(plan['batches']):,} batches.",
+            "",
+            "![buckets](buckets.png)",
+            "",
+            _md_table(
+                [
+                    "bucket",
+                    "utterances in manifest",
+                    "utterances in plan",
+                    "batches",
+                    "utts / batch",
+                    "audio s / batch",
+                    "padding efficiency",
+                ],
+                [
+                    [
+                        lab,
+                        f"{c:,}",
+                        f"{u:,}",
+                        f"{b:,}",
+                        f"{u / b:.1f}" if b else "-",
+                        f"{s:.1f}" if b else "-",
+                        f"{e:.3f}" if b else "-",
+                    ]
+                    for lab, c, u, b, s, e in zip(
+                        plan["labels"],
+                        plan["corpus_utterances"],
+                        plan["planned_utterances"],
+                        plan["batches"],
+                        plan["mean_batch_seconds"],
+                        plan["padding_efficiency"],
+                    )
+                ],
+            ),
+            "",
+        ]
     parts += ["## Rows dropped", ""]
     if not steps:
-        parts += ["No build summaries (`*.summary.json`) found beside the manifest; pass them with --summary.", ""]
+        parts += [
+            "No build summaries (`*.summary.json`) found beside the manifest; pass them with --summary.",
+            "",
+        ]
     else:
         parts += ["![rows dropped](dropped.png)", ""]
         for s in steps:
@@ -344,56 +493,105 @@ def write_markdown(out: Path, manifest: Path, table: list[dict], plan: dict | No
             rows_in = "?" if s["rows_in"] is None else f"{s['rows_in']:,}"
             rows_out = "?" if s["rows_out"] is None else f"{s['rows_out']:,}"
             val = "" if s.get("val_rows") is None else f" (+ {s['val_rows']:,} validation)"
-            parts += [f"### {s['step']}", "", f"`{s['path']}`: {rows_in} rows in, {rows_out} out{val}, "
-                      f"{total:,} dropped.", ""]
+            parts += [
+                f"### {s['step']}",
+                "",
+                f"`{s['path']}`: {rows_in} rows in, {rows_out} out{val}, {total:,} dropped.",
+                "",
+            ]
             if s.get("lang_corrections"):
-                parts += ["Language tags corrected (given->corrected): " + ", ".join(
-                    f"{k} {v:,}" for k, v in sorted(s["lang_corrections"].items())) + ".", ""]
+                parts += [
+                    "Language tags corrected (given->corrected): "
+                    + ", ".join(f"{k} {v:,}" for k, v in sorted(s["lang_corrections"].items()))
+                    + ".",
+                    "",
+                ]
             if s["dropped"]:
-                parts += [_md_table(["reason", "rows", "by language"],
-                                    [[reason, f"{n:,}", ", ".join(f"{lang} {v[reason]}" for lang, v in
-                                                               sorted(s["dropped_by_lang"].items()) if reason in v)]
-                                     for reason, n in sorted(s["dropped"].items(), key=lambda kv: -kv[1])]), ""]
+                parts += [
+                    _md_table(
+                        ["reason", "rows", "by language"],
+                        [
+                            [
+                                reason,
+                                f"{n:,}",
+                                ", ".join(
+                                    f"{lang} {v[reason]}"
+                                    for lang, v in sorted(s["dropped_by_lang"].items())
+                                    if reason in v
+                                ),
+                            ]
+                            for reason, n in sorted(s["dropped"].items(), key=lambda kv: -kv[1])
+                        ],
+                    ),
+                    "",
+                ]
     text = "\n".join(parts)
     atomic_write(out / "report.md", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
     return text
 
 
-def write_report(manifest: Path, out: Path, summaries: list[Path] | None = None, *, with_sampler: bool = True
-                 ) -> dict[str, Any]:
+def write_report(
+    manifest: Path, out: Path, summaries: list[Path] | None = None, *, with_sampler: bool = True
+) -> dict[str, Any]:
     """Write the plots and report.md for ``manifest`` into ``out``; return what was written and the numbers."""
     manifest, out = Path(manifest), Path(out)
     durations, languages = read_manifest(manifest)
     out.mkdir(parents=True, exist_ok=True)
     table = language_table(durations, languages)
     plan = sampler_plan(durations, languages) if with_sampler else None
-    edges = plan["edges"] if plan else ([] if isinstance(config.BUCKET_BOUNDARIES, str)
-                                         else list(config.BUCKET_BOUNDARIES))
+    edges = (
+        plan["edges"]
+        if plan
+        else ([] if isinstance(config.BUCKET_BOUNDARIES, str) else list(config.BUCKET_BOUNDARIES))
+    )
     steps = read_summaries(find_summaries(manifest) if summaries is None else summaries)
     figures = build_figures(durations, languages, table, plan, steps, edges)
     for name, fig in figures.items():
         _save(fig, out / name)
     files = list(figures)
     write_markdown(out, manifest, table, plan, steps)
-    return {"out": str(out), "files": files + ["report.md"], "languages": table,
-            "padding_efficiency": plan["stats"]["padding_efficiency"] if plan else None,
-            "summaries": [s["path"] for s in steps]}
+    return {
+        "out": str(out),
+        "files": files + ["report.md"],
+        "languages": table,
+        "padding_efficiency": plan["stats"]["padding_efficiency"] if plan else None,
+        "summaries": [s["path"] for s in steps],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="Example:\n  python scripts/manifest_report.py data/train_manifest_v2.parquet "
-                                            "--out data/report")
-    parser.add_argument("manifest", nargs="?", type=Path, default=None,
-                        help=f"manifest parquet (default TRAIN_MANIFEST_PATH = {config.TRAIN_MANIFEST_PATH})")
-    parser.add_argument("--out", type=Path, default=None,
-                        help=f"output directory (default DATA_DIR/report = {config.DATA_DIR / 'report'})")
-    parser.add_argument("--summary", type=Path, action="append", default=None,
-                        help="a build summary JSON to plot drops from; repeatable (default: every "
-                             "*.summary.json beside the manifest)")
-    parser.add_argument("--no-sampler", action="store_true",
-                        help="skip the language-mix and bucket plots (they build one sampler epoch)")
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Example:\n  python scripts/manifest_report.py data/train_manifest_v2.parquet "
+        "--out data/report",
+    )
+    parser.add_argument(
+        "manifest",
+        nargs="?",
+        type=Path,
+        default=None,
+        help=f"manifest parquet (default TRAIN_MANIFEST_PATH = {config.TRAIN_MANIFEST_PATH})",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"output directory (default DATA_DIR/report = {config.DATA_DIR / 'report'})",
+    )
+    parser.add_argument(
+        "--summary",
+        type=Path,
+        action="append",
+        default=None,
+        help="a build summary JSON to plot drops from; repeatable (default: every "
+        "*.summary.json beside the manifest)",
+    )
+    parser.add_argument(
+        "--no-sampler",
+        action="store_true",
+        help="skip the language-mix and bucket plots (they build one sampler epoch)",
+    )
     args = parser.parse_args(argv)
     manifest = args.manifest if args.manifest is not None else config.TRAIN_MANIFEST_PATH
     out = args.out if args.out is not None else config.DATA_DIR / "report"
@@ -405,8 +603,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"data report for {manifest} ({time.perf_counter() - started:.1f} s):")
     for row in result["languages"]:
-        print(f"  {row['lang']:<6} {row['utterances']:>10,} utts {row['hours']:>9.2f} h  "
-              f"median {row['median_s']:.1f} s")
+        print(
+            f"  {row['lang']:<6} {row['utterances']:>10,} utts {row['hours']:>9.2f} h  "
+            f"median {row['median_s']:.1f} s"
+        )
     if result["padding_efficiency"] is not None:
         print(f"  padding efficiency of one epoch: {result['padding_efficiency']:.3f}")
     print(f"  drops from: {', '.join(result['summaries']) or 'no summaries found'}")

@@ -12,12 +12,14 @@ Example:
                 [{"segment_id": "a", "transcription_native": "नमस्ते", "duration_s": 1.2}],
                 audio=True)
 """
+
 from __future__ import annotations
 
 import io
 import tarfile
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -36,7 +38,9 @@ METADATA_TYPES = {
 _CONTROL_KEYS = {"tar_member_name", "indexed"}
 
 
-def flac_bytes(duration_s: float, sample_rate: int = 16000, channels: int = 1, seed: int = 0) -> bytes:
+def flac_bytes(
+    duration_s: float, sample_rate: int = 16000, channels: int = 1, seed: int = 0
+) -> bytes:
     """A FLAC file of quiet noise lasting ``duration_s`` seconds, as bytes."""
     rng = np.random.default_rng(seed)
     frames = max(1, int(round(duration_s * sample_rate)))
@@ -54,10 +58,18 @@ def add_tar_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def write_shard(shards_dir: str | Path, source: str, lang: str, shard_name: str,
-                rows: Iterable[Mapping[str, Any]], *, audio: bool = False, sample_rate: int = 16000,
-                extra_index_rows: Iterable[Mapping[str, str]] = (), speaker_column: bool | None = None
-                ) -> Path:
+def write_shard(
+    shards_dir: str | Path,
+    source: str,
+    lang: str,
+    shard_name: str,
+    rows: Iterable[Mapping[str, Any]],
+    *,
+    audio: bool = False,
+    sample_rate: int = 16000,
+    extra_index_rows: Iterable[Mapping[str, str]] = (),
+    speaker_column: bool | None = None,
+) -> Path:
     """Write one shard and return its directory.
 
     Each row needs ``segment_id``; the others default to a short transcript, 2.0 s, quality 1.0 and
@@ -77,18 +89,30 @@ def write_shard(shards_dir: str | Path, source: str, lang: str, shard_name: str,
         columns[name] = []
     index: list[tuple[str, str]] = []
     for i, row in enumerate(rows):
-        defaults = {"transcription_native": f"utterance {i}", "duration_s": 2.0,
-                    "tx_quality_score": 1.0, "segment_language": None}
+        defaults = {
+            "transcription_native": f"utterance {i}",
+            "duration_s": 2.0,
+            "tx_quality_score": 1.0,
+            "segment_language": None,
+        }
         for name in columns:
             columns[name].append(row.get(name, defaults.get(name)))
         if row.get("indexed", True):
-            index.append((row["segment_id"], row.get("tar_member_name", f"{row['segment_id']}.flac")))
+            index.append(
+                (row["segment_id"], row.get("tar_member_name", f"{row['segment_id']}.flac"))
+            )
     fields = [pa.field(n, METADATA_TYPES.get(n, pa.string())) for n in columns]
     pq.write_table(pa.table(columns, schema=pa.schema(fields)), shard_dir / "metadata.parquet")
     index += [(r["segment_id"], r["tar_member_name"]) for r in extra_index_rows]
-    pq.write_table(pa.table({"segment_id": pa.array([s for s, _ in index], pa.string()),
-                             "tar_member_name": pa.array([m for _, m in index], pa.string())}),
-                   shard_dir / "audio_index.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "segment_id": pa.array([s for s, _ in index], pa.string()),
+                "tar_member_name": pa.array([m for _, m in index], pa.string()),
+            }
+        ),
+        shard_dir / "audio_index.parquet",
+    )
     if audio:
         durations = {r["segment_id"]: r.get("duration_s", 2.0) for r in rows}
         with tarfile.open(shard_dir / "audio.tar", "w") as tar:

@@ -1,4 +1,5 @@
 """atomic_files.atomic_write: all or nothing under the final name, with the mode open() would give."""
+
 import os
 
 import pytest

@@ -1,4 +1,5 @@
 """scripts/bench_train_step.py: the batch it times, its search for MAX_BATCH_DURATION, and a whole run."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -9,7 +10,9 @@ import pytest
 import config
 from tests.tiny_training_data import make_training_data
 
-spec = importlib.util.spec_from_file_location("bench_train_step", config.REPO_DIR / "scripts" / "bench_train_step.py")
+spec = importlib.util.spec_from_file_location(
+    "bench_train_step", config.REPO_DIR / "scripts" / "bench_train_step.py"
+)
 bench = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = bench  # its dataclasses look their module up there
 spec.loader.exec_module(bench)
@@ -48,5 +51,8 @@ def test_bench_times_both_phases_against_nemo_and_prints_the_ratio(tmp_path, mon
     out = capsys.readouterr().out
     assert "B parameters" in out and "1 utterances, 20.0 s of audio" in out
     for phase in (1, 2):
-        assert f"phase {phase} project: median step" in out and f"phase {phase} nemo   : median step" in out
+        assert (
+            f"phase {phase} project: median step" in out
+            and f"phase {phase} nemo   : median step" in out
+        )
         assert f"phase {phase} ratio project / NeMo step time:" in out

@@ -1,4 +1,5 @@
 """build_manifest.py: cleaning rules, filters, schema, error handling and determinism."""
+
 from __future__ import annotations
 
 import functools
@@ -13,7 +14,8 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import build_manifest as bm
 from tests.shard_factory import write_shard
@@ -24,15 +26,22 @@ ZWJ, ZWNJ = "\u200d", "\u200c"
 
 def build(shards_dir: Path, tmp_path: Path, **kwargs) -> tuple[pl.DataFrame, dict]:
     out = tmp_path / "master_manifest.parquet"
-    options = dict(languages=(), min_duration=0.5, max_duration=20.0, min_quality=0.0, progress=False)
+    options = dict(
+        languages=(), min_duration=0.5, max_duration=20.0, min_quality=0.0, progress=False
+    )
     options.update(kwargs)
     summary = bm.build_manifest(shards_dir, out, **options)
     return pl.read_parquet(out), summary
 
 
 def one_row_manifest(tmp_path: Path, transcript: str | None, **row) -> pl.DataFrame:
-    write_shard(tmp_path / "shards", "src", "hi", "s0",
-                [{"segment_id": "a", "transcription_native": transcript, **row}])
+    write_shard(
+        tmp_path / "shards",
+        "src",
+        "hi",
+        "s0",
+        [{"segment_id": "a", "transcription_native": transcript, **row}],
+    )
     manifest, _ = build(tmp_path / "shards", tmp_path)
     return manifest
 
@@ -49,8 +58,35 @@ def test_bracket_tags_are_removed_with_their_contents(tag):
     assert bm.clean_text(f"hello{tag}world") == "hello world"
 
 
-@pytest.mark.parametrize("mark", ["।", "॥", "«", "»", "‘", "“", "”", "„", "…", "–", "—", "-", "(", ")",
-                                  "[", "]", ".", ",", "!", "?", '"', "۔", "،", "؟"])
+@pytest.mark.parametrize(
+    "mark",
+    [
+        "।",
+        "॥",
+        "«",
+        "»",
+        "‘",
+        "“",
+        "”",
+        "„",
+        "…",
+        "–",
+        "—",
+        "-",
+        "(",
+        ")",
+        "[",
+        "]",
+        ".",
+        ",",
+        "!",
+        "?",
+        '"',
+        "۔",
+        "،",
+        "؟",
+    ],
+)
 def test_punctuation_becomes_a_space_so_neighbouring_words_stay_apart(mark):
     assert bm.clean_text(f"ek{mark}do") == "ek do"
     assert bm.clean_text(f"ek {mark} do{mark}") == "ek do"
@@ -100,34 +136,51 @@ def test_symbols_become_spaces():
     assert bm.clean_text("50% of $5 + 3") == "50 of 5 3"
 
 
-TRICKY = st.lists(st.sampled_from(list(
-    "ab5 कषन्ािँ ़ക്നൽ অৰৱ্া ো e\u0301\u0323\u00e9 ’'\"«»-–—…।॥.,[]<>|()\t\n\u00a0") + [ZWJ, ZWNJ, "\u200b",
-    "\u200f", "\ufeff", "\ue000", "\x00", "[music]", "<noise>"]), max_size=30).map("".join)
+TRICKY = st.lists(
+    st.sampled_from(
+        list("ab5 कषन्ािँ ़ക്നൽ অৰৱ্া ো e\u0301\u0323\u00e9 ’'\"«»-–—…।॥.,[]<>|()\t\n\u00a0")
+        + [ZWJ, ZWNJ, "\u200b", "\u200f", "\ufeff", "\ue000", "\x00", "[music]", "<noise>"]
+    ),
+    max_size=30,
+).map("".join)
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(TRICKY, min_size=1, max_size=8))
 def test_fast_cleaning_path_equals_running_every_rule_on_every_row(texts):
-    reference = pl.select(bm.clean_text_expr(pl.lit(pl.Series(texts, dtype=pl.String)))).to_series().to_list()
+    reference = (
+        pl.select(bm.clean_text_expr(pl.lit(pl.Series(texts, dtype=pl.String))))
+        .to_series()
+        .to_list()
+    )
     assert bm.clean_texts(texts) == reference
 
 
 # Text the single-pass path takes (no invisible character, nothing NFC changes) dense with what
 # decides an apostrophe: spaces, marks, tags, digits, signs, mid-word joiners, other apostrophes.
-APOSTROPHE_HEAVY = st.lists(st.sampled_from(
-    list("ab5 ि़ ’'.,-[]<>\u0301ক্") + [ZWJ, " '", "' ", "a'b", "''", "’’ ", "[x'y]"]), max_size=20).map("".join)
+APOSTROPHE_HEAVY = st.lists(
+    st.sampled_from(
+        list("ab5 ि़ ’'.,-[]<>\u0301ক্") + [ZWJ, " '", "' ", "a'b", "''", "’’ ", "[x'y]"]
+    ),
+    max_size=20,
+).map("".join)
 
 
 @settings(max_examples=500, deadline=None)
 @given(st.lists(APOSTROPHE_HEAVY, min_size=1, max_size=6))
 def test_single_pass_apostrophes_equal_running_every_rule(texts):
-    reference = pl.select(bm.clean_text_expr(pl.lit(pl.Series(texts, dtype=pl.String)))).to_series().to_list()
+    reference = (
+        pl.select(bm.clean_text_expr(pl.lit(pl.Series(texts, dtype=pl.String))))
+        .to_series()
+        .to_list()
+    )
     assert bm.clean_texts(texts) == reference
 
 
 def test_apostrophes_outside_words_become_spaces_and_in_word_ones_stay():
-    assert bm.clean_texts(["'tis a 'test' rock'n'roll", "don’t", "a '' b", "a''b", "9'a", "x' y", "'"]) == [
-        "tis a test rock'n'roll", "don't", "a b", "a b", "9 a", "x y", ""]
+    assert bm.clean_texts(
+        ["'tis a 'test' rock'n'roll", "don’t", "a '' b", "a''b", "9'a", "x' y", "'"]
+    ) == ["tis a test rock'n'roll", "don't", "a b", "a b", "9 a", "x y", ""]
 
 
 def test_fast_cleaning_path_handles_neighbours_made_by_deleting_invisible_characters():
@@ -165,8 +218,11 @@ def test_manifest_has_the_contract_columns_in_order_with_their_types(tmp_path):
     assert manifest.columns == [*bm.OUTPUT_COLUMNS, *bm.EXTRA_COLUMNS]
     assert manifest.schema["duration"] == pl.Float64
     assert manifest.schema["tx_quality_score"] == pl.Float64
-    assert all(manifest.schema[c] == pl.String for c in manifest.columns
-               if c not in ("duration", "tx_quality_score"))
+    assert all(
+        manifest.schema[c] == pl.String
+        for c in manifest.columns
+        if c not in ("duration", "tx_quality_score")
+    )
 
 
 def test_text_is_the_language_tag_then_the_cleaned_transcript(tmp_path):
@@ -181,14 +237,37 @@ def test_segment_language_overrides_the_path_language(tmp_path):
 
 
 def test_path_language_is_used_when_segment_language_is_null_or_blank(tmp_path):
-    write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a", "segment_language": None},
-                                                         {"segment_id": "b", "segment_language": ""},
-                                                         {"segment_id": "c", "segment_language": " \t"},
-                                                         {"segment_id": "d", "segment_language": " Ta"}])
-    write_shard(tmp_path / "shards", "src", "en", "s1", [{"segment_id": "e", "segment_language": None},
-                                                         {"segment_id": "f", "segment_language": "KN"}])
+    write_shard(
+        tmp_path / "shards",
+        "src",
+        "hi",
+        "s0",
+        [
+            {"segment_id": "a", "segment_language": None},
+            {"segment_id": "b", "segment_language": ""},
+            {"segment_id": "c", "segment_language": " \t"},
+            {"segment_id": "d", "segment_language": " Ta"},
+        ],
+    )
+    write_shard(
+        tmp_path / "shards",
+        "src",
+        "en",
+        "s1",
+        [
+            {"segment_id": "e", "segment_language": None},
+            {"segment_id": "f", "segment_language": "KN"},
+        ],
+    )
     manifest, _ = build(tmp_path / "shards", tmp_path)
-    assert manifest.get_column("lang").to_list() == ["en", "kn", "hi", "hi", "hi", "ta"]  # by shard_id
+    assert manifest.get_column("lang").to_list() == [
+        "en",
+        "kn",
+        "hi",
+        "hi",
+        "hi",
+        "ta",
+    ]  # by shard_id
 
 
 def test_shard_source_tar_path_and_member_come_from_the_shard(tmp_path):
@@ -196,7 +275,9 @@ def test_shard_source_tar_path_and_member_come_from_the_shard(tmp_path):
     row = manifest.row(0, named=True)
     assert row["shard_id"] == "src/hi/s0" and row["source"] == "src"
     assert row["tar_member_name"] == "clips/a.flac"
-    assert row["tar_path"] == str((tmp_path / "shards" / "src" / "hi" / "s0" / "audio.tar").absolute())
+    assert row["tar_path"] == str(
+        (tmp_path / "shards" / "src" / "hi" / "s0" / "audio.tar").absolute()
+    )
 
 
 def test_speaker_id_and_quality_are_carried_through(tmp_path):
@@ -211,8 +292,18 @@ def test_speaker_id_is_null_when_the_shard_has_no_speaker_column(tmp_path):
 
 def test_integer_durations_and_scores_are_accepted(tmp_path):
     shard = write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a"}])
-    pq.write_table(pa.table({"segment_id": ["a"], "transcription_native": ["x"], "duration_s": [3],
-                             "tx_quality_score": [1], "segment_language": [None]}), shard / "metadata.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "segment_id": ["a"],
+                "transcription_native": ["x"],
+                "duration_s": [3],
+                "tx_quality_score": [1],
+                "segment_language": [None],
+            }
+        ),
+        shard / "metadata.parquet",
+    )
     manifest, _ = build(tmp_path / "shards", tmp_path)
     assert manifest.item(0, "duration") == 3.0
 
@@ -223,17 +314,33 @@ def drops_of(summary: dict) -> dict:
 
 
 def test_duration_bounds_are_inclusive_and_outside_rows_are_dropped(tmp_path):
-    rows = [{"segment_id": s, "duration_s": d} for s, d in
-            [("short", 0.49), ("min", 0.5), ("max", 20.0), ("long", 20.01), ("nan", float("nan")), ("null", None)]]
+    rows = [
+        {"segment_id": s, "duration_s": d}
+        for s, d in [
+            ("short", 0.49),
+            ("min", 0.5),
+            ("max", 20.0),
+            ("long", 20.01),
+            ("nan", float("nan")),
+            ("null", None),
+        ]
+    ]
     write_shard(tmp_path / "shards", "src", "hi", "s0", rows)
     manifest, summary = build(tmp_path / "shards", tmp_path)
     assert sorted(manifest.get_column("segment_id")) == ["max", "min"]
-    assert drops_of(summary) == {"duration_too_short": 1, "duration_too_long": 1, "duration_missing": 2}
+    assert drops_of(summary) == {
+        "duration_too_short": 1,
+        "duration_too_long": 1,
+        "duration_missing": 2,
+    }
 
 
 def test_quality_below_min_and_null_quality_are_dropped(tmp_path):
-    rows = [{"segment_id": "low", "tx_quality_score": 0.2}, {"segment_id": "ok", "tx_quality_score": 0.5},
-            {"segment_id": "none", "tx_quality_score": None}]
+    rows = [
+        {"segment_id": "low", "tx_quality_score": 0.2},
+        {"segment_id": "ok", "tx_quality_score": 0.5},
+        {"segment_id": "none", "tx_quality_score": None},
+    ]
     write_shard(tmp_path / "shards", "src", "hi", "s0", rows)
     manifest, summary = build(tmp_path / "shards", tmp_path, min_quality=0.5)
     assert manifest.get_column("segment_id").to_list() == ["ok"]
@@ -241,10 +348,12 @@ def test_quality_below_min_and_null_quality_are_dropped(tmp_path):
 
 
 def test_tag_only_and_punctuation_only_transcripts_are_dropped_not_kept_as_a_bare_tag(tmp_path):
-    rows = [{"segment_id": "tags", "transcription_native": "[music] [laugh]"},
-            {"segment_id": "dots", "transcription_native": "... ।"},
-            {"segment_id": "null", "transcription_native": None},
-            {"segment_id": "ok", "transcription_native": "[music] ठीक"}]
+    rows = [
+        {"segment_id": "tags", "transcription_native": "[music] [laugh]"},
+        {"segment_id": "dots", "transcription_native": "... ।"},
+        {"segment_id": "null", "transcription_native": None},
+        {"segment_id": "ok", "transcription_native": "[music] ठीक"},
+    ]
     write_shard(tmp_path / "shards", "src", "hi", "s0", rows)
     manifest, summary = build(tmp_path / "shards", tmp_path)
     assert manifest.get_column("text").to_list() == ["<|hi|> ठीक"]
@@ -252,9 +361,14 @@ def test_tag_only_and_punctuation_only_transcripts_are_dropped_not_kept_as_a_bar
 
 
 def test_rows_without_an_audio_index_entry_are_dropped_and_counted(tmp_path):
-    write_shard(tmp_path / "shards", "src", "hi", "s0",
-                [{"segment_id": "a"}, {"segment_id": "b", "indexed": False}],
-                extra_index_rows=[{"segment_id": "orphan", "tar_member_name": "orphan.flac"}])
+    write_shard(
+        tmp_path / "shards",
+        "src",
+        "hi",
+        "s0",
+        [{"segment_id": "a"}, {"segment_id": "b", "indexed": False}],
+        extra_index_rows=[{"segment_id": "orphan", "tar_member_name": "orphan.flac"}],
+    )
     manifest, summary = build(tmp_path / "shards", tmp_path)
     assert manifest.get_column("segment_id").to_list() == ["a"]
     assert drops_of(summary) == {"no_audio_index": 1}
@@ -264,36 +378,66 @@ def test_rows_without_an_audio_index_entry_are_dropped_and_counted(tmp_path):
 def test_a_segment_listed_twice_in_the_audio_index_keeps_its_own_text_on_both_rows(tmp_path):
     # The exact-join path (a duplicate index entry) with dropped rows around it: every kept row must
     # still carry the cleaned transcript of its own metadata row.
-    write_shard(tmp_path / "shards", "src", "hi", "s0",
-                [{"segment_id": "a", "transcription_native": "one, two", "duration_s": 0.1},
-                 {"segment_id": "b", "transcription_native": "«three»"},
-                 {"segment_id": "c", "transcription_native": "four", "indexed": False},
-                 {"segment_id": "d", "transcription_native": "[music]"},
-                 {"segment_id": "e", "transcription_native": "five-six"}],
-                extra_index_rows=[{"segment_id": "b", "tar_member_name": "b_again.flac"}])
+    write_shard(
+        tmp_path / "shards",
+        "src",
+        "hi",
+        "s0",
+        [
+            {"segment_id": "a", "transcription_native": "one, two", "duration_s": 0.1},
+            {"segment_id": "b", "transcription_native": "«three»"},
+            {"segment_id": "c", "transcription_native": "four", "indexed": False},
+            {"segment_id": "d", "transcription_native": "[music]"},
+            {"segment_id": "e", "transcription_native": "five-six"},
+        ],
+        extra_index_rows=[{"segment_id": "b", "tar_member_name": "b_again.flac"}],
+    )
     manifest, summary = build(tmp_path / "shards", tmp_path)
     assert manifest.select("segment_id", "tar_member_name", "text").rows() == [
-        ("b", "b.flac", "<|hi|> three"), ("b", "b_again.flac", "<|hi|> three"), ("e", "e.flac", "<|hi|> five six")]
-    assert drops_of(summary) == {"duration_too_short": 1, "no_audio_index": 1, "empty_after_cleaning": 1}
+        ("b", "b.flac", "<|hi|> three"),
+        ("b", "b_again.flac", "<|hi|> three"),
+        ("e", "e.flac", "<|hi|> five six"),
+    ]
+    assert drops_of(summary) == {
+        "duration_too_short": 1,
+        "no_audio_index": 1,
+        "empty_after_cleaning": 1,
+    }
 
 
 def test_languages_setting_keeps_only_the_listed_languages(tmp_path):
-    write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a"}, {"segment_id": "b", "segment_language": "en"}])
+    write_shard(
+        tmp_path / "shards",
+        "src",
+        "hi",
+        "s0",
+        [{"segment_id": "a"}, {"segment_id": "b", "segment_language": "en"}],
+    )
     manifest, summary = build(tmp_path / "shards", tmp_path, languages=("en",))
     assert manifest.get_column("lang").to_list() == ["en"]
     assert drops_of(summary) == {"language_not_selected": 1}
 
 
 def test_language_codes_that_would_break_the_tag_are_dropped(tmp_path):
-    write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a", "segment_language": "hi|>en"}])
+    write_shard(
+        tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a", "segment_language": "hi|>en"}]
+    )
     _, summary = build(tmp_path / "shards", tmp_path)
     assert drops_of(summary) == {"invalid_language": 1}
 
 
 def test_summary_accounts_for_every_row_per_reason_and_language(tmp_path):
-    write_shard(tmp_path / "shards", "src", "hi", "s0",
-                [{"segment_id": "a"}, {"segment_id": "b", "duration_s": 99.0},
-                 {"segment_id": "c", "segment_language": "en", "transcription_native": "[noise]"}])
+    write_shard(
+        tmp_path / "shards",
+        "src",
+        "hi",
+        "s0",
+        [
+            {"segment_id": "a"},
+            {"segment_id": "b", "duration_s": 99.0},
+            {"segment_id": "c", "segment_language": "en", "transcription_native": "[noise]"},
+        ],
+    )
     write_shard(tmp_path / "shards", "src", "ta", "s1", [{"segment_id": "d"}])
     _, summary = build(tmp_path / "shards", tmp_path)
     written = json.loads((tmp_path / "master_manifest.summary.json").read_text())
@@ -301,7 +445,10 @@ def test_summary_accounts_for_every_row_per_reason_and_language(tmp_path):
         assert written[key] == summary[key]
     assert summary["rows_in"] == 4 and summary["rows_out"] == 2
     assert summary["kept_by_lang"] == {"hi": 1, "ta": 1}
-    assert summary["dropped_by_lang"] == {"en": {"empty_after_cleaning": 1}, "hi": {"duration_too_long": 1}}
+    assert summary["dropped_by_lang"] == {
+        "en": {"empty_after_cleaning": 1},
+        "hi": {"duration_too_long": 1},
+    }
 
 
 # --- bad input -----------------------------------------------------------------------------------
@@ -312,11 +459,22 @@ def corrupt(shard: Path, how: str) -> None:
         data = (shard / "metadata.parquet").read_bytes()
         (shard / "metadata.parquet").write_bytes(data[: len(data) // 2])
     elif how == "missing column":
-        pq.write_table(pa.table({"segment_id": ["x"], "duration_s": [1.0], "tx_quality_score": [1.0]}),
-                       shard / "metadata.parquet")
+        pq.write_table(
+            pa.table({"segment_id": ["x"], "duration_s": [1.0], "tx_quality_score": [1.0]}),
+            shard / "metadata.parquet",
+        )
     elif how == "wrong type":
-        pq.write_table(pa.table({"segment_id": ["x"], "transcription_native": ["t"], "duration_s": ["long"],
-                                 "tx_quality_score": [1.0]}), shard / "metadata.parquet")
+        pq.write_table(
+            pa.table(
+                {
+                    "segment_id": ["x"],
+                    "transcription_native": ["t"],
+                    "duration_s": ["long"],
+                    "tx_quality_score": [1.0],
+                }
+            ),
+            shard / "metadata.parquet",
+        )
     elif how == "corrupt data behind a valid footer":
         data = bytearray((shard / "metadata.parquet").read_bytes())
         data[8:200] = b"\xff" * 192
@@ -325,8 +483,14 @@ def corrupt(shard: Path, how: str) -> None:
         (shard / "audio_index.parquet").unlink()
 
 
-BREAKAGES = ["corrupt parquet", "truncated parquet", "corrupt data behind a valid footer", "missing column",
-             "wrong type", "missing index"]
+BREAKAGES = [
+    "corrupt parquet",
+    "truncated parquet",
+    "corrupt data behind a valid footer",
+    "missing column",
+    "wrong type",
+    "missing index",
+]
 
 
 @pytest.mark.parametrize("how", BREAKAGES)
@@ -350,14 +514,29 @@ def test_strict_turns_an_unreadable_shard_into_an_error_and_writes_nothing(tmp_p
     write_shard(tmp_path / "shards", "src", "hi", "good", [{"segment_id": "a"}])
     corrupt(write_shard(tmp_path / "shards", "src", "hi", "bad", [{"segment_id": "b"}]), how)
     out = tmp_path / "m.parquet"
-    code = bm.main(["--shards-dir", str(tmp_path / "shards"), "--output", str(out), "--strict", "--no-progress"])
+    code = bm.main(
+        [
+            "--shards-dir",
+            str(tmp_path / "shards"),
+            "--output",
+            str(out),
+            "--strict",
+            "--no-progress",
+        ]
+    )
     assert code != 0 and not out.exists()
     assert "bad" in capsys.readouterr().err
 
 
 def test_batches_are_consecutive_shards_sized_by_the_rows_seen_so_far(tmp_path):
     for s in range(40):
-        write_shard(tmp_path / "shards", "src", "hi", f"s{s:02d}", [{"segment_id": f"{s}-{i}"} for i in range(100)])
+        write_shard(
+            tmp_path / "shards",
+            "src",
+            "hi",
+            f"s{s:02d}",
+            [{"segment_id": f"{s}-{i}"} for i in range(100)],
+        )
     shards, _ = bm.discover_shards(tmp_path / "shards")
     batches = list(bm.joined_batches(shards, workers=2, first=4, rows=1600))
     assert [len(batch) for batch, *_ in batches] == [4, 16, 16, 4]  # 1600 rows at 100 a shard
@@ -372,23 +551,47 @@ def test_batches_are_consecutive_shards_sized_by_the_rows_seen_so_far(tmp_path):
 def test_building_in_many_small_batches_writes_the_same_manifest_and_summary(tmp_path, monkeypatch):
     langs = ["hi", "ta", "en"]
     for s in range(20):
-        rows = [{"segment_id": f"{s}-{i}", "transcription_native": f"w{i}, [x] «w» don't",
-                 "duration_s": 0.2 + i, "indexed": i % 7 != 3} for i in range(s % 6)]
-        shard = write_shard(tmp_path / "shards", "src", langs[s % 3], f"s{s:02d}", rows,
-                            extra_index_rows=[{"segment_id": f"orphan{s}", "tar_member_name": "o.flac"}])
+        rows = [
+            {
+                "segment_id": f"{s}-{i}",
+                "transcription_native": f"w{i}, [x] «w» don't",
+                "duration_s": 0.2 + i,
+                "indexed": i % 7 != 3,
+            }
+            for i in range(s % 6)
+        ]
+        shard = write_shard(
+            tmp_path / "shards",
+            "src",
+            langs[s % 3],
+            f"s{s:02d}",
+            rows,
+            extra_index_rows=[{"segment_id": f"orphan{s}", "tar_member_name": "o.flac"}],
+        )
         if s in (5, 13):
             corrupt(shard, "corrupt data behind a valid footer")
     outputs = []
     for batched in (False, True):
         if batched:  # batches of 2, then 8 shards (the fewest a later batch holds)
-            monkeypatch.setattr(bm, "joined_batches", functools.partial(bm.joined_batches, first=2, rows=1))
+            monkeypatch.setattr(
+                bm, "joined_batches", functools.partial(bm.joined_batches, first=2, rows=1)
+            )
         out = tmp_path / f"m{batched}.parquet"
-        summary = bm.build_manifest(tmp_path / "shards", out, languages=(), min_duration=0.5, max_duration=20.0,
-                                    min_quality=0.0, progress=False)
+        summary = bm.build_manifest(
+            tmp_path / "shards",
+            out,
+            languages=(),
+            min_duration=0.5,
+            max_duration=20.0,
+            min_quality=0.0,
+            progress=False,
+        )
         summary.pop("seconds")
         outputs.append((out.read_bytes(), summary))
     assert outputs[0] == outputs[1]
-    assert outputs[0][1]["shards_read"] == 18 and outputs[0][1]["audio_index_without_metadata"] == 18
+    assert (
+        outputs[0][1]["shards_read"] == 18 and outputs[0][1]["audio_index_without_metadata"] == 18
+    )
 
 
 def test_metadata_at_the_wrong_depth_is_reported_and_the_rest_is_built(tmp_path, capsys):
@@ -398,33 +601,58 @@ def test_metadata_at_the_wrong_depth_is_reported_and_the_rest_is_built(tmp_path,
     manifest, summary = build(tmp_path / "shards", tmp_path)
     assert manifest.get_column("segment_id").to_list() == ["a"]
     assert [(b["path"], b["reason"].split("(")[1]) for b in summary["bad_shards"]] == [
-        (str(too_deep), "4 levels deep)"), (str(too_shallow), "2 levels deep)")]
-    code = bm.main(["--shards-dir", str(tmp_path / "shards"), "--output", str(tmp_path / "m.parquet"),
-                    "--strict", "--no-progress"])
-    assert code != 0 and "levels deep" in capsys.readouterr().err and not (tmp_path / "m.parquet").exists()
+        (str(too_deep), "4 levels deep)"),
+        (str(too_shallow), "2 levels deep)"),
+    ]
+    code = bm.main(
+        [
+            "--shards-dir",
+            str(tmp_path / "shards"),
+            "--output",
+            str(tmp_path / "m.parquet"),
+            "--strict",
+            "--no-progress",
+        ]
+    )
+    assert (
+        code != 0
+        and "levels deep" in capsys.readouterr().err
+        and not (tmp_path / "m.parquet").exists()
+    )
 
 
 def test_discovery_does_not_follow_symlinked_directories_so_a_loop_cannot_hang_it(tmp_path):
     write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a"}])
-    (tmp_path / "shards" / "src" / "hi" / "loop").symlink_to(tmp_path / "shards", target_is_directory=True)
+    (tmp_path / "shards" / "src" / "hi" / "loop").symlink_to(
+        tmp_path / "shards", target_is_directory=True
+    )
     shards, misplaced = bm.discover_shards(tmp_path / "shards")
     assert [s.shard_id for s in shards] == ["src/hi/s0"] and misplaced == []
 
 
 def test_missing_shards_dir_exits_non_zero_naming_it(tmp_path, capsys):
-    code = bm.main(["--shards-dir", str(tmp_path / "nope"), "--output", str(tmp_path / "m.parquet")])
+    code = bm.main(
+        ["--shards-dir", str(tmp_path / "nope"), "--output", str(tmp_path / "m.parquet")]
+    )
     assert code != 0 and "nope" in capsys.readouterr().err
 
 
 def test_a_tree_without_shards_exits_non_zero(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
-    code = bm.main(["--shards-dir", str(tmp_path / "empty"), "--output", str(tmp_path / "m.parquet")])
+    code = bm.main(
+        ["--shards-dir", str(tmp_path / "empty"), "--output", str(tmp_path / "m.parquet")]
+    )
     assert code != 0 and "no shards found" in capsys.readouterr().err
 
 
 def test_help_shows_a_usage_example():
-    result = subprocess.run([sys.executable, str(REPO / "build_manifest.py"), "--help"],
-                            capture_output=True, text=True, check=True, cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "build_manifest.py"), "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+    )
     assert "example" in result.stdout and "--strict" in result.stdout
 
 
@@ -439,20 +667,38 @@ def test_rows_are_sorted_by_shard_id_then_segment_id(tmp_path):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 2), st.sampled_from(["x", "y", "xy", ""]), st.sampled_from(["p", "q"])),
-                max_size=8))
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 2), st.sampled_from(["x", "y", "xy", ""]), st.sampled_from(["p", "q"])
+        ),
+        max_size=8,
+    )
+)
 def test_the_sort_is_skipped_only_for_rows_already_in_order(rows):
-    frame = pl.DataFrame(rows, schema={"shard": pl.UInt32, "segment_id": pl.String, "tar_member_name": pl.String},
-                         orient="row")
+    frame = pl.DataFrame(
+        rows,
+        schema={"shard": pl.UInt32, "segment_id": pl.String, "tar_member_name": pl.String},
+        orient="row",
+    )
     columns = ["shard", "segment_id", "tar_member_name"]
     assert bm._is_sorted(frame, columns) == frame.equals(frame.sort(columns, maintain_order=True))
 
 
 def test_a_shard_listed_in_order_and_one_listed_out_of_order_both_come_out_sorted(tmp_path):
     # "b" is listed twice in the metadata and twice in the index, its second file name first
-    write_shard(tmp_path / "shards", "a", "hi", "s0",
-                [{"segment_id": "a"}, {"segment_id": "b", "tar_member_name": "b2.flac"},
-                 {"segment_id": "b", "tar_member_name": "b1.flac"}, {"segment_id": "c"}])
+    write_shard(
+        tmp_path / "shards",
+        "a",
+        "hi",
+        "s0",
+        [
+            {"segment_id": "a"},
+            {"segment_id": "b", "tar_member_name": "b2.flac"},
+            {"segment_id": "b", "tar_member_name": "b1.flac"},
+            {"segment_id": "c"},
+        ],
+    )
     write_shard(tmp_path / "shards", "a", "hi", "s1", [{"segment_id": s} for s in ["q", "p"]])
     manifest, _ = build(tmp_path / "shards", tmp_path)
     rows = manifest.select("shard_id", "segment_id", "tar_member_name").rows()
@@ -462,18 +708,35 @@ def test_a_shard_listed_in_order_and_one_listed_out_of_order_both_come_out_sorte
 def test_rows_keep_their_own_shard_when_a_shard_between_them_is_empty(tmp_path):
     write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a"}, {"segment_id": "b"}])
     write_shard(tmp_path / "shards", "src", "hi", "s1", [])
-    write_shard(tmp_path / "shards", "src", "ta", "s2", [{"segment_id": "c"}],
-                extra_index_rows=[{"segment_id": "orphan", "tar_member_name": "orphan.flac"}])
+    write_shard(
+        tmp_path / "shards",
+        "src",
+        "ta",
+        "s2",
+        [{"segment_id": "c"}],
+        extra_index_rows=[{"segment_id": "orphan", "tar_member_name": "orphan.flac"}],
+    )
     manifest, summary = build(tmp_path / "shards", tmp_path)
     assert manifest.select("segment_id", "shard_id", "lang").rows() == [
-        ("a", "src/hi/s0", "hi"), ("b", "src/hi/s0", "hi"), ("c", "src/ta/s2", "ta")]
+        ("a", "src/hi/s0", "hi"),
+        ("b", "src/hi/s0", "hi"),
+        ("c", "src/ta/s2", "ta"),
+    ]
     assert summary["shards_read"] == 3 and summary["audio_index_without_metadata"] == 1
 
 
 def test_rerunning_gives_byte_identical_outputs(tmp_path):
     for i in range(3):
-        write_shard(tmp_path / "shards", "src", ["hi", "ta", "en"][i], f"s{i}",
-                    [{"segment_id": f"{i}-{j}", "transcription_native": f"word{j}, [x] «w»"} for j in range(50)])
+        write_shard(
+            tmp_path / "shards",
+            "src",
+            ["hi", "ta", "en"][i],
+            f"s{i}",
+            [
+                {"segment_id": f"{i}-{j}", "transcription_native": f"word{j}, [x] «w»"}
+                for j in range(50)
+            ],
+        )
     build(tmp_path / "shards", tmp_path, workers=2)
     first = (tmp_path / "master_manifest.parquet").read_bytes()
     build(tmp_path / "shards", tmp_path, workers=1)
@@ -488,21 +751,30 @@ def test_a_failed_write_leaves_the_previous_manifest_and_no_temp_file(tmp_path, 
     def broken_write(self, path, **kwargs):
         Path(path).write_bytes(b"half")
         raise OSError("disk full")
+
     monkeypatch.setattr(pl.DataFrame, "write_parquet", broken_write)
     with pytest.raises(OSError):
         build(tmp_path / "shards", tmp_path)
     assert (tmp_path / "master_manifest.parquet").read_bytes() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["master_manifest.parquet", "master_manifest.summary.json", "shards"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "master_manifest.parquet",
+        "master_manifest.summary.json",
+        "shards",
+    ]
 
 
 # --- the benchmark script ----------------------------------------------------------------------
 def test_benchmark_runs_end_to_end_and_finds_the_rows_agree(tmp_path, capsys):
     """A small corpus through scripts/bench_build_manifest.py: its comparison must pass, so the
     baseline and build_manifest.py agree row for row except where the new cleaning fixes the old."""
-    spec = importlib.util.spec_from_file_location("bench_build_manifest", REPO / "scripts" / "bench_build_manifest.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_build_manifest", REPO / "scripts" / "bench_build_manifest.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    code = bench.main(["--shards", "10", "--rows-per-shard", "150", "--pool-size", "60", "--keep", str(tmp_path)])
+    code = bench.main(
+        ["--shards", "10", "--rows-per-shard", "150", "--pool-size", "60", "--keep", str(tmp_path)]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "rows agree except intended fixes: yes" in out and "60 transcripts per language" in out

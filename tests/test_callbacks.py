@@ -6,6 +6,7 @@ and collate_asr_batch (synthetic signals, no audio files, no NeMo; DataLoader wo
 matters); a fit takes well under a second.
 The kill-and-resume test of train.py under torchrun is tests/test_resume.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,7 +50,9 @@ def test_corpus_wer_is_total_edits_over_total_words_not_a_mean_of_utterance_wers
     hyps = ["no", "one two three four five six seven eight nine"]
     counts = callbacks.corpus_error_rates(refs, hyps, ["en", "en"])["en"]
     assert counts.word_edits == 1 and counts.words == 10
-    assert counts.wer == pytest.approx(0.1)  # the mean of utterance WERs would be (1.0 + 0.0) / 2 = 0.5
+    assert counts.wer == pytest.approx(
+        0.1
+    )  # the mean of utterance WERs would be (1.0 + 0.0) / 2 = 0.5
 
 
 def test_cer_counts_characters_including_the_spaces_between_words():
@@ -98,17 +101,25 @@ def test_jsonl_logger_appends_one_json_line_per_call_with_the_step_and_nan_as_nu
     logger.log_metrics({"train/loss": 1.5, "train/lr": float("nan")}, step=1)
     logger.log_metrics({"train/loss": torch.tensor(0.5)}, step=2)
     logger.log_table("val/examples", ["lang", "reference"], [["en", "hi"]], step=2)
-    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lines = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [l["step"] for l in lines] == [1, 2, 2]
-    assert lines[0]["train/loss"] == 1.5 and lines[0]["train/lr"] is None and lines[1]["train/loss"] == 0.5
+    assert (
+        lines[0]["train/loss"] == 1.5
+        and lines[0]["train/lr"] is None
+        and lines[1]["train/loss"] == 0.5
+    )
     assert lines[2]["table"] == "val/examples" and lines[2]["rows"] == [["en", "hi"]]
 
 
 def test_progress_postfix_shows_micro_batches_loss_lr_and_phase():
     text = callbacks.progress_postfix(49, 0, 48, 5000, 1.23456, 3e-4, 1)
     assert text == "micro-batch 49 (epoch 0: 48/5000) | loss 1.2346 | lr 3.00e-04 | phase 1"
-    assert callbacks.progress_postfix(1, 2, 1, None, None, float("nan"), None) == \
-        "micro-batch 1 (epoch 2: 1) | loss - | lr - | phase -"
+    assert (
+        callbacks.progress_postfix(1, 2, 1, None, None, float("nan"), None)
+        == "micro-batch 1 (epoch 2: 1) | loss - | lr - | phase -"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -137,8 +148,13 @@ class SignalDataset(torch.utils.data.Dataset):
             return None
         g = torch.Generator().manual_seed(int(i))
         n = int(self.durations[i] * SAMPLE_RATE)
-        return {"signal": torch.randn(n, generator=g), "tokens": torch.tensor([1, 2, 3]),
-                "duration": float(self.durations[i]), "lang": str(self.languages[i]), "index": int(i)}
+        return {
+            "signal": torch.randn(n, generator=g),
+            "tokens": torch.tensor([1, 2, 3]),
+            "duration": float(self.durations[i]),
+            "lang": str(self.languages[i]),
+            "index": int(i),
+        }
 
 
 class TinyModule(pl.LightningModule):
@@ -148,7 +164,9 @@ class TinyModule(pl.LightningModule):
         super().__init__()
         self.num_workers = num_workers
         torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1)
+        )
         self.dataset = dataset or SignalDataset()
         self.sampler = None
         self.resume_sampler_state = None
@@ -160,17 +178,34 @@ class TinyModule(pl.LightningModule):
 
     def train_dataloader(self):
         self.sampler = DurationBucketBatchSampler(
-            self.dataset.durations, self.dataset.languages, boundaries=(2.0,), max_batch_duration=6.0,
-            temperature=0.5, world_size=1, rank=0, grad_accum=GRAD_ACCUM, seed=1, epoch_size=0,
-            lang_weighting="count", cost_quadratic=0.0)
+            self.dataset.durations,
+            self.dataset.languages,
+            boundaries=(2.0,),
+            max_batch_duration=6.0,
+            temperature=0.5,
+            world_size=1,
+            rank=0,
+            grad_accum=GRAD_ACCUM,
+            seed=1,
+            epoch_size=0,
+            lang_weighting="count",
+            cost_quadratic=0.0,
+        )
         if self.resume_sampler_state is not None:  # as train.py does
             self.sampler.load_state_dict(self.resume_sampler_state)
             self.resume_sampler_state = None
-        return torch.utils.data.DataLoader(self.dataset, batch_sampler=self.sampler, collate_fn=collate_asr_batch,
-                                           num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        return torch.utils.data.DataLoader(
+            self.dataset,
+            batch_sampler=self.sampler,
+            collate_fn=collate_asr_batch,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
 
     def on_train_epoch_start(self):
-        self.trainer.fit_loop.max_batches = len(self.sampler)  # as train.py does: plans differ in length
+        self.trainer.fit_loop.max_batches = len(
+            self.sampler
+        )  # as train.py does: plans differ in length
 
     def training_step(self, batch, batch_idx):
         self.seen.append((self.trainer.current_epoch, tuple(round(d, 4) for d in batch.durations)))
@@ -178,13 +213,17 @@ class TinyModule(pl.LightningModule):
             loss = sum(p.sum() for p in self.parameters()) * 0.0
         else:
             s = batch.signal
-            feats = torch.stack([s.mean(1), s.std(1), s.abs().amax(1), batch.signal_len / 300.0], dim=1)
+            feats = torch.stack(
+                [s.mean(1), s.std(1), s.abs().amax(1), batch.signal_len / 300.0], dim=1
+            )
             loss = self.net(feats).pow(2).mean()
         self.last_loss = loss.detach()
         return loss
 
     def on_before_optimizer_step(self, optimizer):
-        self.last_grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in self.parameters()]))
+        self.last_grad_norm = float(
+            torch.nn.utils.get_total_norm([p.grad for p in self.parameters()])
+        )
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1.0)
@@ -192,17 +231,42 @@ class TinyModule(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def fit(tmp_path: Path, max_steps: int, extra: list | None = None, module: TinyModule | None = None,
-        ckpt_path: str | None = None, every: int = 3, loggers=None, progress: bool = False, seed: int = 5):
+def fit(
+    tmp_path: Path,
+    max_steps: int,
+    extra: list | None = None,
+    module: TinyModule | None = None,
+    ckpt_path: str | None = None,
+    every: int = 3,
+    loggers=None,
+    progress: bool = False,
+    seed: int = 5,
+):
     module = module or TinyModule()
-    cbs = [callbacks.EpochBoundarySyncCallback(), callbacks.ExactResumeCallback(),
-           callbacks.StepOnlyModelCheckpoint(tmp_path / "ckpt", every_n_steps=every, export_nemo_at_end=False),
-           *(extra or [])]
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, max_epochs=-1,
-                         accumulate_grad_batches=GRAD_ACCUM, use_distributed_sampler=False, limit_val_batches=0,
-                         num_sanity_val_steps=0, callbacks=cbs, logger=loggers or False,
-                         enable_progress_bar=progress, enable_model_summary=False, log_every_n_steps=1,
-                         default_root_dir=tmp_path)
+    cbs = [
+        callbacks.EpochBoundarySyncCallback(),
+        callbacks.ExactResumeCallback(),
+        callbacks.StepOnlyModelCheckpoint(
+            tmp_path / "ckpt", every_n_steps=every, export_nemo_at_end=False
+        ),
+        *(extra or []),
+    ]
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        max_epochs=-1,
+        accumulate_grad_batches=GRAD_ACCUM,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=cbs,
+        logger=loggers or False,
+        enable_progress_bar=progress,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        default_root_dir=tmp_path,
+    )
     pl.seed_everything(seed)
     trainer.fit(module, ckpt_path=ckpt_path)
     return trainer, module
@@ -225,16 +289,22 @@ def test_crash_mid_save_leaves_no_file_under_the_final_name(tmp_path, monkeypatc
 
     monkeypatch.setattr(torch, "save", torch_save_that_dies)
     with pytest.raises(OSError, match="disk full"):
-        callbacks.AtomicCheckpointIO().save_checkpoint({"state_dict": {}}, tmp_path / "step_00000003.ckpt")
+        callbacks.AtomicCheckpointIO().save_checkpoint(
+            {"state_dict": {}}, tmp_path / "step_00000003.ckpt"
+        )
     assert list(tmp_path.iterdir()) == []  # neither the final name nor a temporary file
 
 
 def test_atomic_checkpoint_io_writes_a_loadable_file_and_no_temporary(tmp_path):
-    callbacks.AtomicCheckpointIO().save_checkpoint({"global_step": 7}, tmp_path / "step_00000007.ckpt")
+    callbacks.AtomicCheckpointIO().save_checkpoint(
+        {"global_step": 7}, tmp_path / "step_00000007.ckpt"
+    )
     assert [p.name for p in tmp_path.iterdir()] == ["step_00000007.ckpt"]
     umask = os.umask(0)
     os.umask(umask)
-    assert (tmp_path / "step_00000007.ckpt").stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600
+    assert (
+        tmp_path / "step_00000007.ckpt"
+    ).stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600
     assert torch.load(tmp_path / "step_00000007.ckpt")["global_step"] == 7
 
 
@@ -246,12 +316,22 @@ def test_step_checkpoints_come_every_n_optimizer_steps_only_named_with_the_step(
     names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert names == ["step_00000003.ckpt", "step_00000006.ckpt"]
     for step in (3, 6):
-        assert torch.load(tmp_path / "ckpt" / f"step_{step:08d}.ckpt", weights_only=False)["global_step"] == step
+        assert (
+            torch.load(tmp_path / "ckpt" / f"step_{step:08d}.ckpt", weights_only=False)[
+                "global_step"
+            ]
+            == step
+        )
     assert isinstance(trainer.strategy.checkpoint_io, callbacks.AtomicCheckpointIO)
 
 
 def test_find_last_checkpoint_takes_the_highest_step_and_ignores_temporary_files(tmp_path):
-    for name in ("step_00000003.ckpt", "step_00000012.ckpt", ".step_00000015.ckpt.x1y2.tmp", "step_00000009.nemo"):
+    for name in (
+        "step_00000003.ckpt",
+        "step_00000012.ckpt",
+        ".step_00000015.ckpt.x1y2.tmp",
+        "step_00000009.nemo",
+    ):
         (tmp_path / name).write_bytes(b"")
     assert callbacks.find_last_checkpoint(tmp_path).name == "step_00000012.ckpt"
     assert callbacks.resolve_resume_from("last", tmp_path) == str(tmp_path / "step_00000012.ckpt")
@@ -286,22 +366,32 @@ def test_nemo_export_is_atomic(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_epoch_sync_sets_the_epoch_on_the_batch_sampler_then_waits_at_a_barrier(tmp_path, monkeypatch):
+def test_epoch_sync_sets_the_epoch_on_the_batch_sampler_then_waits_at_a_barrier(
+    tmp_path, monkeypatch
+):
     calls = []
     set_epoch = DurationBucketBatchSampler.set_epoch
-    monkeypatch.setattr(DurationBucketBatchSampler, "set_epoch",
-                        lambda self, e: (calls.append(("set_epoch", e)), set_epoch(self, e))[1])
+    monkeypatch.setattr(
+        DurationBucketBatchSampler,
+        "set_epoch",
+        lambda self, e: (calls.append(("set_epoch", e)), set_epoch(self, e))[1],
+    )
 
     class Spy(pl.Callback):
         def setup(self, trainer, pl_module, stage):
             barrier = trainer.strategy.barrier
-            trainer.strategy.barrier = lambda name=None: (calls.append(("barrier", name)), barrier(name))[1]
+            trainer.strategy.barrier = lambda name=None: (
+                calls.append(("barrier", name)),
+                barrier(name),
+            )[1]
 
     trainer, module = fit(tmp_path, max_steps=7, extra=[Spy()])
     epochs = module.seen[-1][0] + 1
     assert epochs >= 3
     synced = [c for c in calls if c[0] == "set_epoch" or c[1] == "epoch_boundary"]
-    assert synced == [c for e in range(epochs) for c in (("set_epoch", e), ("barrier", "epoch_boundary"))]
+    assert synced == [
+        c for e in range(epochs) for c in (("set_epoch", e), ("barrier", "epoch_boundary"))
+    ]
     # every epoch's batches came from that epoch's plan: all distinct within an epoch
     for e in range(epochs):
         batches = [b for ep, b in module.seen if ep == e]
@@ -319,13 +409,27 @@ def test_checkpoint_marks_the_saving_micro_batch_completed_and_carries_sampler_p
 
 
 @pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "2-workers-prefetching"])
-def test_resume_continues_at_the_next_micro_batch_and_ends_with_the_straight_runs_weights(tmp_path, workers):
+def test_resume_continues_at_the_next_micro_batch_and_ends_with_the_straight_runs_weights(
+    tmp_path, workers
+):
     _, straight = fit(tmp_path / "a", max_steps=8, module=TinyModule(num_workers=workers))
-    _, first = fit(tmp_path / "b", max_steps=8, every=5, extra=[StopAt(5)], module=TinyModule(num_workers=workers))
+    _, first = fit(
+        tmp_path / "b",
+        max_steps=8,
+        every=5,
+        extra=[StopAt(5)],
+        module=TinyModule(num_workers=workers),
+    )
     assert first.trainer.global_step == 5
     # A resumed process starts with other RNG states (seed 999); the checkpoint's must win (dropout).
-    trainer, resumed = fit(tmp_path / "b", max_steps=8, every=5, seed=999, module=TinyModule(num_workers=workers),
-                           ckpt_path=str(tmp_path / "b" / "ckpt" / "step_00000005.ckpt"))
+    trainer, resumed = fit(
+        tmp_path / "b",
+        max_steps=8,
+        every=5,
+        seed=999,
+        module=TinyModule(num_workers=workers),
+        ckpt_path=str(tmp_path / "b" / "ckpt" / "step_00000005.ckpt"),
+    )
     assert trainer.global_step == 8
     assert first.seen + resumed.seen == straight.seen
     for k, v in weights(straight).items():
@@ -339,10 +443,14 @@ def test_resume_from_a_checkpoint_taken_at_the_last_micro_batch_of_an_epoch(tmp_
     fit(tmp_path / "b", max_steps=8, every=boundary, extra=[StopAt(boundary)])
     checkpoint = tmp_path / "b" / "ckpt" / f"step_{boundary:08d}.ckpt"
     state = torch.load(checkpoint, weights_only=False)["sampler_state"]
-    assert state["epoch"] == 0 and state["position"] == boundary * GRAD_ACCUM  # the whole epoch consumed
-    trainer, resumed = fit(tmp_path / "b", max_steps=8, every=100, seed=999, ckpt_path=str(checkpoint))
+    assert (
+        state["epoch"] == 0 and state["position"] == boundary * GRAD_ACCUM
+    )  # the whole epoch consumed
+    trainer, resumed = fit(
+        tmp_path / "b", max_steps=8, every=100, seed=999, ckpt_path=str(checkpoint)
+    )
     assert trainer.global_step == 8
-    assert resumed.seen == straight.seen[boundary * GRAD_ACCUM:]
+    assert resumed.seen == straight.seen[boundary * GRAD_ACCUM :]
     for k, v in weights(straight).items():
         torch.testing.assert_close(weights(resumed)[k], v, rtol=0, atol=0)
 
@@ -355,7 +463,9 @@ class StopAt(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step >= self.step:
-            trainer.should_stop = True  # no further micro-batch: what a crash right after the save leaves
+            trainer.should_stop = (
+                True  # no further micro-batch: what a crash right after the save leaves
+            )
 
 
 def test_without_the_restored_sampler_state_the_resumed_data_would_differ(tmp_path):
@@ -369,9 +479,14 @@ def test_without_the_restored_sampler_state_the_resumed_data_would_differ(tmp_pa
             return super().train_dataloader()
 
     module = ForgetfulModule()
-    fit(tmp_path / "b", max_steps=8, every=5, module=module,
-        ckpt_path=str(tmp_path / "b" / "ckpt" / "step_00000005.ckpt"))
-    assert module.seen != straight.seen[len(straight.seen) - len(module.seen):]
+    fit(
+        tmp_path / "b",
+        max_steps=8,
+        every=5,
+        module=module,
+        ckpt_path=str(tmp_path / "b" / "ckpt" / "step_00000005.ckpt"),
+    )
+    assert module.seen != straight.seen[len(straight.seen) - len(module.seen) :]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -379,11 +494,28 @@ def test_without_the_restored_sampler_state_the_resumed_data_would_differ(tmp_pa
 # ---------------------------------------------------------------------------------------------------
 
 STEP_KEYS = {
-    "train/loss", "train/lr", "train/phase", "train/grad_norm", "train/epoch", "train/micro_batch",
-    "train/skipped_steps", "train/empty_micro_batches", "train/nonfinite_losses", "time/step_s",
-    "time/checkpoint_s", "time/data_wait_fraction", "time/data_wait_fraction_max", "throughput/audio_s_per_step",
-    "throughput/audio_s_per_s", "throughput/utterances_per_step", "throughput/utterances_per_s",
-    "data/padding_efficiency", "data/bad_audio_total", "lang_share/hi", "lang_target/hi", "lang_share/en",
+    "train/loss",
+    "train/lr",
+    "train/phase",
+    "train/grad_norm",
+    "train/epoch",
+    "train/micro_batch",
+    "train/skipped_steps",
+    "train/empty_micro_batches",
+    "train/nonfinite_losses",
+    "time/step_s",
+    "time/checkpoint_s",
+    "time/data_wait_fraction",
+    "time/data_wait_fraction_max",
+    "throughput/audio_s_per_step",
+    "throughput/audio_s_per_s",
+    "throughput/utterances_per_step",
+    "throughput/utterances_per_s",
+    "data/padding_efficiency",
+    "data/bad_audio_total",
+    "lang_share/hi",
+    "lang_target/hi",
+    "lang_share/en",
     "lang_share/ta",
 }
 
@@ -408,15 +540,31 @@ def test_metrics_are_logged_once_per_optimizer_step_with_every_key(tmp_path):
         assert sum(line[f"lang_share/{l}"] for l in ("hi", "en", "ta")) == pytest.approx(1.0)
     assert lines[0]["train/lr"] == pytest.approx(1e-2)  # the LR step 0 used, not the next one
     assert "gpu/peak_memory_gib" not in lines[0]  # CUDA only
-    settings = json.loads((tmp_path / "hparams.json").read_text())  # the run's config, beside the metrics
-    assert settings["world_size"] == 1 and settings["resumed_at_step"] == 0 and "CHECKPOINT_EVERY" in settings
+    settings = json.loads(
+        (tmp_path / "hparams.json").read_text()
+    )  # the run's config, beside the metrics
+    assert (
+        settings["world_size"] == 1
+        and settings["resumed_at_step"] == 0
+        and "CHECKPOINT_EVERY" in settings
+    )
 
 
 def test_checkpoint_time_is_reported_apart_from_data_wait_in_the_following_step(tmp_path):
     logger = callbacks.JsonlMetricsLogger(tmp_path / "metrics.jsonl")
-    fit(tmp_path, max_steps=5, every=3, extra=[callbacks.TrainingMetricsCallback()], loggers=[logger])
-    lines = {l["step"]: l for l in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
-    assert lines[4]["time/checkpoint_s"] > 0  # the save after step 3 happened during step 4's window
+    fit(
+        tmp_path,
+        max_steps=5,
+        every=3,
+        extra=[callbacks.TrainingMetricsCallback()],
+        loggers=[logger],
+    )
+    lines = {
+        l["step"]: l for l in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+    }
+    assert (
+        lines[4]["time/checkpoint_s"] > 0
+    )  # the save after step 3 happened during step 4's window
     assert all(lines[s]["time/checkpoint_s"] == 0 for s in (1, 2, 3, 5))
 
 
@@ -436,7 +584,13 @@ def test_a_replaced_non_finite_loss_is_counted_but_not_averaged_into_the_loss(tm
 
     module = NanOnce()
     logger = callbacks.JsonlMetricsLogger(tmp_path / "metrics.jsonl")
-    fit(tmp_path, max_steps=2, module=module, extra=[callbacks.TrainingMetricsCallback()], loggers=[logger])
+    fit(
+        tmp_path,
+        max_steps=2,
+        module=module,
+        extra=[callbacks.TrainingMetricsCallback()],
+        loggers=[logger],
+    )
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines[0]["train/loss"] == pytest.approx(sum(module.losses[:2]) / 2)
     assert lines[1]["train/loss"] == pytest.approx(module.losses[3])
@@ -453,10 +607,22 @@ def test_fault_counters_are_summed_over_ranks_and_survive_a_resume(tmp_path):
             return loss
 
     logger = callbacks.JsonlMetricsLogger(tmp_path / "metrics.jsonl")
-    fit(tmp_path, max_steps=8, every=5, module=NanOnce(), loggers=[logger],
-        extra=[callbacks.TrainingMetricsCallback(), StopAt(5)])
-    fit(tmp_path, max_steps=8, every=5, loggers=[logger], extra=[callbacks.TrainingMetricsCallback()],
-        ckpt_path=str(tmp_path / "ckpt" / "step_00000005.ckpt"))  # a fresh module: its counter is 0
+    fit(
+        tmp_path,
+        max_steps=8,
+        every=5,
+        module=NanOnce(),
+        loggers=[logger],
+        extra=[callbacks.TrainingMetricsCallback(), StopAt(5)],
+    )
+    fit(
+        tmp_path,
+        max_steps=8,
+        every=5,
+        loggers=[logger],
+        extra=[callbacks.TrainingMetricsCallback()],
+        ckpt_path=str(tmp_path / "ckpt" / "step_00000005.ckpt"),
+    )  # a fresh module: its counter is 0
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == list(range(1, 9))
     assert [l["train/nonfinite_losses"] for l in lines] == [0, 1, 1, 1, 1, 1, 1, 1]
@@ -468,7 +634,9 @@ def test_audio_seconds_utterances_and_padding_are_those_of_the_steps_micro_batch
     fit(tmp_path, max_steps=2, extra=[recorder, metrics], loggers=[logger])
     first = [b for step, b in recorder.batches[:GRAD_ACCUM]]
     line = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
-    assert line["throughput/audio_s_per_step"] == pytest.approx(sum(sum(b.durations) for b in first))
+    assert line["throughput/audio_s_per_step"] == pytest.approx(
+        sum(sum(b.durations) for b in first)
+    )
     assert line["throughput/utterances_per_step"] == sum(b.batch_size for b in first)
     real = sum(int(b.signal_len.sum()) for b in first)
     padded = sum(b.signal.numel() for b in first)
@@ -478,11 +646,20 @@ def test_audio_seconds_utterances_and_padding_are_those_of_the_steps_micro_batch
 def test_bad_audio_counts_accumulate_across_steps(tmp_path):
     module = TinyModule(SignalDataset(bad=frozenset(range(0, N_UTTS, 5))))
     logger = callbacks.JsonlMetricsLogger(tmp_path / "metrics.jsonl")
-    fit(tmp_path, max_steps=4, module=module, extra=[callbacks.TrainingMetricsCallback()], loggers=[logger])
+    fit(
+        tmp_path,
+        max_steps=4,
+        module=module,
+        extra=[callbacks.TrainingMetricsCallback()],
+        loggers=[logger],
+    )
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     totals = [l["data/bad_audio_total"] for l in lines]
     assert totals == sorted(totals) and totals[-1] > 0
-    assert lines[-1]["data/bad_audio/unreadable"] == totals[-1] and lines[-1]["data/bad_audio/missing"] == 0
+    assert (
+        lines[-1]["data/bad_audio/unreadable"] == totals[-1]
+        and lines[-1]["data/bad_audio/missing"] == 0
+    )
 
 
 def test_progress_bar_counts_optimizer_steps_of_max_steps_then_micro_batches(tmp_path, capsys):
@@ -498,9 +675,14 @@ def test_a_resumed_job_continues_the_run_it_resumes(tmp_path, monkeypatch):
     monkeypatch.setattr(callbacks._config, "CHECKPOINT_DIR", tmp_path / "ckpt")
     monkeypatch.setattr(callbacks._config, "WANDB_RUN_NAME", "")
     name, run_id = callbacks.run_identity(resuming=False)
-    assert json.loads((tmp_path / "ckpt" / "run.json").read_text()) == {"name": name, "wandb_id": run_id}
+    assert json.loads((tmp_path / "ckpt" / "run.json").read_text()) == {
+        "name": name,
+        "wandb_id": run_id,
+    }
     assert callbacks.run_identity(resuming=True) == (name, run_id)
-    assert callbacks.run_identity(resuming=False)[1] != run_id, "a fresh job must not append to the old run"
+    assert callbacks.run_identity(resuming=False)[1] != run_id, (
+        "a fresh job must not append to the old run"
+    )
 
 
 def test_a_new_run_name_on_resume_starts_a_new_wandb_run(tmp_path, monkeypatch):
@@ -514,13 +696,19 @@ def test_a_new_run_name_on_resume_starts_a_new_wandb_run(tmp_path, monkeypatch):
 
 def test_wandb_offline_run_directory_holds_the_logged_keys(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    for name, value in (("WANDB_MODE", ""), ("WANDB_PROJECT", "test"), ("WANDB_RUN_NAME", "offline-test"),
-                        ("WANDB_LOG_DIR", tmp_path / "wandb_logs"), ("CHECKPOINT_DIR", tmp_path / "ckpt")):
+    for name, value in (
+        ("WANDB_MODE", ""),
+        ("WANDB_PROJECT", "test"),
+        ("WANDB_RUN_NAME", "offline-test"),
+        ("WANDB_LOG_DIR", tmp_path / "wandb_logs"),
+        ("CHECKPOINT_DIR", tmp_path / "ckpt"),
+    ):
         monkeypatch.setattr(callbacks._config, name, value)
     assert callbacks._config.wandb_mode() == "offline"
     loggers = callbacks.build_loggers()
     fit(tmp_path, max_steps=3, extra=[callbacks.TrainingMetricsCallback()], loggers=loggers)
     import wandb
+
     wandb.finish()
     run_dir = tmp_path / "wandb_logs" / "offline-test"
     files = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
@@ -532,11 +720,18 @@ def test_wandb_offline_run_directory_holds_the_logged_keys(tmp_path, monkeypatch
             records = list(read_wandb_records(files[0]))
         except Exception:  # a record still being written
             records = []
-        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+        if (
+            any(r.WhichOneof("record_type") == "exit" for r in records)
+            or time.monotonic() > deadline
+        ):
             break
         time.sleep(0.2)
-    keys = {item.key or "/".join(item.nested_key) for r in records if r.WhichOneof("record_type") == "history"
-            for item in r.history.item}
+    keys = {
+        item.key or "/".join(item.nested_key)
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+        for item in r.history.item
+    }
     assert STEP_KEYS <= keys, STEP_KEYS - keys
     jsonl = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in jsonl] == [1, 2, 3] and STEP_KEYS <= jsonl[0].keys()
@@ -554,8 +749,8 @@ def read_wandb_records(path: Path):
         if left < 7:
             pos += left
             continue
-        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
-        payload = data[pos + 7:pos + 7 + length]
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        payload = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind == 0:
             continue

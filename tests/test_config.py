@@ -1,4 +1,5 @@
 """config.py: typed environment overrides, derived paths, and one clear error per bad value."""
+
 import os
 import subprocess
 import sys
@@ -45,8 +46,15 @@ def test_every_knob_named_by_the_foundation_issue_exists():
 
 
 def test_environment_values_are_typed():
-    knobs = config.read_config({"GRAD_ACCUM": "8", "TEMPERATURE": "0.5", "LANGUAGES": "hi, ta,en",
-                                "BUCKET_BOUNDARIES": "2,4.5,9", "PRECISION": "32-true"})
+    knobs = config.read_config(
+        {
+            "GRAD_ACCUM": "8",
+            "TEMPERATURE": "0.5",
+            "LANGUAGES": "hi, ta,en",
+            "BUCKET_BOUNDARIES": "2,4.5,9",
+            "PRECISION": "32-true",
+        }
+    )
     assert knobs["GRAD_ACCUM"].value == 8 and knobs["GRAD_ACCUM"].source == "env"
     assert knobs["TEMPERATURE"].value == 0.5
     assert knobs["LANGUAGES"].value == ("hi", "ta", "en")
@@ -56,7 +64,9 @@ def test_environment_values_are_typed():
 
 
 def test_auto_bucket_boundaries_are_accepted():
-    assert config.read_config({"BUCKET_BOUNDARIES": "auto:6"})["BUCKET_BOUNDARIES"].value == "auto:6"
+    assert (
+        config.read_config({"BUCKET_BOUNDARIES": "auto:6"})["BUCKET_BOUNDARIES"].value == "auto:6"
+    )
 
 
 def test_derived_paths_follow_data_dir(tmp_path):
@@ -72,17 +82,26 @@ def test_a_derived_path_set_itself_wins_over_data_dir(tmp_path):
     assert knobs["CHECKPOINT_DIR"].source == "env"
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"GRAD_ACCUM": "four"}, "GRAD_ACCUM='four': expected an integer"),
-    ({"TEMPERATURE": "-1"}, "TEMPERATURE='-1': expected a value >= 0"),
-    ({"BUCKET_BOUNDARIES": "5,3"}, "BUCKET_BOUNDARIES='5,3': expected strictly increasing seconds"),
-    ({"MAX_DURATION": "3", "MIN_DURATION": "5"}, "MAX_DURATION=3.0 with MIN_DURATION=5.0: expected MIN_DURATION < MAX_DURATION"),
-    ({"PRECISION": "fp13"}, "PRECISION='fp13': expected one of"),
-    ({"MAX_STEPS": "0"}, "MAX_STEPS='0': expected a value > 0"),
-    ({"BUCKET_BOUNDARIES": "auto:x"}, "BUCKET_BOUNDARIES='auto:x': expected 'auto:K'"),
-    ({"WANDB_MODE": "sometimes"}, "WANDB_MODE='sometimes': expected one of"),
-    ({"TDT_LOSS": "warp"}, "TDT_LOSS='warp': expected one of numba, torch"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"GRAD_ACCUM": "four"}, "GRAD_ACCUM='four': expected an integer"),
+        ({"TEMPERATURE": "-1"}, "TEMPERATURE='-1': expected a value >= 0"),
+        (
+            {"BUCKET_BOUNDARIES": "5,3"},
+            "BUCKET_BOUNDARIES='5,3': expected strictly increasing seconds",
+        ),
+        (
+            {"MAX_DURATION": "3", "MIN_DURATION": "5"},
+            "MAX_DURATION=3.0 with MIN_DURATION=5.0: expected MIN_DURATION < MAX_DURATION",
+        ),
+        ({"PRECISION": "fp13"}, "PRECISION='fp13': expected one of"),
+        ({"MAX_STEPS": "0"}, "MAX_STEPS='0': expected a value > 0"),
+        ({"BUCKET_BOUNDARIES": "auto:x"}, "BUCKET_BOUNDARIES='auto:x': expected 'auto:K'"),
+        ({"WANDB_MODE": "sometimes"}, "WANDB_MODE='sometimes': expected one of"),
+        ({"TDT_LOSS": "warp"}, "TDT_LOSS='warp': expected one of numba, torch"),
+    ],
+)
 def test_bad_values_name_the_variable_value_and_expectation(env, message):
     with pytest.raises(config.ConfigError) as err:
         config.read_config(env)
@@ -98,8 +117,13 @@ def test_all_bad_values_are_reported_together():
 def _run_config(env_extra, *args):
     env = {k: v for k, v in os.environ.items() if k not in config.KNOBS}
     env.update(env_extra)
-    return subprocess.run([sys.executable, str(REPO / "config.py"), *args], env=env,
-                          capture_output=True, text=True, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, str(REPO / "config.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
 
 
 def test_a_bad_value_fails_at_import():
@@ -140,9 +164,13 @@ def test_readme_opens_with_the_two_commands():
 def test_readme_variable_table_is_generated_from_config(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text((REPO / "README.md").read_text(encoding="utf-8"), encoding="utf-8")
-    assert not config.update_readme(readme), "README.md table is stale: run `python config.py --update-readme`"
+    assert not config.update_readme(readme), (
+        "README.md table is stale: run `python config.py --update-readme`"
+    )
 
 
 def test_ci_runs_exactly_the_readme_test_command():
     lines = [l.strip() for l in (REPO / ".ci" / "run").read_text().splitlines()]
-    assert [l for l in lines if l and not l.startswith("#") and not l.startswith(("set ", "cd "))] == ["make test"]
+    assert [
+        l for l in lines if l and not l.startswith("#") and not l.startswith(("set ", "cd "))
+    ] == ["make test"]

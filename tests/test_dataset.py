@@ -1,4 +1,5 @@
 """dataset.py: audio loading, bad-audio handling, tokenization, feasibility filter, sidecar, collation."""
+
 from __future__ import annotations
 
 import logging
@@ -23,6 +24,7 @@ WORDS = ("नमस्ते", "भारत", "आज", "कल", "मराठ
 
 # ------------------------------------------------------------------------------------------ fixtures
 
+
 @pytest.fixture(scope="session")
 def tokenizer(tmp_path_factory):
     """A tiny SentencePiece model with the language tags as user-defined symbols, wrapped by NeMo."""
@@ -34,9 +36,14 @@ def tokenizer(tmp_path_factory):
     lines = [f"<|{rng.choice(LANGS)}|> " + " ".join(rng.choice(WORDS, size=8)) for _ in range(400)]
     (workdir / "corpus.txt").write_text("\n".join(lines), encoding="utf-8")
     sentencepiece.SentencePieceTrainer.train(
-        input=str(workdir / "corpus.txt"), model_prefix=str(workdir / "tokenizer"), vocab_size=60,
-        hard_vocab_limit=False, character_coverage=1.0,
-        user_defined_symbols=[f"<|{lang}|>" for lang in LANGS], minloglevel=2)
+        input=str(workdir / "corpus.txt"),
+        model_prefix=str(workdir / "tokenizer"),
+        vocab_size=60,
+        hard_vocab_limit=False,
+        character_coverage=1.0,
+        user_defined_symbols=[f"<|{lang}|>" for lang in LANGS],
+        minloglevel=2,
+    )
     return SentencePieceTokenizer(str(workdir / "tokenizer.model"))
 
 
@@ -65,15 +72,30 @@ class Corpus:
     def shard_dir(self, shard="src/hi/shard_0000"):
         return self.root / "shards" / shard
 
-    def add(self, member="a.flac", text="नमस्ते भारत", lang="hi", duration=1.0, shard="src/hi/shard_0000",
-            audio: dict | None = None):
+    def add(
+        self,
+        member="a.flac",
+        text="नमस्ते भारत",
+        lang="hi",
+        duration=1.0,
+        shard="src/hi/shard_0000",
+        audio: dict | None = None,
+    ):
         """One manifest row; ``audio`` = kwargs of write_audio, None = no file."""
         if audio is not None:
             write_audio(self.shard_dir(shard) / member, **audio)
-        self.rows.append(dict(
-            segment_id=f"seg{len(self.rows)}", shard_id=shard, text=f"<|{lang}|> {text}".rstrip(),
-            duration=float(duration), lang=lang, tar_member_name=member,
-            tar_path=str(self.shard_dir(shard) / "audio.tar"), source="src"))
+        self.rows.append(
+            dict(
+                segment_id=f"seg{len(self.rows)}",
+                shard_id=shard,
+                text=f"<|{lang}|> {text}".rstrip(),
+                duration=float(duration),
+                lang=lang,
+                tar_member_name=member,
+                tar_path=str(self.shard_dir(shard) / "audio.tar"),
+                source="src",
+            )
+        )
         return self
 
     def write(self, name="train_manifest.parquet"):
@@ -92,6 +114,7 @@ def load(corpus, tokenizer, **kwargs):
 
 
 # ------------------------------------------------------------------------------------------ audio
+
 
 def test_stereo_is_averaged_to_one_channel(corpus, tokenizer, tmp_path):
     path = tmp_path / "shards" / "src/hi/shard_0000" / "a.flac"
@@ -124,6 +147,7 @@ def test_audio_path_is_tar_dirname_joined_with_member(corpus, tokenizer):
 
 
 # ------------------------------------------------------------------------------------------ bad audio
+
 
 def assert_bad(ds, reason):
     assert ds[0] is None
@@ -170,7 +194,9 @@ def test_non_finite_samples_are_none_counted_non_finite(corpus, tokenizer):
 
 
 def test_decoded_length_far_from_manifest_is_duration_mismatch(corpus, tokenizer):
-    assert_bad(load(corpus.add(duration=3.0, audio=dict(seconds=1.0)), tokenizer), "duration_mismatch")
+    assert_bad(
+        load(corpus.add(duration=3.0, audio=dict(seconds=1.0)), tokenizer), "duration_mismatch"
+    )
 
 
 def test_decoded_length_within_tolerance_is_accepted(corpus, tokenizer):
@@ -192,13 +218,21 @@ def test_bad_audio_warnings_are_rate_limited(corpus, tokenizer, caplog):
 
 # ------------------------------------------------------------------------------------------ collate
 
+
 def item(n_samples, tokens, lang="hi", duration=1.0):
-    return {"signal": torch.ones(n_samples), "tokens": torch.tensor(tokens, dtype=torch.int64),
-            "duration": duration, "lang": lang, "index": 0}
+    return {
+        "signal": torch.ones(n_samples),
+        "tokens": torch.tensor(tokens, dtype=torch.int64),
+        "duration": duration,
+        "lang": lang,
+        "index": 0,
+    }
 
 
 def test_collate_pads_to_longest_and_drops_none():
-    batch = dataset.collate_asr_batch([item(5, [1, 2, 3], "hi", 0.5), None, item(8, [4], "en", 0.8)])
+    batch = dataset.collate_asr_batch(
+        [item(5, [1, 2, 3], "hi", 0.5), None, item(8, [4], "en", 0.8)]
+    )
     assert batch.signal.shape == (2, 8) and batch.signal.dtype == torch.float32
     assert batch.tokens.shape == (2, 3) and batch.tokens.dtype == torch.int64
     assert batch.signal_len.tolist() == [5, 8] and batch.signal_len.dtype == torch.int64
@@ -226,6 +260,7 @@ def test_collate_drains_the_counts_so_each_bad_item_is_reported_once(corpus, tok
 
 # ------------------------------------------------------------------------------------------ tokens
 
+
 def test_language_tag_is_the_first_token_and_a_single_id(corpus, tokenizer):
     tokens = load(corpus.add(text="नमस्ते भारत", audio={}), tokenizer)[0]["tokens"].tolist()
     assert tokens[0] == tokenizer.token_to_id("<|hi|>")
@@ -240,8 +275,11 @@ def test_plain_text_to_ids_would_put_a_lone_separator_before_the_tag(tokenizer):
 
 
 def test_tokens_are_truncated_to_max_token_len(corpus, tokenizer):
-    ds = load(corpus.add(text=" ".join(["hello world"] * 20), duration=10.0, audio=dict(seconds=10.0)),
-              tokenizer, max_token_len=7)
+    ds = load(
+        corpus.add(text=" ".join(["hello world"] * 20), duration=10.0, audio=dict(seconds=10.0)),
+        tokenizer,
+        max_token_len=7,
+    )
     tokens = ds[0]["tokens"].tolist()
     assert len(tokens) == 7 and tokens[0] == tokenizer.token_to_id("<|hi|>")
     assert tokens[1:] == tokenizer.text_to_ids(" ".join(["hello world"] * 20))[:6]
@@ -277,16 +315,24 @@ class PerRowTokenizer:
         return self.inner.ids_to_tokens(ids)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(texts=st.lists(st.text(alphabet="नमस्तेभारतhelowrd ।,'", max_size=40), min_size=1, max_size=30),
-       max_ids=st.one_of(st.none(), st.integers(0, 6)), per_row=st.booleans())
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    texts=st.lists(st.text(alphabet="नमस्तेभारतhelowrd ।,'", max_size=40), min_size=1, max_size=30),
+    max_ids=st.one_of(st.none(), st.integers(0, 6)),
+    per_row=st.booleans(),
+)
 def test_bulk_encoding_equals_per_item_text_to_ids_truncated(tokenizer, texts, max_ids, per_row):
     tok = PerRowTokenizer(tokenizer) if per_row else tokenizer
-    offsets, ids, full = dataset.encode_transcripts(tok, pa.array(texts, pa.large_string()), max_ids,
-                                                    progress=False)
+    offsets, ids, full = dataset.encode_transcripts(
+        tok, pa.array(texts, pa.large_string()), max_ids, progress=False
+    )
     expected = [tokenizer.text_to_ids(t) for t in texts]
     assert full.tolist() == [len(e) for e in expected]
-    assert [ids[offsets[r]:offsets[r + 1]].tolist() for r in range(len(texts))] == [e[:max_ids] for e in expected]
+    assert [ids[offsets[r] : offsets[r + 1]].tolist() for r in range(len(texts))] == [
+        e[:max_ids] for e in expected
+    ]
 
 
 def test_items_carry_the_same_tokens_as_tokenizing_on_the_fly(corpus, tokenizer):
@@ -303,13 +349,14 @@ def test_items_carry_the_same_tokens_as_tokenizing_on_the_fly(corpus, tokenizer)
 def test_text_read_in_batches_gives_the_same_tokens_and_row_numbers(corpus, tokenizer, monkeypatch):
     monkeypatch.setattr(dataset, "_TEXT_BATCH_ROWS", 3)
     monkeypatch.setattr(dataset, "_TOKENIZE_CHUNK", 2)
-    texts = [" ".join(WORDS[k % 7: k % 7 + 1 + k % 4]) for k in range(10)]
+    texts = [" ".join(WORDS[k % 7 : k % 7 + 1 + k % 4]) for k in range(10)]
     for k, text in enumerate(texts):
         corpus.add(member=f"{k}.flac", text=text, audio={})
     ds = load(corpus, tokenizer, max_token_len=4)
     tag = tokenizer.token_to_id("<|hi|>")
     assert [ds[k]["tokens"].tolist() for k in range(10)] == [
-        dataset.tokenize_transcript(tokenizer, tag, t, 4) for t in texts]
+        dataset.tokenize_transcript(tokenizer, tag, t, 4) for t in texts
+    ]
     corpus.rows[7]["text"] = "<|en|> hello"
     with pytest.raises(ValueError, match="row 7"):
         load(corpus, tokenizer)
@@ -317,13 +364,15 @@ def test_text_read_in_batches_gives_the_same_tokens_and_row_numbers(corpus, toke
 
 # ------------------------------------------------------------------------------------------ feasibility
 
+
 def test_utterances_with_more_tokens_than_encoder_frames_are_dropped_and_counted(corpus, tokenizer):
     long_text = " ".join(["hello world speech"] * 10)  # far more than 12 tokens
-    corpus.add(member="ok.flac", audio={})                                   # 1 s = 12 frames
-    corpus.add(member="long.flac", text=long_text, audio={})                 # infeasible at 1 s
+    corpus.add(member="ok.flac", audio={})  # 1 s = 12 frames
+    corpus.add(member="long.flac", text=long_text, audio={})  # infeasible at 1 s
     corpus.add(member="ok_en.flac", lang="en", text="hello", audio={})
-    corpus.add(member="long_en.flac", lang="en", text=long_text, duration=10.0,
-               audio=dict(seconds=10.0))                                     # 125 frames: fine
+    corpus.add(
+        member="long_en.flac", lang="en", text=long_text, duration=10.0, audio=dict(seconds=10.0)
+    )  # 125 frames: fine
     ds = load(corpus, tokenizer, frame_seconds=0.08)
     assert len(ds) == 3
     assert ds.manifest_rows.tolist() == [0, 2, 3]
@@ -349,6 +398,7 @@ def test_a_shorter_frame_makes_the_same_utterance_feasible(corpus, tokenizer):
 
 
 # ------------------------------------------------------------------------------------------ sidecar
+
 
 def test_sidecar_is_written_once_and_reused(corpus, tokenizer):
     path = corpus.add(audio={}).write()
@@ -377,7 +427,9 @@ def test_reopening_the_sidecar_copies_nothing(corpus, tokenizer):
 def test_a_changed_manifest_gets_a_new_sidecar(corpus, tokenizer):
     first = load(corpus.add(audio={}), tokenizer)
     os.utime(corpus.root / "train_manifest.parquet", ns=(1, 1))
-    second = dataset.LocalShardDataset(corpus.root / "train_manifest.parquet", tokenizer, progress=False)
+    second = dataset.LocalShardDataset(
+        corpus.root / "train_manifest.parquet", tokenizer, progress=False
+    )
     assert second.load_summary["sidecar_built"] and second.sidecar_path != first.sidecar_path
 
 
@@ -403,7 +455,10 @@ def test_pickled_dataset_carries_settings_not_the_table(corpus, tokenizer):
     extra = len(pickle.dumps(ds)) - len(pickle.dumps(tokenizer))
     assert extra < 8192  # the transcripts alone are > 300 kB
     clone = pickle.loads(pickle.dumps(ds))
-    assert len(clone) == len(ds) and clone[len(ds) - 1]["tokens"].tolist() == ds[len(ds) - 1]["tokens"].tolist()
+    assert (
+        len(clone) == len(ds)
+        and clone[len(ds) - 1]["tokens"].tolist() == ds[len(ds) - 1]["tokens"].tolist()
+    )
 
 
 def test_missing_manifest_column_fails_naming_it(corpus, tokenizer):
@@ -416,12 +471,18 @@ def test_missing_manifest_column_fails_naming_it(corpus, tokenizer):
 
 # ------------------------------------------------------------------------------------------ end to end
 
+
 def test_dataloader_with_two_workers_yields_every_good_item_and_sums_bad_counts(corpus, tokenizer):
     for k in range(24):
         corpus.add(member=f"{k}.flac", audio=None if k % 6 == 0 else dict(seconds=1.0))
     ds = load(corpus, tokenizer)
-    loader = torch.utils.data.DataLoader(ds, batch_size=3, num_workers=2, collate_fn=dataset.collate_asr_batch,
-                                         multiprocessing_context="fork")
+    loader = torch.utils.data.DataLoader(
+        ds,
+        batch_size=3,
+        num_workers=2,
+        collate_fn=dataset.collate_asr_batch,
+        multiprocessing_context="fork",
+    )
     batches = list(loader)
     assert sum(b.batch_size for b in batches) == 20
     assert sum(b.bad_audio.get("missing", 0) for b in batches) == 4

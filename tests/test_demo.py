@@ -1,5 +1,6 @@
 """`make demo`'s script on a tiny corpus and a few steps: every stage runs, every artifact appears, a
 second run reuses them, and the closing page shows the loss drop and the per-language table."""
+
 from __future__ import annotations
 
 import json
@@ -15,20 +16,46 @@ import config
 REPO = Path(__file__).resolve().parents[1]
 from scripts import demo_summary
 
-STAGES = ["corpus", "extract", "build_manifest", "make_train_val", "tokenizer", "train", "evaluate", "report"]
+STAGES = [
+    "corpus",
+    "extract",
+    "build_manifest",
+    "make_train_val",
+    "tokenizer",
+    "train",
+    "evaluate",
+    "report",
+]
 
 
 def run_demo(demo_dir: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in config.KNOBS}
-    env.update({
-        "DEMO_DIR": str(demo_dir), "PY": sys.executable, "OMP_NUM_THREADS": "1",
-        "DEMO_UTTERANCES": "hi=16,en=10,ta=8,te=8,kn=6,ml=6,bn=6",
-        "VOCAB_SIZE": "400", "VAL_PER_LANG": "2", "MAX_STEPS": "6", "UNFREEZE_STEP": "3",
-        "WARMUP_STEPS": "1", "PHASE2_WARMUP": "1", "CHECKPOINT_EVERY": "3", "EVAL_EVERY_STEPS": "3",
-        "NUM_WORKERS": "0", "DEMO_MAX_LOSS_RATIO": "2.0",
-    })
-    return subprocess.run(["bash", str(REPO / "scripts" / "demo.sh")], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
+    env.update(
+        {
+            "DEMO_DIR": str(demo_dir),
+            "PY": sys.executable,
+            "OMP_NUM_THREADS": "1",
+            "DEMO_UTTERANCES": "hi=16,en=10,ta=8,te=8,kn=6,ml=6,bn=6",
+            "VOCAB_SIZE": "400",
+            "VAL_PER_LANG": "2",
+            "MAX_STEPS": "6",
+            "UNFREEZE_STEP": "3",
+            "WARMUP_STEPS": "1",
+            "PHASE2_WARMUP": "1",
+            "CHECKPOINT_EVERY": "3",
+            "EVAL_EVERY_STEPS": "3",
+            "NUM_WORKERS": "0",
+            "DEMO_MAX_LOSS_RATIO": "2.0",
+        }
+    )
+    return subprocess.run(
+        ["bash", str(REPO / "scripts" / "demo.sh")],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,19 +79,33 @@ def test_every_stage_runs_in_order(demo):
 @pytest.mark.slow
 def test_every_artifact_is_where_the_closing_page_says(demo):
     demo_dir, first, _, _ = demo
-    for path in ["master_manifest.parquet", "master_manifest.summary.json", "train_manifest_v2.parquet",
-                 "val_manifest_v2.parquet", "tokenizer/tokenizer.model", "checkpoints/step_00000003.ckpt",
-                 "checkpoints/step_00000006.nemo", "eval/wer_by_language.csv", "report/report.md",
-                 "report/language_mix.png", "wandb_logs/demo/metrics.jsonl"]:
+    for path in [
+        "master_manifest.parquet",
+        "master_manifest.summary.json",
+        "train_manifest_v2.parquet",
+        "val_manifest_v2.parquet",
+        "tokenizer/tokenizer.model",
+        "checkpoints/step_00000003.ckpt",
+        "checkpoints/step_00000006.nemo",
+        "eval/wer_by_language.csv",
+        "report/report.md",
+        "report/language_mix.png",
+        "wandb_logs/demo/metrics.jsonl",
+    ]:
         assert (demo_dir / path).exists(), path
-    assert list((demo_dir / "wandb_logs" / "demo" / "wandb").glob("offline-run-*")), "no offline W&B run"
+    assert list((demo_dir / "wandb_logs" / "demo" / "wandb").glob("offline-run-*")), (
+        "no offline W&B run"
+    )
     assert str(demo_dir / "eval" / "wer_by_language.csv") in first.stdout
 
 
 @pytest.mark.slow
 def test_training_ran_both_phases_and_logged_every_step(demo):
     demo_dir, _, _, _ = demo
-    records = [json.loads(line) for line in (demo_dir / "wandb_logs/demo/metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line)
+        for line in (demo_dir / "wandb_logs/demo/metrics.jsonl").read_text().splitlines()
+    ]
     phases = {r["step"]: r["train/phase"] for r in records if "train/phase" in r}
     assert sorted(phases) == list(range(1, 7)) or sorted(phases) == list(range(0, 6))
     assert set(phases.values()) == {1.0, 2.0}
@@ -75,7 +116,10 @@ def test_closing_page_shows_the_loss_and_a_row_per_validation_language(demo):
     demo_dir, first, _, _ = demo
     assert "Training loss: start" in first.stdout
     table = first.stdout.split("Per-language WER/CER", 1)[1]
-    val_langs = {row.split(",")[0] for row in (demo_dir / "eval/wer_by_language.csv").read_text().splitlines()[1:]}
+    val_langs = {
+        row.split(",")[0]
+        for row in (demo_dir / "eval/wer_by_language.csv").read_text().splitlines()[1:]
+    }
     assert "all" in val_langs and len(val_langs) >= 3
     for lang in val_langs:
         assert f"\n{lang} " in table
@@ -92,7 +136,11 @@ def test_a_second_demo_reuses_what_is_built(demo):
 def test_loss_drop_averages_both_ends_and_refuses_a_single_step():
     curve = [(s, 10.0 - s) for s in range(1, 21)]
     start, end, window = demo_summary.loss_drop(curve, 10)
-    assert (start, end, window) == (sum(10.0 - s for s in range(1, 11)) / 10, sum(10.0 - s for s in range(11, 21)) / 10, 10)
+    assert (start, end, window) == (
+        sum(10.0 - s for s in range(1, 11)) / 10,
+        sum(10.0 - s for s in range(11, 21)) / 10,
+        10,
+    )
     assert demo_summary.loss_drop(curve[:6], 10)[2] == 3
     with pytest.raises(ValueError, match="at least 2"):
         demo_summary.loss_drop(curve[:1], 10)
@@ -100,7 +148,16 @@ def test_loss_drop_averages_both_ends_and_refuses_a_single_step():
 
 def test_loss_curve_keeps_the_last_record_of_a_step_logged_twice(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in [
-        {"step": 1, "train/loss": 5.0}, {"step": 2, "train/loss": 4.0}, {"step": 2, "train/loss": 3.5},
-        {"step": 3, "val/wer/all": 0.9}]) + "\n")
+    path.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"step": 1, "train/loss": 5.0},
+                {"step": 2, "train/loss": 4.0},
+                {"step": 2, "train/loss": 3.5},
+                {"step": 3, "val/wer/all": 0.9},
+            ]
+        )
+        + "\n"
+    )
     assert demo_summary.loss_curve(path) == [(1, 5.0), (2, 3.5)]

@@ -5,6 +5,7 @@ weights: the hypotheses are garbage, which is fine for checking plumbing and agr
 gathering is checked with a fake model whose "decoding" returns each utterance's reference, over two
 simulated ranks.
 """
+
 from __future__ import annotations
 
 import csv
@@ -41,10 +42,22 @@ def tiny(tmp_path_factory):
         model = train.build_model()
         ckpt = root / "checkpoints" / "step_00000010.ckpt"
         ckpt.parent.mkdir()
-        torch.save({"global_step": 10, "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, ckpt)
+        torch.save(
+            {
+                "global_step": 10,
+                "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+            },
+            ckpt,
+        )
         nemo = callbacks.export_nemo(model, root / "tiny.nemo")
-        yield SimpleNamespace(root=root, manifest=data["manifest"], tokenizer=data["tokenizer"], ckpt=ckpt,
-                              nemo=nemo, model=model)
+        yield SimpleNamespace(
+            root=root,
+            manifest=data["manifest"],
+            tokenizer=data["tokenizer"],
+            ckpt=ckpt,
+            nemo=nemo,
+            model=model,
+        )
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -64,7 +77,9 @@ def test_evaluate_prints_a_per_language_table_and_writes_the_csv(tiny, capsys):
         assert float(r["cer"]) == pytest.approx(int(r["char_edits"]) / int(r["chars"]), abs=1e-6)
     printed = capsys.readouterr().out
     assert "WER" in printed and "CER" in printed and f"wrote {out}" in printed
-    assert [p.name for p in out.parent.iterdir() if p.name.startswith(".nemo.csv")] == []  # no temporary left
+    assert [
+        p.name for p in out.parent.iterdir() if p.name.startswith(".nemo.csv")
+    ] == []  # no temporary left
 
 
 def test_a_checkpoint_and_its_nemo_export_get_the_same_rates(tiny):
@@ -76,7 +91,9 @@ def test_a_checkpoint_and_its_nemo_export_get_the_same_rates(tiny):
 
 def test_per_lang_limits_the_utterances_of_each_language(tiny):
     out = tiny.root / "limited.csv"
-    evaluate.main([str(tiny.nemo), "--manifest", str(tiny.manifest), "--out", str(out), "--per-lang", "2"])
+    evaluate.main(
+        [str(tiny.nemo), "--manifest", str(tiny.manifest), "--out", str(out), "--per-lang", "2"]
+    )
     rows = {r["lang"]: r for r in read_csv(out)}
     assert rows["en"]["utterances"] == rows["hi"]["utterances"] == "2"
 
@@ -105,8 +122,13 @@ def test_export_nemo_script_writes_a_restorable_nemo_with_the_checkpoints_weight
 
 def test_help_explains_usage_with_an_example():
     for script in ("evaluate.py", "export_nemo.py"):
-        out = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--help"], capture_output=True,
-                             text=True, cwd=REPO, timeout=120)
+        out = subprocess.run(
+            [sys.executable, str(REPO / "scripts" / script), "--help"],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=120,
+        )
         assert out.returncode == 0 and f"python scripts/{script}" in out.stdout
 
 
@@ -135,19 +157,30 @@ class EchoModel(torch.nn.Module):
 
     def decode(self, encoder_output, encoded_lengths):
         self.decoded += len(encoded_lengths)
-        return [SimpleNamespace(text=self.texts_by_signal[self.fingerprint(s)]) for s in encoder_output]
+        return [
+            SimpleNamespace(text=self.texts_by_signal[self.fingerprint(s)]) for s in encoder_output
+        ]
 
 
 def fake_trainer(rank: int, loggers: list) -> SimpleNamespace:
     import contextlib
 
-    return SimpleNamespace(global_rank=rank, world_size=2, is_global_zero=rank == 0, global_step=20,
-                           loggers=loggers, precision_plugin=SimpleNamespace(forward_context=contextlib.nullcontext))
+    return SimpleNamespace(
+        global_rank=rank,
+        world_size=2,
+        is_global_zero=rank == 0,
+        global_step=20,
+        loggers=loggers,
+        precision_plugin=SimpleNamespace(forward_context=contextlib.nullcontext),
+    )
 
 
-def test_wer_callback_splits_utterances_across_ranks_and_gathers_them_on_rank_zero(tiny, monkeypatch):
-    from dataset import LocalShardDataset
+def test_wer_callback_splits_utterances_across_ranks_and_gathers_them_on_rank_zero(
+    tiny, monkeypatch
+):
     from nemo.collections.common.tokenizers import SentencePieceTokenizer
+
+    from dataset import LocalShardDataset
 
     tokenizer = SentencePieceTokenizer(str(tiny.tokenizer / "tokenizer.model"))
     ds = LocalShardDataset(tiny.manifest, tokenizer, progress=False)
@@ -160,7 +193,9 @@ def test_wer_callback_splits_utterances_across_ranks_and_gathers_them_on_rank_ze
     for rank in (1, 0):  # rank 1 first, so its share exists when rank 0 "gathers"
         model = EchoModel(tokenizer, lookup)
         module = SimpleNamespace(model=model, device=torch.device("cpu"))
-        cb = callbacks.PerLanguageWERCallback(every_n_steps=10, samples_per_lang=3, manifest_path=tiny.manifest)
+        cb = callbacks.PerLanguageWERCallback(
+            every_n_steps=10, samples_per_lang=3, manifest_path=tiny.manifest
+        )
         trainer = fake_trainer(rank, [logger])
         cb.on_train_start(trainer, module)
 
@@ -179,13 +214,19 @@ def test_wer_callback_splits_utterances_across_ranks_and_gathers_them_on_rank_ze
     assert scalars[0]["val/wer/en"] == scalars[0]["val/cer/hi"] == 0.0
     table = [l for l in lines if l.get("table") == "val/examples"][0]
     assert table["columns"] == ["lang", "reference", "hypothesis"] and len(table["rows"]) == 6
-    assert all(not row[1].startswith("<|") for row in table["rows"])  # tags stripped for display too
+    assert all(
+        not row[1].startswith("<|") for row in table["rows"]
+    )  # tags stripped for display too
 
 
 def test_wer_callback_fails_at_train_start_when_the_val_manifest_is_missing(tiny):
-    cb = callbacks.PerLanguageWERCallback(every_n_steps=5, manifest_path=tiny.root / "missing.parquet")
+    cb = callbacks.PerLanguageWERCallback(
+        every_n_steps=5, manifest_path=tiny.root / "missing.parquet"
+    )
     with pytest.raises(FileNotFoundError, match="VAL_MANIFEST_PATH=.*missing.parquet"):
-        cb.on_train_start(fake_trainer(0, []), SimpleNamespace(model=tiny.model, device=torch.device("cpu")))
+        cb.on_train_start(
+            fake_trainer(0, []), SimpleNamespace(model=tiny.model, device=torch.device("cpu"))
+        )
 
 
 def test_greedy_decoding_restores_each_modules_train_or_eval_mode(tiny):

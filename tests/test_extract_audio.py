@@ -1,4 +1,5 @@
 """scripts/extract_audio.py: extraction, resumability, verification, tar deletion and tar safety."""
+
 from __future__ import annotations
 
 import io
@@ -20,8 +21,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def shard_with_audio(root: Path, n: int = 3, name: str = "s0", **kwargs) -> Path:
-    return write_shard(root / "shards", "src", "hi", name,
-                       [{"segment_id": f"u{i}", "duration_s": 0.5 + i * 0.25} for i in range(n)], audio=True, **kwargs)
+    return write_shard(
+        root / "shards",
+        "src",
+        "hi",
+        name,
+        [{"segment_id": f"u{i}", "duration_s": 0.5 + i * 0.25} for i in range(n)],
+        audio=True,
+        **kwargs,
+    )
 
 
 def extract(root: Path, **kwargs) -> dict:
@@ -35,7 +43,9 @@ def add_members(shard: Path, *infos: tuple[tarfile.TarInfo, bytes | None]) -> No
             tar.addfile(info, io.BytesIO(data) if data is not None else None)
 
 
-def tar_info(name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", linkname: str = "") -> tuple[tarfile.TarInfo, bytes | None]:
+def tar_info(
+    name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", linkname: str = ""
+) -> tuple[tarfile.TarInfo, bytes | None]:
     info = tarfile.TarInfo(name)
     info.type = kind
     info.linkname = linkname
@@ -55,9 +65,17 @@ def test_every_indexed_member_becomes_a_readable_flac_in_the_shard_dir(tmp_path)
 
 
 def test_member_names_with_subdirectories_land_under_the_shard_dir(tmp_path):
-    shard = write_shard(tmp_path / "shards", "src", "hi", "s0",
-                        [{"segment_id": "a", "tar_member_name": "clips/a.flac"},
-                         {"segment_id": "b", "tar_member_name": "./b.flac"}], audio=True)
+    shard = write_shard(
+        tmp_path / "shards",
+        "src",
+        "hi",
+        "s0",
+        [
+            {"segment_id": "a", "tar_member_name": "clips/a.flac"},
+            {"segment_id": "b", "tar_member_name": "./b.flac"},
+        ],
+        audio=True,
+    )
     extract(tmp_path)
     assert (shard / "clips" / "a.flac").is_file() and (shard / "b.flac").is_file()
 
@@ -92,6 +110,7 @@ def test_a_write_interrupted_midway_leaves_no_file_under_the_real_name(tmp_path,
     def dies_midway(src, dst, length=0):
         dst.write(src.read(100))
         raise KeyboardInterrupt("power cut")
+
     monkeypatch.setattr(ea.shutil, "copyfileobj", dies_midway)
     with pytest.raises(KeyboardInterrupt):
         ea.extract_shard(shard)
@@ -115,11 +134,24 @@ def test_a_shard_without_a_marker_is_extracted_again_over_partial_output(tmp_pat
 
 
 # --- verification and tar deletion ----------------------------------------------------------------
-def test_index_members_absent_from_the_tar_are_reported_and_the_shard_stays_unmarked(tmp_path, capsys):
+def test_index_members_absent_from_the_tar_are_reported_and_the_shard_stays_unmarked(
+    tmp_path, capsys
+):
     shard = write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a"}], audio=True)
-    pq.write_table(pa.table({"segment_id": ["a", "ghost"], "tar_member_name": ["a.flac", "ghost.flac"]}),
-                   shard / "audio_index.parquet")  # the tar holds a.flac only
-    code = ea.main(["--shards-dir", str(tmp_path / "shards"), "--workers", "1", "--no-progress", "--delete-tars"])
+    pq.write_table(
+        pa.table({"segment_id": ["a", "ghost"], "tar_member_name": ["a.flac", "ghost.flac"]}),
+        shard / "audio_index.parquet",
+    )  # the tar holds a.flac only
+    code = ea.main(
+        [
+            "--shards-dir",
+            str(tmp_path / "shards"),
+            "--workers",
+            "1",
+            "--no-progress",
+            "--delete-tars",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 1 and "ghost.flac" in out and "UNVERIFIED" in out
     assert not (shard / ea.DONE_MARKER).exists()
@@ -157,7 +189,9 @@ def test_a_corrupt_tar_fails_only_its_shard(tmp_path):
 MALICIOUS = {
     "absolute path": lambda outside: tar_info(str(outside / "abs.flac"), data=b"x"),
     "'..' in path": lambda outside: tar_info("../../../outside/dotdot.flac", data=b"x"),
-    "symlink": lambda outside: tar_info("link.flac", tarfile.SYMTYPE, linkname=str(outside / "target")),
+    "symlink": lambda outside: tar_info(
+        "link.flac", tarfile.SYMTYPE, linkname=str(outside / "target")
+    ),
     "hardlink": lambda outside: tar_info("hard.flac", tarfile.LNKTYPE, linkname="u0.flac"),
     "device node": lambda outside: tar_info("dev.flac", tarfile.CHRTYPE),
     "block device": lambda outside: tar_info("blk.flac", tarfile.BLKTYPE),
@@ -186,8 +220,14 @@ def test_a_malicious_member_is_refused_and_reported_and_the_rest_extracted(tmp_p
 def test_a_member_under_a_symlinked_directory_pointing_outside_is_refused(tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
-    shard = write_shard(tmp_path / "shards", "src", "hi", "s0",
-                        [{"segment_id": "a", "tar_member_name": "sub/a.flac"}], audio=True)
+    shard = write_shard(
+        tmp_path / "shards",
+        "src",
+        "hi",
+        "s0",
+        [{"segment_id": "a", "tar_member_name": "sub/a.flac"}],
+        audio=True,
+    )
     (shard / "sub").symlink_to(outside, target_is_directory=True)
     summary = extract(tmp_path)
     assert summary["problems"][0]["refused"][0]["reason"] == "resolves outside the shard directory"
@@ -222,6 +262,11 @@ def test_a_tree_without_shards_exits_non_zero(tmp_path, capsys):
 
 
 def test_help_shows_a_usage_example():
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "extract_audio.py"), "--help"],
-                            capture_output=True, text=True, check=True, cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "extract_audio.py"), "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+    )
     assert "example" in result.stdout and "--delete-tars" in result.stdout

@@ -6,6 +6,7 @@ change_vocabulary, then the rebuilt TDT loss), then one phase-1 and one phase-2 
 2-utterance batch through Lightning, fingerprinting the encoder between the steps (per-tensor
 BLAKE2 digests instead of copies: two copies of a 0.6B encoder would double the memory).
 """
+
 from __future__ import annotations
 
 import gc
@@ -29,8 +30,12 @@ pytestmark = pytest.mark.slow
 
 def digests(module: torch.nn.Module) -> dict[str, str]:
     """BLAKE2 digest of every tensor of ``module.state_dict()``: equal digests = bit-identical tensors."""
-    return {name: hashlib.blake2b(memoryview(t.detach().contiguous().view(-1).view(torch.uint8).numpy())).hexdigest()
-            for name, t in module.state_dict().items()}
+    return {
+        name: hashlib.blake2b(
+            memoryview(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
+        ).hexdigest()
+        for name, t in module.state_dict().items()
+    }
 
 
 class Probe(pl.Callback):
@@ -59,12 +64,18 @@ class Probe(pl.Callback):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    first = make_training_data(tmp_path_factory.mktemp("first"), per_lang=4, langs=("hi", "en"), vocab_size=64)
-    second = make_training_data(tmp_path_factory.mktemp("second"), per_lang=4, langs=("hi", "en", "ta"),
-                                vocab_size=90)
+    first = make_training_data(
+        tmp_path_factory.mktemp("first"), per_lang=4, langs=("hi", "en"), vocab_size=64
+    )
+    second = make_training_data(
+        tmp_path_factory.mktemp("second"), per_lang=4, langs=("hi", "en", "ta"), vocab_size=90
+    )
     torch.manual_seed(0)
     model = train.build_model(init_model="", model_config=FULL, tokenizer_dir=first["tokenizer"])
-    built = {"params": sum(p.numel() for p in model.parameters()), "vocab": model.tokenizer.vocab_size}
+    built = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "vocab": model.tokenizer.vocab_size,
+    }
     print(f"parakeet_tdt_0.6b.yaml: {built['params']:,} parameters ({built['params'] / 1e9:.3f} B)")
     train.use_tokenizer(model, second["tokenizer"])
 
@@ -75,14 +86,31 @@ def run(tmp_path_factory):
         mp.setattr(config, "WARMUP_STEPS", 0)
         mp.setattr(config, "PHASE2_WARMUP", 0)
         module = train.TrainingModule(model)
-        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, max_epochs=-1, precision="32-true",
-                             gradient_clip_val=config.GRAD_CLIP, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                             limit_val_batches=0, use_distributed_sampler=False,
-                             callbacks=[callbacks.EncoderUnfreezeCallback(unfreeze_step=1), probe])
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=2,
+            max_epochs=-1,
+            precision="32-true",
+            gradient_clip_val=config.GRAD_CLIP,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            use_distributed_sampler=False,
+            callbacks=[callbacks.EncoderUnfreezeCallback(unfreeze_step=1), probe],
+        )
         items = synthetic_items(4, model.tokenizer.vocab_size)
         trainer.fit(module, train_dataloaders=loader(items, batch_size=2))
-    result = {"built": built, "model": model, "probe": probe, "second": second, "steps": trainer.global_step}
+    result = {
+        "built": built,
+        "model": model,
+        "probe": probe,
+        "second": second,
+        "steps": trainer.global_step,
+    }
     yield result
     result.clear()
     del model, module, trainer
@@ -127,4 +155,6 @@ def test_phase2_step_changes_every_encoder_parameter(run):
     before, after = run["probe"].encoder[1], run["probe"].encoder[2]
     params = [name for name, _ in run["model"].encoder.named_parameters()]
     unchanged = [name for name in params if before[name] == after[name]]
-    assert not unchanged, f"{len(unchanged)} of {len(params)} encoder parameters unchanged: {unchanged[:5]}"
+    assert not unchanged, (
+        f"{len(unchanged)} of {len(params)} encoder parameters unchanged: {unchanged[:5]}"
+    )

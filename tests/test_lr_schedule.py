@@ -1,13 +1,22 @@
 """train.lr_at_step: warmup to PHASE1_LR, re-warmup to PHASE2_LR at UNFREEZE_STEP, cosine to MIN_LR."""
+
 import math
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from train import lr_at_step
 
-S = dict(warmup_steps=100, phase1_lr=3e-4, unfreeze_step=1000, phase2_warmup=50, phase2_lr=1e-4,
-         min_lr=1e-6, max_steps=5000)
+S = dict(
+    warmup_steps=100,
+    phase1_lr=3e-4,
+    unfreeze_step=1000,
+    phase2_warmup=50,
+    phase2_lr=1e-4,
+    min_lr=1e-6,
+    max_steps=5000,
+)
 
 
 def lr(step, **over):
@@ -51,9 +60,21 @@ def test_no_warmup_starts_at_peak():
     assert lr(1000, phase2_warmup=0) == pytest.approx(1e-4)
 
 
-@given(step=st.integers(0, 20_000), warmup=st.integers(0, 500), unfreeze=st.integers(0, 4000),
-       warmup2=st.integers(0, 500), max_steps=st.integers(1, 10_000))
-def test_lr_is_always_finite_positive_and_at_most_the_larger_peak(step, warmup, unfreeze, warmup2, max_steps):
-    value = lr(step, warmup_steps=warmup, unfreeze_step=unfreeze, phase2_warmup=warmup2, max_steps=max_steps)
+@given(
+    step=st.integers(0, 20_000),
+    warmup=st.integers(0, 500),
+    unfreeze=st.integers(0, 4000),
+    warmup2=st.integers(0, 500),
+    max_steps=st.integers(1, 10_000),
+)
+def test_lr_is_always_finite_positive_and_at_most_the_larger_peak(
+    step, warmup, unfreeze, warmup2, max_steps
+):
+    value = lr(
+        step,
+        warmup_steps=warmup,
+        unfreeze_step=unfreeze,
+        phase2_warmup=warmup2,
+        max_steps=max_steps,
+    )
     assert math.isfinite(value) and 0 < value <= 3e-4 + 1e-18
-

@@ -1,4 +1,5 @@
 """scripts/make_train_val.py: script-based tag correction, dedup, leak-free split, accounting."""
+
 from __future__ import annotations
 
 import json
@@ -8,26 +9,55 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from scripts import make_train_val as mtv
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def row(segment_id: str, body: str = "नमस्ते दुनिया", lang: str = "hi", *, shard: str = "src/hi/s0",
-        duration: float = 2.0, quality: float | None = 1.0, speaker: str | None = None) -> dict:
-    return {"segment_id": segment_id, "shard_id": shard, "text": f"<|{lang}|> {body}", "duration": duration,
-            "lang": lang, "tar_member_name": f"{segment_id}.flac", "tar_path": f"/data/{shard}/audio.tar",
-            "source": shard.split("/")[0], "tx_quality_score": quality, "speaker_id": speaker}
+def row(
+    segment_id: str,
+    body: str = "नमस्ते दुनिया",
+    lang: str = "hi",
+    *,
+    shard: str = "src/hi/s0",
+    duration: float = 2.0,
+    quality: float | None = 1.0,
+    speaker: str | None = None,
+) -> dict:
+    return {
+        "segment_id": segment_id,
+        "shard_id": shard,
+        "text": f"<|{lang}|> {body}",
+        "duration": duration,
+        "lang": lang,
+        "tar_member_name": f"{segment_id}.flac",
+        "tar_path": f"/data/{shard}/audio.tar",
+        "source": shard.split("/")[0],
+        "tx_quality_score": quality,
+        "speaker_id": speaker,
+    }
 
 
 def write_master(tmp_path: Path, rows: list[dict]) -> Path:
     path = tmp_path / "master_manifest.parquet"
-    pl.DataFrame(rows, schema={"segment_id": pl.String, "shard_id": pl.String, "text": pl.String,
-                               "duration": pl.Float64, "lang": pl.String, "tar_member_name": pl.String,
-                               "tar_path": pl.String, "source": pl.String, "tx_quality_score": pl.Float64,
-                               "speaker_id": pl.String}).write_parquet(path)
+    pl.DataFrame(
+        rows,
+        schema={
+            "segment_id": pl.String,
+            "shard_id": pl.String,
+            "text": pl.String,
+            "duration": pl.Float64,
+            "lang": pl.String,
+            "tar_member_name": pl.String,
+            "tar_path": pl.String,
+            "source": pl.String,
+            "tx_quality_score": pl.Float64,
+            "speaker_id": pl.String,
+        },
+    ).write_parquet(path)
     return path
 
 
@@ -35,8 +65,14 @@ def run(tmp_path: Path, rows: list[dict], **kwargs) -> tuple[pl.DataFrame, pl.Da
     master = write_master(tmp_path, rows)
     options = dict(val_per_lang=0, seed=1, languages=(), threshold=0.9, max_val_fraction=0.5)
     options.update(kwargs)
-    summary = mtv.make_train_val(master, tmp_path / "train.parquet", tmp_path / "val.parquet", **options)
-    return pl.read_parquet(tmp_path / "train.parquet"), pl.read_parquet(tmp_path / "val.parquet"), summary
+    summary = mtv.make_train_val(
+        master, tmp_path / "train.parquet", tmp_path / "val.parquet", **options
+    )
+    return (
+        pl.read_parquet(tmp_path / "train.parquet"),
+        pl.read_parquet(tmp_path / "val.parquet"),
+        summary,
+    )
 
 
 def corrected(tmp_path: Path, body: str, given_lang: str, **kwargs) -> str:
@@ -45,19 +81,24 @@ def corrected(tmp_path: Path, body: str, given_lang: str, **kwargs) -> str:
 
 
 # --- language correction -------------------------------------------------------------------------
-@pytest.mark.parametrize("body, given_lang, expected", [
-    ("வணக்கம் நண்பரே", "hi", "ta"),
-    ("నమస్కారం మిత్రమా", "kn", "te"),
-    ("ನಮಸ್ಕಾರ ಗೆಳೆಯ", "te", "kn"),
-    ("നമസ്കാരം സുഹൃത്തേ", "ta", "ml"),
-    ("નમસ્તે મિત્ર", "hi", "gu"),
-    ("ਸਤ ਸ੍ਰੀ ਅਕਾਲ", "hi", "pa"),
-    ("ନମସ୍କାର ବନ୍ଧୁ", "bn", "or"),
-    ("hello my friend", "hi", "en"),
-    ("السلام علیکم دوست", "hi", "ur"),
-    ("আমার সোনার বাংলা", "hi", "bn"),
-])
-def test_a_tag_contradicting_an_unambiguous_script_is_corrected(tmp_path, body, given_lang, expected):
+@pytest.mark.parametrize(
+    "body, given_lang, expected",
+    [
+        ("வணக்கம் நண்பரே", "hi", "ta"),
+        ("నమస్కారం మిత్రమా", "kn", "te"),
+        ("ನಮಸ್ಕಾರ ಗೆಳೆಯ", "te", "kn"),
+        ("നമസ്കാരം സുഹൃത്തേ", "ta", "ml"),
+        ("નમસ્તે મિત્ર", "hi", "gu"),
+        ("ਸਤ ਸ੍ਰੀ ਅਕਾਲ", "hi", "pa"),
+        ("ନମସ୍କାର ବନ୍ଧୁ", "bn", "or"),
+        ("hello my friend", "hi", "en"),
+        ("السلام علیکم دوست", "hi", "ur"),
+        ("আমার সোনার বাংলা", "hi", "bn"),
+    ],
+)
+def test_a_tag_contradicting_an_unambiguous_script_is_corrected(
+    tmp_path, body, given_lang, expected
+):
     assert corrected(tmp_path, body, given_lang) == expected
 
 
@@ -97,7 +138,9 @@ def test_lang_and_the_text_prefix_change_together(tmp_path):
 def test_lang_fixes_file_sets_tags_including_devanagari(tmp_path):
     fixes = tmp_path / "fixes.csv"
     fixes.write_text("segment_id,lang\na,mr\nb,ne\nmissing,hi\n")
-    train, _, summary = run(tmp_path, [row("a"), row("b", "வணக்கம்", "hi"), row("c")], lang_fixes=fixes)
+    train, _, summary = run(
+        tmp_path, [row("a"), row("b", "வணக்கம்", "hi"), row("c")], lang_fixes=fixes
+    )
     langs = dict(train.select("segment_id", "lang").rows())
     assert langs == {"a": "mr", "b": "ne", "c": "hi"}
     assert train.filter(pl.col("segment_id") == "a").item(0, "text") == "<|mr|> नमस्ते दुनिया"
@@ -113,10 +156,22 @@ def test_a_lang_fixes_file_without_the_header_is_rejected(tmp_path):
 
 
 def test_the_confusion_table_is_printed_and_stored_in_the_summary(tmp_path, capsys):
-    master = write_master(tmp_path, [row("a", "வணக்கம்", "hi"), row("b", "வணக்கம்", "hi", duration=3.0),
-                                     row("c", "hello", "ta")])
-    code = mtv.main(["--master", str(master), "--train", str(tmp_path / "t.parquet"),
-                     "--val", str(tmp_path / "v.parquet"), "--val-per-lang", "0"])
+    master = write_master(
+        tmp_path,
+        [row("a", "வணக்கம்", "hi"), row("b", "வணக்கம்", "hi", duration=3.0), row("c", "hello", "ta")],
+    )
+    code = mtv.main(
+        [
+            "--master",
+            str(master),
+            "--train",
+            str(tmp_path / "t.parquet"),
+            "--val",
+            str(tmp_path / "v.parquet"),
+            "--val-per-lang",
+            "0",
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "given" in out and "hi" in out and "ta" in out
@@ -134,15 +189,23 @@ def test_detection_counts_only_suspect_rows_in_every_script():
 
 # --- dedup ---------------------------------------------------------------------------------------
 def test_one_row_per_segment_id_keeps_the_best_quality(tmp_path):
-    train, _, summary = run(tmp_path, [row("a", "पहला", quality=0.5), row("a", "दूसरा", quality=0.9),
-                                       row("a", "तीसरा", quality=None)])
+    train, _, summary = run(
+        tmp_path,
+        [
+            row("a", "पहला", quality=0.5),
+            row("a", "दूसरा", quality=0.9),
+            row("a", "तीसरा", quality=None),
+        ],
+    )
     assert train.get_column("text").to_list() == ["<|hi|> दूसरा"]
     assert summary["dropped"] == {"duplicate_segment_id": 2}
 
 
 def test_exact_duplicates_of_lang_text_and_duration_are_dropped(tmp_path):
-    train, _, summary = run(tmp_path, [row("a", quality=0.5), row("b", quality=0.9),
-                                       row("c", duration=3.0), row("d", lang="mr")])
+    train, _, summary = run(
+        tmp_path,
+        [row("a", quality=0.5), row("b", quality=0.9), row("c", duration=3.0), row("d", lang="mr")],
+    )
     assert sorted(train.get_column("segment_id")) == ["b", "c", "d"]
     assert summary["dropped"] == {"duplicate_text": 1}
 
@@ -159,15 +222,23 @@ def test_languages_setting_applies_to_corrected_tags(tmp_path):
 
 
 # --- split ---------------------------------------------------------------------------------------
-def corpus(n_speakers: int = 30, per_speaker: int = 5, langs=("hi", "ta"), speakers_per_shard: int = 4
-           ) -> list[dict]:
+def corpus(
+    n_speakers: int = 30, per_speaker: int = 5, langs=("hi", "ta"), speakers_per_shard: int = 4
+) -> list[dict]:
     bodies = {"hi": "नमस्ते", "ta": "வணக்கம்"}
     rows = []
     for s in range(n_speakers):
         lang = langs[s % len(langs)]
         for k in range(per_speaker):
-            rows.append(row(f"{s}-{k}", f"{bodies[lang]} {s} {k}", lang, shard=f"src/{lang}/s{s // speakers_per_shard}",
-                            speaker=f"spk{s}"))
+            rows.append(
+                row(
+                    f"{s}-{k}",
+                    f"{bodies[lang]} {s} {k}",
+                    lang,
+                    shard=f"src/{lang}/s{s // speakers_per_shard}",
+                    speaker=f"spk{s}",
+                )
+            )
     return rows
 
 
@@ -191,7 +262,9 @@ def test_without_speakers_no_shard_is_in_both_splits(tmp_path):
 
 
 def test_a_language_never_gives_more_than_the_cap_to_validation(tmp_path):
-    _, val, summary = run(tmp_path, corpus(n_speakers=4, per_speaker=5), val_per_lang=100, max_val_fraction=0.5)
+    _, val, summary = run(
+        tmp_path, corpus(n_speakers=4, per_speaker=5), val_per_lang=100, max_val_fraction=0.5
+    )
     assert summary["val_by_lang"] == {"hi": 5, "ta": 5}
     assert summary["val_shortfall"] == {}
 
@@ -211,25 +284,56 @@ def test_another_seed_picks_other_groups(tmp_path):
 
 def test_group_hash_is_a_fixed_function_of_seed_and_key():
     # a fixed value: Python's salted hash() would differ between processes
-    assert int(mtv.group_hash(["speaker:a"], 1234)[0]) == 0x48f4b6cc947f9bfd
+    assert int(mtv.group_hash(["speaker:a"], 1234)[0]) == 0x48F4B6CC947F9BFD
     assert mtv.group_hash(["speaker:a"], 1)[0] != mtv.group_hash(["speaker:a"], 2)[0]
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.tuples(st.sampled_from(["hi", "ta", "en"]), st.integers(0, 6), st.sampled_from([None, "spk1", "spk2", "spk3", "spk4"]),
-                          st.integers(0, 3), st.integers(0, 2)), min_size=1, max_size=60),
-       st.integers(0, 8), st.booleans())
-def test_rows_in_equal_train_plus_val_plus_dropped_and_no_leak(tmp_path, spec, val_per_lang, keep_dups):
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["hi", "ta", "en"]),
+            st.integers(0, 6),
+            st.sampled_from([None, "spk1", "spk2", "spk3", "spk4"]),
+            st.integers(0, 3),
+            st.integers(0, 2),
+        ),
+        min_size=1,
+        max_size=60,
+    ),
+    st.integers(0, 8),
+    st.booleans(),
+)
+def test_rows_in_equal_train_plus_val_plus_dropped_and_no_leak(
+    tmp_path, spec, val_per_lang, keep_dups
+):
     bodies = {"hi": "नमस्ते", "ta": "வணக்கம்", "en": "hello"}
-    rows = [row(f"seg{seg}", f"{bodies[lang]} {k}", lang, shard=f"src/{lang}/s{shard}", speaker=spk,
-                duration=1.0 + k)
-            for i, (lang, seg, spk, shard, k) in enumerate(spec)]
-    train, val, summary = run(tmp_path, rows, val_per_lang=val_per_lang, keep_duplicate_texts=keep_dups)
+    rows = [
+        row(
+            f"seg{seg}",
+            f"{bodies[lang]} {k}",
+            lang,
+            shard=f"src/{lang}/s{shard}",
+            speaker=spk,
+            duration=1.0 + k,
+        )
+        for i, (lang, seg, spk, shard, k) in enumerate(spec)
+    ]
+    train, val, summary = run(
+        tmp_path, rows, val_per_lang=val_per_lang, keep_duplicate_texts=keep_dups
+    )
     assert summary["rows_in"] == train.height + val.height + sum(summary["dropped"].values())
     assert train.get_column("segment_id").n_unique() == train.height
     assert set(train.get_column("segment_id")).isdisjoint(set(val.get_column("segment_id")))
-    group = lambda f: set(f.select(pl.coalesce(pl.concat_str(pl.lit("s:"), "speaker_id"),
-                                               pl.concat_str(pl.lit("h:"), "shard_id"))).to_series())
+    group = lambda f: set(
+        f.select(
+            pl.coalesce(
+                pl.concat_str(pl.lit("s:"), "speaker_id"), pl.concat_str(pl.lit("h:"), "shard_id")
+            )
+        ).to_series()
+    )
     assert group(train).isdisjoint(group(val))
     for lang, n in summary["val_by_lang"].items():
         assert n <= val_per_lang
@@ -237,8 +341,16 @@ def test_rows_in_equal_train_plus_val_plus_dropped_and_no_leak(tmp_path, spec, v
 
 # --- input and cli -------------------------------------------------------------------------------
 def test_a_missing_master_manifest_exits_non_zero_naming_it(tmp_path, capsys):
-    code = mtv.main(["--master", str(tmp_path / "nope.parquet"), "--train", str(tmp_path / "t.parquet"),
-                     "--val", str(tmp_path / "v.parquet")])
+    code = mtv.main(
+        [
+            "--master",
+            str(tmp_path / "nope.parquet"),
+            "--train",
+            str(tmp_path / "t.parquet"),
+            "--val",
+            str(tmp_path / "v.parquet"),
+        ]
+    )
     assert code != 0 and "nope.parquet" in capsys.readouterr().err
 
 
@@ -255,6 +367,11 @@ def test_text_without_its_language_tag_is_rejected(tmp_path):
 
 
 def test_help_shows_a_usage_example():
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "make_train_val.py"), "--help"],
-                            capture_output=True, text=True, check=True, cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "make_train_val.py"), "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+    )
     assert "example" in result.stdout and "--lang-fixes" in result.stdout

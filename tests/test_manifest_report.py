@@ -1,4 +1,5 @@
 """scripts/manifest_report.py: plots and markdown for a manifest, readable and with the right numbers."""
+
 from __future__ import annotations
 
 import itertools
@@ -18,31 +19,54 @@ import pytest
 import config
 
 REPO = Path(__file__).resolve().parents[1]
-from scripts import manifest_report as mr
-
 from sampler import DurationBucketBatchSampler
+from scripts import manifest_report as mr
 
 COUNTS = {"hi": 240, "en": 120, "ta": 40, "bn": 12}
 PLOTS = ["durations.png", "hours.png", "language_mix.png", "buckets.png", "dropped.png"]
-MASTER_SUMMARY = {"rows_in": 430, "rows_out": 418, "dropped": {"duration_too_long": 7, "empty_after_cleaning": 5},
-                  "dropped_by_lang": {"hi": {"duration_too_long": 7, "empty_after_cleaning": 3},
-                                      "ta": {"empty_after_cleaning": 2}},
-                  "kept_by_lang": {"hi": 246, "en": 120, "ta": 40, "bn": 12}}
-TRAIN_SUMMARY = {"rows_in": 418, "rows_out": 400, "val_rows": 12, "dropped": {"exact_duplicate": 6},
-                 "dropped_by_lang": {"hi": {"exact_duplicate": 6}}, "kept_by_lang": {},
-                 "lang_corrections": {"hi->ta": 2, "kn->te": 1}}
+MASTER_SUMMARY = {
+    "rows_in": 430,
+    "rows_out": 418,
+    "dropped": {"duration_too_long": 7, "empty_after_cleaning": 5},
+    "dropped_by_lang": {
+        "hi": {"duration_too_long": 7, "empty_after_cleaning": 3},
+        "ta": {"empty_after_cleaning": 2},
+    },
+    "kept_by_lang": {"hi": 246, "en": 120, "ta": 40, "bn": 12},
+}
+TRAIN_SUMMARY = {
+    "rows_in": 418,
+    "rows_out": 400,
+    "val_rows": 12,
+    "dropped": {"exact_duplicate": 6},
+    "dropped_by_lang": {"hi": {"exact_duplicate": 6}},
+    "kept_by_lang": {},
+    "lang_corrections": {"hi->ta": 2, "kn->te": 1},
+}
 
 
-def write_manifest(path: Path, counts: dict[str, int], seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def write_manifest(
+    path: Path, counts: dict[str, int], seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     langs = np.concatenate([[lang] * n for lang, n in counts.items()])
     durations = np.clip(rng.lognormal(np.log(5.0), 0.6, len(langs)), 0.5, 20.0)
     n = len(langs)
-    pq.write_table(pa.table({
-        "segment_id": [f"seg{i}" for i in range(n)], "shard_id": ["src/hi/shard_0000"] * n,
-        "text": [f"<|{lang}|> words" for lang in langs], "duration": durations, "lang": langs,
-        "tar_member_name": [f"seg{i}.flac" for i in range(n)], "tar_path": ["/data/src/hi/shard_0000/audio.tar"] * n,
-        "source": ["src"] * n}), path)
+    pq.write_table(
+        pa.table(
+            {
+                "segment_id": [f"seg{i}" for i in range(n)],
+                "shard_id": ["src/hi/shard_0000"] * n,
+                "text": [f"<|{lang}|> words" for lang in langs],
+                "duration": durations,
+                "lang": langs,
+                "tar_member_name": [f"seg{i}.flac" for i in range(n)],
+                "tar_path": ["/data/src/hi/shard_0000/audio.tar"] * n,
+                "source": ["src"] * n,
+            }
+        ),
+        path,
+    )
     return durations, langs
 
 
@@ -52,11 +76,19 @@ def report(tmp_path_factory):
     durations, langs = write_manifest(data / "train_manifest_v2.parquet", COUNTS)
     (data / "master_manifest.summary.json").write_text(json.dumps(MASTER_SUMMARY))
     (data / "train_manifest_v2.summary.json").write_text(json.dumps(TRAIN_SUMMARY))
-    (data / "tokenizer.summary.json").write_text(json.dumps({"vocab_size": 64}))  # not a build summary
+    (data / "tokenizer.summary.json").write_text(
+        json.dumps({"vocab_size": 64})
+    )  # not a build summary
     out = data / "report"
     result = mr.write_report(data / "train_manifest_v2.parquet", out)
-    return {"out": out, "result": result, "markdown": (out / "report.md").read_text(),
-            "durations": durations, "langs": langs, "data": data}
+    return {
+        "out": out,
+        "result": result,
+        "markdown": (out / "report.md").read_text(),
+        "durations": durations,
+        "langs": langs,
+        "data": data,
+    }
 
 
 def drawn_texts(fig: matplotlib.figure.Figure) -> list[matplotlib.text.Text]:
@@ -70,7 +102,11 @@ def drawn_texts(fig: matplotlib.figure.Figure) -> list[matplotlib.text.Text]:
         for axis in (ax.xaxis, ax.yaxis):
             low, high = sorted(axis.get_view_interval())
             slack = (high - low) * 1e-9
-            texts += [t.label1 for t in axis.get_major_ticks() if low - slack <= t.get_loc() <= high + slack]
+            texts += [
+                t.label1
+                for t in axis.get_major_ticks()
+                if low - slack <= t.get_loc() <= high + slack
+            ]
         if ax.get_legend() is not None:
             texts += [ax.get_legend().get_title(), *ax.get_legend().get_texts()]
     return [t for t in texts if t.get_visible() and t.get_text().strip()]
@@ -95,9 +131,13 @@ def test_every_plot_and_the_markdown_are_written(report):
 
 def test_markdown_has_a_section_per_plot_and_links_each_png(report):
     md = report["markdown"]
-    for heading in ("## Hours per language", "## Duration per language",
-                    f"## Language mix at TEMPERATURE={config.TEMPERATURE:g}", "## Buckets and padding",
-                    "## Rows dropped"):
+    for heading in (
+        "## Hours per language",
+        "## Duration per language",
+        f"## Language mix at TEMPERATURE={config.TEMPERATURE:g}",
+        "## Buckets and padding",
+        "## Rows dropped",
+    ):
         assert heading in md
     for name in PLOTS:
         assert f"]({name})" in md
@@ -114,8 +154,10 @@ def test_language_mix_and_padding_come_from_the_configured_sampler(report):
     stats = DurationBucketBatchSampler(report["durations"], report["langs"]).epoch_stats()
     md = report["markdown"]
     for lang in COUNTS:
-        assert (f"| {lang} | {100 * stats['natural_share'][lang]:.1f}% | {100 * stats['target_share'][lang]:.1f}% | "
-                f"{100 * stats['realized_share'][lang]:.1f}% |") in md
+        assert (
+            f"| {lang} | {100 * stats['natural_share'][lang]:.1f}% | {100 * stats['target_share'][lang]:.1f}% | "
+            f"{100 * stats['realized_share'][lang]:.1f}% |"
+        ) in md
     assert f"**{stats['padding_efficiency']:.3f}**" in md
     # The smallest language is upsampled at T=0.3: the target share is above the natural one.
     assert stats["target_share"]["bn"] > stats["natural_share"]["bn"]
@@ -133,7 +175,9 @@ def test_bucket_table_counts_every_planned_batch_and_utterance(report):
 def test_rows_dropped_are_read_from_every_build_summary_beside_the_manifest(report):
     md = report["markdown"]
     assert [Path(p).name for p in report["result"]["summaries"]] == [
-        "master_manifest.summary.json", "train_manifest_v2.summary.json"]
+        "master_manifest.summary.json",
+        "train_manifest_v2.summary.json",
+    ]
     assert "| duration_too_long | 7 | hi 7 |" in md
     assert "| empty_after_cleaning | 5 | hi 3, ta 2 |" in md
     assert "| exact_duplicate | 6 | hi 6 |" in md
@@ -146,10 +190,17 @@ def test_no_text_overlaps_and_every_text_stays_inside_the_image(report):
     for name, fig in report_figures(report).items():
         renderer = fig.canvas.get_renderer()
         boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in drawn_texts(fig)]
-        overlapping = [(a, b) for (a, box_a), (b, box_b) in itertools.combinations(boxes, 2) if box_a.overlaps(box_b)]
+        overlapping = [
+            (a, b)
+            for (a, box_a), (b, box_b) in itertools.combinations(boxes, 2)
+            if box_a.overlaps(box_b)
+        ]
         assert not overlapping, f"{name}: overlapping texts {overlapping[:5]}"
-        outside = [t for t, box in boxes if box.x0 < -1 or box.y0 < -1
-                   or box.x1 > fig.bbox.x1 + 1 or box.y1 > fig.bbox.y1 + 1]
+        outside = [
+            t
+            for t, box in boxes
+            if box.x0 < -1 or box.y0 < -1 or box.x1 > fig.bbox.x1 + 1 or box.y1 > fig.bbox.y1 + 1
+        ]
         assert not outside, f"{name}: texts cut off at the border {outside}"
 
 
@@ -176,8 +227,11 @@ def test_the_overlap_check_catches_overlapping_text():
 
 
 def test_explicit_summaries_replace_the_ones_found_beside_the_manifest(report, tmp_path):
-    result = mr.write_report(report["data"] / "train_manifest_v2.parquet", tmp_path,
-                             [report["data"] / "train_manifest_v2.summary.json"])
+    result = mr.write_report(
+        report["data"] / "train_manifest_v2.parquet",
+        tmp_path,
+        [report["data"] / "train_manifest_v2.summary.json"],
+    )
     md = (tmp_path / "report.md").read_text()
     assert "exact_duplicate" in md and "duration_too_long" not in md
     assert len(result["summaries"]) == 1
@@ -195,13 +249,19 @@ def test_temperature_is_read_from_config_at_call_time(monkeypatch, report):
     monkeypatch.setattr(config, "TEMPERATURE", 1.0)
     plan = mr.sampler_plan(report["durations"], report["langs"])
     for lang in COUNTS:
-        assert plan["stats"]["target_share"][lang] == pytest.approx(plan["stats"]["natural_share"][lang])
+        assert plan["stats"]["target_share"][lang] == pytest.approx(
+            plan["stats"]["natural_share"][lang]
+        )
 
 
 def test_missing_manifest_or_columns_exit_non_zero_with_the_path(tmp_path):
     script = str(REPO / "scripts" / "manifest_report.py")
-    done = subprocess.run([sys.executable, script, str(tmp_path / "nope.parquet"), "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, script, str(tmp_path / "nope.parquet"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1 and "nope.parquet does not exist" in done.stderr
     pq.write_table(pa.table({"segment_id": ["a"], "lang": ["hi"]}), tmp_path / "bad.parquet")
     with pytest.raises(ValueError, match=r"lacks column\(s\) \['duration'\]"):
@@ -209,7 +269,15 @@ def test_missing_manifest_or_columns_exit_non_zero_with_the_path(tmp_path):
 
 
 def test_help_shows_an_example_and_the_config_defaults():
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "manifest_report.py"), "--help"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "manifest_report.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0
-    assert "Example:" in done.stdout and "TRAIN_MANIFEST_PATH" in done.stdout and "--summary" in done.stdout
+    assert (
+        "Example:" in done.stdout
+        and "TRAIN_MANIFEST_PATH" in done.stdout
+        and "--summary" in done.stdout
+    )

@@ -1,4 +1,5 @@
 """train.build_model, the TDT loss after change_vocabulary, and the two training phases (one process)."""
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,12 @@ TINY = config.REPO_DIR / "configs" / "tiny_tdt.yaml"
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    a = make_training_data(tmp_path_factory.mktemp("a"), per_lang=10, langs=("hi", "en"), vocab_size=64)
-    b = make_training_data(tmp_path_factory.mktemp("b"), per_lang=10, langs=("hi", "en", "ta"), vocab_size=90)
+    a = make_training_data(
+        tmp_path_factory.mktemp("a"), per_lang=10, langs=("hi", "en"), vocab_size=64
+    )
+    b = make_training_data(
+        tmp_path_factory.mktemp("b"), per_lang=10, langs=("hi", "en", "ta"), vocab_size=90
+    )
     return {"tok_a": a["tokenizer"], "tok_b": b["tokenizer"]}
 
 
@@ -44,22 +49,41 @@ def synthetic_items(n, vocab, seed=0):
     items = []
     for i in range(n):
         seconds = 1.0 + 0.5 * (i % 3)
-        items.append({"signal": 0.05 * torch.randn(int(seconds * 16000), generator=g),
-                      "tokens": torch.randint(0, vocab, (4 + i % 3,), generator=g), "duration": seconds,
-                      "lang": "hi", "index": i})
+        items.append(
+            {
+                "signal": 0.05 * torch.randn(int(seconds * 16000), generator=g),
+                "tokens": torch.randint(0, vocab, (4 + i % 3,), generator=g),
+                "duration": seconds,
+                "lang": "hi",
+                "index": i,
+            }
+        )
     return items
 
 
 def loader(items, batch_size=2):
-    return torch.utils.data.DataLoader(items, batch_size=batch_size, collate_fn=collate_asr_batch, shuffle=False)
+    return torch.utils.data.DataLoader(
+        items, batch_size=batch_size, collate_fn=collate_asr_batch, shuffle=False
+    )
 
 
 def fit(module, items, *, max_steps, unfreeze_step, extra_callbacks=(), accumulate=1):
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, max_epochs=-1, precision="32-true",
-                         accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=0, use_distributed_sampler=False,
-                         callbacks=[callbacks.EncoderUnfreezeCallback(unfreeze_step), *extra_callbacks])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        max_epochs=-1,
+        precision="32-true",
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        callbacks=[callbacks.EncoderUnfreezeCallback(unfreeze_step), *extra_callbacks],
+    )
     trainer.fit(module, train_dataloaders=loader(items))
     return trainer
 
@@ -82,7 +106,9 @@ class StateAt(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step in self.steps and trainer.global_step not in self.snapshots:
-            self.snapshots[trainer.global_step] = state(getattr(pl_module.model, self.part) if self.part else pl_module)
+            self.snapshots[trainer.global_step] = state(
+                getattr(pl_module.model, self.part) if self.part else pl_module
+            )
 
 
 @pytest.fixture(autouse=True)
@@ -94,6 +120,7 @@ def fast_schedule(monkeypatch):
 
 # ---- build_model and the loss -------------------------------------------------------------------
 
+
 def test_fresh_tiny_model_has_a_tdt_loss_whose_blank_is_the_vocabulary_size(fresh):
     inner = fresh.loss._loss
     assert isinstance(inner, tdt_loss.DeviceDispatchTDTLoss)
@@ -102,7 +129,9 @@ def test_fresh_tiny_model_has_a_tdt_loss_whose_blank_is_the_vocabulary_size(fres
 
 
 def test_tiny_model_is_fastconformer_tdt_with_8x_subsampling(fresh):
-    assert fresh.cfg.encoder.subsampling == "dw_striding" and fresh.cfg.encoder.subsampling_factor == 8
+    assert (
+        fresh.cfg.encoder.subsampling == "dw_striding" and fresh.cfg.encoder.subsampling_factor == 8
+    )
     assert fresh.joint.num_extra_outputs == 5
     assert fresh.joint.num_classes_with_blank == fresh.tokenizer.vocab_size + 1 + 5
 
@@ -118,7 +147,9 @@ def test_nemo_change_vocabulary_alone_leaves_a_wrong_blank_rnnt_loss(nemo_file, 
     assert type(model.loss._loss).__name__ != "TDTLossNumba"
 
 
-def test_build_model_with_a_new_tokenizer_changes_vocabulary_and_rebuilds_the_tdt_loss(nemo_file, data):
+def test_build_model_with_a_new_tokenizer_changes_vocabulary_and_rebuilds_the_tdt_loss(
+    nemo_file, data
+):
     model = train.build_model(init_model=str(nemo_file), tokenizer_dir=data["tok_b"])
     vocab = model.tokenizer.vocab_size
     assert vocab == train._spm_pieces(data["tok_b"] / "tokenizer.model").__len__()
@@ -156,7 +187,9 @@ def test_fused_joint_path_uses_the_rebuilt_loss(data):
     OmegaConf.save(cfg, path)
     model = train.build_model(init_model="", model_config=path, tokenizer_dir=data["tok_a"])
     assert model.joint._loss is model.loss
-    loss = train.TrainingModule(model).compute_loss(collate_asr_batch(synthetic_items(3, model.tokenizer.vocab_size)))
+    loss = train.TrainingModule(model).compute_loss(
+        collate_asr_batch(synthetic_items(3, model.tokenizer.vocab_size))
+    )
     assert math.isfinite(loss.item())
 
 
@@ -174,17 +207,27 @@ def test_train_help_lists_the_environment_variables_it_reads(capsys):
         train.parse_args(["--help"])
     out = capsys.readouterr().out
     assert "torchrun --nproc_per_node 8 train.py" in out
-    for name in ("INIT_MODEL", "TOKENIZER_DIR", "GRAD_ACCUM", "UNFREEZE_STEP", "PRECISION", "NUM_WORKERS"):
+    for name in (
+        "INIT_MODEL",
+        "TOKENIZER_DIR",
+        "GRAD_ACCUM",
+        "UNFREEZE_STEP",
+        "PRECISION",
+        "NUM_WORKERS",
+    ):
         assert f"  {name}=" in out
 
 
 # ---- phases (one process; the DDP side is tests/test_train_ddp.py) ------------------------------
 
+
 def test_phase1_keeps_the_encoder_state_dict_bit_identical_and_trains_the_rest(fresh):
     encoder_before, decoder_before = state(fresh.encoder), state(fresh.decoder)
     module = train.TrainingModule(fresh)
     fit(module, synthetic_items(8, fresh.tokenizer.vocab_size), max_steps=3, unfreeze_step=100)
-    assert_bit_identical(state(fresh.encoder), encoder_before)  # weights AND BatchNorm running stats
+    assert_bit_identical(
+        state(fresh.encoder), encoder_before
+    )  # weights AND BatchNorm running stats
     assert any(not torch.equal(v, decoder_before[k]) for k, v in state(fresh.decoder).items())
     assert module.phase == 1 and module.encoder_frozen
 
@@ -206,7 +249,13 @@ def test_phase2_unfreezes_the_encoder_at_unfreeze_step(fresh):
     encoder_start = state(fresh.encoder)
     snap = StateAt("encoder", [2])
     module = train.TrainingModule(fresh)
-    fit(module, synthetic_items(8, fresh.tokenizer.vocab_size), max_steps=4, unfreeze_step=2, extra_callbacks=[snap])
+    fit(
+        module,
+        synthetic_items(8, fresh.tokenizer.vocab_size),
+        max_steps=4,
+        unfreeze_step=2,
+        extra_callbacks=[snap],
+    )
     assert_bit_identical(snap.snapshots[2], encoder_start)
     assert any(not torch.equal(v, encoder_start[k]) for k, v in state(fresh.encoder).items())
     assert module.phase == 2 and all(p.requires_grad for p in fresh.encoder.parameters())
@@ -216,11 +265,16 @@ def test_callback_refuses_an_encoder_frozen_before_the_ddp_wrap(fresh):
     for p in fresh.encoder.parameters():
         p.requires_grad_(False)
     with pytest.raises(RuntimeError, match="frozen before DDP wraps"):
-        fit(train.TrainingModule(fresh), synthetic_items(2, fresh.tokenizer.vocab_size), max_steps=1,
-            unfreeze_step=1)
+        fit(
+            train.TrainingModule(fresh),
+            synthetic_items(2, fresh.tokenizer.vocab_size),
+            max_steps=1,
+            unfreeze_step=1,
+        )
 
 
 # ---- faults ---------------------------------------------------------------------------------------
+
 
 def test_empty_micro_batch_gives_zero_gradient_to_every_trainable_parameter(fresh):
     module = train.TrainingModule(fresh)
@@ -229,7 +283,9 @@ def test_empty_micro_batch_gives_zero_gradient_to_every_trainable_parameter(fres
     loss = module.training_step(empty, 0)
     loss.backward()
     assert loss.item() == 0.0 and module.empty_micro_batches == 1
-    assert all(p.grad is not None and not p.grad.any() for p in fresh.parameters() if p.requires_grad)
+    assert all(
+        p.grad is not None and not p.grad.any() for p in fresh.parameters() if p.requires_grad
+    )
 
 
 def test_an_optimizer_step_with_only_empty_micro_batches_is_skipped(fresh):
@@ -243,13 +299,24 @@ def test_an_optimizer_step_with_only_empty_micro_batches_is_skipped(fresh):
 def test_non_finite_loss_skips_the_optimizer_step_and_counts_it(fresh, monkeypatch):
     module = train.TrainingModule(fresh)
     real = module.compute_loss
-    monkeypatch.setattr(module, "compute_loss",
-                        lambda batch: real(batch) * (float("nan") if module.trainer.global_step == 1 else 1.0))
+    monkeypatch.setattr(
+        module,
+        "compute_loss",
+        lambda batch: real(batch) * (float("nan") if module.trainer.global_step == 1 else 1.0),
+    )
     snap = StateAt(None, [1, 2])
-    fit(module, synthetic_items(8, fresh.tokenizer.vocab_size), max_steps=3, unfreeze_step=0, extra_callbacks=[snap])
+    fit(
+        module,
+        synthetic_items(8, fresh.tokenizer.vocab_size),
+        max_steps=3,
+        unfreeze_step=0,
+        extra_callbacks=[snap],
+    )
     assert module.nonfinite_losses == 1 and module.skipped_steps == 1
     assert_bit_identical(snap.snapshots[2], snap.snapshots[1])  # step 1 changed nothing
-    assert any(not torch.equal(v, snap.snapshots[2][k]) for k, v in state(module).items())  # step 2 did
+    assert any(
+        not torch.equal(v, snap.snapshots[2][k]) for k, v in state(module).items()
+    )  # step 2 did
 
 
 def test_gradients_are_clipped_to_grad_clip_with_the_norm_measured_before_the_step(fresh):
@@ -260,8 +327,12 @@ def test_gradients_are_clipped_to_grad_clip_with_the_norm_measured_before_the_st
     optimizer = module.configure_optimizers()["optimizer"]
     module.on_before_optimizer_step(optimizer)
     measured = module.last_grad_norm
-    assert measured == pytest.approx(math.sqrt(sum(p.numel() for p in fresh.parameters())), rel=1e-5)
-    module.configure_gradient_clipping(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+    assert measured == pytest.approx(
+        math.sqrt(sum(p.numel() for p in fresh.parameters())), rel=1e-5
+    )
+    module.configure_gradient_clipping(
+        optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm"
+    )
     clipped = torch.nn.utils.get_total_norm([p.grad for p in fresh.parameters()])
     assert float(clipped) == pytest.approx(0.5, rel=1e-4)
 

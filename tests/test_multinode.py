@@ -5,6 +5,7 @@ launcher's TRAIN_SCRIPT override, so those tests check the launcher itself; one 
 two optimizer steps across the two "nodes" (about 50 s on 2 busy cores). The SLURM path runs with
 stand-ins for srun and scontrol.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,15 +42,27 @@ def launcher_env(tmp_path):
     (tmp_path / "probe.py").write_text(PROBE)
     (tmp_path / "out").mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RESUME_FROM"))}
-    env.update(DATA_DIR=str(tmp_path / "data"), TRAIN_SCRIPT=str(tmp_path / "probe.py"),
-               PROBE_OUT=str(tmp_path / "out"), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               NPROC_PER_NODE="1", OMP_NUM_THREADS="1", PY=sys.executable)
+    env.update(
+        DATA_DIR=str(tmp_path / "data"),
+        TRAIN_SCRIPT=str(tmp_path / "probe.py"),
+        PROBE_OUT=str(tmp_path / "out"),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        NPROC_PER_NODE="1",
+        OMP_NUM_THREADS="1",
+        PY=sys.executable,
+    )
     return env
 
 
 def start(env: dict, **extra: str) -> subprocess.Popen:
-    return subprocess.Popen(["bash", str(LAUNCHER), *extra.pop("args", "").split()], env={**env, **extra},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        ["bash", str(LAUNCHER), *extra.pop("args", "").split()],
+        env={**env, **extra},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 150) -> tuple[int, str]:
@@ -64,7 +77,9 @@ def finish(proc: subprocess.Popen, timeout: float = 150) -> tuple[int, str]:
 
 @pytest.mark.slow
 def test_two_launchers_on_localhost_form_one_world_of_two_ranks(launcher_env, tmp_path):
-    nodes = [start(launcher_env, NNODES="2", NODE_RANK=str(rank), args="--flag value") for rank in (1, 0)]
+    nodes = [
+        start(launcher_env, NNODES="2", NODE_RANK=str(rank), args="--flag value") for rank in (1, 0)
+    ]
     results = [finish(p) for p in nodes]
     for rc, out in results:
         assert rc == 0, out
@@ -73,10 +88,16 @@ def test_two_launchers_on_localhost_form_one_world_of_two_ranks(launcher_env, tm
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     assert sorted(r["group_rank"] for r in ranks) == [0, 1]  # one rank per node
     assert all(r["rank_sum"] == 1.0 for r in ranks)  # the all_reduce crossed the two "nodes"
-    assert all(r["argv"] == ["--flag", "value"] for r in ranks)  # launcher arguments reach the script
-    assert all(r["resume_from"] == "last" for r in ranks)  # requeue-safe default (fresh when no checkpoint)
+    assert all(
+        r["argv"] == ["--flag", "value"] for r in ranks
+    )  # launcher arguments reach the script
+    assert all(
+        r["resume_from"] == "last" for r in ranks
+    )  # requeue-safe default (fresh when no checkpoint)
     node0_log = results[1][1]
-    assert "host_store=1" in node0_log and "world=2" in node0_log and "host_store=0" in results[0][1]
+    assert (
+        "host_store=1" in node0_log and "world=2" in node0_log and "host_store=0" in results[0][1]
+    )
 
 
 @pytest.mark.slow
@@ -85,10 +106,23 @@ def test_train_py_trains_two_steps_over_two_nodes(launcher_env, tmp_path):
 
     data = make_training_data(tmp_path / "tiny", per_lang=6, vocab_size=64)
     env = {k: v for k, v in launcher_env.items() if not k.startswith("WANDB")}
-    env.update(TRAIN_SCRIPT=str(REPO / "train.py"), ACCELERATOR="cpu", PRECISION="32-true", NUM_WORKERS="0",
-               INIT_MODEL="", TRAIN_MANIFEST_PATH=str(data["manifest"]), TOKENIZER_DIR=str(data["tokenizer"]),
-               GRAD_ACCUM="1", MAX_STEPS="2", UNFREEZE_STEP="1", WARMUP_STEPS="1", PHASE2_WARMUP="1",
-               MAX_BATCH_DURATION="6", BUCKET_BOUNDARIES="2", WANDB_MODE="disabled")
+    env.update(
+        TRAIN_SCRIPT=str(REPO / "train.py"),
+        ACCELERATOR="cpu",
+        PRECISION="32-true",
+        NUM_WORKERS="0",
+        INIT_MODEL="",
+        TRAIN_MANIFEST_PATH=str(data["manifest"]),
+        TOKENIZER_DIR=str(data["tokenizer"]),
+        GRAD_ACCUM="1",
+        MAX_STEPS="2",
+        UNFREEZE_STEP="1",
+        WARMUP_STEPS="1",
+        PHASE2_WARMUP="1",
+        MAX_BATCH_DURATION="6",
+        BUCKET_BOUNDARIES="2",
+        WANDB_MODE="disabled",
+    )
     nodes = [start(env, NNODES="2", NODE_RANK=str(rank)) for rank in (1, 0)]
     (rc1, out1), (rc0, out0) = [finish(p, timeout=240) for p in nodes]
     assert rc0 == 0 and rc1 == 0, out0[-3000:] + out1[-3000:]
@@ -126,18 +160,32 @@ FAKE_SCONTROL = """#!/usr/bin/env bash
 
 
 @pytest.mark.slow
-def test_under_sbatch_the_batch_step_starts_one_launcher_per_node_with_slurm_topology(launcher_env, tmp_path):
+def test_under_sbatch_the_batch_step_starts_one_launcher_per_node_with_slurm_topology(
+    launcher_env, tmp_path
+):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = {k: v for k, v in launcher_env.items() if k not in ("MASTER_ADDR", "NNODES")}
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2",
-               SLURM_JOB_NODELIST="node-[a-b]", SLURM_SUBMIT_DIR=str(REPO),
-               NODE_RANK="0")  # left over in the submit shell: SLURM_NODEID must win inside srun
-    rc, out = finish(subprocess.Popen(["bash", str(LAUNCHER)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+    env.update(
+        PATH=f"{bin_dir}:{env['PATH']}",
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_JOB_NODELIST="node-[a-b]",
+        SLURM_SUBMIT_DIR=str(REPO),
+        NODE_RANK="0",
+    )  # left over in the submit shell: SLURM_NODEID must win inside srun
+    rc, out = finish(
+        subprocess.Popen(
+            ["bash", str(LAUNCHER)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    )
     assert rc == 0, out
     assert "c10d://127.0.0.1:" in out and "id=4242" in out  # node 0 from the node list, the job id
     assert "node 0/2" in out and "node 1/2" in out
@@ -151,9 +199,14 @@ def test_multi_node_without_master_addr_stops_before_waiting(launcher_env):
     assert rc == 1 and "MASTER_ADDR is not set" in out
 
 
-@pytest.mark.parametrize("variables, message", [({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK=2: expected 0..1"),
-                                                ({"NNODES": "0", "NODE_RANK": "0"}, "NNODES=0"),
-                                                ({"NNODES": "1", "NPROC_PER_NODE": "x"}, "NPROC_PER_NODE=x")])
+@pytest.mark.parametrize(
+    "variables, message",
+    [
+        ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK=2: expected 0..1"),
+        ({"NNODES": "0", "NODE_RANK": "0"}, "NNODES=0"),
+        ({"NNODES": "1", "NPROC_PER_NODE": "x"}, "NPROC_PER_NODE=x"),
+    ],
+)
 def test_bad_topology_is_refused_with_the_variable_named(launcher_env, variables, message):
     rc, out = finish(start(launcher_env, **variables), timeout=30)
     assert rc == 1 and message in out
@@ -161,7 +214,9 @@ def test_bad_topology_is_refused_with_the_variable_named(launcher_env, variables
 
 def test_a_checkpoint_dir_node_0_does_not_share_is_reported(launcher_env):
     # Node 1 alone: node 0 never writes its marker, exactly what a node-local CHECKPOINT_DIR looks like.
-    rc, out = finish(start(launcher_env, NNODES="2", NODE_RANK="1", SHARED_DIR_TIMEOUT="2"), timeout=60)
+    rc, out = finish(
+        start(launcher_env, NNODES="2", NODE_RANK="1", SHARED_DIR_TIMEOUT="2"), timeout=60
+    )
     assert rc == 1 and "is not shared" in out and "CHECKPOINT_DIR" in out
 
 

@@ -11,13 +11,13 @@ A probe logs every micro-batch the sampler hands out, per rank (NUM_WORKERS=0 an
 what is handed out is what trains). Both runs must consume the same batches in the same order and end
 with the same weights and optimizer state.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -65,8 +65,14 @@ PROBE = textwrap.dedent('''
 
 def start_torchrun(script: Path, env: dict, log_path: Path) -> subprocess.Popen:
     cmd = torchrun_command(script)
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def wait(proc: subprocess.Popen, log_path: Path) -> None:
@@ -75,13 +81,17 @@ def wait(proc: subprocess.Popen, log_path: Path) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        pytest.fail(f"torchrun did not finish in {TIMEOUT_S} s (a hang?); log {log_path}:\n"
-                    f"{log_path.read_text()[-3000:]}")
+        pytest.fail(
+            f"torchrun did not finish in {TIMEOUT_S} s (a hang?); log {log_path}:\n"
+            f"{log_path.read_text()[-3000:]}"
+        )
     assert proc.returncode == 0, log_path.read_text()[-4000:]
 
 
 def batches(out: Path, rank: int) -> list[dict]:
-    return [json.loads(line) for line in (out / f"rank{rank}_batches.jsonl").read_text().splitlines()]
+    return [
+        json.loads(line) for line in (out / f"rank{rank}_batches.jsonl").read_text().splitlines()
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -91,12 +101,29 @@ def runs(tmp_path_factory):
     script = root / "probe_train.py"
     script.write_text(PROBE)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB", "RESUME", "PROBE"))}
-    base.update(ACCELERATOR="cpu", PRECISION="32-true", NUM_WORKERS="0", OMP_NUM_THREADS="1", INIT_MODEL="",
-                TRAIN_MANIFEST_PATH=str(data["manifest"]), VAL_MANIFEST_PATH=str(data["manifest"]),
-                TOKENIZER_DIR=str(data["tokenizer"]), GRAD_ACCUM="2", MAX_STEPS=str(MAX_STEPS), UNFREEZE_STEP="4",
-                WARMUP_STEPS="1", PHASE2_WARMUP="1", MAX_BATCH_DURATION="6", BUCKET_BOUNDARIES="2",
-                CHECKPOINT_EVERY=str(HALF), EVAL_EVERY_STEPS=str(HALF), EVAL_SAMPLES_PER_LANG="3",
-                WANDB_MODE="disabled", WANDB_RUN_NAME="run", REPO=str(REPO))
+    base.update(
+        ACCELERATOR="cpu",
+        PRECISION="32-true",
+        NUM_WORKERS="0",
+        OMP_NUM_THREADS="1",
+        INIT_MODEL="",
+        TRAIN_MANIFEST_PATH=str(data["manifest"]),
+        VAL_MANIFEST_PATH=str(data["manifest"]),
+        TOKENIZER_DIR=str(data["tokenizer"]),
+        GRAD_ACCUM="2",
+        MAX_STEPS=str(MAX_STEPS),
+        UNFREEZE_STEP="4",
+        WARMUP_STEPS="1",
+        PHASE2_WARMUP="1",
+        MAX_BATCH_DURATION="6",
+        BUCKET_BOUNDARIES="2",
+        CHECKPOINT_EVERY=str(HALF),
+        EVAL_EVERY_STEPS=str(HALF),
+        EVAL_SAMPLES_PER_LANG="3",
+        WANDB_MODE="disabled",
+        WANDB_RUN_NAME="run",
+        REPO=str(REPO),
+    )
 
     def env_for(name: str, **extra) -> dict:
         out = root / name
@@ -114,7 +141,9 @@ def runs(tmp_path_factory):
     while not checkpoint.exists():  # the final name appears only once the file is complete
         if proc.poll() is not None or time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"no {checkpoint.name} from the job to kill; log:\n{(root / 'killed.log').read_text()[-3000:]}")
+            pytest.fail(
+                f"no {checkpoint.name} from the job to kill; log:\n{(root / 'killed.log').read_text()[-3000:]}"
+            )
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -138,7 +167,9 @@ def test_resumed_run_consumes_exactly_the_straight_runs_remaining_batches_on_eve
     assert resume_at[1] > 0, "the checkpoint should fall mid-epoch for this test to mean something"
     for rank in (0, 1):
         straight = batches(root / "straight", rank)
-        before = [b for b in batches(root / "killed", rank) if (b["epoch"], b["position"]) < resume_at]
+        before = [
+            b for b in batches(root / "killed", rank) if (b["epoch"], b["position"]) < resume_at
+        ]
         resumed = batches(root / "resumed", rank)
         assert (resumed[0]["epoch"], resumed[0]["position"]) == resume_at
         assert before + resumed == straight
@@ -153,22 +184,34 @@ def test_resumed_run_ends_with_the_straight_runs_weights_and_optimizer_state(run
     assert straight["state_dict"].keys() == resumed["state_dict"].keys()
     for key, value in straight["state_dict"].items():
         torch.testing.assert_close(resumed["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)
-    for a, b in zip(straight["optimizer_states"][0]["state"].values(),
-                    resumed["optimizer_states"][0]["state"].values()):
+    for a, b in zip(
+        straight["optimizer_states"][0]["state"].values(),
+        resumed["optimizer_states"][0]["state"].values(),
+    ):
         for key in a:
             torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6)
 
 
 def test_resumed_run_logs_after_the_restored_step_only_in_its_jsonl(runs):
     root, _ = runs
-    lines = [json.loads(l) for l in (root / "killed_data" / "wandb_logs" / "run" / "metrics.jsonl").read_text().splitlines()]
+    lines = [
+        json.loads(l)
+        for l in (root / "killed_data" / "wandb_logs" / "run" / "metrics.jsonl")
+        .read_text()
+        .splitlines()
+    ]
     steps = [l["step"] for l in lines if "train/loss" in l]
     assert steps == list(range(1, HALF + 1)) + list(range(HALF + 1, MAX_STEPS + 1))
 
 
 def test_per_language_wer_is_gathered_from_both_ranks(runs):
     root, _ = runs
-    lines = [json.loads(l) for l in (root / "straight_data" / "wandb_logs" / "run" / "metrics.jsonl").read_text().splitlines()]
+    lines = [
+        json.loads(l)
+        for l in (root / "straight_data" / "wandb_logs" / "run" / "metrics.jsonl")
+        .read_text()
+        .splitlines()
+    ]
     evals = [l for l in lines if "val/wer/all" in l]
     assert [l["step"] for l in evals] == [HALF, MAX_STEPS]
     for l in evals:

@@ -1,4 +1,5 @@
 """The guarantees of sampler.DurationBucketBatchSampler, one behaviour per test (see its docstring)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -19,9 +20,17 @@ from sampler import DurationBucketBatchSampler
 REPO = sampler_module.__file__.rsplit("/", 1)[0]
 FEW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Every setting spelled out, so a changed config.py default cannot change what a test checks.
-BASE = dict(boundaries=(3.0, 5.0, 8.0, 12.0, 16.0), max_batch_duration=90.0, temperature=0.3,
-            grad_accum=1, seed=7, epoch_size=0, lang_weighting="count", cost_quadratic=0.0,
-            sort_jitter=0.05)
+BASE = dict(
+    boundaries=(3.0, 5.0, 8.0, 12.0, 16.0),
+    max_batch_duration=90.0,
+    temperature=0.3,
+    grad_accum=1,
+    seed=7,
+    epoch_size=0,
+    lang_weighting="count",
+    cost_quadratic=0.0,
+    sort_jitter=0.05,
+)
 
 
 def lognormal_durations(n: int, seed: int = 0) -> np.ndarray:
@@ -44,7 +53,9 @@ def make(durations, languages, **overrides) -> DurationBucketBatchSampler:
     return DurationBucketBatchSampler(durations, languages, **{**BASE, **overrides})
 
 
-def rank_plans(durations, languages, world_size: int, epoch: int = 0, **overrides) -> list[list[list[int]]]:
+def rank_plans(
+    durations, languages, world_size: int, epoch: int = 0, **overrides
+) -> list[list[list[int]]]:
     plans = []
     for rank in range(world_size):
         s = make(durations, languages, world_size=world_size, rank=rank, **overrides)
@@ -53,11 +64,15 @@ def rank_plans(durations, languages, world_size: int, epoch: int = 0, **override
     return plans
 
 
-def shares(rows: list[int], languages: np.ndarray, weights: np.ndarray | None = None) -> dict[str, float]:
+def shares(
+    rows: list[int], languages: np.ndarray, weights: np.ndarray | None = None
+) -> dict[str, float]:
     rows = np.asarray(rows)
     w = np.ones(len(rows)) if weights is None else weights[rows]
     total = w.sum()
-    return {str(lang): float(w[languages[rows] == lang].sum() / total) for lang in np.unique(languages)}
+    return {
+        str(lang): float(w[languages[rows] == lang].sum() / total) for lang in np.unique(languages)
+    }
 
 
 def target(counts: np.ndarray, temperature: float) -> np.ndarray:
@@ -72,6 +87,7 @@ def batch_cost(batch: list[int], durations: np.ndarray, quadratic: float = 0.0) 
 
 # ---- 1. temperature ---------------------------------------------------------------------------
 
+
 @st.composite
 def skewed_language_sets(draw):
     """1-8 languages with Zipf-like counts; big enough that 0.5 pp is meaningful (>= 200 batches)."""
@@ -85,11 +101,15 @@ def skewed_language_sets(draw):
 
 @FEW
 @given(counts=skewed_language_sets(), temperature=st.floats(0.0, 1.0), seed=st.integers(0, 2**31))
-def test_realized_language_shares_are_within_half_a_point_of_temperature_targets(counts, temperature, seed):
+def test_realized_language_shares_are_within_half_a_point_of_temperature_targets(
+    counts, temperature, seed
+):
     durations, languages = corpus(counts, seed % 1000)
     (plan,) = rank_plans(durations, languages, 1, temperature=temperature, seed=seed)
     got = shares([i for b in plan for i in b], languages)
-    want = dict(zip(sorted(counts), target(np.array([counts[k] for k in sorted(counts)]), temperature)))
+    want = dict(
+        zip(sorted(counts), target(np.array([counts[k] for k in sorted(counts)]), temperature))
+    )
     for lang in counts:
         assert abs(got.get(lang, 0.0) - want[lang]) <= 0.005, (lang, got, want)
 
@@ -138,7 +158,9 @@ def test_hours_weighting_targets_shares_of_audio_hours():
         assert s.epoch_stats()["target_share"]["long"] == pytest.approx(want[0])
 
 
-def language_rows_per_epoch(s: DurationBucketBatchSampler, languages, lang: str, epochs: int) -> list[list[int]]:
+def language_rows_per_epoch(
+    s: DurationBucketBatchSampler, languages, lang: str, epochs: int
+) -> list[list[int]]:
     out = []
     for epoch in range(epochs):
         s.set_epoch(epoch)
@@ -182,9 +204,15 @@ def test_upsampled_language_repeats_whole_passes_plus_a_random_part():
 
 
 @FEW
-@given(n_small=st.integers(5, 400), n_big=st.integers(500, 3000), temperature=st.floats(0.0, 1.0),
-       epoch_size=st.integers(0, 6000))
-def test_each_language_cycles_through_all_utterances_before_any_repeats(n_small, n_big, temperature, epoch_size):
+@given(
+    n_small=st.integers(5, 400),
+    n_big=st.integers(500, 3000),
+    temperature=st.floats(0.0, 1.0),
+    epoch_size=st.integers(0, 6000),
+)
+def test_each_language_cycles_through_all_utterances_before_any_repeats(
+    n_small, n_big, temperature, epoch_size
+):
     """After e epochs every utterance of a language was drawn floor or ceil(e x draws / n) times."""
     durations, languages = corpus({"small": n_small, "big": n_big}, seed=n_small)
     s = make(durations, languages, temperature=temperature, epoch_size=epoch_size)
@@ -194,7 +222,10 @@ def test_each_language_cycles_through_all_utterances_before_any_repeats(n_small,
         for rows in language_rows_per_epoch(s, languages, lang, 5):
             per_epoch = Counter(rows)
             whole = len(rows) // n
-            assert set(per_epoch.values()) <= {whole, whole + 1}  # no utterance twice in a random part
+            assert set(per_epoch.values()) <= {
+                whole,
+                whole + 1,
+            }  # no utterance twice in a random part
             totals.update(per_epoch)
             drawn += len(rows)
             counts = [totals[i] for i in np.flatnonzero(languages == lang)]
@@ -212,6 +243,7 @@ def test_epoch_size_sets_the_number_of_utterances_per_epoch(monkeypatch):
 
 
 # ---- 2. buckets and packing --------------------------------------------------------------------
+
 
 def test_batches_never_cross_a_bucket_boundary():
     durations, languages = corpus(SKEWED)
@@ -261,13 +293,22 @@ def test_an_utterance_longer_than_the_cap_gets_a_batch_of_its_own():
 
 
 @FEW
-@given(data=st.data(), n=st.integers(50, 3000), cap=st.floats(5.0, 120.0),
-       edges=st.lists(st.floats(0.5, 30.0), min_size=0, max_size=6, unique=True))
+@given(
+    data=st.data(),
+    n=st.integers(50, 3000),
+    cap=st.floats(5.0, 120.0),
+    edges=st.lists(st.floats(0.5, 30.0), min_size=0, max_size=6, unique=True),
+)
 def test_every_utterance_is_packed_once_within_the_cap_inside_one_bucket(data, n, cap, edges):
     durations = np.array(data.draw(st.lists(st.floats(0.0, 150.0), min_size=n, max_size=n)))
     boundaries = tuple(sorted(edges))
-    s = make(durations, np.zeros(n, dtype=np.int64), boundaries=boundaries, max_batch_duration=cap,
-             temperature=1.0)
+    s = make(
+        durations,
+        np.zeros(n, dtype=np.int64),
+        boundaries=boundaries,
+        max_batch_duration=cap,
+        temperature=1.0,
+    )
     plan = list(s)
     assert sorted(i for b in plan for i in b) == list(range(n))  # T=1, one rank: nothing lost
     for batch in plan:
@@ -277,12 +318,17 @@ def test_every_utterance_is_packed_once_within_the_cap_inside_one_bucket(data, n
     assert s.epoch_stats()["over_cap_batches"] == over
 
 
-
 @FEW
-@given(data=st.data(), n=st.integers(1, 2000), cap=st.floats(1.0, 60.0), lane_batches=st.integers(1, 40),
-       num_buckets=st.integers(1, 5))
-def test_lane_parallel_packing_is_greedy_except_at_lane_and_bucket_ends(data, n, cap, lane_batches,
-                                                                         num_buckets):
+@given(
+    data=st.data(),
+    n=st.integers(1, 2000),
+    cap=st.floats(1.0, 60.0),
+    lane_batches=st.integers(1, 40),
+    num_buckets=st.integers(1, 5),
+)
+def test_lane_parallel_packing_is_greedy_except_at_lane_and_bucket_ends(
+    data, n, cap, lane_batches, num_buckets
+):
     # The packer advances many lanes at once; tiny lanes make every lane / bucket / pruning path run.
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sampler_module, "_LANE_BATCHES", lane_batches)
@@ -291,10 +337,19 @@ def test_lane_parallel_packing_is_greedy_except_at_lane_and_bucket_ends(data, n,
 
 
 def check_greedy_packing(data, n: int, cap: float, num_buckets: int, lane_batches: int) -> None:
-    durations = np.array(data.draw(st.lists(st.sampled_from([0.0, 0.4, 1.0, 2.5, 7.0, 30.0, 99.0])
-                                            | st.floats(0.0, 100.0), min_size=n, max_size=n)))
+    durations = np.array(
+        data.draw(
+            st.lists(
+                st.sampled_from([0.0, 0.4, 1.0, 2.5, 7.0, 30.0, 99.0]) | st.floats(0.0, 100.0),
+                min_size=n,
+                max_size=n,
+            )
+        )
+    )
     flat = np.random.default_rng(n).permutation(n).astype(np.int32)
-    bucket_starts = np.sort(np.random.default_rng(int(cap * 1000)).choice(np.arange(1, n + 2), num_buckets - 1))
+    bucket_starts = np.sort(
+        np.random.default_rng(int(cap * 1000)).choice(np.arange(1, n + 2), num_buckets - 1)
+    )
     starts, seconds, longest = sampler_module._greedy_pack(durations, flat, bucket_starts, cap)
 
     assert starts[0] == 0 and np.all(np.diff(starts) > 0)
@@ -319,18 +374,24 @@ def padding_efficiency(plan: list[list[int]], durations: np.ndarray) -> float:
 
 def test_padding_efficiency_is_at_least_095_with_default_settings():
     durations = lognormal_durations(60000, seed=11)
-    languages = np.random.default_rng(11).choice(["hi", "en", "ta"], size=len(durations), p=[0.6, 0.3, 0.1])
+    languages = np.random.default_rng(11).choice(
+        ["hi", "en", "ta"], size=len(durations), p=[0.6, 0.3, 0.1]
+    )
     s = DurationBucketBatchSampler(durations, languages)  # config defaults throughout
     plan = list(s)
     assert padding_efficiency(plan, durations) >= 0.95
-    assert s.epoch_stats()["padding_efficiency"] == pytest.approx(padding_efficiency(plan, durations))
+    assert s.epoch_stats()["padding_efficiency"] == pytest.approx(
+        padding_efficiency(plan, durations)
+    )
 
 
 @settings(max_examples=4, deadline=None)
 @given(n=st.integers(20000, 60000), seed=st.integers(0, 10**6))
 def test_padding_efficiency_holds_for_any_seed_and_corpus_size(n, seed):
     durations = lognormal_durations(n, seed)
-    s = make(durations, np.zeros(n, dtype=np.int64), seed=seed, sort_jitter=config.BUCKET_SORT_JITTER)
+    s = make(
+        durations, np.zeros(n, dtype=np.int64), seed=seed, sort_jitter=config.BUCKET_SORT_JITTER
+    )
     assert padding_efficiency(list(s), durations) >= 0.95
 
 
@@ -345,6 +406,7 @@ def test_two_epochs_never_produce_the_same_batches():
 
 
 # ---- 4. rank balance -----------------------------------------------------------------------------
+
 
 def test_rank_costs_at_every_step_are_within_2_percent_at_p99_on_8_ranks():
     durations, languages = corpus({k: v * 4 for k, v in SKEWED.items()}, seed=5)
@@ -365,7 +427,9 @@ def test_rank_balance_holds_across_lognormal_corpora(median, sigma, seed):
     # examples are corpora where 4,096-item packing lanes left lane-end partial batches dense enough
     # to break the bound: p99 1.044 (median 3 s, at 40k utterances) and 1.021 (median 2 s, this size).
     rng = np.random.default_rng(seed)
-    n = int(450_000 / (median * np.exp(sigma ** 2 / 2)))  # the lognormal's mean is median * e^(sigma^2/2)
+    n = int(
+        450_000 / (median * np.exp(sigma**2 / 2))
+    )  # the lognormal's mean is median * e^(sigma^2/2)
     durations = np.clip(rng.lognormal(np.log(median), sigma, n), 0.3, 30.0)
     languages = rng.choice(["a", "b", "c"], size=len(durations), p=[0.7, 0.2, 0.1])
     s = make(durations, languages, world_size=8, grad_accum=4, seed=seed)
@@ -382,13 +446,19 @@ def test_quadratic_cost_term_balances_the_quadratic_cost():
 
 @FEW
 @given(world_size=st.integers(1, 8), grad_accum=st.integers(1, 4), n=st.integers(3000, 8000))
-def test_every_rank_gets_the_same_number_of_batches_a_multiple_of_grad_accum(world_size, grad_accum, n):
+def test_every_rank_gets_the_same_number_of_batches_a_multiple_of_grad_accum(
+    world_size, grad_accum, n
+):
     durations = lognormal_durations(n, seed=n)
     languages = np.where(np.arange(n) % 3 == 0, "a", "b")
     lengths = [len(p) for p in rank_plans(durations, languages, world_size, grad_accum=grad_accum)]
     assert len(set(lengths)) == 1 and lengths[0] % grad_accum == 0 and lengths[0] > 0
-    assert make(durations, languages, world_size=world_size, grad_accum=grad_accum).epoch_stats()[
-        "trimmed_batches"] < world_size * grad_accum
+    assert (
+        make(durations, languages, world_size=world_size, grad_accum=grad_accum).epoch_stats()[
+            "trimmed_batches"
+        ]
+        < world_size * grad_accum
+    )
 
 
 def test_ranks_get_disjoint_batches_that_cover_the_plan():
@@ -397,7 +467,9 @@ def test_ranks_get_disjoint_batches_that_cover_the_plan():
     rows = [i for p in plans for b in p for i in b]
     assert len(rows) == len(set(rows))  # T=1, epoch = n: each utterance at most once overall
     stats = make(durations, languages, world_size=4, temperature=1.0, grad_accum=2).epoch_stats()
-    assert len(rows) == stats["utterances_in_plan"] == len(durations) - sum(stats["trimmed"].values())
+    assert (
+        len(rows) == stats["utterances_in_plan"] == len(durations) - sum(stats["trimmed"].values())
+    )
 
 
 def test_first_grad_accum_batches_of_each_rank_are_the_most_expensive():
@@ -421,13 +493,18 @@ def test_later_steps_are_shuffled_not_cost_sorted():
 
 # ---- 5. determinism ------------------------------------------------------------------------------
 
+
 def plan_digest(s: DurationBucketBatchSampler) -> str:
     return hashlib.sha256(repr(list(s)).encode()).hexdigest()
 
 
 @FEW
-@given(seed=st.integers(-2**63, 2**63 - 1), epoch=st.integers(0, 10**6), world_size=st.integers(1, 4))
-def test_a_seed_and_epoch_always_give_the_same_plan_and_the_next_epoch_another(seed, epoch, world_size):
+@given(
+    seed=st.integers(-(2**63), 2**63 - 1), epoch=st.integers(0, 10**6), world_size=st.integers(1, 4)
+)
+def test_a_seed_and_epoch_always_give_the_same_plan_and_the_next_epoch_another(
+    seed, epoch, world_size
+):
     durations, languages = corpus({"a": 800, "b": 300})
     plans = []
     for _ in range(2):
@@ -453,9 +530,16 @@ def test_plan_is_identical_in_a_fresh_process():
     code = (
         "import tests.test_sampler as t;"
         "d, l = t.corpus(t.SKEWED);"
-        "print(t.plan_digest(t.make(d, l, world_size=2, rank=1, grad_accum=2)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO,
-                         env={"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "123", "PATH": ""})
+        "print(t.plan_digest(t.make(d, l, world_size=2, rank=1, grad_accum=2)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+        env={"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "123", "PATH": ""},
+    )
     assert out.stdout.strip() == here
 
 
@@ -469,7 +553,6 @@ def test_integer_language_codes_give_the_same_plan_as_strings():
     assert make(durations, codes).languages == [str(i) for i in range(len(names))]
 
 
-
 @pytest.mark.parametrize("dtype", ["U", "S", "O"])
 def test_languages_sharing_a_hash_slot_still_get_their_own_codes(monkeypatch, dtype):
     # Language strings are coded through a 16-bit hash of their bytes; should two languages share
@@ -477,13 +560,16 @@ def test_languages_sharing_a_hash_slot_still_get_their_own_codes(monkeypatch, dt
     durations, languages = corpus({**SKEWED, "kn-IN": 90})
     languages = languages.astype(dtype) if dtype != "O" else languages.astype(object)
     expected = plan_digest(make(durations, languages))
-    monkeypatch.setattr(sampler_module, "_hash_slots", lambda words: np.zeros(len(words), dtype=np.intp))
+    monkeypatch.setattr(
+        sampler_module, "_hash_slots", lambda words: np.zeros(len(words), dtype=np.intp)
+    )
     collided = make(durations, languages)
     assert collided.languages == sorted([*SKEWED, "kn-IN"])
     assert plan_digest(collided) == expected
 
 
 # ---- 6. resume -----------------------------------------------------------------------------------
+
 
 def test_resume_continues_with_the_very_next_batch():
     durations, languages = corpus(SKEWED)
@@ -520,8 +606,11 @@ def test_restore_builds_at_most_one_epoch_plan(monkeypatch):
     fresh = make(durations, languages)
     builds = []
     real = DurationBucketBatchSampler._build_plan
-    monkeypatch.setattr(DurationBucketBatchSampler, "_build_plan",
-                        lambda self, epoch: builds.append(epoch) or real(self, epoch))
+    monkeypatch.setattr(
+        DurationBucketBatchSampler,
+        "_build_plan",
+        lambda self, epoch: builds.append(epoch) or real(self, epoch),
+    )
     fresh.load_state_dict(state)
     fresh.set_epoch(5)  # Lightning calls set_epoch again after a restore: the position stays
     next(iter(fresh))
@@ -568,6 +657,7 @@ def test_resume_with_a_position_beyond_the_epoch_is_refused():
 
 # ---- 7. statistics -------------------------------------------------------------------------------
 
+
 def test_epoch_stats_describe_the_plan_this_rank_runs():
     durations, languages = corpus(SKEWED)
     s = make(durations, languages, world_size=2, rank=0, grad_accum=2)
@@ -580,17 +670,29 @@ def test_epoch_stats_describe_the_plan_this_rank_runs():
     assert stats["num_batches_per_rank"] == len(plan) == len(s)
     assert sum(stats["batches_per_bucket"].values()) == 2 * len(plan)
     first = plan[0]
-    assert stats["first_step"] == pytest.approx({
-        "utterances": len(first), "audio_seconds": durations[first].sum(),
-        "max_duration": durations[first].max(), "cost": batch_cost(first, durations)})
-    assert stats["skipped"]["hi"] > 0 and stats["repeated"]["or"] > 0 and stats["repeated"]["hi"] == 0
+    assert stats["first_step"] == pytest.approx(
+        {
+            "utterances": len(first),
+            "audio_seconds": durations[first].sum(),
+            "max_duration": durations[first].max(),
+            "cost": batch_cost(first, durations),
+        }
+    )
+    assert (
+        stats["skipped"]["hi"] > 0 and stats["repeated"]["or"] > 0 and stats["repeated"]["hi"] == 0
+    )
 
 
 @settings(max_examples=8, deadline=None)
-@given(temperature=st.floats(0.0, 1.0), world_size=st.integers(1, 8), grad_accum=st.integers(1, 4),
-       epoch=st.integers(0, 5))
-def test_repeated_skipped_and_trimmed_counts_match_the_batches_of_all_ranks(temperature, world_size,
-                                                                             grad_accum, epoch):
+@given(
+    temperature=st.floats(0.0, 1.0),
+    world_size=st.integers(1, 8),
+    grad_accum=st.integers(1, 4),
+    epoch=st.integers(0, 5),
+)
+def test_repeated_skipped_and_trimmed_counts_match_the_batches_of_all_ranks(
+    temperature, world_size, grad_accum, epoch
+):
     durations, languages = corpus(SKEWED, seed=4)
     kw = dict(temperature=temperature, grad_accum=grad_accum)
     plans = rank_plans(durations, languages, world_size, epoch=epoch, **kw)
@@ -613,34 +715,39 @@ GOOD_D = np.array([1.0, 2.0, 3.0])
 GOOD_L = np.array(["a", "b", "a"])
 
 
-@pytest.mark.parametrize("durations, languages, kwargs, message", [
-    ([], [], {}, "durations is empty"),
-    ([1.0, float("nan"), 2.0], GOOD_L, {}, r"durations\[1\] = nan"),
-    ([1.0, 2.0, -0.5], GOOD_L, {}, r"durations\[2\] = -0.5"),
-    ([1.0, float("inf"), 2.0], GOOD_L, {}, r"durations\[1\] = inf"),
-    (GOOD_D, ["a", "b"], {}, "languages has 2 rows but durations has 3"),
-    (GOOD_D, np.array(["a", None, "b"], dtype=object), {}, r"languages\[1\] = None"),
-    (GOOD_D, [0, -1, 2], {}, r"languages\[1\] = -1"),
-    (GOOD_D, [0, 5, 1], {"language_names": ["a", "b"]}, "language code 5"),
-    (GOOD_D, GOOD_L, {"world_size": 0}, "world_size=0"),
-    (GOOD_D, GOOD_L, {"world_size": 4, "rank": 4}, "rank=4"),
-    (GOOD_D, GOOD_L, {"world_size": 4, "rank": -1}, "rank=-1"),
-    (GOOD_D, GOOD_L, {"grad_accum": 0}, "grad_accum=0"),
-    (GOOD_D, GOOD_L, {"temperature": -1.0}, "temperature=-1.0"),
-    (GOOD_D, GOOD_L, {"max_batch_duration": 0.0}, "max_batch_duration=0.0"),
-    (GOOD_D, GOOD_L, {"lang_weighting": "tokens"}, "lang_weighting='tokens'"),
-    (GOOD_D, GOOD_L, {"boundaries": (5.0, 3.0)}, "strictly increasing"),
-    (GOOD_D, GOOD_L, {"boundaries": "auto:one"}, "auto:K"),
-    (GOOD_D, GOOD_L, {"epoch_size": -3}, "epoch_size=-3"),
-    ([[1.0, 2.0]], ["a"], {}, "1-D"),
-])
+@pytest.mark.parametrize(
+    "durations, languages, kwargs, message",
+    [
+        ([], [], {}, "durations is empty"),
+        ([1.0, float("nan"), 2.0], GOOD_L, {}, r"durations\[1\] = nan"),
+        ([1.0, 2.0, -0.5], GOOD_L, {}, r"durations\[2\] = -0.5"),
+        ([1.0, float("inf"), 2.0], GOOD_L, {}, r"durations\[1\] = inf"),
+        (GOOD_D, ["a", "b"], {}, "languages has 2 rows but durations has 3"),
+        (GOOD_D, np.array(["a", None, "b"], dtype=object), {}, r"languages\[1\] = None"),
+        (GOOD_D, [0, -1, 2], {}, r"languages\[1\] = -1"),
+        (GOOD_D, [0, 5, 1], {"language_names": ["a", "b"]}, "language code 5"),
+        (GOOD_D, GOOD_L, {"world_size": 0}, "world_size=0"),
+        (GOOD_D, GOOD_L, {"world_size": 4, "rank": 4}, "rank=4"),
+        (GOOD_D, GOOD_L, {"world_size": 4, "rank": -1}, "rank=-1"),
+        (GOOD_D, GOOD_L, {"grad_accum": 0}, "grad_accum=0"),
+        (GOOD_D, GOOD_L, {"temperature": -1.0}, "temperature=-1.0"),
+        (GOOD_D, GOOD_L, {"max_batch_duration": 0.0}, "max_batch_duration=0.0"),
+        (GOOD_D, GOOD_L, {"lang_weighting": "tokens"}, "lang_weighting='tokens'"),
+        (GOOD_D, GOOD_L, {"boundaries": (5.0, 3.0)}, "strictly increasing"),
+        (GOOD_D, GOOD_L, {"boundaries": "auto:one"}, "auto:K"),
+        (GOOD_D, GOOD_L, {"epoch_size": -3}, "epoch_size=-3"),
+        ([[1.0, 2.0]], ["a"], {}, "1-D"),
+    ],
+)
 def test_bad_input_raises_a_value_error_naming_the_problem(durations, languages, kwargs, message):
     with pytest.raises(ValueError, match=message):
         DurationBucketBatchSampler(durations, languages, **kwargs)
 
 
 @FEW
-@given(n=st.integers(1, 500), data=st.data(), bad=st.sampled_from([float("nan"), float("inf"), -0.25]))
+@given(
+    n=st.integers(1, 500), data=st.data(), bad=st.sampled_from([float("nan"), float("inf"), -0.25])
+)
 def test_a_bad_duration_anywhere_is_reported_with_its_row(n, data, bad):
     row = data.draw(st.integers(0, n - 1))
     durations = np.full(n, 4.0)
@@ -656,6 +763,7 @@ def test_an_epoch_too_small_for_every_rank_is_refused_with_a_fix():
 
 
 # ---- torch integration ---------------------------------------------------------------------------
+
 
 def test_works_as_a_dataloader_batch_sampler():
     durations, languages = corpus({"a": 300, "b": 100})

@@ -1,11 +1,13 @@
 """tdt_loss.tdt_loss agrees with the TDT forward recursion written plainly, and with NeMo's own code."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tdt_loss
 from scripts.bench_tdt_loss import lse, reference_tdt_loss
@@ -34,6 +36,7 @@ def reference_rnnt_loss(acts, labels, act_lens, label_lens, blank, n_durations):
 
 # ---- inputs ------------------------------------------------------------------------------------------
 
+
 def make_batch(act_lens, label_lens, vocab=6, durations=DURATIONS, seed=0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     B, T, U = len(act_lens), max(act_lens), max(label_lens)
@@ -44,17 +47,25 @@ def make_batch(act_lens, label_lens, vocab=6, durations=DURATIONS, seed=0, dtype
 
 def both_losses(acts, labels, act_lens, label_lens, durations=DURATIONS, sigma=0.0):
     blank = acts.shape[-1] - len(durations) - 1
-    ours = tdt_loss.tdt_loss(acts, labels, act_lens, label_lens, blank=blank, durations=durations, sigma=sigma)
+    ours = tdt_loss.tdt_loss(
+        acts, labels, act_lens, label_lens, blank=blank, durations=durations, sigma=sigma
+    )
     ref = reference_tdt_loss(acts, labels, act_lens, label_lens, blank, durations, sigma)
     # Gradients of the utterances that have a path; one with none (infinite loss) must get zero.
     finite = torch.isfinite(ref)
-    (g_ours,) = torch.autograd.grad(ours[finite].sum(), acts, allow_unused=True, materialize_grads=True)
-    (g_ref,) = torch.autograd.grad(ref[finite].sum(), acts, allow_unused=True, materialize_grads=True) \
-        if finite.any() else (torch.zeros_like(acts),)
+    (g_ours,) = torch.autograd.grad(
+        ours[finite].sum(), acts, allow_unused=True, materialize_grads=True
+    )
+    (g_ref,) = (
+        torch.autograd.grad(ref[finite].sum(), acts, allow_unused=True, materialize_grads=True)
+        if finite.any()
+        else (torch.zeros_like(acts),)
+    )
     return ours, ref, g_ours, g_ref
 
 
 # ---- tests -------------------------------------------------------------------------------------------
+
 
 def test_loss_and_gradients_match_reference_with_padding_and_empty_transcript():
     ours, ref, g_ours, g_ref = both_losses(*make_batch([7, 4, 6, 1], [3, 0, 5, 2]))
@@ -75,13 +86,19 @@ def test_batch_where_every_transcript_is_empty():
 
 
 @settings(max_examples=25, deadline=None)
-@given(lens=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 4)), min_size=1, max_size=3),
-       durations=st.sampled_from([[0, 1], [0, 1, 2, 3, 4], [0, 2, 3], [1, 2], [0, 1, 3, 8]]),
-       sigma=st.sampled_from([0.0, 0.05]), seed=st.integers(0, 10_000))
+@given(
+    lens=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 4)), min_size=1, max_size=3),
+    durations=st.sampled_from([[0, 1], [0, 1, 2, 3, 4], [0, 2, 3], [1, 2], [0, 1, 3, 8]]),
+    sigma=st.sampled_from([0.0, 0.05]),
+    seed=st.integers(0, 10_000),
+)
 def test_matches_reference_for_any_lengths_and_duration_set(lens, durations, sigma, seed):
     act_lens, label_lens = zip(*lens)
-    ours, ref, g_ours, g_ref = both_losses(*make_batch(list(act_lens), list(label_lens), durations=durations,
-                                                       seed=seed), durations=durations, sigma=sigma)
+    ours, ref, g_ours, g_ref = both_losses(
+        *make_batch(list(act_lens), list(label_lens), durations=durations, seed=seed),
+        durations=durations,
+        sigma=sigma,
+    )
     finite = torch.isfinite(ref)
     assert torch.equal(finite, torch.isfinite(ours))  # the same utterances have no path
     torch.testing.assert_close(ours[finite], ref[finite], atol=1e-5, rtol=0)
@@ -98,7 +115,9 @@ def test_values_in_padding_do_not_change_loss_and_get_no_gradient():
     noisy[1, :, 2:] = -1e3
     labels2 = labels.clone()
     labels2[1, 1:] = 5
-    again = tdt_loss.tdt_loss(noisy, labels2, act_lens, label_lens, blank=blank, durations=DURATIONS)
+    again = tdt_loss.tdt_loss(
+        noisy, labels2, act_lens, label_lens, blank=blank, durations=DURATIONS
+    )
     torch.testing.assert_close(again, base.detach(), atol=1e-9, rtol=0)
     assert grad[1, 3:].abs().max() == 0 and grad[1, :, 2:].abs().max() == 0
 
@@ -106,7 +125,9 @@ def test_values_in_padding_do_not_change_loss_and_get_no_gradient():
 def test_omega_one_computes_the_plain_rnnt_loss():
     acts, labels, act_lens, label_lens = make_batch([5, 4], [3, 1], seed=4)
     blank = acts.shape[-1] - len(DURATIONS) - 1
-    ours = tdt_loss.tdt_loss(acts, labels, act_lens, label_lens, blank=blank, durations=DURATIONS, omega=1.0)
+    ours = tdt_loss.tdt_loss(
+        acts, labels, act_lens, label_lens, blank=blank, durations=DURATIONS, omega=1.0
+    )
     ref = reference_rnnt_loss(acts, labels, act_lens, label_lens, blank, len(DURATIONS))
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
 
@@ -114,20 +135,30 @@ def test_omega_one_computes_the_plain_rnnt_loss():
 def test_no_frames_gives_infinite_loss_like_nemo_and_no_gradient():
     acts, labels, _, label_lens = make_batch([3, 3], [1, 1], seed=5)
     blank = acts.shape[-1] - len(DURATIONS) - 1
-    out = tdt_loss.tdt_loss(acts, labels, torch.tensor([3, 0]), label_lens, blank=blank, durations=DURATIONS)
+    out = tdt_loss.tdt_loss(
+        acts, labels, torch.tensor([3, 0]), label_lens, blank=blank, durations=DURATIONS
+    )
     assert torch.isfinite(out[0]) and out[1] == math.inf
     (grad,) = torch.autograd.grad(out[1], acts)
     assert not grad.any()
 
 
-@pytest.mark.parametrize("reduction,expected", [
-    ("sum", lambda x, ll: x.sum()), ("mean", lambda x, ll: x.sum() / len(x)),
-    ("mean_batch", lambda x, ll: x.mean()), ("mean_volume", lambda x, ll: x.sum() / ll.sum())])
+@pytest.mark.parametrize(
+    "reduction,expected",
+    [
+        ("sum", lambda x, ll: x.sum()),
+        ("mean", lambda x, ll: x.sum() / len(x)),
+        ("mean_batch", lambda x, ll: x.mean()),
+        ("mean_volume", lambda x, ll: x.sum() / ll.sum()),
+    ],
+)
 def test_reductions_follow_nemo(reduction, expected):
     acts, labels, act_lens, label_lens = make_batch([5, 4, 2], [3, 1, 1], seed=6)
     blank = acts.shape[-1] - len(DURATIONS) - 1
     per = tdt_loss.tdt_loss(acts, labels, act_lens, label_lens, blank=blank, durations=DURATIONS)
-    red = tdt_loss.tdt_loss(acts, labels, act_lens, label_lens, blank=blank, durations=DURATIONS, reduction=reduction)
+    red = tdt_loss.tdt_loss(
+        acts, labels, act_lens, label_lens, blank=blank, durations=DURATIONS, reduction=reduction
+    )
     torch.testing.assert_close(red, expected(per, label_lens.double()))
 
 
@@ -135,7 +166,9 @@ def test_bfloat16_input_is_computed_in_float32():
     acts, labels, act_lens, label_lens = make_batch([5, 3], [2, 1], seed=7, dtype=torch.float32)
     blank = acts.shape[-1] - len(DURATIONS) - 1
     full = tdt_loss.tdt_loss(acts, labels, act_lens, label_lens, blank=blank, durations=DURATIONS)
-    half = tdt_loss.tdt_loss(acts.bfloat16(), labels, act_lens, label_lens, blank=blank, durations=DURATIONS)
+    half = tdt_loss.tdt_loss(
+        acts.bfloat16(), labels, act_lens, label_lens, blank=blank, durations=DURATIONS
+    )
     assert half.dtype == torch.float32
     torch.testing.assert_close(half, full, atol=0.1, rtol=0.02)
 
@@ -145,11 +178,15 @@ def test_agrees_with_nemo_tdt_pytorch_run_on_cpu(monkeypatch):
     from nemo.collections.asr.losses.rnnt_pytorch import TDTLossPytorch
 
     monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
-    acts, labels, act_lens, label_lens = make_batch([5, 3, 4], [2, 0, 3], seed=8, dtype=torch.float32)
+    acts, labels, act_lens, label_lens = make_batch(
+        [5, 3, 4], [2, 0, 3], seed=8, dtype=torch.float32
+    )
     blank = acts.shape[-1] - len(DURATIONS) - 1
     nemo = TDTLossPytorch(blank=blank, durations=DURATIONS, reduction=None, sigma=0.05)
     expected = nemo(acts=acts, labels=labels, act_lens=act_lens, label_lens=label_lens)
-    ours = tdt_loss.tdt_loss(acts, labels, act_lens, label_lens, blank=blank, durations=DURATIONS, sigma=0.05)
+    ours = tdt_loss.tdt_loss(
+        acts, labels, act_lens, label_lens, blank=blank, durations=DURATIONS, sigma=0.05
+    )
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-5)
 
 
@@ -160,6 +197,7 @@ def test_bad_blank_index_is_rejected_with_the_shapes():
 
 
 # ---- the CUDA loss: TDT_LOSS and the start-up check -----------------------------------------------
+
 
 def _dispatch(backend="numba", **kwargs):
     return tdt_loss.DeviceDispatchTDTLoss(8, DURATIONS, sigma=0.02, cuda_backend=backend, **kwargs)

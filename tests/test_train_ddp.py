@@ -4,13 +4,13 @@ Each test module run starts two torchrun jobs (about 30-60 s each on 2 cores): t
 entry point, and `train.main()` behind a probe that dumps state_dicts per rank and injects one
 empty micro-batch (rank 1) and one NaN loss (rank 0). A hang fails the test at the timeout.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -24,8 +24,8 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240
 MAX_STEPS, UNFREEZE_STEP, GRAD_ACCUM = 6, 3, 2
-EMPTY_AT = (1, 2)   # (rank, micro-batch): rank 1's first micro-batch of optimizer step 1
-NAN_AT = (0, 9)     # rank 0's second micro-batch of optimizer step 4 (phase 2)
+EMPTY_AT = (1, 2)  # (rank, micro-batch): rank 1's first micro-batch of optimizer step 1
+NAN_AT = (0, 9)  # rank 0's second micro-batch of optimizer step 4 (phase 2)
 NAN_STEP = NAN_AT[1] // GRAD_ACCUM
 
 PROBE = textwrap.dedent('''
@@ -82,15 +82,24 @@ PROBE = textwrap.dedent('''
 
 def torchrun(script: Path, env: dict, log_path: Path) -> subprocess.CompletedProcess:
     cmd = torchrun_command(script)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         log_path.write_text(out)
-        pytest.fail(f"torchrun did not finish in {TIMEOUT_S} s (a hang?); log: {log_path}\n{out[-3000:]}")
+        pytest.fail(
+            f"torchrun did not finish in {TIMEOUT_S} s (a hang?); log: {log_path}\n{out[-3000:]}"
+        )
     log_path.write_text(out)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
@@ -100,11 +109,25 @@ def run_env(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddp")
     data = make_training_data(root, per_lang=16, vocab_size=64)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB", "RESUME"))}
-    env.update(ACCELERATOR="cpu", PRECISION="32-true", NUM_WORKERS="0", OMP_NUM_THREADS="1", INIT_MODEL="",
-               TRAIN_MANIFEST_PATH=str(data["manifest"]), TOKENIZER_DIR=str(data["tokenizer"]),
-               DATA_DIR=str(root / "data"), GRAD_ACCUM=str(GRAD_ACCUM), MAX_STEPS=str(MAX_STEPS),
-               UNFREEZE_STEP=str(UNFREEZE_STEP), WARMUP_STEPS="1", PHASE2_WARMUP="1", MAX_BATCH_DURATION="6",
-               BUCKET_BOUNDARIES="2", WANDB_MODE="disabled", REPO=str(REPO))
+    env.update(
+        ACCELERATOR="cpu",
+        PRECISION="32-true",
+        NUM_WORKERS="0",
+        OMP_NUM_THREADS="1",
+        INIT_MODEL="",
+        TRAIN_MANIFEST_PATH=str(data["manifest"]),
+        TOKENIZER_DIR=str(data["tokenizer"]),
+        DATA_DIR=str(root / "data"),
+        GRAD_ACCUM=str(GRAD_ACCUM),
+        MAX_STEPS=str(MAX_STEPS),
+        UNFREEZE_STEP=str(UNFREEZE_STEP),
+        WARMUP_STEPS="1",
+        PHASE2_WARMUP="1",
+        MAX_BATCH_DURATION="6",
+        BUCKET_BOUNDARIES="2",
+        WANDB_MODE="disabled",
+        REPO=str(REPO),
+    )
     return root, env
 
 
@@ -123,8 +146,13 @@ def probed_run(run_env):
     out.mkdir()
     script = root / "probe_train.py"
     script.write_text(PROBE)
-    env = dict(env, PROBE_OUT=str(out), EMPTY_AT="%d:%d" % EMPTY_AT, NAN_AT="%d:%d" % NAN_AT,
-               NAN_STEP=str(NAN_STEP))
+    env = dict(
+        env,
+        PROBE_OUT=str(out),
+        EMPTY_AT="%d:%d" % EMPTY_AT,
+        NAN_AT="%d:%d" % NAN_AT,
+        NAN_STEP=str(NAN_STEP),
+    )
     result = torchrun(script, env, root / "probe.log")
     assert result.returncode == 0, result.stdout[-4000:]
 
@@ -142,7 +170,9 @@ def assert_bit_identical(a, b):
 
 
 def test_torchrun_train_py_runs_both_phases_to_max_steps(plain_run):
-    assert "phase 1, encoder frozen" in plain_run and "step 3: phase 2, encoder unfrozen" in plain_run
+    assert (
+        "phase 1, encoder frozen" in plain_run and "step 3: phase 2, encoder unfrozen" in plain_run
+    )
     assert plain_run.count(f"done: {MAX_STEPS} optimizer steps, 0 skipped") == 2  # both ranks
 
 
@@ -162,7 +192,11 @@ def test_phase1_leaves_the_encoder_state_dict_bit_identical_on_every_rank(probed
 def test_encoder_trains_after_unfreezing(probed_run):
     load, counters, _ = probed_run
     start = load(0, "encoder_start")
-    final = {k[len("model.encoder."):]: v for k, v in load(0, "final").items() if k.startswith("model.encoder.")}
+    final = {
+        k[len("model.encoder.") :]: v
+        for k, v in load(0, "final").items()
+        if k.startswith("model.encoder.")
+    }
     assert any(not torch.equal(v, start[k]) for k, v in final.items() if "weight" in k)
     assert counters[0]["phase"] == 2
 
@@ -188,11 +222,11 @@ def test_nan_loss_on_one_rank_skips_that_step_on_every_rank(probed_run):
     assert f"optimizer step {NAN_STEP} skipped on every rank: non-finite loss" in log
 
 
-
-
 def test_ddp_searches_for_unused_parameters_only_while_the_encoder_is_frozen(probed_run):
     _, counters, log = probed_run
     for rank in (0, 1):
         flags = {int(step): on for step, on in counters[rank]["find_unused"].items()}
         assert flags == {step: step < UNFREEZE_STEP for step in range(MAX_STEPS)}
-    assert f"step {UNFREEZE_STEP}: DDP re-wrapped with find_unused_parameters=False for phase 2" in log
+    assert (
+        f"step {UNFREEZE_STEP}: DDP re-wrapped with find_unused_parameters=False for phase 2" in log
+    )

@@ -1,4 +1,5 @@
 """scripts/train_tokenizer.py: a NeMo tokenizer directory with one piece per language tag."""
+
 from __future__ import annotations
 
 import json
@@ -17,13 +18,24 @@ from scripts import train_tokenizer as tt
 REPO = Path(__file__).resolve().parents[1]
 HI = ["नमस्ते दुनिया", "मेरा नाम राम है", "यह एक परीक्षण है", "भारत एक बड़ा देश है", "आज मौसम अच्छा है"]
 TA = ["வணக்கம் உலகம்", "என் பெயர் ராம்", "இது ஒரு சோதனை"]
-EN = ["hello world", "my name is ram", "this is a test", "india is a large country", "the weather is nice today"]
+EN = [
+    "hello world",
+    "my name is ram",
+    "this is a test",
+    "india is a large country",
+    "the weather is nice today",
+]
 
 
 def write_manifest(path: Path, rows: list[tuple[str, str]], duration: float = 2.0) -> Path:
-    table = pa.table({"segment_id": [str(i) for i in range(len(rows))],
-                      "text": [f"<|{lang}|> {text}" for lang, text in rows],
-                      "duration": [duration] * len(rows), "lang": [lang for lang, _ in rows]})
+    table = pa.table(
+        {
+            "segment_id": [str(i) for i in range(len(rows))],
+            "text": [f"<|{lang}|> {text}" for lang, text in rows],
+            "duration": [duration] * len(rows),
+            "lang": [lang for lang, _ in rows],
+        }
+    )
     pq.write_table(table, path)
     return path
 
@@ -41,18 +53,28 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def trained(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("tokdir") / "tokenizer"
-    summary = tt.train_tokenizer(corpus, out, vocab_size=120, temperature=0.3, lang_weighting="count", seed=1)
+    summary = tt.train_tokenizer(
+        corpus, out, vocab_size=120, temperature=0.3, lang_weighting="count", seed=1
+    )
     return out, summary
 
 
 def test_writes_the_nemo_tokenizer_files(trained):
     out, _ = trained
-    assert {p.name for p in out.iterdir()} == {"tokenizer.model", "tokenizer.vocab", "vocab.txt", "summary.json"}
+    assert {p.name for p in out.iterdir()} == {
+        "tokenizer.model",
+        "tokenizer.vocab",
+        "vocab.txt",
+        "summary.json",
+    }
 
 
 def test_vocab_txt_follows_nemo_rules(trained):
     out, _ = trained
-    pieces = [line.split("\t")[0] for line in (out / "tokenizer.vocab").read_text(encoding="utf-8").splitlines()]
+    pieces = [
+        line.split("\t")[0]
+        for line in (out / "tokenizer.vocab").read_text(encoding="utf-8").splitlines()
+    ]
     skipped = {"<unk>", "<|en|>", "<|hi|>", "<|ta|>"}
     expected = [p[1:] if p.startswith("\u2581") else f"##{p}" for p in pieces if p not in skipped]
     expected = [e if e else "\u2581" for e in expected]
@@ -104,7 +126,9 @@ def test_temperature_shares_follow_counts_to_the_power_t():
 
 def test_sampling_gives_small_languages_their_temperature_share():
     tags = np.array(["en"] * 900 + ["ta"] * 100, dtype=object)
-    chosen = tt.sample_indices(tags, {"en": 900.0, "ta": 100.0}, 0.0, 1000, np.random.default_rng(0))
+    chosen = tt.sample_indices(
+        tags, {"en": 900.0, "ta": 100.0}, 0.0, 1000, np.random.default_rng(0)
+    )
     assert (tags[chosen] == "ta").sum() == 500  # uniform at T=0: ta rows repeat to fill their half
 
 
@@ -114,20 +138,40 @@ def test_summary_reports_target_shares(trained):
     assert summary["target_share"]["ta"] > 10 / 411  # more than its natural share
 
 
-def test_vocabulary_larger_than_the_corpus_allows_is_capped_with_a_warning(corpus, tmp_path, caplog):
+def test_vocabulary_larger_than_the_corpus_allows_is_capped_with_a_warning(
+    corpus, tmp_path, caplog
+):
     summary = tt.train_tokenizer(corpus, tmp_path / "tok", vocab_size=12000, seed=1)
     assert summary["vocab_size"] < 12000
-    assert spm.SentencePieceProcessor(model_file=str(tmp_path / "tok" / "tokenizer.model")).get_piece_size() \
+    assert (
+        spm.SentencePieceProcessor(
+            model_file=str(tmp_path / "tok" / "tokenizer.model")
+        ).get_piece_size()
         == summary["vocab_size"]
+    )
     assert "more than this corpus can fill" in caplog.text
 
 
 def test_vocabulary_below_the_corpus_characters_fails_with_the_minimum_to_set(corpus, tmp_path):
     out = tmp_path / "tok"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "train_tokenizer.py"), "--manifest", str(corpus),
-                           "--output", str(out), "--vocab-size", "20"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "train_tokenizer.py"),
+            "--manifest",
+            str(corpus),
+            "--output",
+            str(out),
+            "--vocab-size",
+            "20",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
-    assert "VOCAB_SIZE=20 is below the" in proc.stderr and "set VOCAB_SIZE to at least" in proc.stderr
+    assert (
+        "VOCAB_SIZE=20 is below the" in proc.stderr and "set VOCAB_SIZE to at least" in proc.stderr
+    )
     assert not out.exists()
 
 
@@ -153,6 +197,10 @@ def test_failure_leaves_the_old_tokenizer_untouched_and_names_the_row(tmp_path):
 
 
 def test_help_shows_usage():
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "train_tokenizer.py"), "--help"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "train_tokenizer.py"), "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "python scripts/train_tokenizer.py" in out and "--vocab-size" in out

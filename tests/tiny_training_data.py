@@ -4,9 +4,9 @@ Example:
     from tests.tiny_training_data import make_training_data
     paths = make_training_data(tmp_path, per_lang=12)      # {"manifest": ..., "tokenizer": ...}
 """
+
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,17 +19,42 @@ from scripts import train_tokenizer
 
 TEXTS = {
     "hi": ["नमस्ते दुनिया", "मेरा नाम राम है", "यह एक परीक्षण है", "भारत एक बड़ा देश है", "आज मौसम अच्छा है"],
-    "en": ["hello world", "my name is ram", "this is a test", "india is a large country", "the weather is nice"],
+    "en": [
+        "hello world",
+        "my name is ram",
+        "this is a test",
+        "india is a large country",
+        "the weather is nice",
+    ],
     "ta": ["வணக்கம் உலகம்", "என் பெயர் ராம்", "இது ஒரு சோதனை"],
 }
 
 
-def write_manifest(root: Path, per_lang: int, *, langs=("hi", "en"), min_s: float = 1.0, max_s: float = 3.0,
-                   seed: int = 0, name: str = "train_manifest.parquet") -> Path:
+def write_manifest(
+    root: Path,
+    per_lang: int,
+    *,
+    langs=("hi", "en"),
+    min_s: float = 1.0,
+    max_s: float = 3.0,
+    seed: int = 0,
+    name: str = "train_manifest.parquet",
+) -> Path:
     """FLACs of quiet noise under root/shards/src1/<lang>/shard_0000/ and a manifest of them (contract schema)."""
     rng = np.random.default_rng(seed)
-    rows = {k: [] for k in ("segment_id", "shard_id", "text", "duration", "lang", "tar_member_name", "tar_path",
-                            "source")}
+    rows = {
+        k: []
+        for k in (
+            "segment_id",
+            "shard_id",
+            "text",
+            "duration",
+            "lang",
+            "tar_member_name",
+            "tar_path",
+            "source",
+        )
+    }
     for lang in langs:
         shard_id = f"src1/{lang}/shard_0000"
         shard_dir = root / "shards" / shard_id
@@ -53,10 +78,17 @@ def write_manifest(root: Path, per_lang: int, *, langs=("hi", "en"), min_s: floa
     return path
 
 
-def make_training_data(root: Path, per_lang: int = 12, *, langs=("hi", "en"), vocab_size: int = 64,
-                       seed: int = 0) -> dict[str, Path]:
+def make_training_data(
+    root: Path, per_lang: int = 12, *, langs=("hi", "en"), vocab_size: int = 64, seed: int = 0
+) -> dict[str, Path]:
     manifest = write_manifest(root, per_lang, langs=langs, seed=seed)
     tokenizer = root / "tokenizer"
-    train_tokenizer.train_tokenizer(manifest, tokenizer, vocab_size=vocab_size, temperature=1.0,
-                                    lang_weighting="count", seed=seed)
+    train_tokenizer.train_tokenizer(
+        manifest,
+        tokenizer,
+        vocab_size=vocab_size,
+        temperature=1.0,
+        lang_weighting="count",
+        seed=seed,
+    )
     return {"manifest": manifest, "tokenizer": tokenizer}

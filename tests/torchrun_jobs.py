@@ -1,4 +1,5 @@
 """Launching the multi-process tests' jobs: a free loopback port and the torchrun command line."""
+
 from __future__ import annotations
 
 import socket
@@ -15,5 +16,15 @@ def free_port() -> int:
 
 def torchrun_command(script: Path, nproc: int = 2) -> list[str]:
     """``python -m torch.distributed.run`` of ``script`` with ``nproc`` local ranks on a free port."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(script),
+    ]
