@@ -1,12 +1,13 @@
 # make setup  - create .venv and install requirements.txt (idempotent; reruns only when it changes)
 # make demo   - the whole pipeline end to end on a small embedded corpus (CPU, no downloads)
-# make test   - install what the tests need, then run them
+# make test   - install what the tests need, check formatting and lint (ruff), then run the tests
+# make format - apply ruff's formatter and safe lint fixes to the whole tree
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test clean-demo
+.PHONY: setup demo test format clean-demo
 
 setup: $(STAMP)
 
@@ -28,4 +29,10 @@ clean-demo:
 test: setup
 	# espeak-ng lets the demo tests speak real sentences; without it they use the tone fallback.
 	-$(PY) scripts/make_demo_corpus.py --install-espeak
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .

@@ -247,7 +247,8 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         "TDT_LOSS",
         "numba",
         _choice("numba", "torch"),
-        "TDT loss on CUDA: numba = NeMo's kernel (requirements-gpu.txt), torch = tdt_loss.py (no numba needed, slower); CPU always runs tdt_loss.py",
+        "TDT loss on CUDA: numba = NeMo's kernel (requirements-gpu.txt), torch = tdt_loss.py "
+        "(no numba needed, slower); CPU always runs tdt_loss.py",
     )
     knob(
         "ENCODER_FRAME_SECONDS",
@@ -507,8 +508,9 @@ ACCELERATOR: str
 
 def wandb_mode() -> str:
     """WANDB_MODE, or offline when it is unset and no API key is present."""
-    if WANDB_MODE:
-        return WANDB_MODE
+    mode = globals()["WANDB_MODE"]  # bound from KNOBS above; tests monkeypatch it
+    if mode:
+        return mode
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 

@@ -33,8 +33,9 @@ What a run does:
 - DDP (torchrun, one process per GPU): find_unused_parameters=True in phase 1 (the encoder is frozen
   after the wrap, see callbacks.EncoderUnfreezeCallback), False in phase 2 (a new wrapper);
   BatchNorm statistics are averaged over ranks once per optimizer step instead of DDP's per-forward
-  broadcast, so every parameter AND buffer is identical on all ranks at every step boundary; NeMo's per-forward all-reduce of the batch length
-  in the Conformer encoder is switched off, so no collective depends on a rank running a forward.
+  broadcast, so every parameter AND buffer is identical on all ranks at every step boundary;
+  NeMo's per-forward all-reduce of the batch length in the Conformer encoder is switched off, so no
+  collective depends on a rank running a forward.
 
 Environment variables read (config.py has defaults and help; ``python config.py`` prints them):
     INIT_MODEL, MODEL_CONFIG, TOKENIZER_DIR, TDT_LOSS, TRAIN_MANIFEST_PATH, NUM_WORKERS, GRAD_ACCUM,

@@ -6,7 +6,8 @@ Usage:
     python scripts/bench_tdt_loss.py --cuda --batch 4 --frames 250 --labels 100 --vocab 12000 --skip-loop
 
 The loop baseline is ``reference_tdt_loss`` below, the recursion written plainly (the same math NeMo's
-tdt_pytorch loops over, without its .cuda() calls); tests/test_tdt_loss.py checks tdt_loss.py against it. Both run in this process; the ratio is printed.
+tdt_pytorch loops over, without its .cuda() calls); tests/test_tdt_loss.py checks tdt_loss.py against it.
+Both run in this process; the ratio is printed.
 With --cuda, forward + backward of tdt_loss on the GPU (what TDT_LOSS=torch runs) is timed against
 NeMo's numba TDT kernel (TDT_LOSS=numba, requirements-gpu.txt) on the same logits, after both are
 checked to agree (tdt_loss.check_cuda_loss).
@@ -121,7 +122,8 @@ def main() -> int:
 
         t_loop = timed(loop, max(1, args.repeats // 5))
         print(
-            f"plain per-(t, u) loop forward+backward {t_loop * 1e3:.1f} ms  -> tdt_loss is {t_loop / t_ours:.0f}x faster"
+            f"plain per-(t, u) loop forward+backward {t_loop * 1e3:.1f} ms  "
+            f"-> tdt_loss is {t_loop / t_ours:.0f}x faster"
         )
     return 0
 

@@ -646,7 +646,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--script-threshold",
         type=float,
         default=None,
-        help=f"share of letters in one script that decides the tag (default SCRIPT_VOTE_THRESHOLD = {config.SCRIPT_VOTE_THRESHOLD})",
+        help="share of letters in one script that decides the tag "
+        f"(default SCRIPT_VOTE_THRESHOLD = {config.SCRIPT_VOTE_THRESHOLD})",
     )
     args = parser.parse_args(argv)
     train_path = Path(config.TRAIN_MANIFEST_PATH if args.train is None else args.train)

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 import config
+from scripts import demo_summary
 
 REPO = Path(__file__).resolve().parents[1]
-from scripts import demo_summary
 
 STAGES = [
     "corpus",

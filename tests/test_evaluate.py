@@ -20,10 +20,10 @@ import torch
 
 import callbacks
 import config
+from scripts import evaluate, export_nemo
 from tests.tiny_training_data import make_training_data
 
 REPO = Path(__file__).resolve().parents[1]
-from scripts import evaluate, export_nemo
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,9 @@ import pytest
 import soundfile as sf
 
 import config
+from scripts import make_demo_corpus as mdc
 
 REPO = Path(__file__).resolve().parents[1]
-from scripts import make_demo_corpus as mdc
 
 # The largest language takes five defects and the second two, so they need a few rows more.
 TINY = {"hi": 6, "en": 3, "ta": 2, "te": 2, "kn": 2, "ml": 2, "bn": 2}

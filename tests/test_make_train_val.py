@@ -327,13 +327,13 @@ def test_rows_in_equal_train_plus_val_plus_dropped_and_no_leak(
     assert summary["rows_in"] == train.height + val.height + sum(summary["dropped"].values())
     assert train.get_column("segment_id").n_unique() == train.height
     assert set(train.get_column("segment_id")).isdisjoint(set(val.get_column("segment_id")))
-    group = lambda f: set(
-        f.select(
-            pl.coalesce(
-                pl.concat_str(pl.lit("s:"), "speaker_id"), pl.concat_str(pl.lit("h:"), "shard_id")
-            )
-        ).to_series()
-    )
+
+    def group(f):
+        speaker_or_shard = pl.coalesce(
+            pl.concat_str(pl.lit("s:"), "speaker_id"), pl.concat_str(pl.lit("h:"), "shard_id")
+        )
+        return set(f.select(speaker_or_shard).to_series())
+
     assert group(train).isdisjoint(group(val))
     for lang, n in summary["val_by_lang"].items():
         assert n <= val_per_lang

@@ -17,10 +17,10 @@ import pyarrow.parquet as pq
 import pytest
 
 import config
-
-REPO = Path(__file__).resolve().parents[1]
 from sampler import DurationBucketBatchSampler
 from scripts import manifest_report as mr
+
+REPO = Path(__file__).resolve().parents[1]
 
 COUNTS = {"hi": 240, "en": 120, "ta": 40, "bn": 12}
 PLOTS = ["durations.png", "hours.png", "language_mix.png", "buckets.png", "dropped.png"]

@@ -149,8 +149,8 @@ def probed_run(run_env):
     env = dict(
         env,
         PROBE_OUT=str(out),
-        EMPTY_AT="%d:%d" % EMPTY_AT,
-        NAN_AT="%d:%d" % NAN_AT,
+        EMPTY_AT="{}:{}".format(*EMPTY_AT),
+        NAN_AT="{}:{}".format(*NAN_AT),
         NAN_STEP=str(NAN_STEP),
     )
     result = torchrun(script, env, root / "probe.log")

@@ -14,8 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import soundfile as sf
 
-REPO = Path(__file__).resolve().parents[1]
 from scripts import train_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
 
 TEXTS = {
     "hi": ["नमस्ते दुनिया", "मेरा नाम राम है", "यह एक परीक्षण है", "भारत एक बड़ा देश है", "आज मौसम अच्छा है"],
