@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 import time
@@ -61,22 +60,19 @@ import polars as pl
 from tqdm import tqdm
 
 import config
-from atomic_files import atomic_write
-
-OUTPUT_COLUMNS = (
-    "segment_id",
-    "shard_id",
-    "text",
-    "duration",
-    "lang",
-    "tar_member_name",
-    "tar_path",
-    "source",
+from manifest_schema import (
+    INDEX_FILE,
+    LANG_CODE_PATTERN,
+    METADATA_FILE,
+    TAR_FILE,
+    ManifestError,
+    counts_by,
+    summary_path,
+    tagged_text_expr,
+    write_json_atomically,
+    write_manifest,
 )
-EXTRA_COLUMNS = ("tx_quality_score", "speaker_id")
-METADATA_FILE = "metadata.parquet"
-INDEX_FILE = "audio_index.parquet"
-TAR_FILE = "audio.tar"
+
 REQUIRED_METADATA = {
     "segment_id": "string",
     "transcription_native": "string",
@@ -85,7 +81,6 @@ REQUIRED_METADATA = {
 }
 OPTIONAL_METADATA = {"segment_language": "string", "speaker_id": "any"}
 REQUIRED_INDEX = {"segment_id": "string", "tar_member_name": "string"}
-LANG_CODE_PATTERN = r"^[a-z][a-z0-9_-]*$"
 
 # --- text cleaning ---------------------------------------------------------------------------
 # Each rule is one Rust-regex replace over a column; their order is part of the contract.
@@ -361,10 +356,6 @@ def clean_text(text: str) -> str:
 
 
 # --- shards ----------------------------------------------------------------------------------
-class ManifestError(RuntimeError):
-    """Input the manifest cannot be built from (missing SHARDS_DIR, no shards, bad shard)."""
-
-
 @dataclass(frozen=True)
 class Shard:
     shard_id: str  # path under SHARDS_DIR, "/"-separated: "<source>/<lang>/<shard>"
@@ -856,7 +847,7 @@ def assemble_manifest(
     kept = candidates.filter(~is_empty).select(
         pl.col("segment_id"),
         per_shard([s.shard_id for s in shards]).alias("shard_id"),
-        pl.concat_str(pl.lit("<|"), pl.col("lang"), pl.lit("|> "), pl.col("cleaned")).alias("text"),
+        tagged_text_expr("cleaned").alias("text"),
         pl.col("duration_s").alias("duration"),
         pl.col("lang"),
         pl.col("tar_member_name"),
@@ -866,45 +857,6 @@ def assemble_manifest(
         pl.col("speaker_id"),
     )
     return kept, drops
-
-
-def summary_path(output: Path) -> Path:
-    """``<output minus .parquet>.summary.json``."""
-    output = Path(output)
-    stem = output.name[: -len(".parquet")] if output.name.endswith(".parquet") else output.name
-    return output.with_name(stem + ".summary.json")
-
-
-def write_atomically(frame: pl.DataFrame, path: Path) -> None:
-    """Write parquet to a temp file beside ``path`` and rename it over ``path`` (``atomic_write``)."""
-    atomic_write(
-        path,
-        lambda tmp: frame.write_parquet(
-            tmp, compression="zstd", compression_level=1, statistics=False
-        ),
-    )
-
-
-def write_json_atomically(data: dict, path: Path) -> None:
-    """Write ``data`` as JSON to a temp file beside ``path`` and rename it over ``path``."""
-    text = json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
-
-
-def counts_by(frame: pl.DataFrame, *keys: str) -> dict:
-    """Row counts as nested {key1: {key2: n}} (or {key: n}), keys sorted (an Enum key by name)."""
-    out: dict = {}
-    counts = frame.group_by(list(keys)).len()
-    counts = counts.with_columns(
-        pl.col(k).cast(pl.String) for k in keys if isinstance(counts.schema[k], pl.Enum)
-    )
-    for row in counts.sort(list(keys)).iter_rows():
-        *path, n = row
-        node = out
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = int(n)
-    return out
 
 
 def build_manifest(
@@ -972,7 +924,7 @@ def build_manifest(
     dropped = counts_by(drops, "reason")
     assert rows_in == kept.height + sum(dropped.values()), "row accounting broke"
     with ThreadPoolExecutor(max_workers=1) as writer:
-        written = writer.submit(write_atomically, kept, output)  # the summary is counted meanwhile
+        written = writer.submit(write_manifest, kept, output)  # the summary is counted meanwhile
         summary = {
             "rows_in": rows_in,
             "rows_out": kept.height,

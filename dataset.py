@@ -66,6 +66,7 @@ import soxr
 import torch
 
 import config
+from manifest_schema import lang_tag, split_lang_tags
 
 log = logging.getLogger("dataset")
 
@@ -82,9 +83,6 @@ _TEXT_BATCH_ROWS = 250_000
 # Guards floor(duration / frame) against 0.24 / 0.08 = 2.9999999999999996.
 _FRAME_EPS = 1e-9
 _LOG_FIRST_PER_REASON = 5
-# The leading language tag and the one space after it (the text may be the bare tag).
-_TAG_PATTERN = r"^(?P<tag><\|[^|]*\|>)(?: |$)"
-_TAG_PATTERN_PLAIN = r"^<\|[^|]*\|>(?: |$)"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -198,13 +196,9 @@ def load_audio(
 # --------------------------------------------------------------------------------------------------
 
 
-def language_tag(lang: str) -> str:
-    return f"<|{lang}|>"
-
-
 def tag_token_id(tokenizer, lang: str) -> int:
-    """The single token id of ``<|lang|>``; ValueError when the tokenizer has no such piece."""
-    tag = language_tag(lang)
+    """The single token id of ``lang_tag(lang)``; ValueError when the tokenizer has no such piece."""
+    tag = lang_tag(lang)
     token_id = int(tokenizer.token_to_id(tag))
     # An unknown piece maps to <unk>; mapping the id back is the test that does not depend on which
     # id <unk> has.
@@ -360,21 +354,17 @@ def _split_language_tags(
 
     ``text`` holds the manifest rows from ``first_row`` on, ``lang_codes`` their codes.
     """
-    parts = pc.extract_regex(text, _TAG_PATTERN)  # a null struct where the text has no leading tag
+    tag_langs, transcripts = split_lang_tags(text)  # a null language where the text has no tag
     # Compare tag and lang as integer codes: the distinct tags are few, the rows are many.
-    tags = pc.struct_field(parts, "tag").dictionary_encode()
+    tags = tag_langs.dictionary_encode()
     code_of_tag = np.array(
-        [
-            lang_names.index(t[2:-2]) if t[2:-2] in lang_names else -1
-            for t in tags.dictionary.to_pylist()
-        ]
+        [lang_names.index(t) if t in lang_names else -1 for t in tags.dictionary.to_pylist()]
         + [-1],
         dtype=np.int64,
     )
     tag_codes = code_of_tag[
         tags.indices.fill_null(len(code_of_tag) - 1).to_numpy(zero_copy_only=False)
     ]
-    tag_codes[~parts.is_valid().to_numpy(zero_copy_only=False)] = -1
     mismatch = np.flatnonzero(tag_codes != lang_codes)
     if len(mismatch):
         bad = int(mismatch[0])
@@ -385,7 +375,7 @@ def _split_language_tags(
             f"the manifest contract is text = '<|lang|> ' + transcript: rebuild it with "
             f"build_manifest.py / make_train_val.py"
         )
-    return pc.replace_substring_regex(text, _TAG_PATTERN_PLAIN, "", max_replacements=1)
+    return transcripts
 
 
 def _tokenize_manifest(

@@ -41,6 +41,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import build_manifest as bm
+from manifest_schema import (
+    INDEX_FILE,
+    METADATA_FILE,
+    OUTPUT_COLUMNS,
+    TAG_PATTERN,
+    TAR_FILE,
+    tagged_text,
+)
 
 MIN_DURATION, MAX_DURATION, MIN_QUALITY = 0.5, 20.0, 0.3
 LANG_WORDS = {
@@ -144,7 +152,7 @@ def write_corpus(
                     "speaker_id": speaker,
                 }
             ),
-            shard_dir / "metadata.parquet",
+            shard_dir / METADATA_FILE,
         )
         indexed = rng.random(n) > 0.01  # ~1% of rows have no audio entry
         pq.write_table(
@@ -154,7 +162,7 @@ def write_corpus(
                     "tar_member_name": pa.array([f"{x}.flac" for x in seg[indexed]], pa.string()),
                 }
             ),
-            shard_dir / "audio_index.parquet",
+            shard_dir / INDEX_FILE,
         )
         total += n
     return total
@@ -178,7 +186,7 @@ def baseline_clean(text: str) -> str:
 
 def baseline_build(shards_dir: Path, output: Path) -> pd.DataFrame:
     frames = []
-    for meta_path in sorted(shards_dir.rglob("metadata.parquet")):
+    for meta_path in sorted(shards_dir.rglob(METADATA_FILE)):
         shard_dir = meta_path.parent
         source, lang_dir, _ = shard_dir.relative_to(shards_dir).parts
         meta = pq.read_table(
@@ -191,7 +199,7 @@ def baseline_build(shards_dir: Path, output: Path) -> pd.DataFrame:
                 "segment_language",
             ],
         ).to_pandas()
-        index = pq.read_table(shard_dir / "audio_index.parquet").to_pandas()
+        index = pq.read_table(shard_dir / INDEX_FILE).to_pandas()
         df = meta.merge(index, on="segment_id", how="inner")
         df = df[
             (df["duration_s"] >= MIN_DURATION)
@@ -205,15 +213,15 @@ def baseline_build(shards_dir: Path, output: Path) -> pd.DataFrame:
 
         def make_text(row):
             lang = row["segment_language"] if isinstance(row["segment_language"], str) else lang_dir
-            return f"<|{lang}|> {baseline_clean(row['transcription_native'])}"
+            return tagged_text(lang, baseline_clean(row["transcription_native"]))
 
         df["text"] = df.apply(make_text, axis=1)
         df["lang"] = df["segment_language"].where(df["segment_language"].notna(), lang_dir)
         df["shard_id"] = shard_dir.relative_to(shards_dir).as_posix()
         df["duration"] = df["duration_s"]
-        df["tar_path"] = str(shard_dir / "audio.tar")
+        df["tar_path"] = str(shard_dir / TAR_FILE)
         df["source"] = source
-        frames.append(df[list(bm.OUTPUT_COLUMNS)])
+        frames.append(df[list(OUTPUT_COLUMNS)])
     result = pd.concat(frames, ignore_index=True)
     result.to_parquet(output, index=False)
     return result
@@ -230,11 +238,11 @@ def squash(text: str) -> str:
 
 def compare(baseline: pd.DataFrame, candidate: pl.DataFrame) -> dict[str, int]:
     base = pl.from_pandas(baseline)
-    cand = candidate.select(bm.OUTPUT_COLUMNS)
+    cand = candidate.select(OUTPUT_COLUMNS)
     only_base = base.join(cand, on="segment_id", how="anti")
     only_cand = cand.join(base, on="segment_id", how="anti")
     both = base.join(cand, on="segment_id", how="inner", suffix="_new")
-    bare = only_base.filter(pl.col("text").str.contains(r"^<\|[^|]*\|> ?$"))
+    bare = only_base.filter(pl.col("text").str.contains(f"^{TAG_PATTERN} ?$"))
     result = {
         "rows_baseline": base.height,
         "rows_new": cand.height,

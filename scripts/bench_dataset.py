@@ -46,6 +46,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from manifest_schema import TAR_FILE, lang_tag, tag_prefix
+
 LANGS = ("hi", "en", "mr", "ta")
 POOL_SIZE = 64
 ROWS_PER_SHARD = 1000
@@ -119,12 +121,11 @@ def build_corpus(workdir: Path, rows: int, seed: int = 0) -> dict:
     transcripts = pc.binary_join(
         pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), words), " "
     )
+    prefix_of_shard = np.array([tag_prefix(lang) for lang in lang_of_shard])
+    text = pc.binary_join_element_wise(pa.array(prefix_of_shard[shard_of_row]), transcripts, "")
     lang = pa.array(lang_of_shard[shard_of_row])
-    text = pc.binary_join_element_wise(
-        pc.binary_join_element_wise("<|", lang, "|>", ""), transcripts, " "
-    )
     shard_col = pa.array(shard_ids).take(pa.array(shard_of_row))
-    tar_path = pa.array([str(workdir / "shards" / s / "audio.tar") for s in shard_ids]).take(
+    tar_path = pa.array([str(workdir / "shards" / s / TAR_FILE) for s in shard_ids]).take(
         pa.array(shard_of_row)
     )
     table = pa.table(
@@ -152,7 +153,7 @@ def build_corpus(workdir: Path, rows: int, seed: int = 0) -> dict:
         vocab_size=1024,
         hard_vocab_limit=False,
         character_coverage=1.0,
-        user_defined_symbols=[f"<|{lang}|>" for lang in LANGS],
+        user_defined_symbols=[lang_tag(lang) for lang in LANGS],
         minloglevel=2,
     )
     return {
@@ -212,10 +213,9 @@ def make_dataset(kind: str, corpus: dict, tokenizer):
                     signal = dataset.load_audio(path, expected_duration=float(row["duration"]))
                 except dataset.BadAudio:
                     return None
-                tag = f"<|{row['lang']}|>"
-                tokens = dataset.tokenize_transcript(
-                    tokenizer, tokenizer.token_to_id(tag), row["text"][len(tag) + 1 :], 512
-                )
+                tag_id = tokenizer.token_to_id(lang_tag(row["lang"]))
+                transcript = row["text"][len(tag_prefix(row["lang"])) :]
+                tokens = dataset.tokenize_transcript(tokenizer, tag_id, transcript, 512)
                 return {
                     "signal": torch.from_numpy(signal),
                     "tokens": torch.tensor(tokens),
@@ -231,7 +231,7 @@ def make_dataset(kind: str, corpus: dict, tokenizer):
     if kind == "null":
         n = pq.ParquetFile(corpus["manifest"]).metadata.num_rows
         pool = corpus["pool"]
-        tag_id = tokenizer.token_to_id("<|hi|>")
+        tag_id = tokenizer.token_to_id(lang_tag("hi"))
 
         class NullDataset(torch.utils.data.Dataset):
             """The same work per item without any manifest: the process tree's own footprint."""

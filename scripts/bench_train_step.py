@@ -70,6 +70,7 @@ import callbacks
 import config
 import train
 from dataset import AsrBatch, tag_token_id
+from manifest_schema import tagged_text
 from sampler import DurationBucketBatchSampler
 
 LANGS = ("hi", "en", "ta", "te", "bn", "mr", "kn")
@@ -113,7 +114,7 @@ def synthetic_tokenizer(vocab_size: int, work_dir: Path, seed: int = 0) -> Path:
         ]
         ranks = np.minimum(rng.zipf(1.2, size=sentences * 12), len(lexicon)) - 1
         words = np.array(lexicon, dtype=object)[ranks].reshape(sentences, 12)
-        texts += [f"<|{lang}|> " + " ".join(row) for row in words]
+        texts += [tagged_text(lang, " ".join(row)) for row in words]
         langs += [lang] * len(words)
     work_dir.mkdir(parents=True, exist_ok=True)
     manifest = work_dir / "tokenizer_corpus.parquet"

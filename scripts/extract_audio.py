@@ -49,7 +49,7 @@ import polars as pl
 from tqdm import tqdm
 
 import config
-from build_manifest import INDEX_FILE, METADATA_FILE, TAR_FILE, write_json_atomically
+from manifest_schema import INDEX_FILE, METADATA_FILE, TAR_FILE, write_json_atomically
 
 DONE_MARKER = ".extract_done.json"
 TEMP_PREFIX = ".extract-tmp-"

@@ -58,6 +58,7 @@ import soxr
 from tqdm import tqdm
 
 import config
+from manifest_schema import INDEX_FILE, METADATA_FILE, TAR_FILE
 
 # Bump when the generated corpus changes for the same arguments, so old trees are rebuilt.
 CORPUS_FORMAT = 1
@@ -657,7 +658,7 @@ def write_shard(
     """Write metadata.parquet, audio_index.parquet and audio.tar of one shard; return its metadata rows."""
     shard_dir.mkdir(parents=True, exist_ok=True)
     meta, index = [], []
-    with tarfile.open(shard_dir / "audio.tar.tmp", "w", format=tarfile.USTAR_FORMAT) as tar:
+    with tarfile.open(shard_dir / (TAR_FILE + ".tmp"), "w", format=tarfile.USTAR_FORMAT) as tar:
         for u in rows:
             flac, samples, text = audio[u.segment_id]
             meta.append(
@@ -685,7 +686,7 @@ def write_shard(
             )  # fixed mtime: byte-identical reruns
             tar.addfile(info, io.BytesIO(flac))
             index.append({"segment_id": u.segment_id, "tar_member_name": member})
-    os.replace(shard_dir / "audio.tar.tmp", shard_dir / "audio.tar")
+    os.replace(shard_dir / (TAR_FILE + ".tmp"), shard_dir / TAR_FILE)
     schema = pa.schema(
         [
             ("segment_id", pa.string()),
@@ -698,9 +699,9 @@ def write_shard(
     )
     table = pa.Table.from_pylist([{k: r[k] for k in schema.names} for r in meta], schema=schema)
     for name, tbl in (
-        ("metadata.parquet", table),
+        (METADATA_FILE, table),
         (
-            "audio_index.parquet",
+            INDEX_FILE,
             pa.Table.from_pylist(
                 index,
                 schema=pa.schema([("segment_id", pa.string()), ("tar_member_name", pa.string())]),

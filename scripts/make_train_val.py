@@ -51,14 +51,16 @@ import numpy as np
 import polars as pl
 
 import config
-from build_manifest import (
+from manifest_schema import (
     LANG_CODE_PATTERN,
     OUTPUT_COLUMNS,
     ManifestError,
     counts_by,
     summary_path,
-    write_atomically,
+    tag_prefix_expr,
+    tagged_text_expr,
     write_json_atomically,
+    write_manifest,
 )
 
 # Script (Rust-regex Script name) -> (language it implies, languages legitimately written in it).
@@ -251,7 +253,7 @@ def load_master(path: Path) -> pl.DataFrame:
     if "tx_quality_score" not in frame.columns:
         frame = frame.with_columns(pl.lit(None, dtype=pl.Float64).alias("tx_quality_score"))
     bad_prefix = frame.filter(
-        ~pl.col("text").str.starts_with(pl.concat_str(pl.lit("<|"), pl.col("lang"), pl.lit("|> ")))
+        ~pl.col("text").str.starts_with(tag_prefix_expr())
         | pl.col("text").is_null()
         | pl.col("lang").is_null()
     )
@@ -384,9 +386,7 @@ def make_train_val(
     columns = [c for c in frame.columns if c != "row"]
 
     # 1. language tags from the script, then explicit fixes; lang and the text prefix together
-    body = frame.select(
-        pl.col("text").str.strip_prefix(pl.concat_str(pl.lit("<|"), pl.col("lang"), pl.lit("|> ")))
-    ).to_series()
+    body = frame.select(pl.col("text").str.strip_prefix(tag_prefix_expr())).to_series()
     by_script, deciding = detect_corrections(body, frame.get_column("lang"), threshold)
     frame = frame.with_columns(
         body.alias("body"),
@@ -410,9 +410,7 @@ def make_train_val(
     else:
         frame = frame.with_columns(pl.lit(None, dtype=pl.String).alias("fixed_lang"))
     frame = frame.with_columns(pl.coalesce("fixed_lang", "script_lang").alias("lang"))
-    frame = frame.with_columns(
-        pl.concat_str(pl.lit("<|"), pl.col("lang"), pl.lit("|> "), pl.col("body")).alias("text")
-    )
+    frame = frame.with_columns(tagged_text_expr("body").alias("text"))
     changed = frame.filter(pl.col("lang") != pl.col("given_lang"))
     corrections = counts_pairs(changed)
     by_cause = {
@@ -519,8 +517,8 @@ def make_train_val(
     total = summary["rows_out"] + summary["val_rows"] + sum(dropped.values())
     assert rows_in == total, f"row accounting broke: {rows_in} in != {total} out"
     order = ["shard_id", "segment_id", "row"]
-    write_atomically(train.sort(order).select(columns), train_path)
-    write_atomically(val.sort(order).select(columns), val_path)
+    write_manifest(train.sort(order).select(columns), train_path)
+    write_manifest(val.sort(order).select(columns), val_path)
     write_json_atomically(summary, summary_path(train_path))
     summary["seconds"] = round(time.perf_counter() - started, 3)
     return summary

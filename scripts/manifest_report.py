@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 
 import config
 from atomic_files import atomic_write
+from manifest_schema import SUMMARY_SUFFIX
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -138,7 +139,7 @@ def sampler_plan(durations: np.ndarray, languages: np.ndarray) -> dict[str, Any]
 def find_summaries(manifest: Path) -> list[Path]:
     """Every ``*.summary.json`` beside the manifest that holds a ``dropped`` table."""
     found = []
-    for path in sorted(Path(manifest).parent.glob("*.summary.json")):
+    for path in sorted(Path(manifest).parent.glob("*" + SUMMARY_SUFFIX)):
         try:
             if isinstance(json.loads(path.read_text()).get("dropped"), dict):
                 found.append(path)
@@ -162,7 +163,7 @@ def read_summaries(paths: list[Path]) -> list[dict[str, Any]]:
             )
         steps.append(
             {
-                "step": Path(path).name.removesuffix(".summary.json"),
+                "step": Path(path).name.removesuffix(SUMMARY_SUFFIX),
                 "path": str(path),
                 "rows_in": data.get("rows_in"),
                 "rows_out": data.get("rows_out"),

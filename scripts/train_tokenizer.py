@@ -43,31 +43,30 @@ import sentencepiece as spm
 from tqdm import tqdm
 
 import config
+from manifest_schema import lang_tag, split_lang_tags
 
 log = logging.getLogger("train_tokenizer")
 
-TAG_PATTERN = r"^<\|(?P<lang>[^|\s]+)\|>\s*"
 SPECIAL_PIECES = ("<s>", "</s>", "<pad>", "<unk>")
 REPORT_SENTENCES_PER_LANG = 2000
 
 
 def split_tag(texts) -> tuple[np.ndarray, np.ndarray]:
-    """Split "<|lang|> rest" texts (a pyarrow string array) into (tags, rests) numpy string arrays.
+    """Split "<|lang|> rest" texts (a pyarrow string array) into (langs, rests) numpy string arrays
+    (``manifest_schema.split_lang_tags``).
 
     Raises ValueError naming the first row without a tag: the manifest builder always writes one.
     """
-    tags = pc.extract_regex(texts, TAG_PATTERN)  # struct with one field per group
-    tag_values = pc.struct_field(tags, [0])
-    missing = pc.is_null(tag_values)
+    langs, rests = split_lang_tags(texts)
+    missing = pc.is_null(langs)
     if pc.any(missing).as_py():
         row = int(pc.index(missing, True).as_py())
         raise ValueError(
             f"manifest row {row}: text {texts[row].as_py()!r} does not start with a '<|lang|> ' tag; "
             "rebuild the manifest with build_manifest.py"
         )
-    rests = pc.replace_substring_regex(texts, TAG_PATTERN, "", max_replacements=1)
     return (
-        np.asarray(tag_values.to_numpy(zero_copy_only=False), dtype=object),
+        np.asarray(langs.to_numpy(zero_copy_only=False), dtype=object),
         np.asarray(rests.to_numpy(zero_copy_only=False), dtype=object),
     )
 
@@ -250,7 +249,7 @@ def train_tokenizer(
     shares = language_shares(weights, temperature)
     # A corpus smaller than the sample is drawn at its own size: the temperature still reshapes it.
     chosen = sample_indices(tags, weights, temperature, min(sample_sentences, table.num_rows), rng)
-    user_symbols = [f"<|{lang}|>" for lang in langs]
+    user_symbols = [lang_tag(lang) for lang in langs]
 
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))

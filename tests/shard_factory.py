@@ -26,6 +26,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import soundfile as sf
 
+from manifest_schema import INDEX_FILE, METADATA_FILE, TAR_FILE
+
 # Columns of metadata.parquet with their types; a row may leave any of them out (default below).
 METADATA_TYPES = {
     "segment_id": pa.string(),
@@ -102,7 +104,7 @@ def write_shard(
                 (row["segment_id"], row.get("tar_member_name", f"{row['segment_id']}.flac"))
             )
     fields = [pa.field(n, METADATA_TYPES.get(n, pa.string())) for n in columns]
-    pq.write_table(pa.table(columns, schema=pa.schema(fields)), shard_dir / "metadata.parquet")
+    pq.write_table(pa.table(columns, schema=pa.schema(fields)), shard_dir / METADATA_FILE)
     index += [(r["segment_id"], r["tar_member_name"]) for r in extra_index_rows]
     pq.write_table(
         pa.table(
@@ -111,11 +113,11 @@ def write_shard(
                 "tar_member_name": pa.array([m for _, m in index], pa.string()),
             }
         ),
-        shard_dir / "audio_index.parquet",
+        shard_dir / INDEX_FILE,
     )
     if audio:
         durations = {r["segment_id"]: r.get("duration_s", 2.0) for r in rows}
-        with tarfile.open(shard_dir / "audio.tar", "w") as tar:
+        with tarfile.open(shard_dir / TAR_FILE, "w") as tar:
             for seed, (segment_id, member) in enumerate(index):
                 duration = durations.get(segment_id) or 1.0
                 add_tar_member(tar, member, flac_bytes(min(duration, 30.0), sample_rate, seed=seed))

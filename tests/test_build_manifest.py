@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import build_manifest as bm
+from manifest_schema import EXTRA_COLUMNS, OUTPUT_COLUMNS
 from tests.shard_factory import write_shard
 
 REPO = Path(__file__).resolve().parents[1]
@@ -215,7 +216,7 @@ def test_cleaning_twice_changes_nothing(text):
 # --- manifest rows -----------------------------------------------------------------------------
 def test_manifest_has_the_contract_columns_in_order_with_their_types(tmp_path):
     manifest = one_row_manifest(tmp_path, "नमस्ते", speaker_id="spk1")
-    assert manifest.columns == [*bm.OUTPUT_COLUMNS, *bm.EXTRA_COLUMNS]
+    assert manifest.columns == [*OUTPUT_COLUMNS, *EXTRA_COLUMNS]
     assert manifest.schema["duration"] == pl.Float64
     assert manifest.schema["tx_quality_score"] == pl.Float64
     assert all(

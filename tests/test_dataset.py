@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dataset
+from manifest_schema import lang_tag, tagged_text
 
 LANGS = ("hi", "en", "mr")
 WORDS = ("नमस्ते", "भारत", "आज", "कल", "मराठी", "hello", "world", "speech", "data", "test")
@@ -33,7 +34,9 @@ def tokenizer(tmp_path_factory):
 
     workdir = tmp_path_factory.mktemp("tokenizer")
     rng = np.random.default_rng(0)
-    lines = [f"<|{rng.choice(LANGS)}|> " + " ".join(rng.choice(WORDS, size=8)) for _ in range(400)]
+    lines = [
+        tagged_text(rng.choice(LANGS), " ".join(rng.choice(WORDS, size=8))) for _ in range(400)
+    ]
     (workdir / "corpus.txt").write_text("\n".join(lines), encoding="utf-8")
     sentencepiece.SentencePieceTrainer.train(
         input=str(workdir / "corpus.txt"),
@@ -41,7 +44,7 @@ def tokenizer(tmp_path_factory):
         vocab_size=60,
         hard_vocab_limit=False,
         character_coverage=1.0,
-        user_defined_symbols=[f"<|{lang}|>" for lang in LANGS],
+        user_defined_symbols=[lang_tag(lang) for lang in LANGS],
         minloglevel=2,
     )
     return SentencePieceTokenizer(str(workdir / "tokenizer.model"))
@@ -88,7 +91,7 @@ class Corpus:
             dict(
                 segment_id=f"seg{len(self.rows)}",
                 shard_id=shard,
-                text=f"<|{lang}|> {text}".rstrip(),
+                text=tagged_text(lang, text).rstrip(),
                 duration=float(duration),
                 lang=lang,
                 tar_member_name=member,
@@ -341,7 +344,7 @@ def test_items_carry_the_same_tokens_as_tokenizing_on_the_fly(corpus, tokenizer)
         corpus.add(member=f"{k}.flac", text=text, lang=LANGS[k % 3], audio={})
     ds = load(corpus, tokenizer)
     for k, text in enumerate(texts):
-        tag = tokenizer.token_to_id(f"<|{LANGS[k % 3]}|>")
+        tag = tokenizer.token_to_id(lang_tag(LANGS[k % 3]))
         assert ds[k]["tokens"].tolist() == dataset.tokenize_transcript(tokenizer, tag, text, 512)
         assert ds[k]["tokens"].dtype == torch.int64
 

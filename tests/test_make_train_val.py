@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from manifest_schema import TAG_PATTERN, tag_prefix, tagged_text
 from scripts import make_train_val as mtv
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,7 +32,7 @@ def row(
     return {
         "segment_id": segment_id,
         "shard_id": shard,
-        "text": f"<|{lang}|> {body}",
+        "text": tagged_text(lang, body),
         "duration": duration,
         "lang": lang,
         "tar_member_name": f"{segment_id}.flac",
@@ -130,8 +132,8 @@ def test_digits_punctuation_dandas_and_joiners_do_not_vote(tmp_path):
 def test_lang_and_the_text_prefix_change_together(tmp_path):
     train, _, _ = run(tmp_path, [row("a", "வணக்கம்", "hi"), row("b", "hello", "hi"), row("c")])
     for r in train.iter_rows(named=True):
-        assert r["text"].startswith(f"<|{r['lang']}|> ")
-        assert r["text"].count("<|") == 1
+        assert r["text"].startswith(tag_prefix(r["lang"]))
+        assert len(re.findall(TAG_PATTERN, r["text"])) == 1
     assert train.filter(pl.col("segment_id") == "a").item(0, "text") == "<|ta|> வணக்கம்"
 
 

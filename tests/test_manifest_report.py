@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import config
+from manifest_schema import tagged_text
 from sampler import DurationBucketBatchSampler
 from scripts import manifest_report as mr
 
@@ -57,7 +58,7 @@ def write_manifest(
             {
                 "segment_id": [f"seg{i}" for i in range(n)],
                 "shard_id": ["src/hi/shard_0000"] * n,
-                "text": [f"<|{lang}|> words" for lang in langs],
+                "text": [tagged_text(lang, "words") for lang in langs],
                 "duration": durations,
                 "lang": langs,
                 "tar_member_name": [f"seg{i}.flac" for i in range(n)],

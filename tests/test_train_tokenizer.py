@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import sentencepiece as spm
 
+from manifest_schema import lang_tag, tagged_text
 from scripts import train_tokenizer as tt
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,7 +32,7 @@ def write_manifest(path: Path, rows: list[tuple[str, str]], duration: float = 2.
     table = pa.table(
         {
             "segment_id": [str(i) for i in range(len(rows))],
-            "text": [f"<|{lang}|> {text}" for lang, text in rows],
+            "text": [tagged_text(lang, text) for lang, text in rows],
             "duration": [duration] * len(rows),
             "lang": [lang for lang, _ in rows],
         }
@@ -85,9 +86,9 @@ def test_every_language_tag_is_one_piece_and_encodes_to_its_id(trained):
     out, _ = trained
     sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
     for lang in ("en", "hi", "ta"):
-        tag_id = sp.piece_to_id(f"<|{lang}|>")
+        tag_id = sp.piece_to_id(lang_tag(lang))
         assert tag_id != sp.unk_id()
-        assert tag_id in sp.encode(f"<|{lang}|> नमस्ते")
+        assert tag_id in sp.encode(tagged_text(lang, "नमस्ते"))
 
 
 def test_nemo_tokenizer_loads_the_directory_and_finds_the_tags(trained):

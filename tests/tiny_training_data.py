@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import soundfile as sf
 
+from manifest_schema import OUTPUT_COLUMNS, TAR_FILE, tagged_text
 from scripts import train_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,19 +44,7 @@ def write_manifest(
 ) -> Path:
     """FLACs of quiet noise under root/shards/src1/<lang>/shard_0000/ and a manifest of them (contract schema)."""
     rng = np.random.default_rng(seed)
-    rows = {
-        k: []
-        for k in (
-            "segment_id",
-            "shard_id",
-            "text",
-            "duration",
-            "lang",
-            "tar_member_name",
-            "tar_path",
-            "source",
-        )
-    }
+    rows = {k: [] for k in OUTPUT_COLUMNS}
     for lang in langs:
         shard_id = f"src1/{lang}/shard_0000"
         shard_dir = root / "shards" / shard_id
@@ -68,11 +57,11 @@ def write_manifest(
             texts = TEXTS[lang]
             rows["segment_id"].append(f"{lang}-{i}")
             rows["shard_id"].append(shard_id)
-            rows["text"].append(f"<|{lang}|> {texts[i % len(texts)]}")
+            rows["text"].append(tagged_text(lang, texts[i % len(texts)]))
             rows["duration"].append(duration)
             rows["lang"].append(lang)
             rows["tar_member_name"].append(member)
-            rows["tar_path"].append(str(shard_dir / "audio.tar"))
+            rows["tar_path"].append(str(shard_dir / TAR_FILE))
             rows["source"].append("src1")
     path = root / name
     pq.write_table(pa.table(rows), path)

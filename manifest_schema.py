@@ -1,0 +1,165 @@
+"""The manifest contract: its columns, the shard files it is built from, the ``<|lang|>`` tag of its
+transcripts, its summaries, and the readers and writers every manifest step shares.
+
+Manifests (master, train and validation alike) are parquet files, one row per utterance:
+
+    segment_id        unique utterance id
+    shard_id          the shard's path under SHARDS_DIR, "/"-separated: "<source>/<lang>/<shard>"
+    text              ``tagged_text(lang, transcript)``: "<|hi|> नमस्ते दुनिया"; the transcript is
+                      cleaned (build_manifest.clean_text) and not empty
+    duration          seconds
+    lang              language code matching ``LANG_CODE_PATTERN``; ``text`` starts with its tag
+    tar_member_name   FLAC file name; the audio is ``dirname(tar_path)/tar_member_name``
+    tar_path          ``<SHARDS_DIR>/<shard_id>/`` + ``TAR_FILE`` (only its directory is used)
+    source            the ``<source>`` directory
+then ``EXTRA_COLUMNS``, carried through for deduplication and the leak-free split:
+    tx_quality_score  transcript quality from the shard metadata (nullable)
+    speaker_id        speaker from the shard metadata (nullable)
+
+A shard is a directory ``<SHARDS_DIR>/<source>/<lang>/<shard>/`` holding ``METADATA_FILE``,
+``INDEX_FILE`` and ``TAR_FILE``. Every step that writes a manifest writes its summary (rows in,
+kept, dropped per reason and per language) at ``summary_path(manifest)``.
+
+Only the standard library is imported at load: dataset.py and the training callbacks import this
+module in every training process and DataLoader worker, which have no use for polars; the
+functions that take or build polars or pyarrow objects import them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from atomic_files import atomic_write
+
+if TYPE_CHECKING:
+    import polars as pl
+    import pyarrow as pa
+
+OUTPUT_COLUMNS = (
+    "segment_id",
+    "shard_id",
+    "text",
+    "duration",
+    "lang",
+    "tar_member_name",
+    "tar_path",
+    "source",
+)
+EXTRA_COLUMNS = ("tx_quality_score", "speaker_id")
+METADATA_FILE = "metadata.parquet"
+INDEX_FILE = "audio_index.parquet"
+TAR_FILE = "audio.tar"
+SUMMARY_SUFFIX = ".summary.json"
+# A plain language code ("hi", "en-in", "mni"): what a ``lang`` value, and so a tag, may hold.
+LANG_CODE_PATTERN = r"^[a-z][a-z0-9_-]*$"
+
+# --- the language tag ------------------------------------------------------------------------
+_OPEN, _CLOSE, _SEPARATOR = "<|", "|>", " "
+_TAG_BODY = r"[^|<>\s]*"  # what a regex takes for the language inside a tag
+# Any tag, anywhere in a text: what ``strip_lang_tag`` removes.
+TAG_PATTERN = rf"<\|{_TAG_BODY}\|>"
+_TAG = re.compile(TAG_PATTERN)
+# A tag at the start of a text and the one separator after it (a text may be the bare tag).
+_LEADING_TAG = rf"^<\|(?P<lang>{_TAG_BODY})\|>(?: |$)"
+
+
+def lang_tag(lang: str) -> str:
+    """The tag of a language, one tokenizer piece: ``lang_tag("hi") == "<|hi|>"``."""
+    return f"{_OPEN}{lang}{_CLOSE}"
+
+
+def tag_prefix(lang: str) -> str:
+    """What every manifest text of ``lang`` starts with: ``tag_prefix("hi") == "<|hi|> "``."""
+    return lang_tag(lang) + _SEPARATOR
+
+
+def tagged_text(lang: str, transcript: str) -> str:
+    """A manifest text: ``tagged_text("hi", "नमस्ते") == "<|hi|> नमस्ते"``."""
+    return tag_prefix(lang) + transcript
+
+
+def tag_prefix_expr(lang_col: str | pl.Expr = "lang") -> pl.Expr:
+    """``tag_prefix`` of each row's language as a polars expression (null where the language is)."""
+    import polars as pl
+
+    return pl.concat_str(pl.lit(_OPEN), lang_col, pl.lit(_CLOSE + _SEPARATOR))
+
+
+def tagged_text_expr(transcript: str | pl.Expr, lang_col: str | pl.Expr = "lang") -> pl.Expr:
+    """``tagged_text`` of each row as a polars expression (null where the language or the
+    transcript is); a str names a column."""
+    import polars as pl
+
+    return pl.concat_str(pl.lit(_OPEN), lang_col, pl.lit(_CLOSE + _SEPARATOR), transcript)
+
+
+def strip_lang_tag(text: str) -> str:
+    """``text`` without any ``<|lang|>`` tag, whitespace collapsed to single spaces."""
+    return " ".join(_TAG.sub(" ", text).split())
+
+
+def split_lang_tags(texts: pa.Array | pa.ChunkedArray) -> tuple[pa.Array, pa.Array]:
+    """(languages, transcripts) of manifest texts, vectorized: "<|hi|> नमस्ते" -> ("hi", "नमस्ते").
+
+    A text splits when it starts with a tag followed by one space or by its end (the bare tag
+    gives an empty transcript). Where it does not (or is null), the language is null and the
+    transcript is the text unchanged; callers decide whether that is an error. Both come back
+    chunked when ``texts`` is.
+    """
+    import pyarrow.compute as pc
+
+    langs = pc.struct_field(pc.extract_regex(texts, _LEADING_TAG), [0])  # null where no match
+    transcripts = pc.replace_substring_regex(texts, _LEADING_TAG, "", max_replacements=1)
+    return langs, transcripts
+
+
+# --- readers and writers -----------------------------------------------------------------------
+class ManifestError(RuntimeError):
+    """Input a manifest step cannot use (missing SHARDS_DIR, no shards, a bad shard or manifest);
+    the message names the path and what is wrong with it."""
+
+
+def summary_path(manifest: str | Path) -> Path:
+    """The summary beside a manifest: ``<manifest minus .parquet>.summary.json``."""
+    manifest = Path(manifest)
+    stem = manifest.name.removesuffix(".parquet")
+    return manifest.with_name(stem + SUMMARY_SUFFIX)
+
+
+def write_manifest(frame: pl.DataFrame, path: str | Path) -> None:
+    """Write ``frame`` as parquet to a temp file beside ``path`` and rename it over ``path``
+    (``atomic_write``): a crash never leaves a partial manifest under its name."""
+    atomic_write(
+        path,
+        lambda tmp: frame.write_parquet(
+            tmp, compression="zstd", compression_level=1, statistics=False
+        ),
+    )
+
+
+def write_json_atomically(data: dict, path: str | Path) -> None:
+    """Write ``data`` as JSON (indented, keys sorted, UTF-8) to a temp file beside ``path`` and
+    rename it over ``path``."""
+    text = json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def counts_by(frame: pl.DataFrame, *keys: str) -> dict:
+    """Row counts as nested {key1: {key2: n}} (or {key: n}), keys sorted (an Enum key by name)."""
+    import polars as pl
+
+    out: dict = {}
+    counts = frame.group_by(list(keys)).len()
+    counts = counts.with_columns(
+        pl.col(k).cast(pl.String) for k in keys if isinstance(counts.schema[k], pl.Enum)
+    )
+    for row in counts.sort(list(keys)).iter_rows():
+        *path, n = row
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = int(n)
+    return out

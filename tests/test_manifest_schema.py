@@ -1,0 +1,155 @@
+"""manifest_schema.py: the tag format and its round trip, tag stripping, summaries and shared writers."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pyarrow as pa
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import manifest_schema as ms
+
+LANG = st.from_regex(ms.LANG_CODE_PATTERN, fullmatch=True)
+# Transcripts as build_manifest writes them: words of anything but whitespace and "|", one space
+# apart, no leading or trailing space.
+WORD = st.text(
+    st.characters(blacklist_categories=("Zs", "Zl", "Zp", "Cc", "Cs"), blacklist_characters="|"),
+    min_size=1,
+)
+TRANSCRIPT = st.lists(WORD, max_size=6).map(" ".join)
+
+
+# --- the tag format --------------------------------------------------------------------------
+def test_tag_prefix_and_tagged_text_spell_the_format():
+    assert ms.lang_tag("hi") == "<|hi|>"
+    assert ms.tag_prefix("en-in") == "<|en-in|> "
+    assert ms.tagged_text("ta", "வணக்கம் நன்றி") == "<|ta|> வணக்கம் நன்றி"
+
+
+@given(LANG, TRANSCRIPT)
+def test_split_lang_tags_recovers_the_language_and_transcript_of_tagged_text(lang, transcript):
+    langs, transcripts = ms.split_lang_tags(pa.array([ms.tagged_text(lang, transcript)]))
+    assert langs.to_pylist() == [lang]
+    assert transcripts.to_pylist() == [transcript]
+
+
+def test_split_lang_tags_gives_null_where_no_tag_leads_and_keeps_that_text():
+    texts = ["no tag", "x <|hi|> later", "<|hi|>glued", "<|a b|> space in tag", None]
+    langs, transcripts = ms.split_lang_tags(pa.array(texts))
+    assert langs.to_pylist() == [None] * len(texts)
+    assert transcripts.to_pylist() == texts
+
+
+def test_split_lang_tags_takes_one_space_after_the_tag_and_accepts_the_bare_tag():
+    langs, transcripts = ms.split_lang_tags(pa.chunked_array([["<|hi|>  two spaces", "<|en|>"]]))
+    assert langs.to_pylist() == ["hi", "en"]
+    assert transcripts.to_pylist() == [" two spaces", ""]
+
+
+@given(st.lists(st.tuples(LANG, TRANSCRIPT), max_size=8))
+def test_polars_expressions_equal_the_python_functions(rows):
+    frame = pl.DataFrame(
+        {"language": [r[0] for r in rows], "body": [r[1] for r in rows]},
+        schema={"language": pl.String, "body": pl.String},
+    )
+    out = frame.select(
+        prefix=ms.tag_prefix_expr("language"), text=ms.tagged_text_expr("body", "language")
+    )
+    assert out.get_column("prefix").to_list() == [ms.tag_prefix(lang) for lang, _ in rows]
+    assert out.get_column("text").to_list() == [ms.tagged_text(lang, body) for lang, body in rows]
+
+
+def test_polars_expressions_are_null_where_the_language_is_null():
+    frame = pl.DataFrame(
+        {"lang": [None, "hi"], "body": ["x", "y"]}, schema={"lang": pl.String, "body": pl.String}
+    )
+    out = frame.select(ms.tag_prefix_expr(), ms.tagged_text_expr(pl.col("body")).alias("text"))
+    assert out.rows() == [(None, None), ("<|hi|> ", "<|hi|> y")]
+
+
+# --- stripping tags --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "text, stripped",
+    [
+        ("<|hi|> नमस्ते दुनिया", "नमस्ते दुनिया"),
+        ("<|hi|>  नमस्ते   दुनिया ", "नमस्ते दुनिया"),
+        ("hello <|en|> world", "hello world"),
+        ("<|en|><|hi|>a<|ta|>b <||>", "a b"),
+        ("no tag at all", "no tag at all"),
+        ("  spaced\tout\nline  ", "spaced out line"),
+        ("<|hi|>", ""),
+        ("", ""),
+    ],
+)
+def test_strip_lang_tag_removes_every_tag_and_collapses_whitespace(text, stripped):
+    assert ms.strip_lang_tag(text) == stripped
+
+
+@pytest.mark.parametrize("text", ["a <b> c|", "<|a b|> x", "<|x<y|> z", "| > <|", "<|hi|"])
+def test_strip_lang_tag_leaves_what_is_not_a_tag(text):
+    assert ms.strip_lang_tag(text) == " ".join(text.split())
+
+
+@given(LANG, TRANSCRIPT)
+def test_strip_lang_tag_of_tagged_text_is_its_transcript(lang, transcript):
+    assert ms.strip_lang_tag(ms.tagged_text(lang, transcript)) == " ".join(transcript.split())
+
+
+def test_tag_pattern_matches_a_whole_tag_of_any_language():
+    assert re.fullmatch(ms.TAG_PATTERN, ms.lang_tag("en-in"))
+    assert re.findall(ms.TAG_PATTERN, "<|hi|> a <|en|>") == ["<|hi|>", "<|en|>"]
+
+
+# --- summaries, writers, counts ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    "manifest, summary",
+    [
+        ("/d/master_manifest.parquet", "/d/master_manifest.summary.json"),
+        ("/d/train.v2.parquet", "/d/train.v2.summary.json"),
+        ("/d/manifest", "/d/manifest.summary.json"),
+    ],
+)
+def test_summary_sits_beside_the_manifest_without_the_parquet_suffix(manifest, summary):
+    assert ms.summary_path(manifest) == Path(summary)
+
+
+def test_write_json_atomically_writes_sorted_utf8_json_and_leaves_no_temp_file(tmp_path):
+    path = tmp_path / "sub" / "s.summary.json"
+    ms.write_json_atomically({"b": 1, "a": {"lang": "हिन्दी"}}, path)
+    text = path.read_text(encoding="utf-8")
+    assert json.loads(text) == {"a": {"lang": "हिन्दी"}, "b": 1}
+    assert "हिन्दी" in text and text.index('"a"') < text.index('"b"') and text.endswith("\n")
+    assert [p.name for p in path.parent.iterdir()] == ["s.summary.json"]
+
+
+def test_write_manifest_round_trips_the_frame(tmp_path):
+    frame = pl.DataFrame({"segment_id": ["a", "b"], "duration": [1.5, 2.0]})
+    ms.write_manifest(frame, tmp_path / "m.parquet")
+    assert pl.read_parquet(tmp_path / "m.parquet").equals(frame)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.parquet"]
+
+
+def test_counts_by_nests_keys_sorted_and_names_enum_values():
+    reason = pl.Enum(["z_first", "a_second"])
+    frame = pl.DataFrame(
+        {"lang": ["hi", "en", "hi", "hi"], "reason": ["a_second", "z_first", "z_first", "z_first"]},
+        schema={"lang": pl.String, "reason": reason},
+    )
+    assert ms.counts_by(frame, "lang") == {"en": 1, "hi": 3}
+    nested = ms.counts_by(frame, "lang", "reason")
+    assert nested == {"en": {"z_first": 1}, "hi": {"a_second": 1, "z_first": 2}}
+    assert list(nested) == ["en", "hi"] and list(nested["hi"]) == ["a_second", "z_first"]
+
+
+# --- imports ---------------------------------------------------------------------------------
+def test_importing_the_module_loads_neither_polars_nor_pyarrow():
+    code = "import sys, manifest_schema; print(sorted({'polars', 'pyarrow'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
