@@ -1,25 +1,20 @@
-"""Lightning callbacks of the training job (train.py wires them up).
+"""The Lightning callbacks of the training job (train.py wires them up); each one is thin.
 
-EncoderUnfreezeCallback (the two phases), TrainingMetricsCallback and OptimizerStepProgressBar
-(watching a run), StepOnlyModelCheckpoint and ExactResumeCallback (keeping it),
-EpochBoundarySyncCallback, PerLanguageWERCallback, and the one WER/CER implementation that
-scripts/evaluate.py shares.
+EncoderUnfreezeCallback (the two phases), EpochBoundarySyncCallback (each epoch's plan),
+TrainingMetricsCallback and OptimizerStepProgressBar (watching a run), StepOnlyModelCheckpoint and
+ExactResumeCallback (keeping it), PerLanguageWERCallback (WER during training). The machinery they
+use lives in modules named for it: training_metrics.py (what is logged), evaluation.py (WER/CER and
+greedy transcription), checkpoints.py (checkpoint files, resume, RNG states, run identity),
+run_logging.py (loggers), collectives.py (cross-rank reductions).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import json
 import logging as _logging
 import math
 import os
-import random
-import re
-import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +22,18 @@ import lightning.pytorch as _pl
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
-from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.utilities import rank_zero_only
 
+import asr_model
+import checkpoints
 import config as _config
-from atomic_files import atomic_write
+import evaluation
+import training_metrics
+from collectives import all_gather_objects
+from dataset import BAD_AUDIO_REASONS
+from run_logging import log_to_loggers
+
+_log = _logging.getLogger("callbacks")
 
 # ---- EncoderUnfreezeCallback -------------------------------------------------------------------------------
 _unfreeze_log = _logging.getLogger("callbacks.unfreeze")
@@ -41,12 +42,9 @@ _unfreeze_log = _logging.getLogger("callbacks.unfreeze")
 class EncoderUnfreezeCallback(_pl.Callback):
     """Two training phases, switched at optimizer step ``unfreeze_step`` (default UNFREEZE_STEP).
 
-    Phase 1 (global_step < unfreeze_step): the encoder of ``pl_module.model`` is frozen. Its
-    parameters get no gradient and it runs in eval mode, re-imposed at every batch start because
-    Lightning puts the whole module back into train mode, and BatchNorm in train mode updates its
-    running statistics even with frozen weights. So the encoder's whole state_dict (weights and
-    BatchNorm buffers) stays bit-identical. ``pl_module.encoder_frozen`` tells the training step to run
-    it without autograd.
+    Phase 1 (global_step < unfreeze_step): ``pl_module.enter_phase(1)`` at every batch start freezes
+    the encoder (no gradients, eval mode, run without autograd), so its whole state_dict (weights and
+    BatchNorm buffers) stays bit-identical.
     Phase 2: the encoder trains. The phase depends only on global_step, so a resumed run lands in the
     right phase, and it can only change at an optimizer-step boundary.
 
@@ -64,7 +62,8 @@ class EncoderUnfreezeCallback(_pl.Callback):
         self.phase: int | None = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        frozen = [n for n, p in pl_module.model.encoder.named_parameters() if not p.requires_grad]
+        encoder = asr_model.encoder(pl_module.model)
+        frozen = [n for n, p in encoder.named_parameters() if not p.requires_grad]
         if frozen:
             raise RuntimeError(
                 f"encoder parameters {frozen[:3]}... are frozen before DDP wraps the model; DDP would "
@@ -79,17 +78,9 @@ class EncoderUnfreezeCallback(_pl.Callback):
         self._apply(trainer, pl_module)
 
     def _apply(self, trainer, pl_module) -> None:
-        encoder = pl_module.model.encoder
         phase = 1 if trainer.global_step < self.unfreeze_step else 2
-        if phase == 1:
-            if self.phase != 1:
-                for p in encoder.parameters():
-                    p.requires_grad_(False)
-            encoder.eval()
-        elif self.phase != 2:
-            for p in encoder.parameters():
-                p.requires_grad_(True)
-            encoder.train()
+        pl_module.enter_phase(phase)
+        if phase == 2 and self.phase != 2:
             if stop_searching_unused_parameters(trainer) and trainer.global_rank == 0:
                 _unfreeze_log.info(
                     "step %d: DDP re-wrapped with find_unused_parameters=False for phase 2",
@@ -104,8 +95,6 @@ class EncoderUnfreezeCallback(_pl.Callback):
                     "frozen (eval mode, no gradients)" if phase == 1 else "unfrozen (training)",
                 )
             self.phase = phase
-        pl_module.encoder_frozen = phase == 1
-        pl_module.phase = phase
 
 
 def stop_searching_unused_parameters(trainer) -> bool:
@@ -134,422 +123,41 @@ def stop_searching_unused_parameters(trainer) -> bool:
     return True
 
 
-# ---- Monitoring, step checkpoints, exact resume, per-language WER ---------------------------------------
-# Metric keys logged to W&B and to <run dir>/metrics.jsonl (the run's closing note lists them too):
-#   train/loss, train/lr, train/phase, train/grad_norm, train/epoch, train/micro_batch,
-#   train/skipped_steps, train/empty_micro_batches, train/nonfinite_losses,
-#   time/step_s, time/checkpoint_s, time/data_wait_fraction, time/data_wait_fraction_max,
-#   throughput/audio_s_per_step, throughput/audio_s_per_s, throughput/utterances_per_step,
-#   throughput/utterances_per_s, data/padding_efficiency, data/bad_audio_total, data/bad_audio/<reason>,
-#   lang_share/<lang>, lang_target/<lang>, gpu/peak_memory_gib (CUDA only),
-#   val/wer/<lang>, val/cer/<lang>, val/wer/all, val/cer/all, val/utterances, val/seconds,
-#   and the table val/examples.
-_log = _logging.getLogger("callbacks")
-
-# ---- WER / CER: the one implementation (PerLanguageWERCallback and scripts/evaluate.py) ----------
-
-_LANG_TAG = re.compile(r"<\|[^|<>\s]*\|>")
-
-
-def strip_lang_tag(text: str) -> str:
-    """``text`` without any ``<|lang|>`` tag, whitespace collapsed to single spaces."""
-    return " ".join(_LANG_TAG.sub(" ", text).split())
-
-
-@dataclasses.dataclass
-class ErrorCounts:
-    """Edit counts summed over utterances: rates are corpus-level (total edits / total reference units)."""
-
-    word_edits: int = 0
-    words: int = 0
-    char_edits: int = 0
-    chars: int = 0
-    utterances: int = 0
-
-    @property
-    def wer(self) -> float:
-        return self.word_edits / self.words if self.words else math.nan
-
-    @property
-    def cer(self) -> float:
-        return self.char_edits / self.chars if self.chars else math.nan
-
-    def add(self, reference: str, hypothesis: str) -> None:
-        """Count one utterance; both sides are tag-stripped. CER counts characters including the single
-        spaces between words (jiwer's convention)."""
-        from kaldialign import edit_distance  # C++ Levenshtein; NeMo's ASR extra installs it
-
-        ref, hyp = strip_lang_tag(reference), strip_lang_tag(hypothesis)
-        self.word_edits += edit_distance(ref.split(), hyp.split())["total"]
-        self.words += len(ref.split())
-        self.char_edits += edit_distance(list(ref), list(hyp))["total"]
-        self.chars += len(ref)
-        self.utterances += 1
-
-
-def corpus_error_rates(
-    references: Sequence[str], hypotheses: Sequence[str], languages: Sequence[str]
-) -> dict[str, ErrorCounts]:
-    """ErrorCounts per language plus "all" (every utterance), corpus-level, tags stripped."""
-    if not len(references) == len(hypotheses) == len(languages):
-        raise ValueError(
-            f"corpus_error_rates: {len(references)} references, {len(hypotheses)} hypotheses and "
-            f"{len(languages)} languages; expected one of each per utterance"
-        )
-    counts: dict[str, ErrorCounts] = {}
-    total = ErrorCounts()
-    for ref, hyp, lang in zip(references, hypotheses, languages):
-        counts.setdefault(lang, ErrorCounts()).add(ref, hyp)
-        total.add(ref, hyp)
-    counts = dict(sorted(counts.items()))
-    counts["all"] = total
-    return counts
-
-
-# ---- greedy decoding with our dataset + collate (PerLanguageWERCallback and scripts/evaluate.py) --
-
-
-def select_eval_indices(lang_codes: np.ndarray, per_lang: int, seed: int = 0) -> np.ndarray:
-    """Up to ``per_lang`` dataset indices per language code, a seeded choice, sorted (the same on every rank)."""
-    rng = np.random.default_rng(seed)
-    chosen = []
-    for code in np.unique(lang_codes):
-        rows = np.flatnonzero(lang_codes == code)
-        chosen.append(rows if len(rows) <= per_lang else rng.choice(rows, per_lang, replace=False))
-    return np.sort(np.concatenate(chosen)) if chosen else np.zeros(0, dtype=np.int64)
-
-
-def pack_by_duration(
-    indices: Sequence[int], durations: np.ndarray, max_batch_seconds: float
-) -> list[list[int]]:
-    """``indices`` sorted by duration and cut into batches of at most ``max_batch_seconds`` of audio
-    (an utterance longer than that gets a batch of its own)."""
-    order = sorted((int(i) for i in indices), key=lambda i: float(durations[i]))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    seconds = 0.0
-    for i in order:
-        d = float(durations[i])
-        if current and seconds + d > max_batch_seconds:
-            batches.append(current)
-            current, seconds = [], 0.0
-        current.append(i)
-        seconds += d
-    if current:
-        batches.append(current)
-    return batches
-
-
-def _module_modes(model: torch.nn.Module) -> dict[torch.nn.Module, bool]:
-    return {m: m.training for m in model.modules()}
-
-
-@torch.no_grad()
-def greedy_transcribe(
-    model,
-    dataset,
-    indices: Sequence[int],
-    *,
-    max_batch_seconds: float = 60.0,
-    device: torch.device | str | None = None,
-    autocast: Callable[[], Any] | None = None,
-    progress: bool = False,
-) -> dict[int, str | None]:
-    """Greedy hypotheses of ``dataset[i]`` for each ``i`` in ``indices``: {index: text, or None for bad audio}.
-
-    Audio goes through the training pipeline's own loading and collate (soundfile + soxr, the same
-    resampling and padding) and the model's forward + ``decoding.rnnt_decoder_predictions_tensor``:
-    no temporary manifests, no NeMo dataloader, and so no dependence on ``cfg.validation_ds``. Every
-    module's train/eval mode is restored afterwards (a frozen encoder stays in eval mode).
-    """
-    from dataset import collate_asr_batch
-
-    device = torch.device(device) if device is not None else next(model.parameters()).device
-    modes = _module_modes(model)
-    model.eval()
-    out: dict[int, str | None] = {}
-    batches = pack_by_duration(indices, dataset.durations, max_batch_seconds)
-    if progress:
-        from tqdm import tqdm
-
-        batches = tqdm(batches, desc="decoding", unit="batch")
-    try:
-        for batch_indices in batches:
-            items = [dataset[i] for i in batch_indices]
-            good = [i for i, item in zip(batch_indices, items) if item is not None]
-            out.update({i: None for i, item in zip(batch_indices, items) if item is None})
-            if not good:
-                continue
-            batch = collate_asr_batch([item for item in items if item is not None])
-            with autocast() if autocast is not None else contextlib.nullcontext():
-                encoded, encoded_len = model.forward(
-                    input_signal=batch.signal.to(device),
-                    input_signal_length=batch.signal_len.to(device),
-                )
-                hyps = model.decoding.rnnt_decoder_predictions_tensor(
-                    encoder_output=encoded, encoded_lengths=encoded_len
-                )
-            if isinstance(hyps, tuple):  # older NeMo returned (best, all)
-                hyps = hyps[0]
-            for i, hyp in zip(good, hyps):
-                out[i] = hyp.text if hasattr(hyp, "text") else str(hyp)
-    finally:
-        for module, training in modes.items():
-            module.train(training)
-    return out
-
-
-def manifest_texts(dataset) -> list[str]:
-    """The manifest's ``text`` of every dataset item (tag included), via ``dataset.manifest_rows``."""
-    import pyarrow.parquet as pq
-
-    texts = pq.read_table(dataset.manifest_path, columns=["text"]).column("text").to_pylist()
-    return [texts[int(r)] for r in dataset.manifest_rows]
-
-
-# ---- local metrics file and loggers ----------------------------------------------------------------
-
-
-def _json_value(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        v = v.item()
-    if isinstance(v, (float, np.floating)):
-        return float(v) if math.isfinite(v) else None
-    if isinstance(v, np.integer):
-        return int(v)
-    return v
-
-
-class JsonlMetricsLogger(Logger):
-    """The run's scalars as JSON lines (``{"step": .., "time": .., key: value}``), readable without W&B;
-    the settings (``log_hyperparams``) go to ``hparams.json`` beside it.
-
-    Lines are appended and flushed one at a time, so a crash loses at most the line being written.
-    Tables (``log_table``, the same signature as WandbLogger's) go to the same file as
-    ``{"step": .., "table": key, "columns": [..], "rows": [[..]]}``. Writes happen on global rank 0 only.
-    """
-
-    def __init__(self, path: str | os.PathLike):
-        super().__init__()
-        self.path = Path(path)
-
-    @property
-    def name(self) -> str:
-        return "jsonl"
-
-    @property
-    def version(self) -> str:
-        return self.path.parent.name
-
-    def _write(self, record: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-
-    @rank_zero_only
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self._write(
-            {
-                "step": step,
-                "time": round(time.time(), 3),
-                **{k: _json_value(v) for k, v in metrics.items()},
-            }
-        )
-
-    @rank_zero_only
-    def log_table(
-        self, key: str, columns: list[str], data: list[list[Any]], step: int | None = None
-    ) -> None:
-        self._write(
-            {
-                "step": step,
-                "table": key,
-                "columns": list(columns),
-                "rows": [[_json_value(v) for v in row] for row in data],
-            }
-        )
-
-    @rank_zero_only
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        """The run's settings to ``hparams.json`` beside the metrics file (the latest launch's)."""
-        params = params if isinstance(params, dict) else vars(params)
-        text = json.dumps(
-            {
-                k: _json_value(v) if isinstance(v, (int, float)) else str(v)
-                for k, v in params.items()
-            },
-            indent=1,
-            ensure_ascii=False,
-        )
-        atomic_write(
-            self.path.with_name("hparams.json"),
-            lambda tmp: Path(tmp).write_text(text, encoding="utf-8"),
-        )
-
-
-def run_directory(run_name: str | None = None, log_dir: Path | None = None) -> Path:
-    """WANDB_LOG_DIR/<run name>: the W&B files (wandb/offline-run-*) and metrics.jsonl of one run.
-
-    The name is ``run_name``, else WANDB_RUN_NAME, else run-<UTC time>; only global rank 0 writes there.
-    """
-    log_dir = Path(log_dir or _config.WANDB_LOG_DIR)
-    name = run_name or _config.WANDB_RUN_NAME or time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())
-    return log_dir / name
-
-
-RUN_RECORD = "run.json"
-
-
-def run_identity(resuming: bool, checkpoint_dir: Path | None = None) -> tuple[str, str]:
-    """(run name, W&B run id) of this job.
-
-    A job that resumes from a checkpoint reuses the pair recorded in CHECKPOINT_DIR/run.json by the
-    job that wrote it, so W&B continues the same run (Lightning's WandbLogger passes resume="allow")
-    and metrics.jsonl stays one file across crashes and requeues; an explicit WANDB_RUN_NAME that
-    differs from the record starts a new run under that name. A fresh job takes WANDB_RUN_NAME (else
-    run-<UTC time>) and a new id, and global rank 0 records them.
-    """
-    record = Path(checkpoint_dir or _config.CHECKPOINT_DIR) / RUN_RECORD
-    if resuming and record.is_file():
-        saved = json.loads(record.read_text(encoding="utf-8"))
-        if not _config.WANDB_RUN_NAME or _config.WANDB_RUN_NAME == saved["name"]:
-            return saved["name"], saved["wandb_id"]
-    name = run_directory().name
-    identity = (name, secrets.token_hex(6))
-    if int(os.environ.get("RANK", "0")) == 0:
-        record.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps({"name": identity[0], "wandb_id": identity[1]})
-        atomic_write(record, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
-    return identity
-
-
-def build_loggers(run_dir: Path | None = None, resuming: bool = False) -> list[Logger]:
-    """[WandbLogger (unless WANDB_MODE resolves to disabled), JsonlMetricsLogger] for one run.
-
-    W&B mode: config.wandb_mode() (WANDB_MODE, else online with WANDB_API_KEY, else offline). An
-    offline run lives in <run dir>/wandb/offline-run-*/ and is uploaded later with
-    ``wandb sync <that dir>``. Name and W&B id come from ``run_identity``: a resumed job continues
-    its run.
-    """
-    name, run_id = run_identity(resuming)
-    run_dir = Path(run_dir or run_directory(name))
-    loggers: list[Logger] = []
-    mode = _config.wandb_mode()
-    if mode != "disabled":
-        from lightning.pytorch.loggers import WandbLogger
-
-        if int(os.environ.get("RANK", "0")) == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        loggers.append(
-            WandbLogger(
-                project=_config.WANDB_PROJECT,
-                name=name,
-                id=run_id,
-                save_dir=str(run_dir),
-                mode=mode,
-                log_model=False,
-            )
-        )
-    loggers.append(JsonlMetricsLogger(run_dir / "metrics.jsonl"))
-    return loggers
-
-
-def log_to_loggers(trainer, metrics: dict[str, float], step: int) -> None:
-    """Scalars to every logger of ``trainer``, from global rank 0 only."""
-    if trainer.is_global_zero:
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
-
-
-# ---- cross-rank reductions ------------------------------------------------------------------------
-
-
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def all_reduce_tensor(values: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """``values`` reduced over every rank (sum or max); unchanged in a single process."""
-    if _distributed():
-        values = values.clone()
-        torch.distributed.all_reduce(
-            values,
-            op=torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX,
-        )
-    return values
-
-
-def all_gather_objects(obj: Any) -> list[Any]:
-    """[obj of rank 0, obj of rank 1, ...]; [obj] in a single process. Every rank must call it."""
-    if not _distributed():
-        return [obj]
-    out: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
 # ---- TrainingMetricsCallback ----------------------------------------------------------------------
 
 
-def _bad_audio_reasons() -> tuple[str, ...]:
-    from dataset import BAD_AUDIO_REASONS
-
-    return tuple(BAD_AUDIO_REASONS)
-
-
 class TrainingMetricsCallback(_pl.Callback):
-    """Per optimizer step, one all-reduce over ranks, then scalars logged from global rank 0.
+    """Logs training_metrics.STEP_METRICS once per optimizer step, from global rank 0.
 
-    Everything is measured between two optimizer steps (the "window": GRAD_ACCUM micro-batches per
-    rank). Sums over ranks: loss (mean over non-empty micro-batches), audio seconds, utterances,
-    padding (real / padded samples), data-wait time, utterances per language, bad audio. Max over
-    ranks: step time, the worst rank's data-wait fraction, peak GPU memory. The language share is
-    rolling over the last ``share_window`` optimizer steps, next to the sampler's target share.
-    Counters (skipped steps, bad audio, ...) are cumulative and survive a resume (callback state).
-    ``last_metrics`` holds the latest dict (the progress bar shows part of it).
+    Each rank fills a ``training_metrics.Window`` between two optimizer steps (GRAD_ACCUM
+    micro-batches): the micro-batch measures by themselves, the timers and fault-counter growth
+    here. One all-reduce per kind of reduction combines the ranks; the cumulative totals (skipped
+    steps, bad audio, ...) survive a resume as this callback's state. ``last_metrics`` holds the
+    latest dict (the progress bar shows part of it).
     """
 
-    _COUNTERS = (
-        "skipped_steps",
-        "empty_micro_batches",
-        "nonfinite_losses",
-    )  # order used in _step_metrics
+    _COUNTERS = ("skipped_steps", "empty_micro_batches", "nonfinite_losses")
 
     def __init__(self, share_window: int = 100):
         self.share_window = int(share_window)
-        self._counters_seen: dict[str, float] = {}
         self.last_metrics: dict[str, float] = {}
-        self.totals: dict[str, float] = {}
-        self._langs: list[str] = []
+        self.totals: dict[str, Any] = {}
+        self._keys: dict[str, list[str]] = {"lang": [], "reason": list(BAD_AUDIO_REASONS)}
         self._target: dict[str, float] = {}
-        self._shares: deque = deque(maxlen=self.share_window)
+        self._recent: deque = deque(maxlen=self.share_window)
+        self._counters_seen: dict[str, float] = {}
         self._last_step = 0
         self._step_started = 0.0
         self._batch_ended: float | None = None
         self._lr = math.nan
-        self._nonfinite_seen = 0
-        self._reset_window()
-
-    def _reset_window(self) -> None:
-        self._w = dict(
-            loss_sum=0.0,
-            loss_n=0,
-            utterances=0,
-            audio_s=0.0,
-            real=0,
-            padded=0,
-            wait_s=0.0,
-            checkpoint_s=0.0,
-        )
-        self._w_lang = np.zeros(len(self._langs), dtype=np.float64)
-        self._w_bad = np.zeros(len(_bad_audio_reasons()), dtype=np.float64)
+        self._window = training_metrics.Window(self._keys)
 
     # -- state carried in the checkpoint (rank 0's, i.e. the all-reduced totals) --
     def state_dict(self) -> dict[str, Any]:
-        return {"totals": dict(self.totals)}
+        return {"totals": self.totals}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.totals = dict(state_dict.get("totals", {}))
+        self.totals = state_dict.get("totals", {})
 
     def on_train_start(self, trainer, pl_module) -> None:
         if trainer.is_global_zero:
@@ -558,23 +166,22 @@ class TrainingMetricsCallback(_pl.Callback):
             for logger in trainer.loggers:
                 logger.log_hyperparams(params)
         self._last_step = trainer.global_step
-        self._nonfinite_seen = getattr(pl_module, "nonfinite_losses", 0)
-        self._counters_seen = {name: float(getattr(pl_module, name, 0)) for name in self._COUNTERS}
+        self._counters_seen = {name: float(getattr(pl_module, name)) for name in self._COUNTERS}
         self._step_started = time.perf_counter()
         self._batch_ended = self._step_started
+        if not self.totals:
+            self.totals = training_metrics.empty_totals(self._keys)
         if torch.cuda.is_available() and pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
-        sampler = getattr(pl_module, "sampler", None)
-        if sampler is not None:
-            stats = sampler.epoch_stats()
-            langs = [str(l) for l in stats["languages"]]
-            if langs != self._langs:
-                self._langs = langs
-                self._shares.clear()
-                self._w_lang = np.zeros(len(langs), dtype=np.float64)
-            self._target = {str(k): float(v) for k, v in stats["target_share"].items()}
+        stats = pl_module.sampler.epoch_stats()
+        langs = [str(lang) for lang in stats["languages"]]
+        if langs != self._keys["lang"]:
+            self._keys["lang"] = langs
+            self._recent.clear()
+            self._window = training_metrics.Window(self._keys)
+        self._target = {str(k): float(v) for k, v in stats["target_share"].items()}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         now = time.perf_counter()
@@ -585,149 +192,58 @@ class TrainingMetricsCallback(_pl.Callback):
             for cb in trainer.checkpoint_callbacks:
                 if getattr(cb, "last_save_ended", -math.inf) > ended:
                     ended = cb.last_save_ended
-                    self._w["checkpoint_s"] += cb.last_save_seconds
-            self._w["wait_s"] += max(0.0, now - ended)
+                    self._window.add("checkpoint_seconds", cb.last_save_seconds)
+            self._window.add("wait_seconds", max(0.0, now - ended))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self._lr = float(
-            optimizer.param_groups[0]["lr"]
-        )  # the LR this step uses (the scheduler moves it after)
+        # The LR this step uses (the scheduler moves it after the step).
+        self._lr = float(optimizer.param_groups[0]["lr"])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        w = self._w
-        if getattr(batch, "bad_audio", None):
-            reasons = _bad_audio_reasons()
-            for reason, n in batch.bad_audio.items():
-                if reason in reasons:
-                    self._w_bad[reasons.index(reason)] += n
-        if hasattr(batch, "signal") and batch.signal.shape[0] > 0:
-            b, t = batch.signal.shape
-            w["utterances"] += b
-            w["audio_s"] += float(sum(batch.durations))
-            w["real"] += int(batch.signal_len.sum())
-            w["padded"] += b * t
-            loss = getattr(pl_module, "last_loss", None)
-            nonfinite = getattr(pl_module, "nonfinite_losses", 0)
-            replaced, self._nonfinite_seen = nonfinite != self._nonfinite_seen, nonfinite
-            # A non-finite loss was replaced by a zero for DDP's sake: it is not a loss value to average.
-            if loss is not None and not replaced and math.isfinite(float(loss)):
-                w["loss_sum"] += float(loss)
-                w["loss_n"] += 1
-            if self._langs:
-                index = {l: i for i, l in enumerate(self._langs)}
-                for lang in batch.langs:
-                    if lang in index:
-                        self._w_lang[index[lang]] += 1
+        self._window.add_micro_batch(batch, pl_module)
         self._batch_ended = time.perf_counter()
         if trainer.global_step == self._last_step:
             return  # still accumulating: no optimizer step yet
         self._last_step = trainer.global_step
         metrics = self._step_metrics(trainer, pl_module)
         self.last_metrics = metrics
-        self._reset_window()
+        self._window = training_metrics.Window(self._keys)
         self._step_started = time.perf_counter()
         self._batch_ended = self._step_started
         log_to_loggers(trainer, metrics, step=trainer.global_step)
 
     def _step_metrics(self, trainer, pl_module) -> dict[str, float]:
-        w = self._w
-        now = time.perf_counter()
-        step_s = now - self._step_started
+        w = self._window
+        step_s = time.perf_counter() - self._step_started
         device = pl_module.device
         cuda = device.type == "cuda"
-        # The module's fault counters are per rank and restart at 0 in a resumed process: sum their
-        # growth over ranks into totals that the checkpoint carries.
-        counters = [float(getattr(pl_module, name, 0)) for name in self._COUNTERS]
-        grown = [
-            now_ - self._counters_seen.get(name, 0.0)
-            for name, now_ in zip(self._COUNTERS, counters)
-        ]
-        self._counters_seen = dict(zip(self._COUNTERS, counters))
-        sums = torch.tensor(
-            [
-                w["loss_sum"],
-                w["loss_n"],
-                w["utterances"],
-                w["audio_s"],
-                w["real"],
-                w["padded"],
-                w["wait_s"],
-                step_s,
-                grown[1],
-                grown[2],
-                *self._w_lang,
-                *self._w_bad,
-            ],
-            dtype=torch.float64,
-            device=device,
-        )
-        peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
-        maxes = torch.tensor(
-            [step_s, w["wait_s"] / step_s if step_s > 0 else 0.0, peak_gib, grown[0]],
-            dtype=torch.float64,
-            device=device,
-        )
-        sums = all_reduce_tensor(sums, "sum").cpu().tolist()
-        maxes = all_reduce_tensor(maxes, "max").cpu().tolist()
-        loss_sum, loss_n, utts, audio_s, real, padded, wait_s, step_s_sum, empty, nonfinite = sums[
-            :10
-        ]
-        n_lang = len(self._langs)
-        lang_counts = np.array(sums[10 : 10 + n_lang])
-        bad = sums[10 + n_lang :]
-        step_max, wait_frac_max, peak, skipped = (
-            maxes  # a skip is decided on all ranks alike: not summed
-        )
-
-        for name, grew in (
-            ("skipped_steps", skipped),
-            ("empty_micro_batches", empty),
-            ("nonfinite_losses", nonfinite),
-        ):
-            self.totals[name] = self.totals.get(name, 0.0) + grew
-        self.totals["bad_audio_total"] = self.totals.get("bad_audio_total", 0.0) + sum(bad)
-        for reason, n in zip(_bad_audio_reasons(), bad):
-            self.totals[f"bad_audio/{reason}"] = self.totals.get(f"bad_audio/{reason}", 0.0) + n
-        self._shares.append(lang_counts)
-        window = np.sum(self._shares, axis=0) if self._shares else lang_counts
-
-        m: dict[str, float] = {
-            "train/loss": loss_sum / loss_n if loss_n else math.nan,
-            "train/lr": self._lr,
-            "train/phase": float(getattr(pl_module, "phase", math.nan)),
-            "train/grad_norm": _float_or_nan(getattr(pl_module, "last_grad_norm", None)),
-            "train/epoch": float(trainer.current_epoch),
-            "train/micro_batch": float(
-                trainer.fit_loop.epoch_loop.batch_progress.current.processed
-            ),
-            "train/skipped_steps": self.totals["skipped_steps"],
-            "train/empty_micro_batches": self.totals["empty_micro_batches"],
-            "train/nonfinite_losses": self.totals["nonfinite_losses"],
-            "time/step_s": step_max,
-            "time/checkpoint_s": w["checkpoint_s"],
-            "time/data_wait_fraction": wait_s / step_s_sum if step_s_sum > 0 else 0.0,
-            "time/data_wait_fraction_max": wait_frac_max,
-            "throughput/audio_s_per_step": audio_s,
-            "throughput/audio_s_per_s": audio_s / step_max if step_max > 0 else math.nan,
-            "throughput/utterances_per_step": utts,
-            "throughput/utterances_per_s": utts / step_max if step_max > 0 else math.nan,
-            "data/padding_efficiency": real / padded if padded else math.nan,
-            "data/bad_audio_total": self.totals["bad_audio_total"],
-        }
-        for reason in _bad_audio_reasons():
-            m[f"data/bad_audio/{reason}"] = self.totals[f"bad_audio/{reason}"]
-        total = float(window.sum())
-        for lang, n in zip(self._langs, window):
-            m[f"lang_share/{lang}"] = float(n) / total if total else math.nan
-            m[f"lang_target/{lang}"] = self._target.get(lang, math.nan)
+        w.set("step_seconds", step_s)
+        w.set("step_seconds_max", step_s)
+        w.set("wait_fraction_max", w.values["wait_seconds"] / step_s if step_s > 0 else 0.0)
         if cuda:
-            m["gpu/peak_memory_gib"] = peak
+            w.set("peak_memory_gib", torch.cuda.max_memory_allocated(device) / 2**30)
+        # The module's fault counters are per rank and restart at 0 in a resumed process: their
+        # growth since the last step is what the ranks combine.
+        for name in self._COUNTERS:
+            now = float(getattr(pl_module, name))
+            w.set(name, now - self._counters_seen.get(name, 0.0))
+            self._counters_seen[name] = now
+        reduced = w.reduced(device)
+        training_metrics.add_to_totals(self.totals, reduced)
+        self._recent.append(reduced["lang_utterances"])
+        step = training_metrics.Step(
+            m=reduced,
+            total=self.totals,
+            trainer=trainer,
+            module=pl_module,
+            lr=self._lr,
+            recent_langs=training_metrics.recent_sum(self._recent),
+            target_share=self._target,
+        )
+        metrics = training_metrics.step_metrics(step, cuda)
+        if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        return m
-
-
-def _float_or_nan(value: Any) -> float:
-    return math.nan if value is None else float(value)
+        return metrics
 
 
 # ---- progress bar ----------------------------------------------------------------------------------
@@ -755,8 +271,8 @@ def progress_postfix(
 class OptimizerStepProgressBar(TQDMProgressBar):
     """One bar for the whole run that counts optimizer steps (global_step of MAX_STEPS), the unit of
     CHECKPOINT_EVERY, with micro-batches second: ``step: 37%| | 12/32 [..., micro-batch 49 (epoch 0:
-    48/5000) | loss 1.2345 | lr 3.00e-04 | phase 1]``. The old bar counted micro-batches, GRAD_ACCUM
-    times faster than checkpoint steps.
+    48/5000) | loss 1.2345 | lr 3.00e-04 | phase 1]``: the same unit as the checkpoint names, where a
+    micro-batch counter would run GRAD_ACCUM times faster.
 
     ``refresh_rate`` (micro-batches between updates) defaults to 1 on a terminal and to 100 when stdout
     is a file (SLURM logs), where every update is a new line.
@@ -825,81 +341,6 @@ class OptimizerStepProgressBar(TQDMProgressBar):
         self._set_n(trainer.global_step)
 
 
-# ---- atomic step checkpoints -------------------------------------------------------------------------
-
-CHECKPOINT_PATTERN = re.compile(r"^step_(\d+)\.ckpt$")
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step_{step:08d}.ckpt"
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's TorchCheckpointIO, but the file appears under its name only once complete.
-
-    Lightning's own save goes through an fsspec transaction whose temporary file lives in the system
-    temp dir and is then *copied* (shutil.move) when /tmp is another file system, after buffering the
-    whole checkpoint in memory: a crash mid-copy leaves a truncated file that looks whole.
-    """
-
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], path, storage_options: Any | None = None
-    ) -> None:
-        if storage_options is not None:
-            raise TypeError(
-                f"AtomicCheckpointIO.save_checkpoint got storage_options={storage_options!r}; "
-                "it writes local files only"
-            )
-        atomic_write(path, lambda tmp: torch.save(checkpoint, tmp))
-
-
-def find_last_checkpoint(checkpoint_dir: Path | None = None) -> Path | None:
-    """The step checkpoint with the highest step in ``checkpoint_dir`` (CHECKPOINT_DIR), or None.
-    Temporary files of an interrupted save never match the name pattern."""
-    directory = Path(checkpoint_dir or _config.CHECKPOINT_DIR)
-    if not directory.is_dir():
-        return None
-    found = [
-        (int(m.group(1)), p) for p in directory.iterdir() if (m := CHECKPOINT_PATTERN.match(p.name))
-    ]
-    return max(found)[1] if found else None
-
-
-def resolve_resume_from(
-    resume_from: str | None = None, checkpoint_dir: Path | None = None
-) -> str | None:
-    """``ckpt_path`` for trainer.fit from RESUME_FROM: '' -> None (fresh start); 'last' -> the newest
-    step checkpoint in CHECKPOINT_DIR (None, logged, when there is none yet, so a restart loop can
-    always pass RESUME_FROM=last); otherwise a path that must exist."""
-    resume_from = _config.RESUME_FROM if resume_from is None else resume_from
-    if not resume_from:
-        return None
-    if resume_from == "last":
-        directory = Path(checkpoint_dir or _config.CHECKPOINT_DIR)
-        last = find_last_checkpoint(directory)
-        if last is None:
-            _log.warning(
-                "RESUME_FROM=last: no step checkpoint (step_*.ckpt) in CHECKPOINT_DIR=%s; starting fresh",
-                directory,
-            )
-            return None
-        _log.info("RESUME_FROM=last: resuming from %s", last)
-        return str(last)
-    if not Path(resume_from).is_file():
-        raise FileNotFoundError(
-            f"RESUME_FROM={resume_from}: no such checkpoint file; give a step_*.ckpt path, "
-            f"'last' (newest in CHECKPOINT_DIR) or leave it empty"
-        )
-    return resume_from
-
-
-def export_nemo(model, path: str | os.PathLike) -> Path:
-    """``model.save_to`` a .nemo file, atomically (see ``atomic_write``)."""
-    path = Path(path)
-    atomic_write(path, lambda tmp: model.save_to(tmp), suffix=".tmp.nemo")
-    return path
-
-
 class StepOnlyModelCheckpoint(ModelCheckpoint):
     """A checkpoint every ``every_n_steps`` optimizer steps (CHECKPOINT_EVERY) as
     ``<dirpath>/step_<step:08d>.ckpt`` (dirpath: CHECKPOINT_DIR), all kept, nothing else: no epoch-end,
@@ -945,8 +386,8 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
                 stale.unlink(missing_ok=True)
         io = trainer.strategy.checkpoint_io
         if type(io) is TorchCheckpointIO:
-            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
-        elif not isinstance(io, AtomicCheckpointIO):
+            trainer.strategy.checkpoint_io = checkpoints.AtomicCheckpointIO()
+        elif not isinstance(io, checkpoints.AtomicCheckpointIO):
             _log.warning(
                 "checkpoint IO %s is not TorchCheckpointIO: checkpoints are written by it, not atomically "
                 "by StepOnlyModelCheckpoint",
@@ -965,7 +406,9 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
         self._seen_step = step
         if step % self.every_n_steps == 0:
             started = time.perf_counter()
-            self._save_checkpoint(trainer, str(Path(self.dirpath) / checkpoint_name(step)))
+            self._save_checkpoint(
+                trainer, str(Path(self.dirpath) / checkpoints.checkpoint_name(step))
+            )
             self.last_save_ended = time.perf_counter()
             self.last_save_seconds = self.last_save_ended - started
 
@@ -978,44 +421,9 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
     def on_train_end(self, trainer, pl_module) -> None:
         if self.export_nemo_at_end and trainer.is_global_zero and trainer.global_step > 0:
             path = Path(self.dirpath) / f"step_{trainer.global_step:08d}.nemo"
-            export_nemo(pl_module.model, path)
+            checkpoints.export_nemo(pl_module.model, path)
             _log.info("exported %s", path)
         trainer.strategy.barrier("nemo_export")
-
-
-# ---- exact resume -------------------------------------------------------------------------------------
-
-
-def capture_rng_state(module: torch.nn.Module | None = None) -> dict[str, Any]:
-    """Every random generator a training step draws from, in this process: torch (CPU and CUDA),
-    NumPy, Python's ``random``, and any ``random.Random`` a module keeps (NeMo's SpecAugment ``_rng``)."""
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    if module is not None:
-        state["modules"] = {
-            name: m._rng.getstate()
-            for name, m in module.named_modules()
-            if isinstance(getattr(m, "_rng", None), random.Random)
-        }
-    return state
-
-
-def restore_rng_state(state: dict[str, Any], module: torch.nn.Module | None = None) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if module is not None:
-        named = dict(module.named_modules())
-        for name, rng_state in state.get("modules", {}).items():
-            if name in named and isinstance(getattr(named[name], "_rng", None), random.Random):
-                named[name]._rng.setstate(rng_state)
 
 
 class ExactResumeCallback(_pl.Callback):
@@ -1057,7 +465,7 @@ class ExactResumeCallback(_pl.Callback):
                 state["position"] = position
             checkpoint["sampler_state"] = state
         # dump_checkpoint runs on every rank (trainer.save_checkpoint), so this collective is matched.
-        checkpoint["rng_states"] = all_gather_objects(capture_rng_state(pl_module))
+        checkpoint["rng_states"] = all_gather_objects(checkpoints.capture_rng_state(pl_module))
         checkpoint["world_size"] = trainer.world_size
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
@@ -1088,7 +496,7 @@ class ExactResumeCallback(_pl.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self._pending_rng is not None:
-            restore_rng_state(self._pending_rng, pl_module)
+            checkpoints.restore_rng_state(self._pending_rng, pl_module)
             self._pending_rng = None
 
 
@@ -1096,26 +504,21 @@ class ExactResumeCallback(_pl.Callback):
 
 
 class EpochBoundarySyncCallback(_pl.Callback):
-    """At every epoch start: ``set_epoch(current_epoch)`` on the batch sampler, then a barrier, so no
-    rank starts a new epoch's plan before every rank has finished the previous one.
+    """At every epoch start: the sampler's plan for that epoch, then a barrier, so no rank starts a
+    new epoch's plan before every rank has finished the previous one.
 
     Lightning 2.4 calls set_epoch only on ``loader.sampler`` and ``loader.batch_sampler.sampler``,
     never on a custom batch_sampler: without this, epoch 2 would replay an exhausted plan (measured:
     the fit loop then spins forever on an empty iterator). set_epoch with the current epoch keeps the
-    position, so a restored mid-epoch sampler is not rewound.
+    position, so a restored mid-epoch sampler is not rewound. Lightning also sized every epoch from
+    len() of the first plan and ends an epoch at that count; each epoch's plan has its own length
+    (packing differs), so the fit loop is told this one's.
     """
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
-        sampler = getattr(pl_module, "sampler", None)
-        if sampler is None:
-            loader = trainer.train_dataloader
-            sampler = getattr(loader, "batch_sampler", None)
-        if sampler is not None and hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(trainer.current_epoch)
+        pl_module.sampler.set_epoch(trainer.current_epoch)
+        trainer.fit_loop.max_batches = len(pl_module.sampler)
         trainer.strategy.barrier("epoch_boundary")
-
-
-# ---- PerLanguageWERCallback -------------------------------------------------------------------------------
 
 
 class PerLanguageWERCallback(_pl.Callback):
@@ -1126,7 +529,7 @@ class PerLanguageWERCallback(_pl.Callback):
     shortest spread evenly), hypotheses are gathered with all_gather_object, and rank 0 logs
     ``val/wer/<lang>``, ``val/cer/<lang>``, ``val/wer/all``, ``val/cer/all`` (corpus-level, language
     tags stripped from both sides) and a table ``val/examples`` (lang, reference, hypothesis; up to
-    ``examples_per_lang`` per language). Decoding uses ``greedy_transcribe`` (our dataset and
+    ``examples_per_lang`` per language). Decoding uses ``evaluation.greedy_transcribe`` (our dataset and
     collate, the model's forward and greedy decoding) rather than NeMo's transcribe(), which would
     need temporary JSON manifests, its own audio loading and a cfg.validation_ds.
     """
@@ -1153,7 +556,7 @@ class PerLanguageWERCallback(_pl.Callback):
         self.dataset = None
         self.indices = np.zeros(0, dtype=np.int64)
         self.references: dict[int, str] = {}
-        self.last_results: dict[str, ErrorCounts] = {}
+        self.last_results: dict[str, evaluation.ErrorCounts] = {}
         self._seen_step = 0
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -1170,10 +573,10 @@ class PerLanguageWERCallback(_pl.Callback):
         self.dataset = LocalShardDataset(
             self.manifest_path, pl_module.model.tokenizer, progress=False
         )
-        self.indices = select_eval_indices(
+        self.indices = evaluation.select_eval_indices(
             self.dataset.lang_codes, self.samples_per_lang, seed=_config.SEED
         )
-        texts = manifest_texts(self.dataset)
+        texts = evaluation.manifest_texts(self.dataset)
         self.references = {int(i): texts[int(i)] for i in self.indices}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -1184,13 +587,13 @@ class PerLanguageWERCallback(_pl.Callback):
         if self.every_n_steps > 0 and step % self.every_n_steps == 0:
             self.evaluate(trainer, pl_module)
 
-    def evaluate(self, trainer, pl_module) -> dict[str, ErrorCounts]:
+    def evaluate(self, trainer, pl_module) -> dict[str, evaluation.ErrorCounts]:
         """Decode this rank's share, gather, and (rank 0) log. Every rank must call it."""
         started = time.perf_counter()
-        # Interleave by duration so every rank gets a similar amount of audio.
-        by_duration = sorted(self.indices.tolist(), key=lambda i: float(self.dataset.durations[i]))
-        mine = by_duration[trainer.global_rank :: max(1, trainer.world_size)]
-        hyps = greedy_transcribe(
+        mine = evaluation.rank_share(
+            self.indices, self.dataset.durations, trainer.global_rank, trainer.world_size
+        )
+        hyps = evaluation.greedy_transcribe(
             pl_module.model,
             self.dataset,
             mine,
@@ -1207,22 +610,13 @@ class PerLanguageWERCallback(_pl.Callback):
         langs = [names[codes[i]] for i in done]
         refs = [self.references[i] for i in done]
         outs = [gathered[i] for i in done]
-        results = corpus_error_rates(refs, outs, langs)
+        results = evaluation.corpus_error_rates(refs, outs, langs)
         self.last_results = results
         if trainer.is_global_zero:
-            metrics: dict[str, float] = {
-                "val/utterances": float(len(done)),
-                "val/seconds": time.perf_counter() - started,
-            }
-            for lang, c in results.items():
-                metrics[f"val/wer/{lang}"] = c.wer
-                metrics[f"val/cer/{lang}"] = c.cer
+            seconds = time.perf_counter() - started
+            metrics = training_metrics.evaluation_metrics(results, len(done), seconds)
             log_to_loggers(trainer, metrics, step=trainer.global_step)
-            rows, per_lang = [], {}
-            for lang, ref, hyp in zip(langs, refs, outs):
-                if per_lang.get(lang, 0) < self.examples_per_lang:
-                    per_lang[lang] = per_lang.get(lang, 0) + 1
-                    rows.append([lang, strip_lang_tag(ref), strip_lang_tag(hyp)])
+            rows = evaluation.examples_by_language(langs, refs, outs, self.examples_per_lang)
             for logger in trainer.loggers:
                 if hasattr(logger, "log_table"):
                     logger.log_table(

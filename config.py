@@ -23,8 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from atomic_files import atomic_write
-
 REPO_DIR = Path(__file__).resolve().parent
 
 PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true")
@@ -36,12 +34,25 @@ class ConfigError(ValueError):
     """One or more environment variables hold a value the pipeline cannot use."""
 
 
+# The pipeline's steps, in the order they run; each knob names the steps that read it.
+STEPS = (
+    "extract_audio",
+    "build_manifest",
+    "make_train_val",
+    "train_tokenizer",
+    "train",
+    "evaluate",
+    "manifest_report",
+)
+
+
 @dataclass(frozen=True)
 class Knob:
     name: str
     value: Any
     source: str  # "default", "derived" or "env"
     help: str
+    steps: tuple[str, ...] = ()  # the pipeline steps (STEPS) that read it
 
 
 # --- parsers: each turns the raw string into a typed value or raises ValueError("expected ...") ---
@@ -136,7 +147,11 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         help: str,
         check: Callable[[Any], str | None] | None = None,
         derived: bool = False,
+        *,
+        steps: tuple[str, ...],
     ) -> Any:
+        unknown = set(steps) - set(STEPS)
+        assert not unknown, f"knob {name}: unknown steps {sorted(unknown)}"
         raw = env.get(name)
         if raw is None or (raw.strip() == "" and parse is not _str and parse is not _languages):
             value, source = default, ("derived" if derived else "default")
@@ -151,7 +166,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
                 problem = check(value) if check else None
                 if problem:
                     errors.append(f"{name}={raw!r}: {problem}")
-        knobs[name] = Knob(name, value, source, help)
+        knobs[name] = Knob(name, value, source, help, tuple(steps))
         return value
 
     # Paths
@@ -160,6 +175,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         REPO_DIR / "data",
         _path,
         "Root of the data tree; the paths below follow it unless set",
+        steps=STEPS,
     )
     knob(
         "SHARDS_DIR",
@@ -167,6 +183,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _path,
         "Input shards: <source>/<lang>/<shard>/{metadata,audio_index}.parquet + audio.tar",
         derived=True,
+        steps=("extract_audio", "build_manifest"),
     )
     knob(
         "MASTER_MANIFEST_PATH",
@@ -174,6 +191,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _path,
         "build_manifest.py output",
         derived=True,
+        steps=("build_manifest", "make_train_val"),
     )
     knob(
         "TRAIN_MANIFEST_PATH",
@@ -181,6 +199,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _path,
         "make_train_val.py output read by train.py",
         derived=True,
+        steps=("make_train_val", "train_tokenizer", "train", "manifest_report"),
     )
     knob(
         "VAL_MANIFEST_PATH",
@@ -188,6 +207,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _path,
         "make_train_val.py output read by evaluation",
         derived=True,
+        steps=("make_train_val", "train", "evaluate"),
     )
     knob(
         "TOKENIZER_DIR",
@@ -195,6 +215,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _path,
         "SentencePiece tokenizer directory (train_tokenizer.py output)",
         derived=True,
+        steps=("train_tokenizer", "train", "evaluate"),
     )
     knob(
         "CHECKPOINT_DIR",
@@ -202,6 +223,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _path,
         "Step checkpoints and the final .nemo",
         derived=True,
+        steps=("train", "evaluate"),
     )
     knob(
         "WANDB_LOG_DIR",
@@ -209,17 +231,19 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _path,
         "W&B run directory (offline runs live here) and the local metrics JSONL",
         derived=True,
+        steps=("train",),
     )
 
     # Weights & Biases
-    knob("WANDB_PROJECT", "parakeet-tdt-finetune", _str, "W&B project name")
+    knob("WANDB_PROJECT", "parakeet-tdt-finetune", _str, "W&B project name", steps=("train",))
     knob(
         "WANDB_MODE",
         "",
         _choice("", *WANDB_MODES),
         "online, offline or disabled; empty = online with WANDB_API_KEY, else offline",
+        steps=("train",),
     )
-    knob("WANDB_RUN_NAME", "", _str, "W&B run name; empty = generated")
+    knob("WANDB_RUN_NAME", "", _str, "W&B run name; empty = generated", steps=("train",))
 
     # Model
     knob(
@@ -227,21 +251,29 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         "",
         _str,
         "A .nemo path or a pretrained name (e.g. nvidia/parakeet-tdt-0.6b-v2); empty = fresh model from MODEL_CONFIG",
+        steps=("train", "evaluate"),
     )
     knob(
         "MODEL_CONFIG",
         REPO_DIR / "configs" / "tiny_tdt.yaml",
         _path,
         "YAML of a fresh model, used when INIT_MODEL is empty",
+        steps=("train", "evaluate"),
     )
     knob(
         "RESUME_FROM",
         "",
         _str,
         "A checkpoint path, or 'last' for the newest in CHECKPOINT_DIR; empty = start fresh",
+        steps=("train",),
     )
     knob(
-        "VOCAB_SIZE", 12000, _int, "SentencePiece vocabulary size for train_tokenizer.py", _positive
+        "VOCAB_SIZE",
+        12000,
+        _int,
+        "SentencePiece vocabulary size for train_tokenizer.py",
+        _positive,
+        steps=("train_tokenizer",),
     )
     knob(
         "TDT_LOSS",
@@ -249,6 +281,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _choice("numba", "torch"),
         "TDT loss on CUDA: numba = NeMo's kernel (requirements-gpu.txt), torch = tdt_loss.py "
         "(no numba needed, slower); CPU always runs tdt_loss.py",
+        steps=("train", "evaluate"),
     )
     knob(
         "ENCODER_FRAME_SECONDS",
@@ -256,6 +289,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _float,
         "Seconds per encoder frame (10 ms hop x 8x subsampling); utterances with more tokens than frames are dropped",
         _positive,
+        steps=("train", "evaluate"),
     )
 
     # Data
@@ -264,18 +298,48 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         (),
         _languages,
         "Comma-separated language codes to keep (e.g. 'hi,ta,en'); empty = all",
+        steps=("build_manifest", "make_train_val"),
     )
-    knob("TARGET_SAMPLE_RATE", 16000, _int, "Audio is resampled to this rate (Hz)", _positive)
-    knob("MIN_DURATION", 0.5, _float, "Shortest utterance kept, seconds", _non_negative)
-    knob("MAX_DURATION", 20.0, _float, "Longest utterance kept, seconds", _positive)
-    knob("MIN_QUALITY", 0.0, _float, "Lowest tx_quality_score kept")
-    knob("MAX_TOKEN_LEN", 512, _int, "Token sequences are truncated to this length", _positive)
+    knob(
+        "TARGET_SAMPLE_RATE",
+        16000,
+        _int,
+        "Audio is resampled to this rate (Hz)",
+        _positive,
+        steps=("train", "evaluate"),
+    )
+    knob(
+        "MIN_DURATION",
+        0.5,
+        _float,
+        "Shortest utterance kept, seconds",
+        _non_negative,
+        steps=("build_manifest",),
+    )
+    knob(
+        "MAX_DURATION",
+        20.0,
+        _float,
+        "Longest utterance kept, seconds",
+        _positive,
+        steps=("build_manifest", "manifest_report"),
+    )
+    knob("MIN_QUALITY", 0.0, _float, "Lowest tx_quality_score kept", steps=("build_manifest",))
+    knob(
+        "MAX_TOKEN_LEN",
+        512,
+        _int,
+        "Token sequences are truncated to this length",
+        _positive,
+        steps=("train", "evaluate"),
+    )
     knob(
         "AUDIO_DURATION_TOLERANCE",
         0.25,
         _float,
         "Decoded audio whose length differs from the manifest by more (seconds) is bad audio",
         _non_negative,
+        steps=("train", "evaluate"),
     )
     knob(
         "VAL_PER_LANG",
@@ -283,6 +347,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _int,
         "Validation utterances per language (make_train_val.py)",
         _non_negative,
+        steps=("make_train_val",),
     )
     knob(
         "VAL_MAX_FRACTION",
@@ -290,6 +355,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _float,
         "At most this share of a language's rows goes to validation (make_train_val.py)",
         lambda v: None if 0 <= v <= 1 else "expected a fraction between 0 and 1",
+        steps=("make_train_val",),
     )
     knob(
         "SCRIPT_VOTE_THRESHOLD",
@@ -297,6 +363,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _float,
         "Share of a transcript's letters in one script for that script to correct its language tag (make_train_val.py)",
         lambda v: None if 0.5 < v <= 1 else "expected a fraction above 0.5 and at most 1",
+        steps=("make_train_val",),
     )
 
     # Sampler
@@ -305,6 +372,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         (3.0, 5.0, 8.0, 12.0, 16.0),
         _boundaries,
         "Duration bucket edges in seconds, or 'auto:K' for K quantile buckets",
+        steps=("train", "manifest_report"),
     )
     knob(
         "MAX_BATCH_DURATION",
@@ -312,6 +380,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _float,
         "Seconds of raw audio per micro-batch (per GPU)",
         _positive,
+        steps=("train", "manifest_report"),
     )
     knob(
         "TEMPERATURE",
@@ -319,12 +388,14 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _float,
         "Language mix: share ~ n_l^T (1 = natural, 0 = uniform)",
         lambda v: None if v >= 0 else "expected a value >= 0 (1 = natural shares, 0 = uniform)",
+        steps=("train_tokenizer", "train", "manifest_report"),
     )
     knob(
         "LANG_WEIGHTING",
         "count",
         _choice(*LANG_WEIGHTINGS),
         "Temperature over utterance counts or over hours",
+        steps=("train_tokenizer", "train", "manifest_report"),
     )
     knob(
         "EPOCH_SIZE",
@@ -332,6 +403,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _int,
         "Utterances per sampler epoch; 0 = the number of utterances",
         _non_negative,
+        steps=("train",),
     )
     knob(
         "BATCH_COST_QUADRATIC",
@@ -339,6 +411,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _float,
         "Quadratic term of the batch cost model (attention), per second^2",
         _non_negative,
+        steps=("train",),
     )
     knob(
         "BUCKET_SORT_JITTER",
@@ -346,33 +419,78 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _float,
         "Relative random spread of the within-bucket duration sort: higher = more random batches, more padding",
         _non_negative,
+        steps=("train",),
     )
 
     # Training
-    knob("NUM_WORKERS", 12, _int, "DataLoader workers per rank", _non_negative)
-    knob("GRAD_ACCUM", 4, _int, "Micro-batches per optimizer step", _positive)
-    knob("MAX_STEPS", 600000, _int, "Optimizer steps of the whole run", _positive)
-    knob("CHECKPOINT_EVERY", 5000, _int, "Save a checkpoint every N optimizer steps", _positive)
-    knob("PHASE1_LR", 3e-4, _float, "Peak LR of phase 1 (encoder frozen)", _positive)
-    knob("PHASE2_LR", 1e-4, _float, "Peak LR of phase 2 (encoder unfrozen)", _positive)
-    knob("MIN_LR", 1e-6, _float, "LR at MAX_STEPS after cosine decay", _non_negative)
+    knob("NUM_WORKERS", 12, _int, "DataLoader workers per rank", _non_negative, steps=("train",))
+    knob("GRAD_ACCUM", 4, _int, "Micro-batches per optimizer step", _positive, steps=("train",))
+    knob("MAX_STEPS", 600000, _int, "Optimizer steps of the whole run", _positive, steps=("train",))
+    knob(
+        "CHECKPOINT_EVERY",
+        5000,
+        _int,
+        "Save a checkpoint every N optimizer steps",
+        _positive,
+        steps=("train",),
+    )
+    knob(
+        "PHASE1_LR",
+        3e-4,
+        _float,
+        "Peak LR of phase 1 (encoder frozen)",
+        _positive,
+        steps=("train",),
+    )
+    knob(
+        "PHASE2_LR",
+        1e-4,
+        _float,
+        "Peak LR of phase 2 (encoder unfrozen)",
+        _positive,
+        steps=("train",),
+    )
+    knob(
+        "MIN_LR",
+        1e-6,
+        _float,
+        "LR at MAX_STEPS after cosine decay",
+        _non_negative,
+        steps=("train",),
+    )
     knob(
         "UNFREEZE_STEP",
         40000,
         _int,
         "Optimizer step at which the encoder is unfrozen (0 = never frozen)",
         _non_negative,
+        steps=("train",),
     )
-    knob("WARMUP_STEPS", 5000, _int, "Linear warmup steps of phase 1", _non_negative)
-    knob("PHASE2_WARMUP", 3000, _int, "Linear warmup steps after unfreezing", _non_negative)
-    knob("WEIGHT_DECAY", 1e-3, _float, "AdamW weight decay", _non_negative)
-    knob("GRAD_CLIP", 1.0, _float, "Gradient norm clip (0 = off)", _non_negative)
+    knob(
+        "WARMUP_STEPS",
+        5000,
+        _int,
+        "Linear warmup steps of phase 1",
+        _non_negative,
+        steps=("train",),
+    )
+    knob(
+        "PHASE2_WARMUP",
+        3000,
+        _int,
+        "Linear warmup steps after unfreezing",
+        _non_negative,
+        steps=("train",),
+    )
+    knob("WEIGHT_DECAY", 1e-3, _float, "AdamW weight decay", _non_negative, steps=("train",))
+    knob("GRAD_CLIP", 1.0, _float, "Gradient norm clip (0 = off)", _non_negative, steps=("train",))
     knob(
         "EVAL_EVERY_STEPS",
         0,
         _int,
         "Per-language WER every N optimizer steps (0 = off)",
         _non_negative,
+        steps=("train",),
     )
     knob(
         "EVAL_SAMPLES_PER_LANG",
@@ -380,10 +498,23 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _int,
         "Validation utterances per language for that WER",
         _positive,
+        steps=("train",),
     )
-    knob("SEED", 1234, _int, "Seed of the sampler plan, model init and workers")
-    knob("PRECISION", "bf16-mixed", _choice(*PRECISIONS), "Lightning precision")
-    knob("ACCELERATOR", "auto", _choice("auto", "cpu", "gpu", "cuda"), "Lightning accelerator")
+    knob(
+        "SEED",
+        1234,
+        _int,
+        "Seed of the sampler plan, model init and workers",
+        steps=("make_train_val", "train_tokenizer", "train"),
+    )
+    knob("PRECISION", "bf16-mixed", _choice(*PRECISIONS), "Lightning precision", steps=("train",))
+    knob(
+        "ACCELERATOR",
+        "auto",
+        _choice("auto", "cpu", "gpu", "cuda"),
+        "Lightning accelerator",
+        steps=("train",),
+    )
 
     # Cross-checks, reported with the values that clash.
     v = {k: kn.value for k, kn in knobs.items()}
@@ -414,8 +545,8 @@ def describe(knobs: Mapping[str, Knob]) -> str:
 
 
 def markdown_table(knobs: Mapping[str, Knob]) -> str:
-    """The README's table, generated from the defaults so it cannot drift."""
-    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    """The README's table, generated from the declarations so it cannot drift."""
+    rows = ["| variable | default | read by | meaning |", "|---|---|---|---|"]
     for k in knobs.values():
         default = _format_value(k.value)
         if isinstance(k.value, Path):
@@ -424,8 +555,21 @@ def markdown_table(knobs: Mapping[str, Knob]) -> str:
                 default = "<repo>/" + default
             except ValueError:
                 pass
-        rows.append(f"| `{k.name}` | `{default}` | {k.help} |")
+        read_by = "every step" if set(k.steps) == set(STEPS) else ", ".join(k.steps)
+        rows.append(f"| `{k.name}` | `{default}` | {read_by} | {k.help} |")
     return "\n".join(rows)
+
+
+def describe_for_help(step: str, knobs: Mapping[str, Knob] | None = None) -> str:
+    """``NAME=value  (help)`` lines of every knob ``step`` reads: the epilog of a script's --help."""
+    if step not in STEPS:
+        raise ValueError(f"unknown step {step!r}; expected one of {', '.join(STEPS)}")
+    knobs = KNOBS if knobs is None else knobs
+    return "\n".join(
+        f"  {k.name}={_format_value(k.value)}  ({k.help})"
+        for k in knobs.values()
+        if step in k.steps
+    )
 
 
 README_TABLE_START = "<!-- config-table:start (generated by `python config.py --update-readme`) -->"
@@ -434,19 +578,14 @@ README_TABLE_END = "<!-- config-table:end -->"
 
 def update_readme(readme: Path) -> bool:
     """Replace the table between the README's markers; return True when the file changed."""
-    text = readme.read_text(encoding="utf-8")
+    from readme_tables import MissingMarkers, update_readme_section
+
     try:
-        head, rest = text.split(README_TABLE_START, 1)
-        _, tail = rest.split(README_TABLE_END, 1)
-    except ValueError:
-        raise ConfigError(
-            f"{readme}: missing the markers {README_TABLE_START!r} ... {README_TABLE_END!r}"
-        ) from None
-    new = f"{head}{README_TABLE_START}\n{markdown_table(read_config({}))}\n{README_TABLE_END}{tail}"
-    if new == text:
-        return False
-    atomic_write(readme, lambda tmp: Path(tmp).write_text(new, encoding="utf-8"))
-    return True
+        return update_readme_section(
+            readme, README_TABLE_START, README_TABLE_END, markdown_table(read_config({}))
+        )
+    except MissingMarkers as exc:
+        raise ConfigError(str(exc)) from None
 
 
 KNOBS = read_config(os.environ)

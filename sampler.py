@@ -9,7 +9,7 @@ Usage (a torch batch sampler; every keyword defaults to its config.py knob)::
     sampler.set_epoch(epoch)          # Lightning does this for you
     sampler.epoch_stats()             # shares, padding efficiency, rank balance, ... of this epoch
 
-    python scripts/bench_sampler.py   # speed / memory / share comparison with the old sampler
+    python scripts/bench_sampler.py   # speed / memory / share comparison with the pure-Python baseline
 
 An epoch plan is a handful of NumPy passes (per-language shuffles, one integer sort of packed keys, a
 greedy packing loop whose iterations are batches of a lane, never utterances), about 1.5 s for 10M

@@ -12,8 +12,8 @@ the transcripts hold follows ``--text-mix``, see TEXT_MIXES) into a temp dir, th
 builds the manifest twice: first with the baseline (per shard: two parquet reads into pandas, an
 inner merge, boolean filters, and a ``df.apply(axis=1)`` that cleans each transcript with Python
 ``re``, i.e. the existing pipeline's approach), then with ``build_manifest.build_manifest``.
-Both write their parquet. It then checks that the two agree row for row, except where the new
-cleaning fixes the old one on purpose:
+Both write their parquet. It then checks that the two agree row for row, except where the
+cleaning of build_manifest.py fixes the baseline's on purpose:
   - bare_tag_rows: transcripts that are only tags or punctuation ("[music] [laugh]", "...") are
     dropped instead of kept as a bare "<|lang|> " tag;
   - respaced_text: punctuation becomes a space instead of gluing words ("a-b" -> "a b", not "ab"),

@@ -60,8 +60,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     from nemo.utils import logging as nemo_logging
 
     nemo_logging.setLevel(logging.ERROR)
-    import train
+    import asr_model
     from scripts import bench_train_step as bench
+    from training_step import TrainingModule
 
     torch.set_num_threads(args.threads)
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
@@ -70,8 +71,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
     tokenizer_dir = bench.synthetic_tokenizer(args.vocab_size, Path(args.work_dir))
     torch.manual_seed(0)
-    model = train.build_model(tokenizer_dir=tokenizer_dir).to(device)
-    module = train.TrainingModule(model).to(device)
+    model = asr_model.build_model(tokenizer_dir=tokenizer_dir).to(device)
+    module = TrainingModule(model).to(device)
     shape = bench.BatchShape(
         [args.seconds] * args.batch, [max(2, int(5 * args.seconds))] * args.batch
     )

@@ -8,7 +8,7 @@ Usage:
     MODEL_CONFIG=configs/parakeet_tdt_0.6b.yaml python scripts/bench_train_step.py --find-max-batch-duration
 
 What it does:
-- Model: ``train.build_model`` (INIT_MODEL, else MODEL_CONFIG) with TOKENIZER_DIR when that holds a
+- Model: ``asr_model.build_model`` (INIT_MODEL, else MODEL_CONFIG) with TOKENIZER_DIR when that holds a
   tokenizer, else a synthetic multilingual BPE tokenizer of ``--vocab-size`` pieces (default
   VOCAB_SIZE) trained once into ``--work-dir``.
 - Batch: the sampler's most expensive micro-batch at MAX_BATCH_DURATION (its first, see sampler.py)
@@ -17,7 +17,7 @@ What it does:
   utterance second plus the language tag, and noise as audio.
 - Steps: Lightning ``Trainer.fit`` on that batch repeated, one optimizer step per batch, with
   PRECISION, ACCELERATOR and GRAD_CLIP; ``--warmup`` steps are dropped, the median of ``--steps``
-  is reported. Phase 1: the project's EncoderUnfreezeCallback freezes the encoder; for NeMo the
+  is reported. Phase 1: ``TrainingModule.enter_phase(1)`` freezes the encoder at every batch start; for NeMo the
   encoder is frozen the NeMo way (``encoder.freeze()``, kept in eval mode). Phase 2: all trains.
   Order: project p1, NeMo p1, project p2, NeMo p2, then the same with NeMo first, ``--rounds``
   runs of each in all (default 2, so neither side always runs first); each side has its own
@@ -66,12 +66,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-import callbacks
+import asr_model
 import config
-import train
 from dataset import AsrBatch, tag_token_id
 from manifest_schema import tagged_text
 from sampler import DurationBucketBatchSampler
+from training_step import TrainingModule
 
 LANGS = ("hi", "en", "ta", "te", "bn", "mr", "kn")
 NEMO_LOG_EVERY_N_STEPS = 10  # trainer.log_every_n_steps of NeMo's FastConformer configs
@@ -255,6 +255,17 @@ class StepTimer(pl.Callback):
         self.times.append(time.perf_counter() - self._start)
 
 
+class FixedPhase(pl.Callback):
+    """The project's phase ``phase`` for the whole run, applied as train.py applies it: at every batch
+    start (callbacks.EncoderUnfreezeCallback calls the same ``enter_phase``)."""
+
+    def __init__(self, phase: int):
+        self.phase = phase
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        pl_module.enter_phase(self.phase)
+
+
 class NemoFrozenEncoder(pl.Callback):
     """Phase 1 for NeMo's own step: ``encoder.freeze()`` (no grads, eval mode), re-imposed per batch."""
 
@@ -334,8 +345,8 @@ def run_steps(
     reset_model(model)
     timer = StepTimer()
     if side == "project":
-        module = train.TrainingModule(model)
-        extra = [callbacks.EncoderUnfreezeCallback(unfreeze_step=10**9 if phase == 1 else 0)]
+        module = TrainingModule(model)
+        extra = [FixedPhase(phase)]
         data = [batch] * (warmup + steps)
     else:
         module = model
@@ -532,7 +543,6 @@ def main(argv: list[str] | None = None) -> int:
         "lightning.fabric",
         "pytorch_lightning",
         "train",
-        "callbacks",
     ):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
@@ -558,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         tokenizer_dir = synthetic_tokenizer(vocab, args.work_dir)
     torch.manual_seed(config.SEED)
-    model = train.build_model(tokenizer_dir=tokenizer_dir)
+    model = asr_model.build_model(tokenizer_dir=tokenizer_dir)
     source = config.INIT_MODEL or config.MODEL_CONFIG
     n_params = sum(p.numel() for p in model.parameters())
     print(

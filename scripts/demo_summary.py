@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import config
-from callbacks import run_directory
+from run_logging import run_directory
 
 
 def loss_curve(metrics_path: Path) -> list[tuple[int, float]]:

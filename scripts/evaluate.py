@@ -11,9 +11,9 @@ per-utterance WERs), CER likewise over characters (single spaces between words i
 ``<|lang|>`` tag stripped from reference and hypothesis. The row ``all`` pools every utterance.
 
 A ``.nemo`` file is restored as is. A ``.ckpt`` (train.py's step checkpoint) is rebuilt the way
-train.py builds the model (``train.build_model``: INIT_MODEL or MODEL_CONFIG, and TOKENIZER_DIR, as
+train.py builds the model (``asr_model.build_model``: INIT_MODEL or MODEL_CONFIG, and TOKENIZER_DIR, as
 in training), then its weights are loaded. Audio is loaded and padded by the training pipeline's own
-dataset and collate; decoding is the model's greedy decoding (callbacks.greedy_transcribe).
+dataset and collate; decoding is the model's greedy decoding (evaluation.greedy_transcribe).
 
 The CSV (default: ``<model stem>.<manifest stem>.wer.csv`` beside the model) has one row per language
 plus ``all``: lang, utterances, words, word_edits, wer, chars, char_edits, cer, bad_audio.
@@ -44,61 +44,6 @@ CSV_COLUMNS = (
 )
 
 
-def resolve_model_path(model: str) -> Path:
-    """``model`` as a path; 'last' = the newest step checkpoint in CHECKPOINT_DIR."""
-    import callbacks
-
-    if model == "last":
-        found = callbacks.find_last_checkpoint()
-        if found is None:
-            raise FileNotFoundError(
-                f"'last': no step_*.ckpt in CHECKPOINT_DIR={config.CHECKPOINT_DIR}"
-            )
-        return found
-    path = Path(model)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"model {path} does not exist; give a .nemo file, a step_*.ckpt or 'last'"
-        )
-    if path.suffix not in (".nemo", ".ckpt"):
-        raise ValueError(f"model {path}: expected a .nemo file or a .ckpt step checkpoint")
-    return path
-
-
-def load_model(path: str | Path, device: str = "cpu"):
-    """The NeMo model of a .nemo file, or of a train.py step checkpoint (.ckpt), on ``device``, in eval mode."""
-    import torch
-
-    path = Path(path)
-    if path.suffix == ".nemo":
-        from nemo.collections.asr.models import ASRModel
-
-        model = ASRModel.restore_from(str(path), map_location="cpu")
-    else:
-        import train
-
-        model = train.build_model()
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-        if "state_dict" not in checkpoint:
-            raise ValueError(
-                f"{path} has no 'state_dict': expected a Lightning checkpoint written by train.py"
-            )
-        weights = {
-            k[len("model.") :]: v
-            for k, v in checkpoint["state_dict"].items()
-            if k.startswith("model.")
-        }
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        if missing or unexpected:
-            raise ValueError(
-                f"{path} does not fit the model train.build_model() builds from INIT_MODEL="
-                f"{config.INIT_MODEL!r} / MODEL_CONFIG={config.MODEL_CONFIG} / TOKENIZER_DIR="
-                f"{config.TOKENIZER_DIR}: missing {missing[:5]}, unexpected {unexpected[:5]}; set "
-                "them as in training"
-            )
-    return model.to(device).eval()
-
-
 def evaluate(
     model,
     manifest: Path,
@@ -112,18 +57,18 @@ def evaluate(
     """(ErrorCounts per language + 'all', bad-audio count per language) of ``model`` on ``manifest``."""
     import numpy as np
 
-    import callbacks
+    import evaluation
     from dataset import LocalShardDataset
 
     dataset = LocalShardDataset(manifest, model.tokenizer, progress=progress)
     codes, names = dataset.lang_codes, dataset.lang_names
     indices = (
-        callbacks.select_eval_indices(codes, per_lang, seed=seed)
+        evaluation.select_eval_indices(codes, per_lang, seed=seed)
         if per_lang > 0
         else np.arange(len(dataset))
     )
-    texts = callbacks.manifest_texts(dataset)
-    hyps = callbacks.greedy_transcribe(
+    texts = evaluation.manifest_texts(dataset)
+    hyps = evaluation.greedy_transcribe(
         model, dataset, indices, max_batch_seconds=batch_seconds, device=device, progress=progress
     )
     done = [i for i in sorted(hyps) if hyps[i] is not None]
@@ -132,7 +77,7 @@ def evaluate(
         if hyps[i] is None:
             lang = names[codes[i]]
             bad[lang] = bad.get(lang, 0) + 1
-    results = callbacks.corpus_error_rates(
+    results = evaluation.corpus_error_rates(
         [texts[i] for i in done], [hyps[i] for i in done], [names[codes[i]] for i in done]
     )
     bad["all"] = sum(bad.values())
@@ -167,7 +112,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
-    import callbacks
+    from atomic_files import atomic_write
 
     def write(tmp: str) -> None:
         with open(tmp, "w", newline="", encoding="utf-8") as f:
@@ -175,7 +120,7 @@ def write_csv(rows: list[dict], path: Path) -> None:
             writer.writeheader()
             writer.writerows(rows)
 
-    callbacks.atomic_write(path, write)
+    atomic_write(path, write)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    model_path = resolve_model_path(args.model)
+    import asr_model
+    import checkpoints
+
+    model_path = checkpoints.resolve_model_path(args.model)
     manifest = Path(args.manifest or config.VAL_MANIFEST_PATH)
     if not manifest.is_file():
         raise FileNotFoundError(
@@ -222,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = args.out or model_path.with_name(f"{model_path.stem}.{manifest.stem}.wer.csv")
 
-    model = load_model(model_path, device)
+    model = asr_model.load_trained_model(model_path, device)
     results, bad = evaluate(
         model,
         manifest,

@@ -31,16 +31,16 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
 
-    import callbacks
-    from scripts.evaluate import load_model, resolve_model_path
+    import asr_model
+    import checkpoints
 
-    path = resolve_model_path(args.checkpoint)
+    path = checkpoints.resolve_model_path(args.checkpoint)
     if path.suffix != ".ckpt":
         raise ValueError(f"{path}: expected a .ckpt step checkpoint (a .nemo file needs no export)")
     out = args.out or path.with_suffix(".nemo")
     if out.suffix != ".nemo":
         raise ValueError(f"--out {out}: expected a path ending in .nemo")
-    callbacks.export_nemo(load_model(path, "cpu"), out)
+    checkpoints.export_nemo(asr_model.load_trained_model(path, "cpu"), out)
     print(f"exported {path} -> {out}")
     return 0
 

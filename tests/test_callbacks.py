@@ -1,5 +1,6 @@
-"""callbacks.py: WER/CER, the metrics file and callback, the progress bar, atomic step
-checkpoints, epoch sync, exact resume and the W&B offline run.
+"""callbacks.py and what its callbacks use: WER/CER (evaluation.py), the metrics file and callback
+(run_logging.py, training_metrics.py), the progress bar, atomic step checkpoints (checkpoints.py), epoch
+sync, exact resume and the W&B offline run.
 
 Lightning runs here are single-process fits of a tiny module over the real DurationBucketBatchSampler
 and collate_asr_batch (synthetic signals, no audio files, no NeMo; DataLoader workers where prefetching
@@ -23,7 +24,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import callbacks
+import checkpoints
+import config
 import dataset as dataset_module
+import evaluation
+import manifest_schema
+import run_logging
 from dataset import collate_asr_batch
 from sampler import DurationBucketBatchSampler
 
@@ -33,22 +39,22 @@ from sampler import DurationBucketBatchSampler
 
 
 def test_strip_lang_tag_removes_every_tag_and_collapses_whitespace():
-    assert callbacks.strip_lang_tag("<|hi|>  नमस्ते   दुनिया ") == "नमस्ते दुनिया"
-    assert callbacks.strip_lang_tag("hello <|en|> world") == "hello world"
-    assert callbacks.strip_lang_tag("a <b> c|") == "a <b> c|"
+    assert manifest_schema.strip_lang_tag("<|hi|>  नमस्ते   दुनिया ") == "नमस्ते दुनिया"
+    assert manifest_schema.strip_lang_tag("hello <|en|> world") == "hello world"
+    assert manifest_schema.strip_lang_tag("a <b> c|") == "a <b> c|"
 
 
 def test_language_tag_is_stripped_from_reference_and_hypothesis():
-    counts = callbacks.corpus_error_rates(["<|en|> hello world"], ["hello world"], ["en"])
+    counts = evaluation.corpus_error_rates(["<|en|> hello world"], ["hello world"], ["en"])
     assert counts["en"].wer == 0.0 and counts["en"].cer == 0.0
-    counts = callbacks.corpus_error_rates(["hello world"], ["<|en|> hello world"], ["en"])
+    counts = evaluation.corpus_error_rates(["hello world"], ["<|en|> hello world"], ["en"])
     assert counts["en"].word_edits == 0 and counts["en"].words == 2
 
 
 def test_corpus_wer_is_total_edits_over_total_words_not_a_mean_of_utterance_wers():
     refs = ["<|en|> yes", "<|en|> one two three four five six seven eight nine"]
     hyps = ["no", "one two three four five six seven eight nine"]
-    counts = callbacks.corpus_error_rates(refs, hyps, ["en", "en"])["en"]
+    counts = evaluation.corpus_error_rates(refs, hyps, ["en", "en"])["en"]
     assert counts.word_edits == 1 and counts.words == 10
     assert counts.wer == pytest.approx(
         0.1
@@ -56,26 +62,26 @@ def test_corpus_wer_is_total_edits_over_total_words_not_a_mean_of_utterance_wers
 
 
 def test_cer_counts_characters_including_the_spaces_between_words():
-    counts = callbacks.corpus_error_rates(["ab cd"], ["ab cx"], ["en"])["en"]
+    counts = evaluation.corpus_error_rates(["ab cd"], ["ab cx"], ["en"])["en"]
     assert (counts.char_edits, counts.chars) == (1, 5)
     assert counts.cer == pytest.approx(0.2)
 
 
 def test_rates_are_per_language_plus_an_all_row_pooling_every_utterance():
-    counts = callbacks.corpus_error_rates(["a b", "x y z w"], ["a c", "x y z w"], ["hi", "en"])
+    counts = evaluation.corpus_error_rates(["a b", "x y z w"], ["a c", "x y z w"], ["hi", "en"])
     assert list(counts) == ["en", "hi", "all"]
     assert counts["hi"].wer == 0.5 and counts["en"].wer == 0.0
     assert counts["all"].wer == pytest.approx(1 / 6) and counts["all"].utterances == 2
 
 
 def test_a_language_without_reference_words_has_an_undefined_rate_not_an_error():
-    counts = callbacks.corpus_error_rates(["<|en|>"], ["something"], ["en"])["en"]
+    counts = evaluation.corpus_error_rates(["<|en|>"], ["something"], ["en"])["en"]
     assert counts.words == 0 and math.isnan(counts.wer)
 
 
 def test_mismatched_lengths_are_refused_with_the_counts():
     with pytest.raises(ValueError, match="2 references, 1 hypotheses"):
-        callbacks.corpus_error_rates(["a", "b"], ["a"], ["en", "en"])
+        evaluation.corpus_error_rates(["a", "b"], ["a"], ["en", "en"])
 
 
 words = st.lists(st.sampled_from(["a", "b", "c", "dd"]), min_size=1, max_size=6).map(" ".join)
@@ -85,8 +91,8 @@ words = st.lists(st.sampled_from(["a", "b", "c", "dd"]), min_size=1, max_size=6)
 @given(st.lists(st.tuples(words, words), min_size=1, max_size=8))
 def test_corpus_wer_is_the_word_weighted_mean_of_utterance_wers(pairs):
     refs, hyps = [r for r, _ in pairs], [h for _, h in pairs]
-    corpus = callbacks.corpus_error_rates(refs, hyps, ["en"] * len(pairs))["en"].wer
-    single = [callbacks.corpus_error_rates([r], [h], ["en"])["en"] for r, h in pairs]
+    corpus = evaluation.corpus_error_rates(refs, hyps, ["en"] * len(pairs))["en"].wer
+    single = [evaluation.corpus_error_rates([r], [h], ["en"])["en"] for r, h in pairs]
     weighted = sum(c.wer * c.words for c in single) / sum(c.words for c in single)
     assert corpus == pytest.approx(weighted)
 
@@ -97,7 +103,7 @@ def test_corpus_wer_is_the_word_weighted_mean_of_utterance_wers(pairs):
 
 
 def test_jsonl_logger_appends_one_json_line_per_call_with_the_step_and_nan_as_null(tmp_path):
-    logger = callbacks.JsonlMetricsLogger(tmp_path / "run" / "metrics.jsonl")
+    logger = run_logging.JsonlMetricsLogger(tmp_path / "run" / "metrics.jsonl")
     logger.log_metrics({"train/loss": 1.5, "train/lr": float("nan")}, step=1)
     logger.log_metrics({"train/loss": torch.tensor(0.5)}, step=2)
     logger.log_table("val/examples", ["lang", "reference"], [["en", "hi"]], step=2)
@@ -202,11 +208,6 @@ class TinyModule(pl.LightningModule):
             persistent_workers=self.num_workers > 0,
         )
 
-    def on_train_epoch_start(self):
-        self.trainer.fit_loop.max_batches = len(
-            self.sampler
-        )  # as train.py does: plans differ in length
-
     def training_step(self, batch, batch_idx):
         self.seen.append((self.trainer.current_epoch, tuple(round(d, 4) for d in batch.durations)))
         if batch.is_empty:
@@ -289,14 +290,14 @@ def test_crash_mid_save_leaves_no_file_under_the_final_name(tmp_path, monkeypatc
 
     monkeypatch.setattr(torch, "save", torch_save_that_dies)
     with pytest.raises(OSError, match="disk full"):
-        callbacks.AtomicCheckpointIO().save_checkpoint(
+        checkpoints.AtomicCheckpointIO().save_checkpoint(
             {"state_dict": {}}, tmp_path / "step_00000003.ckpt"
         )
     assert list(tmp_path.iterdir()) == []  # neither the final name nor a temporary file
 
 
 def test_atomic_checkpoint_io_writes_a_loadable_file_and_no_temporary(tmp_path):
-    callbacks.AtomicCheckpointIO().save_checkpoint(
+    checkpoints.AtomicCheckpointIO().save_checkpoint(
         {"global_step": 7}, tmp_path / "step_00000007.ckpt"
     )
     assert [p.name for p in tmp_path.iterdir()] == ["step_00000007.ckpt"]
@@ -322,7 +323,7 @@ def test_step_checkpoints_come_every_n_optimizer_steps_only_named_with_the_step(
             ]
             == step
         )
-    assert isinstance(trainer.strategy.checkpoint_io, callbacks.AtomicCheckpointIO)
+    assert isinstance(trainer.strategy.checkpoint_io, checkpoints.AtomicCheckpointIO)
 
 
 def test_find_last_checkpoint_takes_the_highest_step_and_ignores_temporary_files(tmp_path):
@@ -333,15 +334,15 @@ def test_find_last_checkpoint_takes_the_highest_step_and_ignores_temporary_files
         "step_00000009.nemo",
     ):
         (tmp_path / name).write_bytes(b"")
-    assert callbacks.find_last_checkpoint(tmp_path).name == "step_00000012.ckpt"
-    assert callbacks.resolve_resume_from("last", tmp_path) == str(tmp_path / "step_00000012.ckpt")
+    assert checkpoints.find_last_checkpoint(tmp_path).name == "step_00000012.ckpt"
+    assert checkpoints.resolve_resume_from("last", tmp_path) == str(tmp_path / "step_00000012.ckpt")
 
 
 def test_resume_from_last_without_any_checkpoint_starts_fresh_and_a_missing_path_fails(tmp_path):
-    assert callbacks.resolve_resume_from("last", tmp_path / "none") is None
-    assert callbacks.resolve_resume_from("", tmp_path) is None
+    assert checkpoints.resolve_resume_from("last", tmp_path / "none") is None
+    assert checkpoints.resolve_resume_from("", tmp_path) is None
     with pytest.raises(FileNotFoundError, match="RESUME_FROM=.*nope.ckpt"):
-        callbacks.resolve_resume_from(str(tmp_path / "nope.ckpt"), tmp_path)
+        checkpoints.resolve_resume_from(str(tmp_path / "nope.ckpt"), tmp_path)
 
 
 def test_nemo_export_is_atomic(tmp_path):
@@ -355,9 +356,9 @@ def test_nemo_export_is_atomic(tmp_path):
                 raise RuntimeError("killed")
 
     with pytest.raises(RuntimeError):
-        callbacks.export_nemo(Model(fail=True), tmp_path / "step_00000010.nemo")
+        checkpoints.export_nemo(Model(fail=True), tmp_path / "step_00000010.nemo")
     assert list(tmp_path.iterdir()) == []
-    callbacks.export_nemo(Model(fail=False), tmp_path / "step_00000010.nemo")
+    checkpoints.export_nemo(Model(fail=False), tmp_path / "step_00000010.nemo")
     assert [p.name for p in tmp_path.iterdir()] == ["step_00000010.nemo"]
 
 
@@ -530,7 +531,7 @@ class BatchRecorder(pl.Callback):
 
 def test_metrics_are_logged_once_per_optimizer_step_with_every_key(tmp_path):
     metrics = callbacks.TrainingMetricsCallback()
-    logger = callbacks.JsonlMetricsLogger(tmp_path / "metrics.jsonl")
+    logger = run_logging.JsonlMetricsLogger(tmp_path / "metrics.jsonl")
     fit(tmp_path, max_steps=5, extra=[metrics], loggers=[logger])
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == [1, 2, 3, 4, 5]
@@ -551,7 +552,7 @@ def test_metrics_are_logged_once_per_optimizer_step_with_every_key(tmp_path):
 
 
 def test_checkpoint_time_is_reported_apart_from_data_wait_in_the_following_step(tmp_path):
-    logger = callbacks.JsonlMetricsLogger(tmp_path / "metrics.jsonl")
+    logger = run_logging.JsonlMetricsLogger(tmp_path / "metrics.jsonl")
     fit(
         tmp_path,
         max_steps=5,
@@ -576,14 +577,15 @@ def test_a_replaced_non_finite_loss_is_counted_but_not_averaged_into_the_loss(tm
 
         def training_step(self, batch, batch_idx):
             loss = super().training_step(batch, batch_idx)
-            if len(self.seen) == 3:  # the first micro-batch of optimizer step 1: train.py zeroes it
+            if len(self.seen) == 3:  # the first micro-batch of optimizer step 1: non-finite
                 self.nonfinite_losses += 1
-                self.last_loss = loss = loss * 0.0
+                self.last_loss = torch.tensor(math.nan)
+                loss = loss * 0.0  # what TrainingModule trains on instead
             self.losses.append(float(self.last_loss))
             return loss
 
     module = NanOnce()
-    logger = callbacks.JsonlMetricsLogger(tmp_path / "metrics.jsonl")
+    logger = run_logging.JsonlMetricsLogger(tmp_path / "metrics.jsonl")
     fit(
         tmp_path,
         max_steps=2,
@@ -606,7 +608,7 @@ def test_fault_counters_are_summed_over_ranks_and_survive_a_resume(tmp_path):
                 self.last_loss = loss = loss * 0.0
             return loss
 
-    logger = callbacks.JsonlMetricsLogger(tmp_path / "metrics.jsonl")
+    logger = run_logging.JsonlMetricsLogger(tmp_path / "metrics.jsonl")
     fit(
         tmp_path,
         max_steps=8,
@@ -630,7 +632,7 @@ def test_fault_counters_are_summed_over_ranks_and_survive_a_resume(tmp_path):
 
 def test_audio_seconds_utterances_and_padding_are_those_of_the_steps_micro_batches(tmp_path):
     metrics, recorder = callbacks.TrainingMetricsCallback(), BatchRecorder()
-    logger = callbacks.JsonlMetricsLogger(tmp_path / "metrics.jsonl")
+    logger = run_logging.JsonlMetricsLogger(tmp_path / "metrics.jsonl")
     fit(tmp_path, max_steps=2, extra=[recorder, metrics], loggers=[logger])
     first = [b for step, b in recorder.batches[:GRAD_ACCUM]]
     line = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
@@ -645,7 +647,7 @@ def test_audio_seconds_utterances_and_padding_are_those_of_the_steps_micro_batch
 
 def test_bad_audio_counts_accumulate_across_steps(tmp_path):
     module = TinyModule(SignalDataset(bad=frozenset(range(0, N_UTTS, 5))))
-    logger = callbacks.JsonlMetricsLogger(tmp_path / "metrics.jsonl")
+    logger = run_logging.JsonlMetricsLogger(tmp_path / "metrics.jsonl")
     fit(
         tmp_path,
         max_steps=4,
@@ -672,25 +674,25 @@ def test_progress_bar_counts_optimizer_steps_of_max_steps_then_micro_batches(tmp
 
 
 def test_a_resumed_job_continues_the_run_it_resumes(tmp_path, monkeypatch):
-    monkeypatch.setattr(callbacks._config, "CHECKPOINT_DIR", tmp_path / "ckpt")
-    monkeypatch.setattr(callbacks._config, "WANDB_RUN_NAME", "")
-    name, run_id = callbacks.run_identity(resuming=False)
+    monkeypatch.setattr(config, "CHECKPOINT_DIR", tmp_path / "ckpt")
+    monkeypatch.setattr(config, "WANDB_RUN_NAME", "")
+    name, run_id = checkpoints.run_identity(resuming=False)
     assert json.loads((tmp_path / "ckpt" / "run.json").read_text()) == {
         "name": name,
         "wandb_id": run_id,
     }
-    assert callbacks.run_identity(resuming=True) == (name, run_id)
-    assert callbacks.run_identity(resuming=False)[1] != run_id, (
+    assert checkpoints.run_identity(resuming=True) == (name, run_id)
+    assert checkpoints.run_identity(resuming=False)[1] != run_id, (
         "a fresh job must not append to the old run"
     )
 
 
 def test_a_new_run_name_on_resume_starts_a_new_wandb_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(callbacks._config, "CHECKPOINT_DIR", tmp_path / "ckpt")
-    monkeypatch.setattr(callbacks._config, "WANDB_RUN_NAME", "first")
-    _, first_id = callbacks.run_identity(resuming=False)
-    monkeypatch.setattr(callbacks._config, "WANDB_RUN_NAME", "second")
-    name, second_id = callbacks.run_identity(resuming=True)
+    monkeypatch.setattr(config, "CHECKPOINT_DIR", tmp_path / "ckpt")
+    monkeypatch.setattr(config, "WANDB_RUN_NAME", "first")
+    _, first_id = checkpoints.run_identity(resuming=False)
+    monkeypatch.setattr(config, "WANDB_RUN_NAME", "second")
+    name, second_id = checkpoints.run_identity(resuming=True)
     assert name == "second" and second_id != first_id
 
 
@@ -703,9 +705,9 @@ def test_wandb_offline_run_directory_holds_the_logged_keys(tmp_path, monkeypatch
         ("WANDB_LOG_DIR", tmp_path / "wandb_logs"),
         ("CHECKPOINT_DIR", tmp_path / "ckpt"),
     ):
-        monkeypatch.setattr(callbacks._config, name, value)
-    assert callbacks._config.wandb_mode() == "offline"
-    loggers = callbacks.build_loggers()
+        monkeypatch.setattr(config, name, value)
+    assert config.wandb_mode() == "offline"
+    loggers = run_logging.build_loggers()
     fit(tmp_path, max_steps=3, extra=[callbacks.TrainingMetricsCallback()], loggers=loggers)
     import wandb
 

@@ -1,6 +1,7 @@
 """config.py: typed environment overrides, derived paths, and one clear error per bad value."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,7 @@ def test_defaults_match_the_documented_values():
     assert values["PRECISION"] == "bf16-mixed"
 
 
-def test_every_knob_named_by_the_foundation_issue_exists():
+def test_every_knob_the_pipeline_documents_exists():
     names = set(config.read_config({}))
     required = """DATA_DIR SHARDS_DIR MASTER_MANIFEST_PATH TRAIN_MANIFEST_PATH VAL_MANIFEST_PATH TOKENIZER_DIR
     CHECKPOINT_DIR WANDB_LOG_DIR WANDB_PROJECT WANDB_MODE INIT_MODEL MODEL_CONFIG RESUME_FROM LANGUAGES
@@ -174,3 +175,62 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert [
         l for l in lines if l and not l.startswith("#") and not l.startswith(("set ", "cd "))
     ] == ["make test"]
+
+
+# The modules a training run executes (train.py and what it imports from this project).
+TRAINING_MODULES = (
+    "train.py",
+    "training_step.py",
+    "asr_model.py",
+    "callbacks.py",
+    "checkpoints.py",
+    "run_logging.py",
+    "evaluation.py",
+    "training_metrics.py",
+    "collectives.py",
+    "dataset.py",
+    "sampler.py",
+    "tdt_loss.py",
+)
+KNOB_READ = re.compile(
+    r'\b_?config\.([A-Z][A-Z0-9_]+)\b|_default\([^()]*?,\s*"([A-Z][A-Z0-9_]+)"\)'
+)
+
+
+def knobs_read_by(paths) -> set[str]:
+    found = set()
+    for path in paths:
+        for m in KNOB_READ.finditer((REPO / path).read_text(encoding="utf-8")):
+            found.add(m.group(1) or m.group(2))
+    return found & set(config.KNOBS)
+
+
+def test_every_knob_read_by_training_is_tagged_train_and_shown_by_train_help(capsys):
+    import train
+
+    read = knobs_read_by(TRAINING_MODULES)
+    assert {"GRAD_ACCUM", "BUCKET_SORT_JITTER", "TDT_LOSS", "TRAIN_MANIFEST_PATH"} <= read
+    untagged = sorted(n for n in read if "train" not in config.KNOBS[n].steps)
+    assert untagged == [], f"knobs read by training but not tagged steps=('train', ...): {untagged}"
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert sorted(n for n in read if f"\n  {n}=" not in out) == []
+
+
+def test_every_step_tag_is_a_known_step_and_every_knob_has_one():
+    for knob in config.KNOBS.values():
+        assert knob.steps and set(knob.steps) <= set(config.STEPS), knob.name
+
+
+def test_help_of_a_step_lists_exactly_its_knobs():
+    text = config.describe_for_help("make_train_val")
+    listed = {line.split("=")[0].strip() for line in text.splitlines()}
+    assert listed == {n for n, k in config.KNOBS.items() if "make_train_val" in k.steps}
+    with pytest.raises(ValueError, match="unknown step"):
+        config.describe_for_help("tokenise")
+
+
+def test_the_typed_names_are_exactly_the_knobs():
+    annotated = {n for n in config.__annotations__ if n.isupper()}
+    assert annotated == set(config.KNOBS)

@@ -19,7 +19,10 @@ import pytest
 import torch
 
 import callbacks
+import checkpoints
 import config
+import evaluation
+import run_logging
 from scripts import evaluate, export_nemo
 from tests.tiny_training_data import make_training_data
 
@@ -29,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A manifest, its tokenizer, the tiny model as .nemo and as a train.py-style .ckpt, config pointed at them."""
-    import train
+    import asr_model
 
     root = tmp_path_factory.mktemp("evaluate")
     data = make_training_data(root, per_lang=6, vocab_size=64)
@@ -39,7 +42,7 @@ def tiny(tmp_path_factory):
         mp.setattr(config, "TOKENIZER_DIR", data["tokenizer"])
         mp.setattr(config, "CHECKPOINT_DIR", root / "checkpoints")
         torch.manual_seed(0)
-        model = train.build_model()
+        model = asr_model.build_model()
         ckpt = root / "checkpoints" / "step_00000010.ckpt"
         ckpt.parent.mkdir()
         torch.save(
@@ -49,7 +52,7 @@ def tiny(tmp_path_factory):
             },
             ckpt,
         )
-        nemo = callbacks.export_nemo(model, root / "tiny.nemo")
+        nemo = checkpoints.export_nemo(model, root / "tiny.nemo")
         yield SimpleNamespace(
             root=root,
             manifest=data["manifest"],
@@ -99,14 +102,14 @@ def test_per_lang_limits_the_utterances_of_each_language(tiny):
 
 
 def test_last_resolves_to_the_newest_step_checkpoint(tiny):
-    assert evaluate.resolve_model_path("last") == tiny.ckpt
+    assert checkpoints.resolve_model_path("last") == tiny.ckpt
 
 
 def test_a_model_that_is_neither_nemo_nor_ckpt_is_refused(tiny):
     other = tiny.root / "model.pt"
     other.write_bytes(b"")
     with pytest.raises(ValueError, match="expected a .nemo file or a .ckpt"):
-        evaluate.resolve_model_path(str(other))
+        checkpoints.resolve_model_path(str(other))
 
 
 def test_export_nemo_script_writes_a_restorable_nemo_with_the_checkpoints_weights(tiny):
@@ -184,10 +187,10 @@ def test_wer_callback_splits_utterances_across_ranks_and_gathers_them_on_rank_ze
 
     tokenizer = SentencePieceTokenizer(str(tiny.tokenizer / "tokenizer.model"))
     ds = LocalShardDataset(tiny.manifest, tokenizer, progress=False)
-    texts = callbacks.manifest_texts(ds)
+    texts = evaluation.manifest_texts(ds)
     lookup = {EchoModel.fingerprint(ds[i]["signal"]): texts[i] for i in range(len(ds))}
     assert len(lookup) == len(ds)
-    logger = callbacks.JsonlMetricsLogger(tiny.root / "wer" / "metrics.jsonl")
+    logger = run_logging.JsonlMetricsLogger(tiny.root / "wer" / "metrics.jsonl")
     shares = {}
     results = {}
     for rank in (1, 0):  # rank 1 first, so its share exists when rank 0 "gathers"
@@ -236,6 +239,6 @@ def test_greedy_decoding_restores_each_modules_train_or_eval_mode(tiny):
     model.train()
     model.encoder.eval()  # as during phase 1: a frozen encoder stays in eval mode
     ds = LocalShardDataset(tiny.manifest, model.tokenizer, progress=False)
-    hyps = callbacks.greedy_transcribe(model, ds, [0, 1, 2], max_batch_seconds=5.0)
+    hyps = evaluation.greedy_transcribe(model, ds, [0, 1, 2], max_batch_seconds=5.0)
     assert sorted(hyps) == [0, 1, 2] and all(isinstance(h, str) for h in hyps.values())
     assert model.training and model.decoder.training and not model.encoder.training

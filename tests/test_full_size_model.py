@@ -17,11 +17,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+import asr_model
 import callbacks
 import config
-import train
 from tests.test_model import loader, synthetic_items
 from tests.tiny_training_data import make_training_data
+from training_step import TrainingModule
 
 FULL = config.REPO_DIR / "configs" / "parakeet_tdt_0.6b.yaml"
 
@@ -71,13 +72,15 @@ def run(tmp_path_factory):
         tmp_path_factory.mktemp("second"), per_lang=4, langs=("hi", "en", "ta"), vocab_size=90
     )
     torch.manual_seed(0)
-    model = train.build_model(init_model="", model_config=FULL, tokenizer_dir=first["tokenizer"])
+    model = asr_model.build_model(
+        init_model="", model_config=FULL, tokenizer_dir=first["tokenizer"]
+    )
     built = {
         "params": sum(p.numel() for p in model.parameters()),
         "vocab": model.tokenizer.vocab_size,
     }
     print(f"parakeet_tdt_0.6b.yaml: {built['params']:,} parameters ({built['params'] / 1e9:.3f} B)")
-    train.use_tokenizer(model, second["tokenizer"])
+    asr_model.use_tokenizer(model, second["tokenizer"])
 
     probe = Probe()
     with pytest.MonkeyPatch.context() as mp:
@@ -85,7 +88,7 @@ def run(tmp_path_factory):
         # float32 resolution, so "changed" is visible on every encoder tensor.
         mp.setattr(config, "WARMUP_STEPS", 0)
         mp.setattr(config, "PHASE2_WARMUP", 0)
-        module = train.TrainingModule(model)
+        module = TrainingModule(model)
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=1,
@@ -128,7 +131,7 @@ def test_change_vocabulary_gives_the_language_tags_and_a_tdt_loss_with_the_new_b
     model = run["model"]
     tokenizer = model.tokenizer
     assert tokenizer.vocab_size != run["built"]["vocab"]
-    assert train.tokenizer_matches(model, run["second"]["tokenizer"])
+    assert asr_model.tokenizer_matches(model, run["second"]["tokenizer"])
     tag = tokenizer.token_to_id("<|ta|>")
     assert tokenizer.ids_to_tokens([tag]) == ["<|ta|>"]
     inner = model.loss._loss

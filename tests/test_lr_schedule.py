@@ -1,4 +1,4 @@
-"""train.lr_at_step: warmup to PHASE1_LR, re-warmup to PHASE2_LR at UNFREEZE_STEP, cosine to MIN_LR."""
+"""training_step.lr_at_step: warmup to PHASE1_LR, re-warmup to PHASE2_LR at UNFREEZE_STEP, cosine to MIN_LR."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from train import lr_at_step
+from training_step import lr_at_step
 
 S = dict(
     warmup_steps=100,

@@ -1,0 +1,272 @@
+"""The model seam: everything that knows the model is a NeMo TDT transducer lives here.
+
+Building it (``build_model``: INIT_MODEL, MODEL_CONFIG, TOKENIZER_DIR), giving it our vocabulary and
+TDT loss (``use_tokenizer``), checking that the model agrees with the data pipeline's settings
+(``check_frontend``), reaching its encoder (``encoder``, ``set_encoder_trainable``), computing the
+loss of one micro-batch (``transducer_loss``), greedy decoding (``greedy_texts``), checking the loss
+on the training device (``check_loss_on_device``) and loading a trained model for inference
+(``load_trained_model``). Another transducer family is a change in this module only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+import config
+import tdt_loss
+
+log = logging.getLogger("asr_model")
+
+
+def _spm_pieces(model_file: Path) -> list[str]:
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+
+
+def tokenizer_matches(model, tokenizer_dir: Path) -> bool:
+    """True when the model's SentencePiece pieces are exactly those of ``tokenizer_dir/tokenizer.model``."""
+    inner = getattr(model.tokenizer, "tokenizer", None)
+    if inner is None or not hasattr(inner, "id_to_piece"):
+        return False
+    ours = [inner.id_to_piece(i) for i in range(inner.get_piece_size())]
+    return ours == _spm_pieces(tokenizer_dir / "tokenizer.model")
+
+
+def ensure_validation_ds(model) -> None:
+    """NeMo's transcribe() fails on a model whose cfg.validation_ds is None: give it a minimal one."""
+    from omegaconf import open_dict
+
+    if model.cfg.get("validation_ds") is None:
+        with open_dict(model.cfg):
+            model.cfg.validation_ds = {
+                "manifest_filepath": None,
+                "sample_rate": model.cfg.get("sample_rate", 16000),
+                "batch_size": 4,
+                "shuffle": False,
+                "num_workers": 0,
+                "pin_memory": False,
+                "use_start_end_token": False,
+            }
+
+
+def build_model(
+    init_model: str | None = None,
+    model_config: Path | None = None,
+    tokenizer_dir: Path | None = None,
+):
+    """The NeMo TDT model to train, on CPU, with TOKENIZER_DIR's vocabulary and a device-dispatching TDT loss.
+
+    ``init_model``: a .nemo path (restore_from) or a pretrained name (from_pretrained); empty means a
+    fresh model from the ``model_config`` YAML (its ``model:`` section) with ``tokenizer.dir`` set to
+    ``tokenizer_dir``. Defaults come from INIT_MODEL, MODEL_CONFIG and TOKENIZER_DIR.
+    """
+    from nemo.collections.asr.models import ASRModel, EncDecRNNTBPEModel
+    from omegaconf import OmegaConf, open_dict
+
+    init_model = config.INIT_MODEL if init_model is None else init_model
+    model_config = Path(model_config or config.MODEL_CONFIG)
+    tokenizer_dir = Path(tokenizer_dir or config.TOKENIZER_DIR)
+    if not (tokenizer_dir / "tokenizer.model").exists():
+        raise FileNotFoundError(
+            f"TOKENIZER_DIR={tokenizer_dir} has no tokenizer.model; "
+            "run scripts/train_tokenizer.py or point TOKENIZER_DIR at one"
+        )
+
+    if init_model:
+        if init_model.endswith(".nemo") or Path(init_model).exists():
+            if not Path(init_model).exists():
+                raise FileNotFoundError(f"INIT_MODEL={init_model} does not exist")
+            log.info("restoring %s", init_model)
+            model = ASRModel.restore_from(init_model, map_location="cpu")
+        else:
+            log.info("downloading pretrained %s (needs network access)", init_model)
+            model = ASRModel.from_pretrained(init_model, map_location="cpu")
+    else:
+        if not model_config.exists():
+            raise FileNotFoundError(
+                f"MODEL_CONFIG={model_config} does not exist (INIT_MODEL is empty)"
+            )
+        cfg = OmegaConf.load(model_config)
+        cfg = cfg.model if "model" in cfg else cfg
+        with open_dict(cfg):
+            cfg.tokenizer.dir = str(tokenizer_dir)
+            cfg.tokenizer.type = "bpe"
+        log.info("building a fresh model from %s", model_config)
+        model = EncDecRNNTBPEModel(cfg=cfg)
+
+    use_tokenizer(model, tokenizer_dir)
+    ensure_validation_ds(model)
+    make_encoder_forward_rank_local(model)
+    check_frontend(model)
+    return model
+
+
+def use_tokenizer(model, tokenizer_dir: Path) -> None:
+    """Give ``model`` the vocabulary of ``tokenizer_dir`` and a TDT loss whose blank matches its joint.
+
+    A model whose pieces already are those of ``tokenizer_dir`` keeps its decoder and joint; any
+    other gets NeMo's ``change_vocabulary`` (new decoder and joint). Either way the loss is rebuilt
+    by ``tdt_loss.attach_tdt_loss`` (TDT_LOSS chooses what runs on CUDA).
+    """
+    if not tokenizer_matches(model, tokenizer_dir):
+        old = model.tokenizer.vocab_size
+        # NeMo 3.0 replaces the TDT loss here with an RNN-T loss whose blank counts the durations:
+        # attach_tdt_loss below rebuilds it from cfg.loss.
+        model.change_vocabulary(new_tokenizer_dir=str(tokenizer_dir), new_tokenizer_type="bpe")
+        log.info(
+            "vocabulary changed from %d to %d pieces (TOKENIZER_DIR=%s): decoder and joint are new",
+            old,
+            model.tokenizer.vocab_size,
+            tokenizer_dir,
+        )
+    tdt_loss.attach_tdt_loss(model)
+
+
+def make_encoder_forward_rank_local(model) -> None:
+    """Stop NeMo's ConformerEncoder from all-reducing the batch's max length inside every forward.
+
+    With ``sync_max_audio_length`` (NeMo's default) each encoder forward is a collective: a rank
+    that skips one (an empty micro-batch, a rank-local evaluation) desynchronises every later
+    all-reduce (gloo aborts with "Received data size doesn't match", NCCL hangs), and each forward
+    pays a GPU sync. The sync only keeps the relative-position table the same length on every rank;
+    the forward reads the table by relative position, whose sinusoidal entries do not depend on the
+    table's length, the table is no DDP-synchronised buffer, and it already covers
+    ``pos_emb_max_len`` (5000 feature frames = 50 s) from construction on.
+    """
+    enc = encoder(model)
+    if hasattr(enc, "sync_max_audio_length"):
+        enc.sync_max_audio_length = False
+
+
+def check_frontend(model) -> None:
+    """Raise ConfigError when TARGET_SAMPLE_RATE or ENCODER_FRAME_SECONDS disagree with ``model``.
+
+    The data pipeline resamples audio to TARGET_SAMPLE_RATE and drops utterances with more tokens than
+    encoder frames (duration / ENCODER_FRAME_SECONDS); the model's preprocessor decides both for real
+    (its sample rate; its window stride times the encoder's subsampling factor). A mismatch would feed
+    the model audio at the wrong rate, or keep utterances the TDT loss cannot align.
+    """
+    cfg = model.cfg
+    sample_rate = int(cfg.preprocessor.get("sample_rate", cfg.get("sample_rate")))
+    frame = float(cfg.preprocessor.window_stride) * int(cfg.encoder.subsampling_factor)
+    problems = []
+    if sample_rate != config.TARGET_SAMPLE_RATE:
+        problems.append(
+            f"TARGET_SAMPLE_RATE={config.TARGET_SAMPLE_RATE} but the model's preprocessor expects "
+            f"{sample_rate} Hz: set TARGET_SAMPLE_RATE={sample_rate}"
+        )
+    if not math.isclose(frame, config.ENCODER_FRAME_SECONDS, rel_tol=1e-6):
+        problems.append(
+            f"ENCODER_FRAME_SECONDS={config.ENCODER_FRAME_SECONDS:g} but the model's encoder frame is "
+            f"{frame:g} s (window_stride x subsampling_factor): set ENCODER_FRAME_SECONDS={frame:g}"
+        )
+    if problems:
+        raise config.ConfigError("; ".join(problems))
+
+
+def encoder(model) -> torch.nn.Module:
+    """The acoustic encoder: the part phase 1 keeps frozen."""
+    return model.encoder
+
+
+def set_encoder_trainable(model, trainable: bool) -> None:
+    """Frozen: no gradients and eval mode (BatchNorm statistics and dropout stay still); else trains.
+
+    Eval mode must be re-imposed after anything that puts the whole model into train mode."""
+    enc = encoder(model)
+    for p in enc.parameters():
+        if p.requires_grad != trainable:
+            p.requires_grad_(trainable)
+    enc.train(trainable)
+
+
+def transducer_loss(model, batch, *, encoder_frozen: bool) -> torch.Tensor:
+    """The TDT loss of one non-empty AsrBatch (the reduction of cfg.rnnt_reduction)."""
+    # A frozen encoder needs no autograd graph: less memory and time; its outputs are constants.
+    with torch.no_grad() if encoder_frozen else contextlib.nullcontext():
+        encoded, encoded_len = model.forward(
+            input_signal=batch.signal, input_signal_length=batch.signal_len
+        )
+    decoded, target_len, _ = model.decoder(targets=batch.tokens, target_length=batch.token_len)
+    if model.joint.fuse_loss_wer:
+        loss, _, _, _ = model.joint(
+            encoder_outputs=encoded,
+            decoder_outputs=decoded,
+            encoder_lengths=encoded_len,
+            transcripts=batch.tokens,
+            transcript_lengths=batch.token_len,
+            compute_wer=False,
+        )
+        return loss
+    joint = model.joint(encoder_outputs=encoded, decoder_outputs=decoded)
+    return model.loss(
+        log_probs=joint, targets=batch.tokens, input_lengths=encoded_len, target_lengths=target_len
+    )
+
+
+@torch.no_grad()
+def greedy_texts(model, signal: torch.Tensor, signal_len: torch.Tensor) -> list[str]:
+    """Greedy transcripts (tags included, as the model emits them) of a padded batch of audio."""
+    encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=signal_len)
+    hyps = model.decoding.rnnt_decoder_predictions_tensor(
+        encoder_output=encoded, encoded_lengths=encoded_len
+    )
+    return [hyp.text for hyp in hyps]
+
+
+def check_loss_on_device(model, device: torch.device) -> float:
+    """Run the model's CUDA TDT loss once on a known problem (``tdt_loss.check_cuda_loss``).
+
+    Returns the largest difference to ``tdt_loss.tdt_loss``; raises TDTLossCheckFailed with the
+    install line when the GPU install cannot run it."""
+    return tdt_loss.check_cuda_loss(model.loss._loss, device)
+
+
+def describe(model) -> str:
+    """One line for the start-up log: class, size, vocabulary and loss."""
+    n_params = sum(p.numel() for p in model.parameters())
+    return (
+        f"model {type(model).__name__}: {n_params / 1e6:.1f} M parameters, "
+        f"vocabulary {model.tokenizer.vocab_size}, TDT loss {model.loss._loss}"
+    )
+
+
+def load_trained_model(path: str | Path, device: str = "cpu"):
+    """The model of a .nemo file, or of a train.py step checkpoint (.ckpt), on ``device``, in eval mode.
+
+    A .ckpt holds weights only: the model is built as training built it (``build_model`` from
+    INIT_MODEL / MODEL_CONFIG and TOKENIZER_DIR, which must be set as in training) and the
+    checkpoint's ``model.`` weights are loaded into it."""
+    path = Path(path)
+    if path.suffix == ".nemo":
+        from nemo.collections.asr.models import ASRModel
+
+        model = ASRModel.restore_from(str(path), map_location="cpu")
+    else:
+        model = build_model()
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        if "state_dict" not in checkpoint:
+            raise ValueError(
+                f"{path} has no 'state_dict': expected a Lightning checkpoint written by train.py"
+            )
+        weights = {
+            k[len("model.") :]: v
+            for k, v in checkpoint["state_dict"].items()
+            if k.startswith("model.")
+        }
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"{path} does not fit the model built from INIT_MODEL="
+                f"{config.INIT_MODEL!r} / MODEL_CONFIG={config.MODEL_CONFIG} / TOKENIZER_DIR="
+                f"{config.TOKENIZER_DIR}: missing {missing[:5]}, unexpected {unexpected[:5]}; set "
+                "them as in training"
+            )
+    return model.to(device).eval()

@@ -1,0 +1,185 @@
+"""What a run keeps on disk, and how it finds it again.
+
+Step checkpoints (``checkpoint_name``, written whole or not at all by ``AtomicCheckpointIO``),
+``find_last_checkpoint`` and ``resolve_resume_from`` (RESUME_FROM), ``resolve_model_path`` (the model
+argument of the scripts), ``export_nemo``, the RNG states an exact resume restores, and the run's
+identity (``run_identity``: its name and W&B id, recorded in CHECKPOINT_DIR/run.json so a resumed job
+continues the same run).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+import config
+from atomic_files import atomic_write
+
+log = logging.getLogger("checkpoints")
+
+
+CHECKPOINT_PATTERN = re.compile(r"^step_(\d+)\.ckpt$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}.ckpt"
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's TorchCheckpointIO, but the file appears under its name only once complete.
+
+    Lightning's own save goes through an fsspec transaction whose temporary file lives in the system
+    temp dir and is then *copied* (shutil.move) when /tmp is another file system, after buffering the
+    whole checkpoint in memory: a crash mid-copy leaves a truncated file that looks whole.
+    """
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"AtomicCheckpointIO.save_checkpoint got storage_options={storage_options!r}; "
+                "it writes local files only"
+            )
+        atomic_write(path, lambda tmp: torch.save(checkpoint, tmp))
+
+
+def find_last_checkpoint(checkpoint_dir: Path | None = None) -> Path | None:
+    """The step checkpoint with the highest step in ``checkpoint_dir`` (CHECKPOINT_DIR), or None.
+    Temporary files of an interrupted save never match the name pattern."""
+    directory = Path(checkpoint_dir or config.CHECKPOINT_DIR)
+    if not directory.is_dir():
+        return None
+    found = [
+        (int(m.group(1)), p) for p in directory.iterdir() if (m := CHECKPOINT_PATTERN.match(p.name))
+    ]
+    return max(found)[1] if found else None
+
+
+def resolve_resume_from(
+    resume_from: str | None = None, checkpoint_dir: Path | None = None
+) -> str | None:
+    """``ckpt_path`` for trainer.fit from RESUME_FROM: '' -> None (fresh start); 'last' -> the newest
+    step checkpoint in CHECKPOINT_DIR (None, logged, when there is none yet, so a restart loop can
+    always pass RESUME_FROM=last); otherwise a path that must exist."""
+    resume_from = config.RESUME_FROM if resume_from is None else resume_from
+    if not resume_from:
+        return None
+    if resume_from == "last":
+        directory = Path(checkpoint_dir or config.CHECKPOINT_DIR)
+        last = find_last_checkpoint(directory)
+        if last is None:
+            log.warning(
+                "RESUME_FROM=last: no step checkpoint (step_*.ckpt) in CHECKPOINT_DIR=%s; starting fresh",
+                directory,
+            )
+            return None
+        log.info("RESUME_FROM=last: resuming from %s", last)
+        return str(last)
+    if not Path(resume_from).is_file():
+        raise FileNotFoundError(
+            f"RESUME_FROM={resume_from}: no such checkpoint file; give a step_*.ckpt path, "
+            f"'last' (newest in CHECKPOINT_DIR) or leave it empty"
+        )
+    return resume_from
+
+
+def export_nemo(model, path: str | os.PathLike) -> Path:
+    """``model.save_to`` a .nemo file, atomically (see ``atomic_write``)."""
+    path = Path(path)
+    atomic_write(path, lambda tmp: model.save_to(tmp), suffix=".tmp.nemo")
+    return path
+
+
+def resolve_model_path(model: str) -> Path:
+    """``model`` as a path to a .nemo file or a step checkpoint; 'last' = the newest step checkpoint
+    in CHECKPOINT_DIR."""
+    if model == "last":
+        found = find_last_checkpoint()
+        if found is None:
+            raise FileNotFoundError(
+                f"'last': no step_*.ckpt in CHECKPOINT_DIR={config.CHECKPOINT_DIR}"
+            )
+        return found
+    path = Path(model)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"model {path} does not exist; give a .nemo file, a step_*.ckpt or 'last'"
+        )
+    if path.suffix not in (".nemo", ".ckpt"):
+        raise ValueError(f"model {path}: expected a .nemo file or a .ckpt step checkpoint")
+    return path
+
+
+# ---- RNG states of an exact resume ------------------------------------------------------------
+
+
+def capture_rng_state(module: torch.nn.Module | None = None) -> dict[str, Any]:
+    """Every random generator a training step draws from, in this process: torch (CPU and CUDA),
+    NumPy, Python's ``random``, and any ``random.Random`` a module keeps (NeMo's SpecAugment ``_rng``)."""
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if module is not None:
+        state["modules"] = {
+            name: m._rng.getstate()
+            for name, m in module.named_modules()
+            if isinstance(getattr(m, "_rng", None), random.Random)
+        }
+    return state
+
+
+def restore_rng_state(state: dict[str, Any], module: torch.nn.Module | None = None) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if module is not None:
+        named = dict(module.named_modules())
+        for name, rng_state in state.get("modules", {}).items():
+            if name in named and isinstance(getattr(named[name], "_rng", None), random.Random):
+                named[name]._rng.setstate(rng_state)
+
+
+# ---- the run's identity -------------------------------------------------------------------------
+
+RUN_RECORD = "run.json"
+
+
+def run_identity(resuming: bool, checkpoint_dir: Path | None = None) -> tuple[str, str]:
+    """(run name, W&B run id) of this job.
+
+    A job that resumes from a checkpoint reuses the pair recorded in CHECKPOINT_DIR/run.json by the
+    job that wrote it, so W&B continues the same run (Lightning's WandbLogger passes resume="allow")
+    and metrics.jsonl stays one file across crashes and requeues; an explicit WANDB_RUN_NAME that
+    differs from the record starts a new run under that name. A fresh job takes WANDB_RUN_NAME (else
+    run-<UTC time>) and a new id, and global rank 0 records them.
+    """
+    record = Path(checkpoint_dir or config.CHECKPOINT_DIR) / RUN_RECORD
+    if resuming and record.is_file():
+        saved = json.loads(record.read_text(encoding="utf-8"))
+        if not config.WANDB_RUN_NAME or config.WANDB_RUN_NAME == saved["name"]:
+            return saved["name"], saved["wandb_id"]
+    name = config.WANDB_RUN_NAME or time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())
+    identity = (name, secrets.token_hex(6))
+    if int(os.environ.get("RANK", "0")) == 0:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps({"name": identity[0], "wandb_id": identity[1]})
+        atomic_write(record, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    return identity

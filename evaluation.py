@@ -1,0 +1,182 @@
+"""Scoring a model on a manifest: corpus-level WER and CER per language, greedy transcription.
+
+The one implementation behind the in-training evaluation (callbacks.PerLanguageWERCallback) and
+scripts/evaluate.py: ``ErrorCounts`` / ``corpus_error_rates`` (tags stripped from both sides,
+corpus-level rates), ``greedy_transcribe`` (the training pipeline's audio loading and collate, the
+model's greedy decoding via asr_model), and the helpers that choose and split what is decoded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+import asr_model
+from manifest_schema import strip_lang_tag
+
+
+@dataclasses.dataclass
+class ErrorCounts:
+    """Edit counts summed over utterances: rates are corpus-level (total edits / total reference units)."""
+
+    word_edits: int = 0
+    words: int = 0
+    char_edits: int = 0
+    chars: int = 0
+    utterances: int = 0
+
+    @property
+    def wer(self) -> float:
+        return self.word_edits / self.words if self.words else math.nan
+
+    @property
+    def cer(self) -> float:
+        return self.char_edits / self.chars if self.chars else math.nan
+
+    def add(self, reference: str, hypothesis: str) -> None:
+        """Count one utterance; both sides are tag-stripped. CER counts characters including the single
+        spaces between words (jiwer's convention)."""
+        from kaldialign import edit_distance  # C++ Levenshtein; NeMo's ASR extra installs it
+
+        ref, hyp = strip_lang_tag(reference), strip_lang_tag(hypothesis)
+        self.word_edits += edit_distance(ref.split(), hyp.split())["total"]
+        self.words += len(ref.split())
+        self.char_edits += edit_distance(list(ref), list(hyp))["total"]
+        self.chars += len(ref)
+        self.utterances += 1
+
+
+def corpus_error_rates(
+    references: Sequence[str], hypotheses: Sequence[str], languages: Sequence[str]
+) -> dict[str, ErrorCounts]:
+    """ErrorCounts per language plus "all" (every utterance), corpus-level, tags stripped."""
+    if not len(references) == len(hypotheses) == len(languages):
+        raise ValueError(
+            f"corpus_error_rates: {len(references)} references, {len(hypotheses)} hypotheses and "
+            f"{len(languages)} languages; expected one of each per utterance"
+        )
+    counts: dict[str, ErrorCounts] = {}
+    total = ErrorCounts()
+    for ref, hyp, lang in zip(references, hypotheses, languages):
+        counts.setdefault(lang, ErrorCounts()).add(ref, hyp)
+        total.add(ref, hyp)
+    counts = dict(sorted(counts.items()))
+    counts["all"] = total
+    return counts
+
+
+# ---- greedy decoding with the training pipeline's dataset and collate ---------------------------
+
+
+def select_eval_indices(lang_codes: np.ndarray, per_lang: int, seed: int = 0) -> np.ndarray:
+    """Up to ``per_lang`` dataset indices per language code, a seeded choice, sorted (the same on every rank)."""
+    rng = np.random.default_rng(seed)
+    chosen = []
+    for code in np.unique(lang_codes):
+        rows = np.flatnonzero(lang_codes == code)
+        chosen.append(rows if len(rows) <= per_lang else rng.choice(rows, per_lang, replace=False))
+    return np.sort(np.concatenate(chosen)) if chosen else np.zeros(0, dtype=np.int64)
+
+
+def pack_by_duration(
+    indices: Sequence[int], durations: np.ndarray, max_batch_seconds: float
+) -> list[list[int]]:
+    """``indices`` sorted by duration and cut into batches of at most ``max_batch_seconds`` of audio
+    (an utterance longer than that gets a batch of its own)."""
+    order = sorted((int(i) for i in indices), key=lambda i: float(durations[i]))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    seconds = 0.0
+    for i in order:
+        d = float(durations[i])
+        if current and seconds + d > max_batch_seconds:
+            batches.append(current)
+            current, seconds = [], 0.0
+        current.append(i)
+        seconds += d
+    if current:
+        batches.append(current)
+    return batches
+
+
+def greedy_transcribe(
+    model,
+    dataset,
+    indices: Sequence[int],
+    *,
+    max_batch_seconds: float = 60.0,
+    device: torch.device | str | None = None,
+    autocast: Callable[[], Any] | None = None,
+    progress: bool = False,
+) -> dict[int, str | None]:
+    """Greedy hypotheses of ``dataset[i]`` for each ``i`` in ``indices``: {index: text, or None for bad audio}.
+
+    Audio goes through the training pipeline's own loading and collate (soundfile + soxr, the same
+    resampling and padding) and ``asr_model.greedy_texts``: no temporary manifests, no NeMo
+    dataloader, and so no dependence on ``cfg.validation_ds``. Every module's train/eval mode is
+    restored afterwards (a frozen encoder stays in eval mode).
+    """
+    from dataset import collate_asr_batch
+
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    out: dict[int, str | None] = {}
+    batches = pack_by_duration(indices, dataset.durations, max_batch_seconds)
+    if progress:
+        from tqdm import tqdm
+
+        batches = tqdm(batches, desc="decoding", unit="batch")
+    try:
+        for batch_indices in batches:
+            items = [dataset[i] for i in batch_indices]
+            good = [i for i, item in zip(batch_indices, items) if item is not None]
+            out.update({i: None for i, item in zip(batch_indices, items) if item is None})
+            if not good:
+                continue
+            batch = collate_asr_batch([item for item in items if item is not None])
+            with autocast() if autocast is not None else contextlib.nullcontext():
+                texts = asr_model.greedy_texts(
+                    model, batch.signal.to(device), batch.signal_len.to(device)
+                )
+            out.update(zip(good, texts))
+    finally:
+        for module, training in modes.items():
+            module.train(training)
+    return out
+
+
+def rank_share(
+    indices: Sequence[int], durations: np.ndarray, rank: int, world_size: int
+) -> list[int]:
+    """This rank's part of ``indices``: every world_size-th by duration, so each rank gets a similar
+    amount of audio (longest and shortest spread evenly)."""
+    by_duration = sorted((int(i) for i in indices), key=lambda i: float(durations[i]))
+    return by_duration[rank :: max(1, world_size)]
+
+
+def examples_by_language(
+    langs: Sequence[str], references: Sequence[str], hypotheses: Sequence[str], per_lang: int
+) -> list[list[str]]:
+    """Up to ``per_lang`` rows [lang, reference, hypothesis] per language, tags stripped, in order."""
+    rows: list[list[str]] = []
+    seen: dict[str, int] = {}
+    for lang, ref, hyp in zip(langs, references, hypotheses):
+        if seen.get(lang, 0) < per_lang:
+            seen[lang] = seen.get(lang, 0) + 1
+            rows.append([lang, strip_lang_tag(ref), strip_lang_tag(hyp)])
+    return rows
+
+
+def manifest_texts(dataset) -> list[str]:
+    """The manifest's ``text`` of every dataset item (tag included), via ``dataset.manifest_rows``."""
+    import pyarrow.parquet as pq
+
+    texts = pq.read_table(dataset.manifest_path, columns=["text"]).column("text").to_pylist()
+    return [texts[int(r)] for r in dataset.manifest_rows]

@@ -1,0 +1,34 @@
+"""README sections generated from the code (the knob table, the metric list), kept current by tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from atomic_files import atomic_write
+
+
+class MissingMarkers(ValueError):
+    """The README lacks the start or end marker of a generated section."""
+
+
+def replace_section(text: str, start: str, end: str, body: str) -> str:
+    """``text`` with everything between the ``start`` and ``end`` marker lines replaced by ``body``."""
+    try:
+        head, rest = text.split(start, 1)
+        _, tail = rest.split(end, 1)
+    except ValueError:
+        raise MissingMarkers(f"missing the markers {start!r} ... {end!r}") from None
+    return f"{head}{start}\n{body}\n{end}{tail}"
+
+
+def update_readme_section(readme: Path, start: str, end: str, body: str) -> bool:
+    """Rewrite one generated section of ``readme`` (atomically); True when the file changed."""
+    text = readme.read_text(encoding="utf-8")
+    try:
+        new = replace_section(text, start, end, body)
+    except MissingMarkers as exc:
+        raise MissingMarkers(f"{readme}: {exc}") from None
+    if new == text:
+        return False
+    atomic_write(readme, lambda tmp: Path(tmp).write_text(new, encoding="utf-8"))
+    return True

@@ -1,0 +1,149 @@
+"""Where a run's metrics go: W&B and a local JSON-lines file, under WANDB_LOG_DIR/<run name>.
+
+``build_loggers`` gives the Lightning loggers of one run (W&B online, offline or disabled, and
+``JsonlMetricsLogger``); ``run_directory`` says where a run's files live; ``log_to_loggers`` sends
+scalars from global rank 0. The run's name and W&B id survive a resume (``checkpoints.run_identity``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_only
+
+import checkpoints
+import config
+from atomic_files import atomic_write
+
+
+def _json_value(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    if isinstance(v, (float, np.floating)):
+        return float(v) if math.isfinite(v) else None
+    if isinstance(v, np.integer):
+        return int(v)
+    return v
+
+
+class JsonlMetricsLogger(Logger):
+    """The run's scalars as JSON lines (``{"step": .., "time": .., key: value}``), readable without W&B;
+    the settings (``log_hyperparams``) go to ``hparams.json`` beside it.
+
+    Lines are appended and flushed one at a time, so a crash loses at most the line being written.
+    Tables (``log_table``, the same signature as WandbLogger's) go to the same file as
+    ``{"step": .., "table": key, "columns": [..], "rows": [[..]]}``. Writes happen on global rank 0 only.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        super().__init__()
+        self.path = Path(path)
+
+    @property
+    def name(self) -> str:
+        return "jsonl"
+
+    @property
+    def version(self) -> str:
+        return self.path.parent.name
+
+    def _write(self, record: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self._write(
+            {
+                "step": step,
+                "time": round(time.time(), 3),
+                **{k: _json_value(v) for k, v in metrics.items()},
+            }
+        )
+
+    @rank_zero_only
+    def log_table(
+        self, key: str, columns: list[str], data: list[list[Any]], step: int | None = None
+    ) -> None:
+        self._write(
+            {
+                "step": step,
+                "table": key,
+                "columns": list(columns),
+                "rows": [[_json_value(v) for v in row] for row in data],
+            }
+        )
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        """The run's settings to ``hparams.json`` beside the metrics file (the latest launch's)."""
+        params = params if isinstance(params, dict) else vars(params)
+        text = json.dumps(
+            {
+                k: _json_value(v) if isinstance(v, (int, float)) else str(v)
+                for k, v in params.items()
+            },
+            indent=1,
+            ensure_ascii=False,
+        )
+        atomic_write(
+            self.path.with_name("hparams.json"),
+            lambda tmp: Path(tmp).write_text(text, encoding="utf-8"),
+        )
+
+
+def run_directory(run_name: str | None = None, log_dir: Path | None = None) -> Path:
+    """WANDB_LOG_DIR/<run name>: the W&B files (wandb/offline-run-*) and metrics.jsonl of one run.
+
+    The name is ``run_name``, else WANDB_RUN_NAME, else run-<UTC time>; only global rank 0 writes there.
+    """
+    log_dir = Path(log_dir or config.WANDB_LOG_DIR)
+    name = run_name or config.WANDB_RUN_NAME or time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())
+    return log_dir / name
+
+
+def build_loggers(run_dir: Path | None = None, resuming: bool = False) -> list[Logger]:
+    """[WandbLogger (unless WANDB_MODE resolves to disabled), JsonlMetricsLogger] for one run.
+
+    W&B mode: config.wandb_mode() (WANDB_MODE, else online with WANDB_API_KEY, else offline). An
+    offline run lives in <run dir>/wandb/offline-run-*/ and is uploaded later with
+    ``wandb sync <that dir>``. Name and W&B id come from ``run_identity``: a resumed job continues
+    its run.
+    """
+    name, run_id = checkpoints.run_identity(resuming)
+    run_dir = Path(run_dir or run_directory(name))
+    loggers: list[Logger] = []
+    mode = config.wandb_mode()
+    if mode != "disabled":
+        from lightning.pytorch.loggers import WandbLogger
+
+        if int(os.environ.get("RANK", "0")) == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        loggers.append(
+            WandbLogger(
+                project=config.WANDB_PROJECT,
+                name=name,
+                id=run_id,
+                save_dir=str(run_dir),
+                mode=mode,
+                log_model=False,
+            )
+        )
+    loggers.append(JsonlMetricsLogger(run_dir / "metrics.jsonl"))
+    return loggers
+
+
+def log_to_loggers(trainer, metrics: dict[str, float], step: int) -> None:
+    """Scalars to every logger of ``trainer``, from global rank 0 only."""
+    if trainer.is_global_zero:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)

@@ -1,0 +1,350 @@
+"""Every metric a training run logs, declared once: its W&B key, its meaning, how ranks combine it.
+
+Usage:
+    python training_metrics.py --markdown        # README's metric list
+    python training_metrics.py --update-readme   # rewrite that list in README.md between its markers
+
+A metric is computed from **measures**: quantities each rank measures over one optimizer step (the
+"window" of GRAD_ACCUM micro-batches), combined over ranks by one all-reduce per kind (``sum`` or
+``max``). A measure with ``of_micro_batch`` is measured by itself from every micro-batch; the others
+are timers and counters that callbacks.TrainingMetricsCallback sets. A ``cumulative`` measure is
+also summed over the whole run (the totals survive a resume).
+
+Adding a metric: one ``Metric`` line in ``STEP_METRICS`` (plus one ``Measure`` line when it needs a
+quantity nobody measures yet), then ``python training_metrics.py --update-readme``.
+Keys containing ``<lang>`` or ``<reason>`` stand for one key per language or bad-audio reason; their
+value function returns ``{lang or reason: value}``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from collectives import all_reduce_tensor
+
+# ---- measures: what each rank measures over one optimizer step -----------------------------------
+
+
+@dataclass(frozen=True)
+class Measure:
+    """A quantity one rank measures over an optimizer step; ``reduce`` combines the ranks' values.
+
+    ``per``: "lang" or "reason" for a value per language / bad-audio reason ({key: value}).
+    ``of_micro_batch(batch, pl_module)``: its value for one micro-batch, summed over the window.
+    """
+
+    name: str
+    reduce: str  # "sum" or "max"
+    per: str | None = None
+    of_micro_batch: Callable[[Any, Any], Any] | None = None
+    cumulative: bool = False
+
+
+def _non_empty(batch) -> bool:
+    return batch.signal.shape[0] > 0
+
+
+def _finite_loss(batch, module) -> float:
+    loss = module.last_loss
+    return float(loss) if _non_empty(batch) and loss is not None else math.nan
+
+
+MEASURES: tuple[Measure, ...] = (
+    Measure("loss_sum", "sum", of_micro_batch=lambda b, m: _nan_to_zero(_finite_loss(b, m))),
+    Measure(
+        "loss_count", "sum", of_micro_batch=lambda b, m: float(math.isfinite(_finite_loss(b, m)))
+    ),
+    Measure("utterances", "sum", of_micro_batch=lambda b, m: float(b.signal.shape[0])),
+    Measure("audio_seconds", "sum", of_micro_batch=lambda b, m: float(sum(b.durations))),
+    Measure("real_samples", "sum", of_micro_batch=lambda b, m: float(b.signal_len.sum())),
+    Measure("padded_samples", "sum", of_micro_batch=lambda b, m: float(b.signal.numel())),
+    Measure("lang_utterances", "sum", per="lang", of_micro_batch=lambda b, m: _count(b.langs)),
+    Measure(
+        "bad_audio",
+        "sum",
+        per="reason",
+        cumulative=True,
+        of_micro_batch=lambda b, m: dict(b.bad_audio),
+    ),  # fmt: skip
+    # Set by the callback: timers and the growth of TrainingModule's fault counters.
+    Measure("wait_seconds", "sum"),
+    Measure("step_seconds", "sum"),
+    Measure("step_seconds_max", "max"),
+    Measure("wait_fraction_max", "max"),
+    Measure("checkpoint_seconds", "max"),
+    Measure("peak_memory_gib", "max"),
+    Measure("empty_micro_batches", "sum", cumulative=True),
+    Measure("nonfinite_losses", "sum", cumulative=True),
+    # A skip is decided on every rank alike: the ranks' counts are equal, not to be summed.
+    Measure("skipped_steps", "max", cumulative=True),
+)
+
+
+def _nan_to_zero(v: float) -> float:
+    return v if math.isfinite(v) else 0.0
+
+
+def _count(keys: Sequence[str]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k in keys:
+        out[k] = out.get(k, 0.0) + 1.0
+    return out
+
+
+# ---- metrics: what is logged ---------------------------------------------------------------------
+
+
+@dataclass
+class Step:
+    """What a metric's value is computed from, at the end of one optimizer step (on every rank).
+
+    ``m``: this step's measures, combined over ranks (per-key ones as {key: value});
+    ``total``: the cumulative measures summed over the run; ``recent_langs``: utterances per language
+    over the last ``share_window`` steps; ``target_share``: the sampler's target per language."""
+
+    m: dict[str, Any]
+    total: dict[str, Any]
+    trainer: Any
+    module: Any
+    lr: float
+    recent_langs: dict[str, float] = field(default_factory=dict)
+    target_share: dict[str, float] = field(default_factory=dict)
+
+
+# How a metric combines the ranks: "sum" or "max" of their values; "pooled" = a ratio of sums (for
+# example total real samples / total padded samples); "sum / max" = summed audio over the slowest
+# rank's time; "same" = identical on every rank (rank 0's is logged); "gathered" = every rank's
+# hypotheses gathered and scored together; "rank 0" = measured on global rank 0.
+RANKS = ("sum", "max", "pooled", "sum / max", "same", "gathered", "rank 0")
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    ranks: str  # one of RANKS
+    meaning: str
+    value: Callable[[Step], Any] | None = None  # None: logged by the evaluation, not per step
+    cuda_only: bool = False
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else math.nan
+
+
+def _float(v: Any) -> float:
+    return math.nan if v is None else float(v)
+
+
+def _shares(counts: Mapping[str, float]) -> dict[str, float]:
+    total = sum(counts.values())
+    return {k: _ratio(v, total) for k, v in counts.items()}
+
+
+STEP_METRICS: tuple[Metric, ...] = (
+    Metric("train/loss", "pooled", "mean loss of this step's micro-batches with a finite loss, all ranks",
+           lambda s: _ratio(s.m["loss_sum"], s.m["loss_count"])),
+    Metric("train/lr", "same", "learning rate this optimizer step used", lambda s: s.lr),
+    Metric("train/phase", "same", "1 = encoder frozen, 2 = the whole model trains",
+           lambda s: _float(s.module.phase)),
+    Metric("train/grad_norm", "same", "gradient norm before clipping (the same on every rank)",
+           lambda s: _float(s.module.last_grad_norm)),
+    Metric("train/epoch", "same", "sampler epoch", lambda s: float(s.trainer.current_epoch)),
+    Metric("train/micro_batch", "same", "micro-batches each rank has processed in this epoch",
+           lambda s: float(s.trainer.fit_loop.epoch_loop.batch_progress.current.processed)),
+    Metric("train/skipped_steps", "max", "optimizer steps skipped so far (non-finite loss or gradient, "
+           "or no utterance on any rank)", lambda s: s.total["skipped_steps"]),
+    Metric("train/empty_micro_batches", "sum", "micro-batches so far whose every utterance was bad audio, "
+           "all ranks", lambda s: s.total["empty_micro_batches"]),
+    Metric("train/nonfinite_losses", "sum", "micro-batches so far with a non-finite loss, all ranks",
+           lambda s: s.total["nonfinite_losses"]),
+    Metric("time/step_s", "max", "wall time of this optimizer step, slowest rank",
+           lambda s: s.m["step_seconds_max"]),
+    Metric("time/checkpoint_s", "max", "seconds of this step spent saving a checkpoint",
+           lambda s: s.m["checkpoint_seconds"]),
+    Metric("time/data_wait_fraction", "pooled", "share of step time spent waiting for data, ranks pooled",
+           lambda s: _ratio(s.m["wait_seconds"], s.m["step_seconds"]) if s.m["step_seconds"] else 0.0),
+    Metric("time/data_wait_fraction_max", "max", "share of step time spent waiting for data, worst rank",
+           lambda s: s.m["wait_fraction_max"]),
+    Metric("throughput/audio_s_per_step", "sum", "seconds of audio in this optimizer step, all ranks",
+           lambda s: s.m["audio_seconds"]),
+    Metric("throughput/audio_s_per_s", "sum / max", "seconds of audio trained per second of wall time",
+           lambda s: _ratio(s.m["audio_seconds"], s.m["step_seconds_max"])),
+    Metric("throughput/utterances_per_step", "sum", "utterances in this optimizer step, all ranks",
+           lambda s: s.m["utterances"]),
+    Metric("throughput/utterances_per_s", "sum / max", "utterances trained per second of wall time",
+           lambda s: _ratio(s.m["utterances"], s.m["step_seconds_max"])),
+    Metric("data/padding_efficiency", "pooled", "real audio samples / padded samples in this step's batches",
+           lambda s: _ratio(s.m["real_samples"], s.m["padded_samples"])),
+    Metric("data/bad_audio_total", "sum", "utterances so far skipped as bad audio, all ranks",
+           lambda s: float(sum(s.total["bad_audio"].values()))),
+    Metric("data/bad_audio/<reason>", "sum", "the same per reason (missing, unreadable, empty, ...)",
+           lambda s: dict(s.total["bad_audio"])),
+    Metric("lang_share/<lang>", "pooled", "share of utterances per language over the last 100 steps",
+           lambda s: _shares(s.recent_langs)),
+    Metric("lang_target/<lang>", "same", "the sampler's target share per language (TEMPERATURE)",
+           lambda s: {lang: s.target_share.get(lang, math.nan) for lang in s.recent_langs}),
+    Metric("gpu/peak_memory_gib", "max", "peak GPU memory allocated in this step, largest rank",
+           lambda s: s.m["peak_memory_gib"], cuda_only=True),
+)  # fmt: skip
+
+EVALUATION_METRICS: tuple[Metric, ...] = (
+    Metric("val/wer/<lang>", "gathered", "greedy WER on the validation sample, corpus-level, tags stripped; "
+           "<lang> = all pools every language"),
+    Metric("val/cer/<lang>", "gathered", "the same for CER (characters, single spaces included)"),
+    Metric("val/utterances", "gathered", "validation utterances decoded (bad audio excluded)"),
+    Metric("val/seconds", "rank 0", "wall time of the evaluation"),
+)  # fmt: skip
+
+TABLES = {"val/examples": "up to 3 (lang, reference, hypothesis) rows per language per evaluation"}
+
+
+def evaluation_metrics(results: Mapping[str, Any], utterances: int, seconds: float) -> dict:
+    """The EVALUATION_METRICS values of one evaluation (``results``: ErrorCounts per language)."""
+    out = {"val/utterances": float(utterances), "val/seconds": float(seconds)}
+    for lang, counts in results.items():
+        out[f"val/wer/{lang}"] = counts.wer
+        out[f"val/cer/{lang}"] = counts.cer
+    return out
+
+
+def step_metrics(step: Step, cuda: bool) -> dict[str, float]:
+    """Every STEP_METRICS value for ``step``, per-key metrics expanded."""
+    out: dict[str, float] = {}
+    for metric in STEP_METRICS:
+        if metric.cuda_only and not cuda:
+            continue
+        value = metric.value(step)
+        if isinstance(value, Mapping):
+            placeholder = "<lang>" if "<lang>" in metric.key else "<reason>"
+            for key, v in value.items():
+                out[metric.key.replace(placeholder, str(key))] = float(v)
+        else:
+            out[metric.key] = float(value)
+    return out
+
+
+# ---- the window of one optimizer step, and its reduction over ranks -------------------------------
+
+
+class Window:
+    """The measures of one rank over one optimizer step.
+
+    ``keys``: the keys of each per-key kind ({"lang": [...], "reason": [...]}), the same on every
+    rank, in the same order (the reduction packs values by it)."""
+
+    def __init__(self, keys: Mapping[str, Sequence[str]]):
+        self.keys = {kind: list(k) for kind, k in keys.items()}
+        self.values: dict[str, Any] = {}
+        for measure in MEASURES:
+            self.values[measure.name] = (
+                dict.fromkeys(self.keys.get(measure.per, []), 0.0) if measure.per else 0.0
+            )
+
+    def add_micro_batch(self, batch, module) -> None:
+        for measure in MEASURES:
+            if measure.of_micro_batch is None:
+                continue
+            value = measure.of_micro_batch(batch, module)
+            if measure.per:
+                known = self.values[measure.name]
+                for key, v in value.items():
+                    if key in known:
+                        known[key] += float(v)
+            else:
+                self.values[measure.name] += float(value)
+
+    def set(self, name: str, value: float) -> None:
+        self.values[name] = float(value)
+
+    def add(self, name: str, value: float) -> None:
+        self.values[name] += float(value)
+
+    def reduced(self, device: torch.device) -> dict[str, Any]:
+        """The measures combined over every rank: one all-reduce per kind of reduction."""
+        out: dict[str, Any] = {}
+        for op in ("sum", "max"):
+            names = [m for m in MEASURES if m.reduce == op]
+            flat: list[float] = []
+            for m in names:
+                v = self.values[m.name]
+                flat.extend(v.values() if m.per else [v])
+            combined = all_reduce_tensor(torch.tensor(flat, dtype=torch.float64, device=device), op)
+            combined = combined.cpu().tolist()
+            i = 0
+            for m in names:
+                if m.per:
+                    keys = list(self.values[m.name])
+                    out[m.name] = dict(zip(keys, combined[i : i + len(keys)]))
+                    i += len(keys)
+                else:
+                    out[m.name] = combined[i]
+                    i += 1
+        return out
+
+
+def add_to_totals(totals: dict[str, Any], reduced: Mapping[str, Any]) -> None:
+    """Add this step's cumulative measures to the run's ``totals`` (in place)."""
+    for m in MEASURES:
+        if not m.cumulative:
+            continue
+        if m.per:
+            bucket = totals.setdefault(m.name, {})
+            for key, v in reduced[m.name].items():
+                bucket[key] = bucket.get(key, 0.0) + v
+        else:
+            totals[m.name] = totals.get(m.name, 0.0) + reduced[m.name]
+
+
+def empty_totals(keys: Mapping[str, Sequence[str]]) -> dict[str, Any]:
+    return {
+        m.name: dict.fromkeys(keys.get(m.per, []), 0.0) if m.per else 0.0
+        for m in MEASURES
+        if m.cumulative
+    }
+
+
+def recent_sum(history: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """{key: sum over ``history``} of per-key values."""
+    out: dict[str, float] = {}
+    for counts in history:
+        for k, v in counts.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+# ---- README ---------------------------------------------------------------------------------------
+
+README_START = (
+    "<!-- metrics-list:start (generated by `python training_metrics.py --update-readme`) -->"
+)
+README_END = "<!-- metrics-list:end -->"
+
+
+def markdown_list() -> str:
+    """README's table of metrics, from the declarations above."""
+    rows = ["| key | over ranks | meaning |", "|---|---|---|"]
+    for metric in STEP_METRICS + EVALUATION_METRICS:
+        suffix = " (CUDA only)" if metric.cuda_only else ""
+        rows.append(f"| `{metric.key}` | {metric.ranks} | {metric.meaning}{suffix} |")
+    for key, meaning in TABLES.items():
+        rows.append(f"| `{key}` (table) | rank 0 | {meaning} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    from pathlib import Path
+
+    from readme_tables import update_readme_section
+
+    if "--update-readme" in sys.argv[1:]:
+        readme = Path(__file__).resolve().parent / "README.md"
+        changed = update_readme_section(readme, README_START, README_END, markdown_list())
+        print("README.md metric list " + ("updated" if changed else "already up to date"))
+    else:
+        print(markdown_list())

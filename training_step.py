@@ -1,0 +1,401 @@
+"""What one optimizer step of train.py does: the LightningModule, its data and its LR schedule.
+
+``TrainingModule`` owns the step (loss via ``asr_model``, fault skipping, BatchNorm averaging over
+ranks), its DataLoader (``build_dataset`` + ``build_dataloader``: LocalShardDataset batched by
+DurationBucketBatchSampler for this rank) and AdamW with ``lr_at_step``. train.py wires it to a
+Trainer and the callbacks; benchmarks use it directly.
+
+What callbacks read from it, on every rank: ``model`` (the NeMo model), ``dataset``, ``sampler``;
+``skipped_steps`` (same on all ranks), ``empty_micro_batches``, ``nonfinite_losses`` and
+``bad_audio`` (Counter by reason, this rank); ``last_loss`` (what the last micro-batch computed:
+non-finite when it was, 0 for an empty one), ``last_grad_norm``
+(before clipping, of the last optimizer step), ``phase`` (1 or 2). The batch itself (an
+``AsrBatch`` with langs and durations) reaches ``on_train_batch_end`` of every callback.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+import asr_model
+import config
+
+log = logging.getLogger("train")
+
+
+# ---- learning rate ------------------------------------------------------------------------------
+
+
+def lr_at_step(
+    step: int,
+    *,
+    warmup_steps: int,
+    phase1_lr: float,
+    unfreeze_step: int,
+    phase2_warmup: int,
+    phase2_lr: float,
+    min_lr: float,
+    max_steps: int,
+) -> float:
+    """LR of optimizer step ``step`` (0-based).
+
+    Phase 1 (step < unfreeze_step): linear warmup over ``warmup_steps`` to ``phase1_lr``, then flat.
+    Phase 2: linear warmup over ``phase2_warmup`` to ``phase2_lr``, then cosine decay reaching
+    ``min_lr`` at ``max_steps`` (and staying there). The first step of each warmup gets
+    peak / warmup, never 0, so no step is wasted.
+    """
+    if step < unfreeze_step:
+        if step < warmup_steps:
+            return phase1_lr * (step + 1) / warmup_steps
+        return phase1_lr
+    s = step - unfreeze_step
+    if s < phase2_warmup:
+        return phase2_lr * (s + 1) / phase2_warmup
+    decay_steps = max_steps - unfreeze_step - phase2_warmup
+    progress = min(1.0, (s - phase2_warmup) / decay_steps) if decay_steps > 0 else 1.0
+    return min_lr + 0.5 * (phase2_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def lr_schedule_from_config():
+    """``lr_at_step`` with every keyword taken from config.py at call time."""
+    kwargs = dict(
+        warmup_steps=config.WARMUP_STEPS,
+        phase1_lr=config.PHASE1_LR,
+        unfreeze_step=config.UNFREEZE_STEP,
+        phase2_warmup=config.PHASE2_WARMUP,
+        phase2_lr=config.PHASE2_LR,
+        min_lr=config.MIN_LR,
+        max_steps=config.MAX_STEPS,
+    )
+    return lambda step: lr_at_step(step, **kwargs)
+
+
+# ---- the LightningModule ---------------------------------------------------------------------
+
+
+class TrainingModule(pl.LightningModule):
+    """Trains a NeMo TDT model on our AsrBatch micro-batches; the NeMo model itself stays unchanged.
+
+    NeMo's own training_step, data setup and optimizer config are not used: this module owns the
+    step, the DataLoader and AdamW + ``lr_at_step``. See the module docstring for the attributes
+    monitoring callbacks read.
+    """
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.dataset = None
+        self.sampler = None
+        self.encoder_frozen = False  # set by enter_phase
+        self.phase = 2
+        self.skipped_steps = 0
+        self.empty_micro_batches = 0
+        self.nonfinite_losses = 0
+        self.bad_audio: collections.Counter = collections.Counter()
+        self.last_loss: torch.Tensor | None = None
+        self.last_grad_norm: float | None = None
+        # The gradient norm of this optimizer step, for configure_gradient_clipping.
+        self._grad_norm: torch.Tensor | None = None
+        self._window_bad = 0  # non-finite losses of this rank since the last optimizer step
+        self._window_utterances = 0  # real utterances of this rank since the last optimizer step
+        # BatchNorm buffers when the window began, restored when the step is skipped.
+        self._window_buffers: dict[str, torch.Tensor] | None = None
+        self._batchnorms: list[tuple[str, torch.nn.Module]] | None = None
+
+    def enter_phase(self, phase: int) -> None:
+        """Phase 1: the encoder frozen (``asr_model.set_encoder_trainable``), run without autograd;
+        phase 2: everything trains. Call at every batch start: Lightning puts the whole module back
+        into train mode, and BatchNorm in train mode updates its statistics even with frozen weights."""
+        asr_model.set_encoder_trainable(self.model, phase != 1)
+        self.encoder_frozen = phase == 1
+        self.phase = phase
+
+    def on_fit_start(self):
+        # Before the dataset is loaded: a CUDA loss that cannot run should cost seconds, not a node-hour.
+        if self.device.type == "cuda":
+            diff = asr_model.check_loss_on_device(self.model, self.device)
+            log.info(
+                "rank %d: TDT loss on %s (TDT_LOSS=%s) agrees with tdt_loss.py on a known problem "
+                "(largest difference %.2g)",
+                self.global_rank,
+                self.device,
+                config.TDT_LOSS,
+                diff,
+            )
+
+    # ---- data -----------------------------------------------------------------------------------
+    def train_dataloader(self):
+        rank, world_size = self.trainer.global_rank, self.trainer.world_size
+        if (
+            dist.is_available()
+            and dist.is_initialized()
+            and (dist.get_rank(), dist.get_world_size()) != (rank, world_size)
+        ):
+            raise RuntimeError(
+                f"Lightning says rank {rank}/{world_size} but torch.distributed says "
+                f"{dist.get_rank()}/{dist.get_world_size()}; check the torchrun launch"
+            )
+        # Rank 0 loads first so any cache the dataset builds next to the manifest is written once.
+        if rank != 0:
+            self.trainer.strategy.barrier("dataset")
+        self.dataset = build_dataset(self.model.tokenizer)
+        if rank == 0:
+            self.trainer.strategy.barrier("dataset")
+        loader, self.sampler = build_dataloader(
+            self.dataset, world_size=world_size, rank=rank, pin_memory=self.device.type == "cuda"
+        )
+        if getattr(self, "resume_sampler_state", None) is not None:
+            # Set from the checkpoint by callbacks.ExactResumeCallback; Lightning builds the iterator
+            # right after this returns, so it yields only the epoch's remaining micro-batches.
+            self.sampler.load_state_dict(self.resume_sampler_state)
+            log.info(
+                "rank %d: sampler resumes epoch %d at micro-batch %d",
+                rank,
+                self.resume_sampler_state["epoch"],
+                self.resume_sampler_state["position"],
+            )
+            self.resume_sampler_state = None
+        log_first_step(self.sampler, rank)
+        return loader
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self._window_buffers is None:
+            # A skipped step must not keep what its forward passes did to BatchNorm statistics (a NaN
+            # there would poison every later step), so they are restored from here. Only BatchNorm's:
+            # no other buffer changes in a forward, and some are large (the relative-position table of
+            # the full-size encoder is 41 MB).
+            self._window_buffers = {
+                name: b.detach().clone() for name, b in self.batchnorm_buffers()
+            }
+
+    # ---- the step -------------------------------------------------------------------------------
+    def compute_loss(self, batch) -> torch.Tensor:
+        """The model's TDT loss of one non-empty micro-batch (``asr_model.transducer_loss``)."""
+        return asr_model.transducer_loss(self.model, batch, encoder_frozen=self.encoder_frozen)
+
+    def zero_loss(self) -> torch.Tensor:
+        """0 that depends on every trainable parameter: DDP sees them all used, gradients are zeros."""
+        return sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
+
+    def training_step(self, batch, batch_idx):
+        for reason, n in batch.bad_audio.items():
+            self.bad_audio[reason] += n
+        if batch.is_empty:
+            self.empty_micro_batches += 1
+            log.warning(
+                "rank %d micro-batch %d: every utterance was bad audio; it contributes nothing",
+                self.global_rank,
+                batch_idx,
+            )
+            loss = self.zero_loss()
+            self.last_loss = loss.detach()
+        else:
+            self._window_utterances += batch.batch_size
+            loss = self.compute_loss(batch)
+            # What this micro-batch computed, non-finite included (the metrics leave it out of the mean).
+            self.last_loss = loss.detach()
+            if not torch.isfinite(loss).item():
+                self.nonfinite_losses += 1
+                self._window_bad += 1
+                log.warning(
+                    "rank %d micro-batch %d: loss %s (langs %s, durations %s); this optimizer step "
+                    "is skipped on every rank",
+                    self.global_rank,
+                    batch_idx,
+                    loss.item(),
+                    sorted(set(batch.langs)),
+                    [round(d, 2) for d in batch.durations],
+                )
+                loss = self.zero_loss()
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        # Every rank reaches this point once per optimizer step, so the all-reduce cannot hang.
+        flags = torch.tensor(
+            [float(self._window_bad), float(self._window_utterances)], device=self.device
+        )
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flags)
+        self._window_bad = self._window_utterances = 0
+        window_buffers, self._window_buffers = self._window_buffers, None
+        params = [p for p in self.parameters() if p.grad is not None]
+        grad_norm = (
+            torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+        )
+        self.last_grad_norm = float(grad_norm)
+        self._grad_norm = grad_norm
+        reason = None
+        if flags[0] > 0:
+            reason = f"non-finite loss on {int(flags[0])} micro-batch(es)"
+        elif flags[1] == 0:
+            reason = "no utterance on any rank (every micro-batch was bad audio)"
+        elif not math.isfinite(self.last_grad_norm):
+            reason = f"gradient norm {self.last_grad_norm}"
+        if reason is not None:
+            # No gradient at all: AdamW leaves every parameter and its moments untouched.
+            for p in self.parameters():
+                p.grad = None
+            if window_buffers is not None:
+                with torch.no_grad():
+                    for name, b in self.batchnorm_buffers():
+                        b.copy_(window_buffers[name])
+            self.skipped_steps += 1
+            if self.global_rank == 0:
+                log.warning(
+                    "optimizer step %d skipped on every rank: %s (%d skipped so far)",
+                    self.global_step,
+                    reason,
+                    self.skipped_steps,
+                )
+        else:
+            self.average_batchnorm_statistics()
+            if self.encoder_frozen:
+                # DDP may hand unused parameters a zero gradient; AdamW would then still decay them.
+                for p in asr_model.encoder(self.model).parameters():
+                    p.grad = None
+
+    def batchnorm_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, buffer) of every BatchNorm running statistic: the buffers a forward pass changes."""
+        if self._batchnorms is None:  # the module tree is fixed once training starts
+            self._batchnorms = [
+                (prefix, m)
+                for prefix, m in self.named_modules()
+                if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+            ]
+        return [
+            (f"{prefix}.{name}", b)
+            for prefix, m in self._batchnorms
+            for name, b in m.named_buffers(recurse=False)
+            if b is not None
+        ]
+
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ):
+        # on_before_optimizer_step (just before this) measured the norm of these very gradients: clip
+        # with it instead of letting Lightning read every gradient a second time (a full pass over
+        # 0.6 B values per optimizer step at full size). Same norm, same clipping, bit for bit.
+        grad_norm, self._grad_norm = self._grad_norm, None
+        if (
+            not gradient_clip_val
+            or grad_norm is None
+            or gradient_clip_algorithm not in (None, "norm")
+        ):
+            return super().configure_gradient_clipping(
+                optimizer, gradient_clip_val, gradient_clip_algorithm
+            )
+        params = [
+            p for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+        ]
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, grad_norm)
+
+    def average_batchnorm_statistics(self) -> None:
+        """Make BatchNorm running statistics the mean over ranks, once per optimizer step.
+
+        Each rank's forward passes update its own statistics. DDP's usual fix (broadcast_buffers)
+        copies rank 0's at the next forward, so ranks still differ after their last forward and the
+        other ranks' data never counts; SyncBatchNorm would put a collective into every forward,
+        which a rank with an empty micro-batch skips. Averaging here keeps every buffer identical on
+        all ranks at every step boundary (and in every checkpoint) for one small all-reduce per step.
+        Only BatchNorm in train mode: the frozen encoder's statistics must not change by a single bit.
+        """
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        norms = [
+            m
+            for m in self.modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+            and m.training
+            and m.track_running_stats
+        ]
+        if not norms:
+            return
+        stats = [b for m in norms for b in (m.running_mean, m.running_var)]
+        flat = torch._utils._flatten_dense_tensors(stats)
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        for b, synced in zip(stats, torch._utils._unflatten_dense_tensors(flat, stats)):
+            b.copy_(synced)
+        counts = torch.stack([m.num_batches_tracked for m in norms])
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        for m, n in zip(norms, counts):
+            m.num_batches_tracked.copy_(n)
+
+    def configure_optimizers(self):
+        # Base LR 1.0, so LambdaLR's factor IS the learning rate of lr_at_step.
+        optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=1.0, betas=(0.9, 0.98), weight_decay=config.WEIGHT_DECAY
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule_from_config())
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
+        }
+
+
+# ---- data ---------------------------------------------------------------------------------------
+
+
+def build_dataset(tokenizer):
+    """LocalShardDataset over TRAIN_MANIFEST_PATH (feasibility-filtered)."""
+    from dataset import LocalShardDataset
+
+    path = Path(config.TRAIN_MANIFEST_PATH)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"TRAIN_MANIFEST_PATH={path} does not exist; build it with scripts/make_train_val.py"
+        )
+    dataset = LocalShardDataset(path, tokenizer)
+    if len(dataset) == 0:
+        raise ValueError(
+            f"TRAIN_MANIFEST_PATH={path}: no utterance is left after the feasibility filter "
+            f"({dataset.load_summary})"
+        )
+    return dataset
+
+
+def build_dataloader(dataset, *, world_size: int, rank: int, pin_memory: bool):
+    """(DataLoader, sampler) for this rank: one batch_sampler micro-batch per step, NUM_WORKERS workers."""
+    from dataset import collate_asr_batch
+    from sampler import DurationBucketBatchSampler
+
+    sampler = DurationBucketBatchSampler(
+        dataset.durations,
+        dataset.lang_codes,
+        language_names=dataset.lang_names,
+        world_size=world_size,
+        rank=rank,
+    )
+    workers = config.NUM_WORKERS
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=collate_asr_batch,
+        num_workers=workers,
+        pin_memory=pin_memory,
+        persistent_workers=workers > 0,
+        prefetch_factor=2 if workers > 0 else None,
+    )
+    return loader, sampler
+
+
+def log_first_step(sampler, rank: int) -> None:
+    stats = sampler.epoch_stats()
+    first = stats["first_step"]
+    log.info(
+        "rank %d: %d micro-batches this epoch; the first optimizer step starts with this rank's most "
+        "expensive micro-batch: %d utterances, %.1f s of audio, longest %.1f s",
+        rank,
+        stats["num_batches_per_rank"],
+        first["utterances"],
+        first["audio_seconds"],
+        first["max_duration"],
+    )
