@@ -22,7 +22,7 @@ def batch(langs, durations, bad=None, loss=1.0):
     signal = torch.zeros(n, 100)
     lens = torch.tensor([50 + 10 * i for i in range(n)])
     b = SimpleNamespace(signal=signal, signal_len=lens, langs=list(langs), durations=list(durations),
-                        bad_audio=dict(bad or {}))  # fmt: skip
+                        token_len=torch.full((n,), 4), bad_audio=dict(bad or {}))  # fmt: skip
     return b, SimpleNamespace(last_loss=torch.tensor(loss))
 
 
@@ -56,7 +56,7 @@ def test_a_window_sums_its_micro_batches_and_keeps_languages_apart():
     w.add_micro_batch(*batch(["hi", "en", "hi"], [1.0, 2.0, 3.0], {"missing": 2}, loss=2.0))
     w.add_micro_batch(*batch(["en"], [4.0], loss=float("nan")))
     r = w.reduced(torch.device("cpu"))
-    assert r["utterances"] == 4 and r["audio_seconds"] == 10.0
+    assert r["utterances"] == 4 and r["audio_seconds"] == 10.0 and r["tokens"] == 16
     assert r["lang_utterances"] == {"en": 2.0, "hi": 2.0}
     assert r["bad_audio"] == {"missing": 2.0, "empty": 0.0}
     assert r["loss_sum"] == 2.0 and r["loss_count"] == 1  # the non-finite loss is left out
