@@ -159,6 +159,12 @@ def restore_rng_state(state: dict[str, Any], module: torch.nn.Module | None = No
 
 # ---- the run's identity -------------------------------------------------------------------------
 
+
+def new_run_name() -> str:
+    """WANDB_RUN_NAME, else run-<UTC time>: the name of a run that starts fresh."""
+    return config.WANDB_RUN_NAME or time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())
+
+
 RUN_RECORD = "run.json"
 
 
@@ -176,7 +182,7 @@ def run_identity(resuming: bool, checkpoint_dir: Path | None = None) -> tuple[st
         saved = json.loads(record.read_text(encoding="utf-8"))
         if not config.WANDB_RUN_NAME or config.WANDB_RUN_NAME == saved["name"]:
             return saved["name"], saved["wandb_id"]
-    name = config.WANDB_RUN_NAME or time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())
+    name = new_run_name()
     identity = (name, secrets.token_hex(6))
     if int(os.environ.get("RANK", "0")) == 0:
         record.parent.mkdir(parents=True, exist_ok=True)

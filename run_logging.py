@@ -107,7 +107,7 @@ def run_directory(run_name: str | None = None, log_dir: Path | None = None) -> P
     The name is ``run_name``, else WANDB_RUN_NAME, else run-<UTC time>; only global rank 0 writes there.
     """
     log_dir = Path(log_dir or config.WANDB_LOG_DIR)
-    name = run_name or config.WANDB_RUN_NAME or time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())
+    name = run_name or checkpoints.new_run_name()
     return log_dir / name
 
 
