@@ -136,8 +136,6 @@ class TrainingMetricsCallback(_pl.Callback):
     latest dict (the progress bar shows part of it).
     """
 
-    _COUNTERS = ("skipped_steps", "empty_micro_batches", "nonfinite_losses")
-
     def __init__(self, share_window: int = 100):
         self.share_window = int(share_window)
         self.last_metrics: dict[str, float] = {}
@@ -166,7 +164,9 @@ class TrainingMetricsCallback(_pl.Callback):
             for logger in trainer.loggers:
                 logger.log_hyperparams(params)
         self._last_step = trainer.global_step
-        self._counters_seen = {name: float(getattr(pl_module, name)) for name in self._COUNTERS}
+        self._counters_seen = {
+            name: float(getattr(pl_module, name)) for name in training_metrics.MODULE_COUNTERS
+        }
         self._step_started = time.perf_counter()
         self._batch_ended = self._step_started
         if not self.totals:
@@ -224,7 +224,7 @@ class TrainingMetricsCallback(_pl.Callback):
             w.set("peak_memory_gib", torch.cuda.max_memory_allocated(device) / 2**30)
         # The module's fault counters are per rank and restart at 0 in a resumed process: their
         # growth since the last step is what the ranks combine.
-        for name in self._COUNTERS:
+        for name in training_metrics.MODULE_COUNTERS:
             now = float(getattr(pl_module, name))
             w.set(name, now - self._counters_seen.get(name, 0.0))
             self._counters_seen[name] = now

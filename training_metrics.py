@@ -37,6 +37,8 @@ class Measure:
 
     ``per``: "lang" or "reason" for a value per language / bad-audio reason ({key: value}).
     ``of_micro_batch(batch, pl_module)``: its value for one micro-batch, summed over the window.
+    ``module_counter``: the growth over the step of the TrainingModule attribute of the same name (a
+    per-rank fault counter that restarts at 0 in a resumed process).
     """
 
     name: str
@@ -44,6 +46,7 @@ class Measure:
     per: str | None = None
     of_micro_batch: Callable[[Any, Any], Any] | None = None
     cumulative: bool = False
+    module_counter: bool = False
 
 
 def _non_empty(batch) -> bool:
@@ -80,11 +83,12 @@ MEASURES: tuple[Measure, ...] = (
     Measure("wait_fraction_max", "max"),
     Measure("checkpoint_seconds", "max"),
     Measure("peak_memory_gib", "max"),
-    Measure("empty_micro_batches", "sum", cumulative=True),
-    Measure("nonfinite_losses", "sum", cumulative=True),
+    Measure("empty_micro_batches", "sum", cumulative=True, module_counter=True),
+    Measure("nonfinite_losses", "sum", cumulative=True, module_counter=True),
     # A skip is decided on every rank alike: the ranks' counts are equal, not to be summed.
-    Measure("skipped_steps", "max", cumulative=True),
+    Measure("skipped_steps", "max", cumulative=True, module_counter=True),
 )
+MODULE_COUNTERS = tuple(m.name for m in MEASURES if m.module_counter)
 
 
 def _nan_to_zero(v: float) -> float:
