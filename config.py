@@ -40,6 +40,7 @@ STEPS = (
     "build_manifest",
     "make_train_val",
     "train_tokenizer",
+    "build_cache",
     "train",
     "evaluate",
     "manifest_report",
@@ -199,7 +200,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _path,
         "make_train_val.py output read by train.py",
         derived=True,
-        steps=("make_train_val", "train_tokenizer", "train", "manifest_report"),
+        steps=("make_train_val", "train_tokenizer", "build_cache", "train", "manifest_report"),
     )
     knob(
         "VAL_MANIFEST_PATH",
@@ -207,7 +208,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _path,
         "make_train_val.py output read by evaluation",
         derived=True,
-        steps=("make_train_val", "train", "evaluate"),
+        steps=("make_train_val", "build_cache", "train", "evaluate"),
     )
     knob(
         "TOKENIZER_DIR",
@@ -215,7 +216,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _path,
         "SentencePiece tokenizer directory (train_tokenizer.py output)",
         derived=True,
-        steps=("train_tokenizer", "train", "evaluate"),
+        steps=("train_tokenizer", "build_cache", "train", "evaluate"),
     )
     knob(
         "CHECKPOINT_DIR",
@@ -289,7 +290,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _float,
         "Seconds per encoder frame (10 ms hop x 8x subsampling); utterances with more tokens than frames are dropped",
         _positive,
-        steps=("train", "evaluate"),
+        steps=("build_cache", "train", "evaluate"),
     )
 
     # Data
@@ -331,7 +332,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _int,
         "Token sequences are truncated to this length",
         _positive,
-        steps=("train", "evaluate"),
+        steps=("build_cache", "train", "evaluate"),
     )
     knob(
         "AUDIO_DURATION_TOLERANCE",
@@ -420,6 +421,24 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         "Relative random spread of the within-bucket duration sort: higher = more random batches, more padding",
         _non_negative,
         steps=("train",),
+    )
+
+    # Training cache (training_cache.py)
+    knob(
+        "CACHE_DIR",
+        None,
+        _path,
+        "Where training caches live (tokenized manifests, one directory each); empty: beside each "
+        "manifest. Set it when the data directory is read-only or small",
+        steps=("build_cache", "train", "evaluate"),
+    )
+    knob(
+        "CACHE_BUILD_WORKERS",
+        0,
+        _int,
+        "Processes that tokenize a manifest into its training cache; 0: every usable core",
+        _non_negative,
+        steps=("build_cache", "train", "evaluate"),
     )
 
     # Training
@@ -598,6 +617,8 @@ MASTER_MANIFEST_PATH: Path
 TRAIN_MANIFEST_PATH: Path
 VAL_MANIFEST_PATH: Path
 TOKENIZER_DIR: Path
+CACHE_DIR: Path | None
+CACHE_BUILD_WORKERS: int
 CHECKPOINT_DIR: Path
 WANDB_LOG_DIR: Path
 WANDB_PROJECT: str

@@ -18,7 +18,8 @@ What a run does (this file wires it; each part lives where its name says):
   ``tdt_loss.tdt_loss`` on CPU. On CUDA, every rank first runs its loss once on a small known problem
   against ``tdt_loss.tdt_loss``: a broken GPU install stops the job before any data is loaded, with
   the line that installs the loss.
-- Data (training_step.build_dataloader): LocalShardDataset over TRAIN_MANIFEST_PATH, batched by
+- Data (training_step.build_dataloader): LocalShardDataset over TRAIN_MANIFEST_PATH (its training
+  cache, built by scripts/build_training_cache.py or at start-up before the ranks connect), batched by
   DurationBucketBatchSampler for this rank (rank and world size from torchrun / torch.distributed).
   The first optimizer step of each epoch gets this rank's most expensive micro-batches, so an
   out-of-memory shows in minute one; their size is logged at start-up.
@@ -63,7 +64,7 @@ import callbacks
 import checkpoints
 import config
 import run_logging
-from training_step import TrainingModule
+from training_step import TrainingModule, prepare_training_caches
 
 log = logging.getLogger("train")
 
@@ -217,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     # Per-rank randomness from here on (dropout, SpecAugment masks, dither), still a function of SEED.
     torch.manual_seed(config.SEED + env["rank"])
     module = TrainingModule(model)
+    # Before the process group exists, so a cache build never runs into a collective timeout.
+    prepare_training_caches(model.tokenizer)
     callback_list = build_callbacks()
     ckpt_path = checkpoints.resolve_resume_from()
     trainer = build_trainer(callback_list, env, resuming=ckpt_path is not None)

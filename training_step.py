@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import os
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -142,12 +143,9 @@ class TrainingModule(pl.LightningModule):
                 f"Lightning says rank {rank}/{world_size} but torch.distributed says "
                 f"{dist.get_rank()}/{dist.get_world_size()}; check the torchrun launch"
             )
-        # Rank 0 loads first so any cache the dataset builds next to the manifest is written once.
-        if rank != 0:
-            self.trainer.strategy.barrier("dataset")
+        # The training cache exists by now (prepare_training_caches ran before the process group
+        # was formed): every rank only maps it, so no rank waits in a collective here.
         self.dataset = build_dataset(self.model.tokenizer)
-        if rank == 0:
-            self.trainer.strategy.barrier("dataset")
         loader, self.sampler = build_dataloader(
             self.dataset, world_size=world_size, rank=rank, pin_memory=self.device.type == "cuda"
         )
@@ -342,6 +340,41 @@ class TrainingModule(pl.LightningModule):
 
 
 # ---- data ---------------------------------------------------------------------------------------
+
+
+def prepare_training_caches(tokenizer) -> None:
+    """Build the training caches train.py maps (TRAIN_MANIFEST_PATH; VAL_MANIFEST_PATH when
+    evaluation is on) unless scripts/build_training_cache.py already did.
+
+    Called by every rank before the process group exists: one process per cache directory builds,
+    the others wait on its file lock, so a long build can never run into a collective timeout.
+    """
+    import training_cache
+
+    manifests = [Path(config.TRAIN_MANIFEST_PATH)]
+    if config.EVAL_EVERY_STEPS > 0 and Path(config.VAL_MANIFEST_PATH).is_file():
+        manifests.append(Path(config.VAL_MANIFEST_PATH))
+    for path in manifests:
+        if not path.exists():
+            raise FileNotFoundError(
+                f"TRAIN_MANIFEST_PATH={path} does not exist; build it with scripts/make_train_val.py"
+            )
+        info = training_cache.ensure(
+            path,
+            tokenizer,
+            frame_seconds=config.ENCODER_FRAME_SECONDS,
+            max_token_len=config.MAX_TOKEN_LEN,
+            cache_dir=config.CACHE_DIR,
+            workers=config.CACHE_BUILD_WORKERS,
+            progress=int(os.environ.get("LOCAL_RANK", 0)) == 0,
+        )
+        if info.built:
+            log.info(
+                "built the training cache of %s in %.1f s (scripts/build_training_cache.py builds "
+                "it before training)",
+                path,
+                info.summary["build_seconds"],
+            )
 
 
 def build_dataset(tokenizer):

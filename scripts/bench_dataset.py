@@ -13,7 +13,7 @@ the PSS (/proc/PID/smaps_rollup) of every process of those trees, for three data
 process layout:
   null    no manifest at all (decodes the same files): what interpreter, torch, NeMo and the workers
           cost by themselves; subtracted from the other two
-  arrow   dataset.LocalShardDataset (memory-mapped sidecar)
+  arrow   dataset.LocalShardDataset (its memory-mapped training cache)
   pandas  the pipeline we replace: the same columns in a pandas DataFrame per rank, rows via .iloc
 and reports (PSS - null PSS) / (Arrow size of one copy of the manifest columns). Target: arrow <= 1.5x.
 Neither disk nor audio buffers are what is measured: every shard directory is a symlink to one pool of
@@ -46,6 +46,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+import training_cache
 from manifest_schema import TAR_FILE, lang_tag, tag_prefix
 
 LANGS = ("hi", "en", "mr", "ta")
@@ -200,7 +201,9 @@ def make_dataset(kind: str, corpus: dict, tokenizer):
             """The replaced pipeline: a DataFrame per rank, one .iloc row per item."""
 
             def __init__(self):
-                table = pq.read_table(corpus["manifest"], columns=list(dataset.MANIFEST_COLUMNS))
+                table = pq.read_table(
+                    corpus["manifest"], columns=list(training_cache.MANIFEST_COLUMNS)
+                )
                 self.df = table.to_pandas()
 
             def __len__(self):
@@ -215,7 +218,7 @@ def make_dataset(kind: str, corpus: dict, tokenizer):
                     return None
                 tag_id = tokenizer.token_to_id(lang_tag(row["lang"]))
                 transcript = row["text"][len(tag_prefix(row["lang"])) :]
-                tokens = dataset.tokenize_transcript(tokenizer, tag_id, transcript, 512)
+                tokens = training_cache.tokenize_transcript(tokenizer, tag_id, transcript, 512)
                 return {
                     "signal": torch.from_numpy(signal),
                     "tokens": torch.tensor(tokens),
@@ -241,7 +244,7 @@ def make_dataset(kind: str, corpus: dict, tokenizer):
 
             def __getitem__(self, idx):
                 signal = dataset.load_audio(pool[idx % len(pool)])
-                tokens = dataset.tokenize_transcript(tokenizer, tag_id, "kabir mehta", 512)
+                tokens = training_cache.tokenize_transcript(tokenizer, tag_id, "kabir mehta", 512)
                 return {
                     "signal": torch.from_numpy(signal),
                     "tokens": torch.tensor(tokens),
@@ -570,10 +573,10 @@ def main(argv=None) -> None:
             f"{summary['dropped']}; one copy of the 6 manifest columns in Arrow = {one_copy / 2**20:.1f} MiB"
         )
         print(
-            f"sidecar: {'built' if summary['sidecar_built'] else 'reused'} in {built['seconds']:.1f} s, "
+            f"training cache: {'built' if summary['cache_built'] else 'mapped'} in {built['seconds']:.1f} s, "
             f"peak RSS of that process {built['hwm_after'] / 2**20:.0f} MiB, of which "
             f"{(built['hwm_after'] - built['hwm_before']) / 2**20:.0f} MiB above its imports + tokenizer; "
-            f"file {os.path.getsize(summary['sidecar']) / 2**20:.1f} MiB"
+            f"{training_cache.directory_size(Path(summary['cache'])) / 2**20:.1f} MiB on disk"
         )
 
         if args.part in ("all", "memory"):

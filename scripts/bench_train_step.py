@@ -68,9 +68,10 @@ import torch
 
 import asr_model
 import config
-from dataset import AsrBatch, tag_token_id
+from dataset import AsrBatch
 from manifest_schema import tagged_text
 from sampler import DurationBucketBatchSampler
+from training_cache import tag_token_id
 from training_step import TrainingModule
 
 LANGS = ("hi", "en", "ta", "te", "bn", "mr", "kn")

@@ -5,8 +5,8 @@
 #   DEMO_CLEAN=1 make demo    # starts from scratch (or: make clean-demo && make demo)
 #   DEMO_DIR=/tmp/d make demo # somewhere else
 #
-# Stages: corpus -> extract -> build manifest -> make_train_val -> tokenizer -> torchrun train.py
-# (2 CPU processes, both phases, checkpoints, offline W&B) -> evaluate -> data report.
+# Stages: corpus -> extract -> build manifest -> make_train_val -> tokenizer -> training caches ->
+# torchrun train.py (2 CPU processes, both phases, checkpoints, offline W&B) -> evaluate -> data report.
 # Every knob below is an ordinary config.py variable; export one to override it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -74,6 +74,7 @@ stage extract         - $PY scripts/extract_audio.py   # skips verified shards b
 stage build_manifest  "$DEMO_DIR/master_manifest.parquet" $PY build_manifest.py
 stage make_train_val  "$DEMO_DIR/train_manifest_v2.parquet" $PY scripts/make_train_val.py
 stage tokenizer       "$DEMO_DIR/tokenizer/tokenizer.model" $PY scripts/train_tokenizer.py
+stage cache           - $PY scripts/build_training_cache.py   # maps the caches when already built
 
 FINAL_NEMO="$DEMO_DIR/checkpoints/step_$(printf %08d "$MAX_STEPS").nemo"
 if [[ ! -e "$FINAL_NEMO" ]] && compgen -G "$DEMO_DIR/checkpoints/step_*.ckpt" >/dev/null; then

@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         ("train / val manifests", f"{config.TRAIN_MANIFEST_PATH}, {config.VAL_MANIFEST_PATH}"),
         ("build summaries", f"{data}/*.summary.json"),
         ("tokenizer", config.TOKENIZER_DIR),
+        ("training caches (tokenized manifests)", f"{config.CACHE_DIR or data}/*.training-cache"),
         ("checkpoints + final .nemo", config.CHECKPOINT_DIR),
         ("W&B offline run (wandb sync it)", f"{run_dir}/wandb"),
         ("metrics without W&B", run_dir / "metrics.jsonl"),

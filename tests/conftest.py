@@ -1,5 +1,38 @@
-"""Shared test set-up: single-threaded torch (the CI machine has 2 cores; tests run one at a time)."""
+"""Shared test set-up: single-threaded torch (the CI machine has 2 cores; tests run one at a time),
+and the tiny tokenizer the dataset and training-cache tests share."""
 
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from manifest_schema import lang_tag, tagged_text  # noqa: E402
+
+LANGS = ("hi", "en", "mr")
+WORDS = ("नमस्ते", "भारत", "आज", "कल", "मराठी", "hello", "world", "speech", "data", "test")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory):
+    """A tiny SentencePiece model with the language tags as user-defined symbols, wrapped by NeMo."""
+    import sentencepiece
+    from nemo.collections.common.tokenizers import SentencePieceTokenizer
+
+    workdir = tmp_path_factory.mktemp("tokenizer")
+    rng = np.random.default_rng(0)
+    lines = [
+        tagged_text(rng.choice(LANGS), " ".join(rng.choice(WORDS, size=8))) for _ in range(400)
+    ]
+    (workdir / "corpus.txt").write_text("\n".join(lines), encoding="utf-8")
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(workdir / "corpus.txt"),
+        model_prefix=str(workdir / "tokenizer"),
+        vocab_size=60,
+        hard_vocab_limit=False,
+        character_coverage=1.0,
+        user_defined_symbols=[lang_tag(lang) for lang in LANGS],
+        minloglevel=2,
+    )
+    return SentencePieceTokenizer(str(workdir / "tokenizer.model"))

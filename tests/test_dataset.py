@@ -1,9 +1,9 @@
-"""dataset.py: audio loading, bad-audio handling, tokenization, feasibility filter, sidecar, collation."""
+"""dataset.py: audio loading, bad-audio handling, tokens, feasibility filter, collation (the training
+cache itself: tests/test_training_cache.py)."""
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import pickle
 
@@ -17,37 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dataset
+import training_cache
 from manifest_schema import lang_tag, tagged_text
-
-LANGS = ("hi", "en", "mr")
-WORDS = ("नमस्ते", "भारत", "आज", "कल", "मराठी", "hello", "world", "speech", "data", "test")
-
+from tests.conftest import LANGS, WORDS
 
 # ------------------------------------------------------------------------------------------ fixtures
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tmp_path_factory):
-    """A tiny SentencePiece model with the language tags as user-defined symbols, wrapped by NeMo."""
-    import sentencepiece
-    from nemo.collections.common.tokenizers import SentencePieceTokenizer
-
-    workdir = tmp_path_factory.mktemp("tokenizer")
-    rng = np.random.default_rng(0)
-    lines = [
-        tagged_text(rng.choice(LANGS), " ".join(rng.choice(WORDS, size=8))) for _ in range(400)
-    ]
-    (workdir / "corpus.txt").write_text("\n".join(lines), encoding="utf-8")
-    sentencepiece.SentencePieceTrainer.train(
-        input=str(workdir / "corpus.txt"),
-        model_prefix=str(workdir / "tokenizer"),
-        vocab_size=60,
-        hard_vocab_limit=False,
-        character_coverage=1.0,
-        user_defined_symbols=[lang_tag(lang) for lang in LANGS],
-        minloglevel=2,
-    )
-    return SentencePieceTokenizer(str(workdir / "tokenizer.model"))
 
 
 @pytest.fixture(autouse=True)
@@ -328,8 +302,8 @@ class PerRowTokenizer:
 )
 def test_bulk_encoding_equals_per_item_text_to_ids_truncated(tokenizer, texts, max_ids, per_row):
     tok = PerRowTokenizer(tokenizer) if per_row else tokenizer
-    offsets, ids, full = dataset.encode_transcripts(
-        tok, pa.array(texts, pa.large_string()), max_ids, progress=False
+    offsets, ids, full = training_cache.encode_transcripts(
+        training_cache.encoder_for(tok), pa.array(texts, pa.large_string()), max_ids
     )
     expected = [tokenizer.text_to_ids(t) for t in texts]
     assert full.tolist() == [len(e) for e in expected]
@@ -345,24 +319,33 @@ def test_items_carry_the_same_tokens_as_tokenizing_on_the_fly(corpus, tokenizer)
     ds = load(corpus, tokenizer)
     for k, text in enumerate(texts):
         tag = tokenizer.token_to_id(lang_tag(LANGS[k % 3]))
-        assert ds[k]["tokens"].tolist() == dataset.tokenize_transcript(tokenizer, tag, text, 512)
+        assert ds[k]["tokens"].tolist() == training_cache.tokenize_transcript(
+            tokenizer, tag, text, 512
+        )
         assert ds[k]["tokens"].dtype == torch.int64
 
 
-def test_text_read_in_batches_gives_the_same_tokens_and_row_numbers(corpus, tokenizer, monkeypatch):
-    monkeypatch.setattr(dataset, "_TEXT_BATCH_ROWS", 3)
-    monkeypatch.setattr(dataset, "_TOKENIZE_CHUNK", 2)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_text_read_in_batches_gives_the_same_tokens_and_row_numbers(
+    corpus, tokenizer, monkeypatch, workers
+):
+    monkeypatch.setattr(training_cache, "_BATCH_ROWS", 2)
     texts = [" ".join(WORDS[k % 7 : k % 7 + 1 + k % 4]) for k in range(10)]
     for k, text in enumerate(texts):
         corpus.add(member=f"{k}.flac", text=text, audio={})
-    ds = load(corpus, tokenizer, max_token_len=4)
+    path = corpus.root / "train_manifest.parquet"
+    pq.write_table(pa.Table.from_pylist(corpus.rows), path, row_group_size=3)
+    ds = dataset.LocalShardDataset(
+        path, tokenizer, progress=False, max_token_len=4, build_workers=workers
+    )
     tag = tokenizer.token_to_id("<|hi|>")
     assert [ds[k]["tokens"].tolist() for k in range(10)] == [
-        dataset.tokenize_transcript(tokenizer, tag, t, 4) for t in texts
+        training_cache.tokenize_transcript(tokenizer, tag, t, 4) for t in texts
     ]
     corpus.rows[7]["text"] = "<|en|> hello"
+    pq.write_table(pa.Table.from_pylist(corpus.rows), path, row_group_size=3)
     with pytest.raises(ValueError, match="row 7"):
-        load(corpus, tokenizer)
+        dataset.LocalShardDataset(path, tokenizer, progress=False, build_workers=workers)
 
 
 # ------------------------------------------------------------------------------------------ feasibility
@@ -400,54 +383,19 @@ def test_a_shorter_frame_makes_the_same_utterance_feasible(corpus, tokenizer):
     assert len(load(corpus, tokenizer, frame_seconds=0.01)) == 1
 
 
-# ------------------------------------------------------------------------------------------ sidecar
+# ------------------------------------------------------------------------------------------ mapping
 
 
-def test_sidecar_is_written_once_and_reused(corpus, tokenizer):
-    path = corpus.add(audio={}).write()
-    first = dataset.LocalShardDataset(path, tokenizer, progress=False)
-    stat = os.stat(first.sidecar_path)
-    second = dataset.LocalShardDataset(path, tokenizer, progress=False)
-    assert first.load_summary["sidecar_built"] and not second.load_summary["sidecar_built"]
-    assert second.sidecar_path == first.sidecar_path
-    assert os.stat(second.sidecar_path).st_mtime_ns == stat.st_mtime_ns
-    assert os.stat(second.sidecar_path).st_ino == stat.st_ino
-    assert first.sidecar_path.parent == path.parent
-    assert not [p for p in os.listdir(path.parent) if p.endswith(".tmp")]
-
-
-def test_reopening_the_sidecar_copies_nothing(corpus, tokenizer):
+def test_reopening_the_cache_copies_nothing(corpus, tokenizer):
     for k in range(3000):
         corpus.add(member=f"{k}.flac", text=" ".join(WORDS[: 1 + k % 5]), duration=5.0)
     path = corpus.write()
     dataset.LocalShardDataset(path, tokenizer, progress=False)
     before = pa.total_allocated_bytes()
     ds = dataset.LocalShardDataset(path, tokenizer, progress=False)
+    assert not ds.load_summary["cache_built"]
     assert ds.durations.base is not None and not ds.durations.flags.writeable
     assert pa.total_allocated_bytes() - before < 4096
-
-
-def test_a_changed_manifest_gets_a_new_sidecar(corpus, tokenizer):
-    first = load(corpus.add(audio={}), tokenizer)
-    os.utime(corpus.root / "train_manifest.parquet", ns=(1, 1))
-    second = dataset.LocalShardDataset(
-        corpus.root / "train_manifest.parquet", tokenizer, progress=False
-    )
-    assert second.load_summary["sidecar_built"] and second.sidecar_path != first.sidecar_path
-
-
-def _load_in_child(args):
-    path, tokenizer = args
-    return dataset.LocalShardDataset(path, tokenizer, progress=False).load_summary["sidecar_built"]
-
-
-def test_ranks_racing_to_load_build_the_sidecar_exactly_once(corpus, tokenizer):
-    for k in range(2000):
-        corpus.add(member=f"{k}.flac", text=" ".join(WORDS[: 1 + k % 5]), duration=5.0)
-    path = corpus.write()
-    with multiprocessing.get_context("fork").Pool(4) as pool:
-        built = pool.map(_load_in_child, [(path, tokenizer)] * 4)
-    assert sorted(built) == [False, False, False, True]
 
 
 def test_pickled_dataset_carries_settings_not_the_table(corpus, tokenizer):

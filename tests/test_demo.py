@@ -22,6 +22,7 @@ STAGES = [
     "build_manifest",
     "make_train_val",
     "tokenizer",
+    "cache",
     "train",
     "evaluate",
     "report",
@@ -85,6 +86,7 @@ def test_every_artifact_is_where_the_closing_page_says(demo):
         "train_manifest_v2.parquet",
         "val_manifest_v2.parquet",
         "tokenizer/tokenizer.model",
+        "train_manifest_v2.*.training-cache/meta.json",
         "checkpoints/step_00000003.ckpt",
         "checkpoints/step_00000006.nemo",
         "eval/wer_by_language.csv",
@@ -92,7 +94,7 @@ def test_every_artifact_is_where_the_closing_page_says(demo):
         "report/language_mix.png",
         "wandb_logs/demo/metrics.jsonl",
     ]:
-        assert (demo_dir / path).exists(), path
+        assert list(demo_dir.glob(path)), path
     assert list((demo_dir / "wandb_logs" / "demo" / "wandb").glob("offline-run-*")), (
         "no offline W&B run"
     )

@@ -1,0 +1,348 @@
+"""training_cache.py and scripts/build_training_cache.py: content keys, parallel build, atomicity,
+superseded caches, CACHE_DIR."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import multiprocessing
+import os
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import config
+import dataset
+import training_cache
+from manifest_schema import tagged_text
+from tests.conftest import LANGS, WORDS
+
+
+def rows(n: int, *, duration=5.0, seed=0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(n):
+        lang = LANGS[k % 3]
+        text = " ".join(rng.choice(WORDS, size=1 + k % 6))
+        out.append(
+            dict(
+                segment_id=f"seg{k}",
+                shard_id=f"src/{lang}/shard_{k // 7:04d}",
+                text=tagged_text(lang, text),
+                duration=float(duration if k % 11 else 0.05),  # every 11th: no encoder frame
+                lang=lang,
+                tar_member_name=f"{k}.flac",
+                tar_path=f"/data/shards/src/{lang}/shard_{k // 7:04d}/audio.tar",
+                source="src",
+            )
+        )
+    return out
+
+
+def write(path, table_rows, **kwargs):
+    pq.write_table(pa.Table.from_pylist(table_rows), path, **kwargs)
+    return path
+
+
+def ensure(path, tokenizer, **kwargs):
+    kwargs.setdefault("frame_seconds", 0.08)
+    kwargs.setdefault("max_token_len", 512)
+    kwargs.setdefault("progress", False)
+    return training_cache.ensure(path, tokenizer, **kwargs)
+
+
+def caches(directory) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith(".training-cache"))
+
+
+# ------------------------------------------------------------------------------------------ key
+
+
+def test_a_cache_is_built_once_then_mapped(tmp_path, tokenizer):
+    path = write(tmp_path / "train.parquet", rows(50))
+    first = ensure(path, tokenizer)
+    second = ensure(path, tokenizer)
+    assert first.built and not second.built and second.path == first.path
+    assert first.path.parent == tmp_path
+    assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
+    assert first.summary["rows_read"] == 50 and first.summary["rows_kept"] == 45
+
+
+def test_other_content_with_the_same_size_and_mtime_gets_a_new_cache(tmp_path, tokenizer):
+    path = tmp_path / "train.parquet"
+    plain = dict(compression="none", use_dictionary=False, write_statistics=False)
+    write(path, rows(30, duration=5.0), **plain)
+    size, mtime = path.stat().st_size, path.stat().st_mtime_ns
+    first = ensure(path, tokenizer)
+    write(path, rows(30, duration=6.0), **plain)
+    os.utime(path, ns=(mtime, mtime))
+    assert path.stat().st_size == size and path.stat().st_mtime_ns == mtime
+    second = ensure(path, tokenizer)
+    assert second.built and second.key != first.key
+    assert training_cache.CacheColumns(second.path).durations.max() == 6.0
+
+
+def test_a_touch_or_a_copy_of_the_same_bytes_reuses_the_cache(tmp_path, tokenizer):
+    path = write(tmp_path / "train.parquet", rows(40))
+    first = ensure(path, tokenizer)
+    os.utime(path, ns=(5, 5))
+    assert not ensure(path, tokenizer).built
+    copy = tmp_path / "train_copy.parquet"
+    shutil.copyfile(path, copy)
+    again = ensure(copy, tokenizer)
+    assert not again.built and again.path == first.path
+
+
+def test_the_content_hash_is_the_files_sha256_and_is_remembered(tmp_path, tokenizer, monkeypatch):
+    path = write(tmp_path / "train.parquet", rows(20))
+    expected = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert training_cache.content_sha256(path, tmp_path) == expected
+    opened = []
+    real_open = open
+
+    def spying_open(file, *args, **kwargs):
+        opened.append(str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", spying_open)
+    assert training_cache.content_sha256(path, tmp_path) == expected
+    assert str(path) not in opened  # the memo answered
+
+
+def test_other_settings_or_tokenizer_get_their_own_cache(tmp_path, tokenizer):
+    path = write(tmp_path / "train.parquet", rows(30))
+    a = ensure(path, tokenizer, max_token_len=512)
+    b = ensure(path, tokenizer, max_token_len=3)
+    c = ensure(path, tokenizer, frame_seconds=0.04)
+    assert len({a.key, b.key, c.key}) == 3
+    assert b.summary["truncated_to_max_token_len"] > 0
+    assert any("other tokenizer or frame settings" in why for _, _, why in c.kept_others)
+    assert len(caches(tmp_path)) == 3
+
+
+# ------------------------------------------------------------------------------------------ build
+
+
+def column_bytes(path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.suffix == ".bin"}
+
+
+@pytest.mark.parametrize("row_group_size", [1, 17, 1000])
+def test_parallel_build_equals_the_one_process_build(
+    tmp_path, tokenizer, monkeypatch, row_group_size
+):
+    monkeypatch.setattr(training_cache, "_BATCH_ROWS", 5)
+    path = write(tmp_path / "m.parquet", rows(120), row_group_size=row_group_size)
+    a = ensure(path, tokenizer, workers=1, cache_dir=tmp_path / "one")
+    b = ensure(path, tokenizer, workers=2, cache_dir=tmp_path / "two")
+    assert a.summary["build_workers"] == 1
+    assert b.summary["build_workers"] == min(2, -(-120 // row_group_size))
+    assert column_bytes(a.path) == column_bytes(b.path)
+    ignore = {"build_seconds": 0, "build_workers": 0, "build_peak_rss_worker": 0}
+    assert a.summary | ignore == b.summary | ignore
+
+
+def test_mapped_items_match_the_manifest_row_by_row(tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setattr(training_cache, "_BATCH_ROWS", 4)
+    table = rows(60)
+    path = write(tmp_path / "m.parquet", table, row_group_size=9)
+    info = ensure(path, tokenizer, workers=2)
+    cols = training_cache.CacheColumns(info.path, info.key)
+    kept = [r for r in table if r["duration"] > 1]
+    assert len(cols.durations) == len(kept)
+    for i, row in enumerate(kept):
+        assert table[int(cols.manifest_row[i])] is row
+        assert cols.lang_names[cols.lang_codes[i]] == row["lang"]
+        assert cols.shard_names[cols.shard_codes[i]] == row["shard_id"]
+        assert cols.dir_names[cols.dir_codes[i]] == os.path.dirname(row["tar_path"])
+        assert cols.member_name(i) == row["tar_member_name"]
+        transcript = row["text"].split(" ", 1)[1]
+        assert cols.token_ids_of(i).tolist() == tokenizer.text_to_ids(transcript)
+
+
+def test_a_bad_row_in_a_later_row_group_names_its_manifest_row(tmp_path, tokenizer):
+    table = rows(40)
+    table[33]["text"] = tagged_text("en", "hello")
+    table[33]["lang"] = "hi"  # the tag disagrees with the row's language
+    path = write(tmp_path / "m.parquet", table, row_group_size=10)
+    with pytest.raises(training_cache.CacheError, match=r"m.parquet: row 33"):
+        ensure(path, tokenizer, workers=2)
+    assert caches(tmp_path) == [] and not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+
+
+def test_a_null_names_the_column_and_row(tmp_path, tokenizer):
+    table = rows(12)
+    table[7]["tar_member_name"] = None
+    path = write(tmp_path / "m.parquet", table, row_group_size=5)
+    with pytest.raises(training_cache.CacheError, match=r"'tar_member_name' is null at row 7"):
+        ensure(path, tokenizer)
+
+
+def test_empty_and_all_dropped_manifests_give_empty_caches(tmp_path, tokenizer):
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.Table.from_pylist(rows(3)).slice(0, 0), empty)
+    info = ensure(empty, tokenizer)
+    assert (
+        info.summary["rows_read"] == 0
+        and len(training_cache.CacheColumns(info.path).durations) == 0
+    )
+    dropped = write(tmp_path / "dropped.parquet", rows(5, duration=0.1))
+    info = ensure(dropped, tokenizer)
+    assert info.summary["rows_kept"] == 0
+    assert info.summary["dropped"]["infeasible_tokens_gt_frames"] == 5
+
+
+# ------------------------------------------------------------------------------------------ atomicity
+
+
+def test_a_failed_build_leaves_nothing_that_looks_whole(tmp_path, tokenizer, monkeypatch):
+    path = write(tmp_path / "m.parquet", rows(30), row_group_size=10)
+    calls = []
+    real_add = training_cache._Assembler.add
+
+    def add_then_die(self, part_dir, result):
+        calls.append(part_dir)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real_add(self, part_dir, result)
+
+    monkeypatch.setattr(training_cache._Assembler, "add", add_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        ensure(path, tokenizer, workers=2)
+    assert caches(tmp_path) == [] and not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+
+
+def test_a_killed_builds_temporary_directory_is_removed_by_the_next_build(tmp_path, tokenizer):
+    path = write(tmp_path / "m.parquet", rows(30))
+    key = training_cache.cache_key(
+        training_cache.content_sha256(path, tmp_path),
+        training_cache.tokenizer_fingerprint(tokenizer),
+        0.08,
+        512,
+    )
+    stale = tmp_path / f".m.{key}.training-cache.tmp-999999"
+    (stale / "part-000000").mkdir(parents=True)
+    (stale / "duration.bin").write_bytes(b"\0" * 16)
+    info = ensure(path, tokenizer)
+    assert info.built and info.key == key and not stale.exists()
+
+
+def test_disk_full_names_the_directory_and_the_knob(tmp_path, tokenizer, monkeypatch):
+    path = write(tmp_path / "m.parquet", rows(10))
+
+    def full(self, part_dir, result):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(training_cache._Assembler, "add", full)
+    with pytest.raises(training_cache.CacheError, match=r"no space left in .*CACHE_DIR"):
+        ensure(path, tokenizer)
+
+
+def _ensure_in_child(args):
+    path, tok = args
+    return ensure(path, tok, workers=1).built
+
+
+def test_processes_racing_build_the_cache_exactly_once(tmp_path, tokenizer):
+    path = write(tmp_path / "m.parquet", rows(2000))
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        built = pool.map(_ensure_in_child, [(path, tokenizer)] * 4)
+    assert sorted(built) == [False, False, False, True]
+
+
+# ------------------------------------------------------------------------------------------ superseded
+
+
+def test_a_superseded_cache_is_removed_unless_it_is_mapped(tmp_path, tokenizer):
+    path = write(tmp_path / "m.parquet", rows(30, seed=1))
+    old = ensure(path, tokenizer)
+    write(path, rows(30, seed=2))
+    held = training_cache.CacheColumns(ensure(path, tokenizer).path)  # a running job maps this one
+    assert not old.path.exists()
+    write(path, rows(30, seed=3))
+    newest = ensure(path, tokenizer)
+    assert [p for p, _ in newest.removed] == []
+    assert [(p, why) for p, _, why in newest.kept_others] == [
+        (held.path, "superseded, still mapped by a running process")
+    ]
+    held_path = held.path
+    del held  # the job ends: its lock goes with it
+    write(path, rows(30, seed=4))
+    latest = ensure(path, tokenizer)
+    assert sorted(p for p, _ in latest.removed) == sorted([held_path, newest.path])
+    assert all(size > 0 for _, size in latest.removed)
+    assert caches(tmp_path) == [latest.path.name]
+
+
+# ------------------------------------------------------------------------------------------ CACHE_DIR
+
+
+def test_cache_dir_leaves_a_read_only_data_directory_untouched(tmp_path, tokenizer):
+    data = tmp_path / "data"
+    data.mkdir()
+    path = write(data / "train.parquet", rows(30))
+    before = sorted(os.listdir(data)), data.stat().st_mtime_ns
+    info = ensure(path, tokenizer, cache_dir=tmp_path / "cache")
+    assert info.path.parent == tmp_path / "cache"
+    assert (sorted(os.listdir(data)), data.stat().st_mtime_ns) == before
+    ds = dataset.LocalShardDataset(path, tokenizer, progress=False, cache_dir=tmp_path / "cache")
+    assert not ds.load_summary["cache_built"] and len(ds) == 27
+
+
+def test_an_unwritable_cache_dir_fails_naming_it(tmp_path, tokenizer):
+    path = write(tmp_path / "train.parquet", rows(5))
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    with pytest.raises(training_cache.CacheError, match=r"CACHE_DIR=.*not_a_dir/cache.*writable"):
+        ensure(path, tokenizer, cache_dir=blocker / "cache")
+
+
+def test_an_unwritable_manifest_directory_points_to_cache_dir(tmp_path, tokenizer, monkeypatch):
+    path = write(tmp_path / "train.parquet", rows(5))
+    real_touch = training_cache.Path.touch
+
+    def read_only(self, *args, **kwargs):
+        if self.parent == tmp_path:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_touch(self, *args, **kwargs)
+
+    monkeypatch.setattr(training_cache.Path, "touch", read_only)
+    with pytest.raises(training_cache.CacheError, match=r"CACHE_DIR is unset.*Permission denied"):
+        ensure(path, tokenizer)
+
+
+# ------------------------------------------------------------------------------------------ the script
+
+
+def test_build_script_caches_train_and_validation_for_training(
+    tmp_path, tokenizer, monkeypatch, capsys
+):
+    from scripts import build_training_cache
+
+    train = write(tmp_path / "train.parquet", rows(40, seed=5))
+    val = write(tmp_path / "val.parquet", rows(12, seed=6))
+    monkeypatch.setattr(config, "TRAIN_MANIFEST_PATH", train)
+    monkeypatch.setattr(config, "VAL_MANIFEST_PATH", val)
+    monkeypatch.setattr(config, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr(config, "ENCODER_FRAME_SECONDS", 0.08)
+    monkeypatch.setattr(config, "MAX_TOKEN_LEN", 512)
+    monkeypatch.setattr(build_training_cache, "load_tokenizer", lambda _: tokenizer)
+    assert build_training_cache.main([]) == 0
+    out = capsys.readouterr().out
+    assert "train.parquet: 40 rows read, 36 kept" in out and "val.parquet: 12 rows read" in out
+    assert out.count("built in") == 2
+    ds = dataset.LocalShardDataset(train, tokenizer, progress=False)  # what train.py does
+    assert not ds.load_summary["cache_built"]
+    assert build_training_cache.main([]) == 0
+    assert capsys.readouterr().out.count("already built: mapped") == 2
+
+
+def test_build_script_without_a_tokenizer_says_what_to_run(tmp_path, monkeypatch, capsys):
+    from scripts import build_training_cache
+
+    monkeypatch.setattr(config, "TOKENIZER_DIR", tmp_path / "nope")
+    assert build_training_cache.main(["--manifest", str(tmp_path / "x.parquet")]) == 2
+    assert "run scripts/train_tokenizer.py" in capsys.readouterr().err
