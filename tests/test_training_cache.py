@@ -346,3 +346,69 @@ def test_build_script_without_a_tokenizer_says_what_to_run(tmp_path, monkeypatch
     monkeypatch.setattr(config, "TOKENIZER_DIR", tmp_path / "nope")
     assert build_training_cache.main(["--manifest", str(tmp_path / "x.parquet")]) == 2
     assert "run scripts/train_tokenizer.py" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ orphans
+
+_SLOW_BUILD = """
+import sys, time
+import training_cache
+from nemo.collections.common.tokenizers import SentencePieceTokenizer
+
+real = training_cache._build_part
+def slow(task):
+    time.sleep(60)  # far longer than the test waits: only the kernel can end it early
+    return real(task)
+training_cache._build_part = slow
+training_cache.ensure(sys.argv[1], SentencePieceTokenizer(sys.argv[2]), frame_seconds=0.08,
+                      max_token_len=512, workers=2, progress=False)
+"""
+
+
+def _children(pid: int) -> list[int]:
+    from pathlib import Path
+
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        out += [int(c) for c in task.read_text().split()]
+    return out
+
+
+def test_workers_die_with_a_killed_builder(tmp_path, tokenizer):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = write(tmp_path / "m.parquet", rows(200), row_group_size=10)
+    model = tokenizer.tokenizer.serialized_model_proto()
+    (tmp_path / "tok.model").write_bytes(model)
+    script = tmp_path / "build.py"
+    script.write_text(_SLOW_BUILD)
+    builder = subprocess.Popen(
+        [sys.executable, str(script), str(path), str(tmp_path / "tok.model")]
+    )
+    deadline = time.monotonic() + 120
+    workers: list[int] = []
+    while len(workers) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        workers = _children(builder.pid)
+    assert len(workers) == 2, "the builder never started its workers"
+    builder.send_signal(signal.SIGKILL)
+    builder.wait()
+    deadline = time.monotonic() + 10
+    alive = workers
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [p for p in workers if os.path.exists(f"/proc/{p}") and not _is_zombie(p)]
+    assert alive == [], "workers outlived their builder"
+    assert caches(tmp_path) == []  # only a hidden temporary directory, removed by the next build
+    assert ensure(path, tokenizer).built
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
