@@ -28,6 +28,7 @@ import asr_model
 import checkpoints
 import config as _config
 import evaluation
+import process_control
 import training_metrics
 from collectives import all_gather_objects
 from dataset import BAD_AUDIO_REASONS
@@ -347,6 +348,10 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
     validation or metric-based saves. At the end of training, ``step_<step>.nemo`` (the NeMo model).
 
     - Saved right after the optimizer step, so a resume starts at a gradient-accumulation boundary.
+    - Preemption: when the ranks agreed on a stop signal in this optimizer step
+      (``TrainingModule.stop_agreed``, see process_control.py), this step is saved whatever its number,
+      training stops, ``preempted`` is set and no .nemo is exported; train.py exits with
+      ``process_control.PREEMPTED_EXIT_CODE``.
     - Atomic: ``setup`` installs AtomicCheckpointIO on the strategy; global rank 0 writes a temporary
       file in the same directory and renames it when complete; Lightning's barrier in
       ``trainer.save_checkpoint`` holds every rank until then.
@@ -376,6 +381,7 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
         self._seen_step = 0
         self.last_save_ended = -math.inf  # perf_counter() when the last save finished
         self.last_save_seconds = 0.0
+        self.preempted = False
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -404,13 +410,24 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
         if step == self._seen_step:
             return  # no optimizer step in this micro-batch
         self._seen_step = step
-        if step % self.every_n_steps == 0:
+        stop = getattr(pl_module, "stop_agreed", False)
+        if step % self.every_n_steps == 0 or stop:
             started = time.perf_counter()
-            self._save_checkpoint(
-                trainer, str(Path(self.dirpath) / checkpoints.checkpoint_name(step))
-            )
+            path = Path(self.dirpath) / checkpoints.checkpoint_name(step)
+            self._save_checkpoint(trainer, str(path))
             self.last_save_ended = time.perf_counter()
             self.last_save_seconds = self.last_save_ended - started
+            if stop:
+                self.preempted = True
+                trainer.should_stop = True
+                _log.warning(
+                    "rank %d: stop signal: saved %s in %.1f s; stopping (exit code %d, resume with "
+                    "RESUME_FROM=last)",
+                    trainer.global_rank,
+                    path,
+                    self.last_save_seconds,
+                    process_control.PREEMPTED_EXIT_CODE,
+                )
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         pass  # no epoch-end saves
@@ -419,6 +436,8 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
         pass  # no metric-based saves
 
     def on_train_end(self, trainer, pl_module) -> None:
+        if self.preempted:
+            return  # the run continues elsewhere; its .nemo comes at its real end
         if self.export_nemo_at_end and trainer.is_global_zero and trainer.global_step > 0:
             path = Path(self.dirpath) / f"step_{trainer.global_step:08d}.nemo"
             checkpoints.export_nemo(pl_module.model, path)

@@ -63,6 +63,7 @@ import asr_model
 import callbacks
 import checkpoints
 import config
+import process_control
 import run_logging
 from training_step import TrainingModule, prepare_training_caches
 
@@ -212,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO,
         format=f"%(asctime)s [rank {env['rank']}] %(levelname)s %(name)s: %(message)s",
     )
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        process_control.die_with_parent()  # torchrun's agent: no rank outlives its launcher
+    process_control.install_stop_handlers()
     # Same seed everywhere for the model's initial weights (DDP also broadcasts rank 0's).
     pl.seed_everything(config.SEED, workers=True)
     model = asr_model.build_model()
@@ -225,6 +229,18 @@ def main(argv: list[str] | None = None) -> int:
     trainer = build_trainer(callback_list, env, resuming=ckpt_path is not None)
     log_startup(trainer, env, model)
     trainer.fit(module, ckpt_path=ckpt_path)
+    process_control.set_training(False)
+    checkpoint_callback = next(
+        cb for cb in callback_list if isinstance(cb, callbacks.StepOnlyModelCheckpoint)
+    )
+    if checkpoint_callback.preempted:
+        log.warning(
+            "stopped on %s after saving optimizer step %d; exit code %d (RESUME_FROM=last continues)",
+            process_control.stop_requested() or "a stop signal on another rank",
+            trainer.global_step,
+            process_control.PREEMPTED_EXIT_CODE,
+        )
+        return process_control.PREEMPTED_EXIT_CODE
     log.info(
         "done: %d optimizer steps, %d skipped; %d empty micro-batches, %d non-finite losses; bad audio %s",
         trainer.global_step,

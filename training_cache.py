@@ -66,6 +66,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+import process_control
 from atomic_files import atomic_write
 from manifest_schema import lang_tag, split_lang_tags
 
@@ -333,20 +334,8 @@ def _init_worker(proto: bytes | None, tokenizer, parent: int | None = None) -> N
     global _worker_encoder
     _worker_encoder = _Encoder(proto, tokenizer) if proto is not None or tokenizer else None
     if parent is not None:
-        _die_with(parent)
-
-
-def _die_with(parent: int) -> None:
-    """Have the kernel kill this worker when its parent dies, however it dies (even SIGKILL), so a
-    killed build leaves no orphan tokenizing on (Linux; elsewhere the worker notices its closed pipe)."""
-    import ctypes
-    import signal
-
-    with contextlib.suppress(OSError, AttributeError):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before the line above took effect
-        os._exit(1)
+        # A killed builder must leave no worker tokenizing on.
+        process_control.die_with_parent(parent)
 
 
 def _return_memory() -> None:

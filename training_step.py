@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 import asr_model
 import config
+import process_control
 
 log = logging.getLogger("train")
 
@@ -109,6 +110,7 @@ class TrainingModule(pl.LightningModule):
         # BatchNorm buffers when the window began, restored when the step is skipped.
         self._window_buffers: dict[str, torch.Tensor] | None = None
         self._batchnorms: list[tuple[str, torch.nn.Module]] | None = None
+        self.stop_agreed = False  # a rank received a stop signal: save after this step and stop
 
     def enter_phase(self, phase: int) -> None:
         """Phase 1: the encoder frozen (``asr_model.set_encoder_trainable``), run without autograd;
@@ -163,6 +165,19 @@ class TrainingModule(pl.LightningModule):
         log_first_step(self.sampler, rank)
         return loader
 
+    def on_train_start(self):
+        # A resumed run restores each param group's "lr" as the checkpoint's job computed it, under
+        # its settings; the first step here must follow this job's schedule like every later one.
+        schedule = lr_schedule_from_config()
+        for optimizer in self.trainer.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = schedule(self.trainer.global_step)
+        # From here a stop signal waits for the next step boundary, where the ranks save and stop.
+        # Lightning installed its own SIGTERM handler at fit start, which ends the run after the
+        # current micro-batch (mid-accumulation, with nothing saved): ours replaces it for the run.
+        process_control.set_training(True)
+        process_control.install_stop_handlers()
+
     def on_train_batch_start(self, batch, batch_idx):
         if self._window_buffers is None:
             # A skipped step must not keep what its forward passes did to BatchNorm statistics (a NaN
@@ -216,11 +231,19 @@ class TrainingModule(pl.LightningModule):
 
     def on_before_optimizer_step(self, optimizer):
         # Every rank reaches this point once per optimizer step, so the all-reduce cannot hang.
+        # A stop signal (preemption) rides on the same all-reduce: every rank learns at this step
+        # whether any rank got one, so they all save after this step and stop together.
         flags = torch.tensor(
-            [float(self._window_bad), float(self._window_utterances)], device=self.device
+            [
+                float(self._window_bad),
+                float(self._window_utterances),
+                float(process_control.stop_requested() is not None),
+            ],
+            device=self.device,
         )
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(flags)
+        self.stop_agreed = bool(flags[2] > 0)
         self._window_bad = self._window_utterances = 0
         window_buffers, self._window_buffers = self._window_buffers, None
         params = [p for p in self.parameters() if p.grad is not None]

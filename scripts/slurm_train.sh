@@ -38,9 +38,11 @@
 #   NCCL_DEBUG=INFO                          log topology and transport choices (WARN by default here)
 #   TORCH_NCCL_ASYNC_ERROR_HANDLING=1        a hung collective aborts the job instead of hanging (default)
 #
-# Requeue: --requeue lets SLURM restart a failed or preempted job; 5 minutes before the time limit
-# SLURM sends USR1 and this script requeues the job itself. The new run finds the newest checkpoint
-# in CHECKPOINT_DIR (RESUME_FROM=last) and continues; steps since that checkpoint are redone.
+# Requeue: --requeue lets SLURM restart a failed or preempted job. 5 minutes before the time limit
+# SLURM sends USR1 to this script, which passes it through srun and torchrun to every rank; the ranks
+# finish their current optimizer step, save it (step_<step>.ckpt) and exit with code 75, and this
+# script then requeues the job. The new run resumes from that checkpoint (RESUME_FROM=last) and redoes
+# nothing. PREEMPT_SAVE_SECONDS (240) is how long torchrun waits for the save before killing the ranks.
 #
 #SBATCH --job-name=parakeet-tdt
 #SBATCH --ntasks-per-node=1
@@ -75,21 +77,30 @@ fi
 if [[ -n "${SLURM_JOB_ID:-}" && $in_step == 0 ]]; then
     NNODES=${SLURM_JOB_NUM_NODES:-1}
     NODE_RANK=batch
+    requeue_requested=0
     requeue() {
-        log "time limit near: requeueing job $SLURM_JOB_ID (RESUME_FROM=last continues it)"
-        scontrol requeue "$SLURM_JOB_ID"
+        log "USR1 from SLURM (time limit or preemption near): the ranks save at the end of their current \
+optimizer step and exit; job $SLURM_JOB_ID is requeued after that (RESUME_FROM=last continues it)"
+        requeue_requested=1
+        kill -USR1 "$srun_pid" 2>/dev/null || true  # srun forwards it to the launcher on every node
     }
     trap requeue USR1
     trap - ERR  # srun's own status is reported below; wait returning early on USR1 is no error
     log "starting one launcher per node on $SLURM_JOB_NODELIST (restart #${SLURM_RESTART_COUNT:-0})"
     srun --ntasks-per-node=1 --nodes="$NNODES" --kill-on-bad-exit=1 --export=ALL,_SLURM_TRAIN_STEP=1 \
         bash "$REPO_DIR/scripts/slurm_train.sh" "$@" &
+    srun_pid=$!
     # wait returns early when USR1 arrives; the trap runs, then wait again for srun to end.
     while true; do
-        set +e; wait $!; rc=$?; set -e
-        if (( rc > 128 )) && kill -0 $! 2>/dev/null; then continue; fi
-        exit $rc
+        set +e; wait $srun_pid; rc=$?; set -e
+        if (( rc > 128 )) && kill -0 $srun_pid 2>/dev/null; then continue; fi
+        break
     done
+    if (( requeue_requested )); then
+        log "launchers ended (status $rc) after the save; requeueing job $SLURM_JOB_ID"
+        scontrol requeue "$SLURM_JOB_ID"
+    fi
+    exit $rc
 fi
 
 # --- one node: work out the topology ---
@@ -182,7 +193,12 @@ OMP_NUM_THREADS=$OMP_NUM_THREADS NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-<auto>
 NCCL_IB_DISABLE=${NCCL_IB_DISABLE:-<auto>} NCCL_DEBUG=$NCCL_DEBUG"
 
 set +e
+# USR1 (forwarded by srun from the batch step) and SIGTERM (scancel, preemption) reach torchrun, which
+# passes them on to every rank and waits PREEMPT_SAVE_SECONDS for them: the ranks finish their current
+# optimizer step, save it as a step checkpoint and exit with code 75 (see README, Resume).
 "$PY" -m torch.distributed.run \
+    --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
+    --shutdown-timeout="${PREEMPT_SAVE_SECONDS:-240}" \
     --nnodes="$NNODES" \
     --nproc-per-node="$NPROC_PER_NODE" \
     --rdzv-backend=c10d \
@@ -190,8 +206,15 @@ set +e
     --rdzv-id="$RDZV_ID" \
     --rdzv-conf="is_host=$is_host,join_timeout=$RDZV_TIMEOUT,read_timeout=$RDZV_READ_TIMEOUT" \
     --max-restarts="$MAX_RESTARTS" \
-    "$TRAIN_SCRIPT" "$@"
-rc=$?
+    "$TRAIN_SCRIPT" "$@" &
+launcher_pid=$!
+trap 'log "USR1: passing it to torchrun (the ranks save and exit)"; kill -USR1 "$launcher_pid" 2>/dev/null || true' USR1
+trap - ERR  # torchrun's status is reported below; wait returning early on USR1 is no error
+while true; do
+    wait $launcher_pid; rc=$?
+    if (( rc > 128 )) && kill -0 $launcher_pid 2>/dev/null; then continue; fi
+    break
+done
 set -e
 if (( NODE_RANK == 0 )); then rm -f "$marker"; fi
 log "torchrun exited with status $rc"

@@ -227,3 +227,71 @@ def test_a_bad_config_value_stops_the_launcher_before_the_rendezvous(launcher_en
 
 def test_launcher_is_valid_bash():
     assert subprocess.run(["bash", "-n", str(LAUNCHER)]).returncode == 0
+
+
+STOP_PROBE = textwrap.dedent("""
+    import os, sys, time
+    import process_control
+    process_control.install_stop_handlers()
+    process_control.set_training(True)
+    open(os.path.join(os.environ["PROBE_OUT"], "ready"), "w").close()
+    for _ in range(1200):
+        if process_control.stop_requested():
+            break
+        time.sleep(0.1)
+    with open(os.path.join(os.environ["PROBE_OUT"], "stopped_by"), "w") as f:
+        f.write(str(process_control.stop_requested()))
+    sys.exit(process_control.PREEMPTED_EXIT_CODE)
+""")
+# srun forwards USR1 to its tasks; this stand-in does too.
+FORWARDING_SRUN = FAKE_SRUN.replace(
+    "rc=0\n", "trap 'kill -USR1 \"${pids[@]}\" 2>/dev/null' USR1\nrc=0\n"
+).replace(
+    'for p in "${pids[@]}"; do wait "$p" || rc=$?; done',
+    'for p in "${pids[@]}"; do\n'
+    '    while true; do wait "$p"; r=$?; (( r > 128 )) && kill -0 "$p" 2>/dev/null || break; done\n'
+    "    (( r )) && rc=$r\n"
+    "done",
+)
+LOGGING_SCONTROL = FAKE_SCONTROL + 'echo "$@" >> "$PROBE_OUT/scontrol.log"\n'
+
+
+@pytest.mark.slow
+def test_slurm_usr1_reaches_the_ranks_through_srun_and_torchrun_then_the_job_is_requeued(
+    launcher_env, tmp_path
+):
+    import signal
+    import time
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FORWARDING_SRUN), ("scontrol", LOGGING_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "stop_probe.py").write_text(STOP_PROBE)
+    env = {k: v for k, v in launcher_env.items() if k not in ("MASTER_ADDR", "NNODES")}
+    env.update(
+        PATH=f"{bin_dir}:{env['PATH']}",
+        SLURM_JOB_ID="4243",
+        SLURM_JOB_NUM_NODES="1",
+        SLURM_JOB_NODELIST="127.0.0.1",
+        SLURM_SUBMIT_DIR=str(REPO),
+        TRAIN_SCRIPT=str(tmp_path / "stop_probe.py"),
+        SHARED_DIR_TIMEOUT="0",
+    )
+    batch = subprocess.Popen(
+        ["bash", str(LAUNCHER)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "out" / "ready").exists():
+        assert batch.poll() is None and time.monotonic() < deadline, batch.communicate()[0]
+        time.sleep(0.2)
+    batch.send_signal(signal.SIGUSR1)  # what sbatch --signal=B:USR1@300 does
+    rc, out = finish(batch, timeout=120)
+    assert (tmp_path / "out" / "stopped_by").read_text() == "SIGUSR1", out
+    assert (tmp_path / "out" / "scontrol.log").read_text().splitlines()[-1] == "requeue 4243", out
+    assert "requeueing job 4243" in out

@@ -1,12 +1,15 @@
 """Kill and resume under `torchrun --nproc_per_node 2` on CPU: the resumed run is the straight run.
 
-Three torchrun jobs of train.py (about 45 s each on 2 cores), all with MAX_STEPS=6, GRAD_ACCUM=2,
+Five torchrun jobs of train.py (about 45 s each on 2 cores), all with MAX_STEPS=6, GRAD_ACCUM=2,
 CHECKPOINT_EVERY=3, UNFREEZE_STEP=4 and a 2-optimizer-step epoch, so the resumed part crosses an
 epoch boundary and the unfreezing:
 1. straight: steps 0..6;
 2. killed: the same job, SIGKILLed (the whole process group) once step_00000003.ckpt exists, while it
    is held inside step 3 (a probe sleeps there, so the kill lands mid-run, deterministically);
-3. resumed: RESUME_FROM=last in the killed job's CHECKPOINT_DIR, steps 3..6.
+3. resumed: RESUME_FROM=last in the killed job's CHECKPOINT_DIR, steps 3..6;
+4. preempted: the same job, sent SIGTERM (torchrun's own pid, as a scheduler would) while held inside
+   step 4: the ranks finish that optimizer step, save step_00000005.ckpt and exit;
+5. requeued: RESUME_FROM=last in the preempted job's CHECKPOINT_DIR, steps 5..6.
 A probe logs every micro-batch the sampler hands out, per rank (NUM_WORKERS=0 and a sized loader, so
 what is handed out is what trains). Both runs must consume the same batches in the same order and end
 with the same weights and optimizer state.
@@ -25,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkpoints import checkpoint_name
 from tests.tiny_training_data import make_training_data
 from tests.torchrun_jobs import torchrun_command
 
@@ -43,6 +47,7 @@ PROBE = textwrap.dedent('''
 
     LOG = Path(os.environ["PROBE_OUT"]) / f"rank{os.environ['RANK']}_batches.jsonl"
     HOLD_AT = int(os.environ.get("PROBE_HOLD_AT_STEP", "-1"))
+    HOLD_UNTIL_STOP = os.environ.get("PROBE_HOLD_UNTIL_STOP") == "1"
 
     iterate = sampler.DurationBucketBatchSampler.__iter__
     def logged(self):
@@ -55,7 +60,14 @@ PROBE = textwrap.dedent('''
 
     class Hold(pl.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            if trainer.global_step == HOLD_AT:
+            if trainer.global_step == HOLD_AT and HOLD_UNTIL_STOP:
+                import process_control
+                (Path(os.environ["PROBE_OUT"]) / f"holding{os.environ['RANK']}").touch()
+                for _ in range(6000):  # the test sends SIGTERM to torchrun here
+                    if process_control.stop_requested():
+                        break
+                    time.sleep(0.1)
+            elif trainer.global_step == HOLD_AT:
                 time.sleep(600)  # the test kills the job here
     callbacks = train.build_callbacks
     train.build_callbacks = lambda: callbacks() + [Hold()]
@@ -151,6 +163,31 @@ def runs(tmp_path_factory):
     resumed_env = env_for("resumed", RESUME_FROM="last", DATA_DIR=killed_env["DATA_DIR"])
     proc = start_torchrun(script, resumed_env, root / "resumed.log")
     wait(proc, root / "resumed.log")
+
+    preempted_env = env_for(
+        "preempted", PROBE_HOLD_AT_STEP=str(HALF + 1), PROBE_HOLD_UNTIL_STOP="1"
+    )
+    proc = start_torchrun(script, preempted_env, root / "preempted.log")
+    holding = [root / "preempted" / f"holding{rank}" for rank in (0, 1)]
+    deadline = time.monotonic() + TIMEOUT_S
+    while not all(p.exists() for p in holding):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(
+                f"the job never held in step 4:\n{(root / 'preempted.log').read_text()[-3000:]}"
+            )
+        time.sleep(0.1)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"no exit 60 s after SIGTERM:\n{(root / 'preempted.log').read_text()[-3000:]}")
+    (root / "seconds_to_exit_after_sigterm").write_text(f"{time.monotonic() - sent:.1f}")
+    requeued_env = env_for("requeued", RESUME_FROM="last", DATA_DIR=preempted_env["DATA_DIR"])
+    proc = start_torchrun(script, requeued_env, root / "requeued.log")
+    wait(proc, root / "requeued.log")
     return root, checkpoint
 
 
@@ -220,3 +257,37 @@ def test_per_language_wer_is_gathered_from_both_ranks(runs):
         assert {"val/wer/en", "val/wer/hi", "val/cer/en", "val/cer/hi", "val/cer/all"} <= l.keys()
     tables = [l for l in lines if l.get("table") == "val/examples"]
     assert len(tables) == 2 and tables[0]["columns"] == ["lang", "reference", "hypothesis"]
+
+
+# ---- preemption: SIGTERM saves the current step, and the requeued job ends as the straight one ------
+
+
+def test_sigterm_saves_the_step_in_progress_and_exits_without_a_nemo(runs):
+    root, _ = runs
+    directory = root / "preempted_data" / "checkpoints"
+    saved = sorted(p.name for p in directory.glob("step_*.ckpt"))  # 6: the requeued job's
+    assert saved == [checkpoint_name(HALF), checkpoint_name(HALF + 2), checkpoint_name(MAX_STEPS)]
+    preempted = torch.load(directory / checkpoint_name(HALF + 2), weights_only=False)
+    assert preempted["global_step"] == HALF + 2
+    log = (root / "preempted.log").read_text()
+    assert "SIGTERM received" in log and "exit code 75" in log
+    assert "exported" not in log  # the .nemo in that directory is the requeued job's
+    assert float((root / "seconds_to_exit_after_sigterm").read_text()) < 30
+
+
+def test_the_requeued_run_redoes_no_step_and_ends_bit_identical_to_the_straight_run(runs):
+    root, _ = runs
+    for rank in (0, 1):
+        done = batches(root / "preempted", rank)[: (HALF + 2) * 2]
+        assert done + batches(root / "requeued", rank) == batches(root / "straight", rank)
+    name = f"step_{MAX_STEPS:08d}.ckpt"
+    straight = torch.load(root / "straight_data" / "checkpoints" / name, weights_only=False)
+    requeued = torch.load(root / "preempted_data" / "checkpoints" / name, weights_only=False)
+    for key, value in straight["state_dict"].items():
+        assert torch.equal(requeued["state_dict"][key], value), key
+    for a, b in zip(
+        straight["optimizer_states"][0]["state"].values(),
+        requeued["optimizer_states"][0]["state"].values(),
+    ):
+        for key in a:
+            assert torch.equal(b[key], a[key]), key
