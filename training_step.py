@@ -79,6 +79,19 @@ def lr_schedule_from_config():
     return lambda step: lr_at_step(step, **kwargs)
 
 
+def apply_current_lr_schedule(trainer) -> None:
+    """Set every param group's LR to ``lr_at_step(global_step)`` under the current settings.
+
+    A resumed run restores each group's "lr" as the checkpoint's job computed it, under that job's
+    settings (LambdaLR recomputes it only after the next step): without this, the first step after
+    raising MAX_STEPS or changing an LR knob would still use the old schedule.
+    """
+    schedule = lr_schedule_from_config()
+    for optimizer in trainer.optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = schedule(trainer.global_step)
+
+
 # ---- the LightningModule ---------------------------------------------------------------------
 
 
@@ -166,12 +179,7 @@ class TrainingModule(pl.LightningModule):
         return loader
 
     def on_train_start(self):
-        # A resumed run restores each param group's "lr" as the checkpoint's job computed it, under
-        # its settings; the first step here must follow this job's schedule like every later one.
-        schedule = lr_schedule_from_config()
-        for optimizer in self.trainer.optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = schedule(self.trainer.global_step)
+        apply_current_lr_schedule(self.trainer)
         # From here a stop signal waits for the next step boundary, where the ranks save and stop.
         # Lightning installed its own SIGTERM handler at fit start, which ends the run after the
         # current micro-batch (mid-accumulation, with nothing saved): ours replaces it for the run.

@@ -761,3 +761,52 @@ def read_wandb_records(path: Path):
             record = pb.Record()
             record.ParseFromString(parts)
             yield record
+
+
+class ConfigScheduleModule(TinyModule):
+    """TinyModule on train.py's LR schedule (config.py's knobs), recording each optimizer step's LR."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.lrs: list[float] = []
+
+    def configure_optimizers(self):
+        from training_step import lr_schedule_from_config
+
+        opt = torch.optim.AdamW(self.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule_from_config())
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_train_start(self):
+        from training_step import apply_current_lr_schedule
+
+        apply_current_lr_schedule(self.trainer)
+
+    def on_before_optimizer_step(self, optimizer):
+        super().on_before_optimizer_step(optimizer)
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+
+def test_every_step_after_a_resume_follows_the_current_schedule_even_the_first(
+    tmp_path, monkeypatch
+):
+    from training_step import lr_schedule_from_config
+
+    for name, value in dict(
+        WARMUP_STEPS=1, PHASE1_LR=1e-3, UNFREEZE_STEP=2, PHASE2_WARMUP=1, PHASE2_LR=1e-3,
+        MIN_LR=1e-5, MAX_STEPS=6,
+    ).items():  # fmt: skip
+        monkeypatch.setattr(config, name, value)
+    fit(tmp_path, max_steps=4, every=4, module=ConfigScheduleModule())
+    monkeypatch.setattr(config, "MAX_STEPS", 40)  # the run is extended: a slower cosine from here
+    _, resumed = fit(
+        tmp_path,
+        max_steps=7,
+        every=4,
+        module=ConfigScheduleModule(),
+        ckpt_path=str(tmp_path / "ckpt" / "step_00000004.ckpt"),
+    )
+    new = lr_schedule_from_config()
+    assert resumed.lrs == pytest.approx([new(step) for step in range(4, 7)], rel=1e-12)
+    monkeypatch.setattr(config, "MAX_STEPS", 6)
+    assert lr_schedule_from_config()(4) != pytest.approx(new(4))  # the old settings differ there
