@@ -344,8 +344,10 @@ class OptimizerStepProgressBar(TQDMProgressBar):
 
 class StepOnlyModelCheckpoint(ModelCheckpoint):
     """A checkpoint every ``every_n_steps`` optimizer steps (CHECKPOINT_EVERY) as
-    ``<dirpath>/step_<step:08d>.ckpt`` (dirpath: CHECKPOINT_DIR), all kept, nothing else: no epoch-end,
-    validation or metric-based saves. At the end of training, ``step_<step>.nemo`` (the NeMo model).
+    ``<dirpath>/step_<step:08d>.ckpt`` (dirpath: CHECKPOINT_DIR), the newest KEEP_CHECKPOINTS kept
+    (0: all), nothing else: no epoch-end, validation or metric-based saves. At the end of training,
+    ``step_<step>.nemo`` (the NeMo model). At set-up, rank 0 logs a checkpoint's estimated size and
+    warns when the file system cannot hold the next few.
 
     - Saved right after the optimizer step, so a resume starts at a gradient-accumulation boundary.
     - Preemption: when the ranks agreed on a stop signal in this optimizer step
@@ -362,6 +364,7 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
         dirpath: str | os.PathLike | None = None,
         every_n_steps: int | None = None,
         export_nemo_at_end: bool = True,
+        keep: int | None = None,
     ):
         every = int(_config.CHECKPOINT_EVERY if every_n_steps is None else every_n_steps)
         if every < 1:
@@ -377,6 +380,7 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
             enable_version_counter=False,
         )
         self.every_n_steps = every
+        self.keep = int(_config.KEEP_CHECKPOINTS if keep is None else keep)
         self.export_nemo_at_end = export_nemo_at_end
         self._seen_step = 0
         self.last_save_ended = -math.inf  # perf_counter() when the last save finished
@@ -390,6 +394,8 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
             for stale in Path(self.dirpath).glob(".step_*.tmp*"):
                 _log.warning("removing %s, an interrupted save", stale)
                 stale.unlink(missing_ok=True)
+        if trainer.is_global_zero:
+            self._warn_when_space_runs_short(pl_module)
         io = trainer.strategy.checkpoint_io
         if type(io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = checkpoints.AtomicCheckpointIO()
@@ -398,6 +404,29 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
                 "checkpoint IO %s is not TorchCheckpointIO: checkpoints are written by it, not atomically "
                 "by StepOnlyModelCheckpoint",
                 type(io).__name__,
+            )
+
+    def _warn_when_space_runs_short(self, pl_module) -> None:
+        size = checkpoints.estimated_checkpoint_bytes(pl_module)
+        free = checkpoints.free_bytes(Path(self.dirpath))
+        room = int(free // size) if size else 0
+        wanted = 3 if self.keep == 0 else self.keep + 1
+        _log.info(
+            "a step checkpoint takes about %.2f GiB; %s has %.1f GiB free (room for %d)",
+            size / 2**30,
+            self.dirpath,
+            free / 2**30,
+            room,
+        )
+        if room < wanted:
+            _log.warning(
+                "CHECKPOINT_DIR=%s has room for %d checkpoint(s) of about %.2f GiB (%.1f GiB free), "
+                "fewer than the next %d: free space, set KEEP_CHECKPOINTS, or move CHECKPOINT_DIR",
+                self.dirpath,
+                room,
+                size / 2**30,
+                free / 2**30,
+                wanted,
             )
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -417,6 +446,9 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
             self._save_checkpoint(trainer, str(path))
             self.last_save_ended = time.perf_counter()
             self.last_save_seconds = self.last_save_ended - started
+            if trainer.is_global_zero:
+                for old in checkpoints.prune_checkpoints(self.keep, Path(self.dirpath)):
+                    _log.info("removed %s (KEEP_CHECKPOINTS=%d)", old.name, self.keep)
             if stop:
                 self.preempted = True
                 trainer.should_stop = True

@@ -9,13 +9,16 @@ continues the same run).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import random
 import re
 import secrets
+import shutil
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +39,22 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}.ckpt"
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be saved or loaded; the message names the path, the cause and what
+    to do."""
+
+
+def free_bytes(directory: Path) -> int:
+    """Free bytes on the file system of ``directory`` (or of its nearest existing parent)."""
+    directory = Path(directory)
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    return shutil.disk_usage(directory).free
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's TorchCheckpointIO, but the file appears under its name only once complete.
+    """Lightning's TorchCheckpointIO, but the file appears under its name only once complete, and
+    a failed save or load says which file, why and what to do (CheckpointError).
 
     Lightning's own save goes through an fsspec transaction whose temporary file lives in the system
     temp dir and is then *copied* (shutil.move) when /tmp is another file system, after buffering the
@@ -52,19 +69,86 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f"AtomicCheckpointIO.save_checkpoint got storage_options={storage_options!r}; "
                 "it writes local files only"
             )
-        atomic_write(path, lambda tmp: torch.save(checkpoint, tmp))
+        try:
+            atomic_write(path, lambda tmp: torch.save(checkpoint, tmp))
+        except (OSError, RuntimeError) as exc:
+            # torch.save reports a full disk as "unexpected pos N vs M" from its zip writer.
+            free = free_bytes(Path(path).parent)
+            full = getattr(exc, "errno", None) == errno.ENOSPC or "unexpected pos" in str(exc)
+            raise CheckpointError(
+                f"cannot save checkpoint {path}: {'disk full: ' if full else ''}{exc}; "
+                f"{free / 2**30:.1f} GiB free on that file system. Free space, set KEEP_CHECKPOINTS "
+                f"to keep fewer, or point CHECKPOINT_DIR at a larger file system"
+            ) from exc
+
+    def load_checkpoint(self, path, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        problem = checkpoint_problem(Path(path))
+        if problem is not None:
+            raise CheckpointError(
+                f"cannot load checkpoint {path}: {problem}; resume from an older one "
+                f"(RESUME_FROM=<path>, or RESUME_FROM=last skips unreadable ones) or delete it"
+            )
+        try:
+            return super().load_checkpoint(path, *args, **kwargs)
+        except Exception as exc:
+            raise CheckpointError(
+                f"cannot load checkpoint {path}: {type(exc).__name__}: {exc}; resume from an older "
+                f"one (RESUME_FROM=<path>) or delete it"
+            ) from exc
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be a complete checkpoint (missing, truncated, not torch.save's zip), or
+    None. Reads the zip's central directory only: cheap even for a 7 GB file."""
+    try:
+        size = path.stat().st_size
+        with zipfile.ZipFile(path) as archive:
+            entries = archive.infolist()
+    except FileNotFoundError:
+        return "no such file"
+    except (zipfile.BadZipFile, OSError) as exc:
+        return f"truncated or not a checkpoint ({exc})"
+    if not any(e.filename.endswith("/data.pkl") for e in entries):
+        return "not a torch checkpoint (no data.pkl)"
+    if any(e.header_offset + e.compress_size > size for e in entries):
+        return "truncated (an entry ends past the end of the file)"
+    return None
+
+
+def step_checkpoints(checkpoint_dir: Path | None = None) -> list[Path]:
+    """The step checkpoints in ``checkpoint_dir`` (CHECKPOINT_DIR), oldest first."""
+    directory = Path(checkpoint_dir or config.CHECKPOINT_DIR)
+    if not directory.is_dir():
+        return []
+    found = [
+        (int(m.group(1)), p) for p in directory.iterdir() if (m := CHECKPOINT_PATTERN.match(p.name))
+    ]
+    return [p for _, p in sorted(found)]
+
+
+def prune_checkpoints(keep: int, checkpoint_dir: Path | None = None) -> list[Path]:
+    """Delete all but the newest ``keep`` step checkpoints (keep <= 0: delete none); the deleted."""
+    if keep <= 0:
+        return []
+    old = step_checkpoints(checkpoint_dir)[:-keep]
+    for path in old:
+        path.unlink(missing_ok=True)
+    return old
+
+
+def estimated_checkpoint_bytes(module: torch.nn.Module) -> int:
+    """What one step checkpoint of ``module`` takes: its parameters and buffers, plus AdamW's two
+    float32 moments per parameter (a frozen encoder gets them too once it trains), plus 1%."""
+    weights = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+    moments = sum(2 * p.numel() * 4 for p in module.parameters())
+    return int((weights + moments) * 1.01)
 
 
 def find_last_checkpoint(checkpoint_dir: Path | None = None) -> Path | None:
     """The step checkpoint with the highest step in ``checkpoint_dir`` (CHECKPOINT_DIR), or None.
     Temporary files of an interrupted save never match the name pattern."""
-    directory = Path(checkpoint_dir or config.CHECKPOINT_DIR)
-    if not directory.is_dir():
-        return None
-    found = [
-        (int(m.group(1)), p) for p in directory.iterdir() if (m := CHECKPOINT_PATTERN.match(p.name))
-    ]
-    return max(found)[1] if found else None
+    found = step_checkpoints(checkpoint_dir)
+    return found[-1] if found else None
 
 
 def resolve_resume_from(
@@ -78,15 +162,33 @@ def resolve_resume_from(
         return None
     if resume_from == "last":
         directory = Path(checkpoint_dir or config.CHECKPOINT_DIR)
-        last = find_last_checkpoint(directory)
-        if last is None:
+        candidates = step_checkpoints(directory)[::-1]
+        if not candidates:
             log.warning(
                 "RESUME_FROM=last: no step checkpoint (step_*.ckpt) in CHECKPOINT_DIR=%s; starting fresh",
                 directory,
             )
             return None
-        log.info("RESUME_FROM=last: resuming from %s", last)
-        return str(last)
+        # A requeue loop must not fail forever on one bad file: take the newest that is complete.
+        for path in candidates:
+            problem = checkpoint_problem(path)
+            if problem is None:
+                if path != candidates[0]:
+                    log.warning(
+                        "RESUME_FROM=last: the newest checkpoint %s cannot be used (%s); resuming "
+                        "from %s instead",
+                        candidates[0],
+                        checkpoint_problem(candidates[0]),
+                        path,
+                    )
+                else:
+                    log.info("RESUME_FROM=last: resuming from %s", path)
+                return str(path)
+        raise CheckpointError(
+            f"RESUME_FROM=last: none of the {len(candidates)} step checkpoints in CHECKPOINT_DIR="
+            f"{directory} can be opened (newest {candidates[0].name}: "
+            f"{checkpoint_problem(candidates[0])}); set RESUME_FROM= to start fresh"
+        )
     if not Path(resume_from).is_file():
         raise FileNotFoundError(
             f"RESUME_FROM={resume_from}: no such checkpoint file; give a step_*.ckpt path, "

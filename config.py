@@ -454,6 +454,14 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         steps=("train",),
     )
     knob(
+        "KEEP_CHECKPOINTS",
+        0,
+        _int,
+        "Step checkpoints kept in CHECKPOINT_DIR: the newest N; 0 keeps all",
+        _non_negative,
+        steps=("train",),
+    )
+    knob(
         "PHASE1_LR",
         3e-4,
         _float,
@@ -651,6 +659,7 @@ NUM_WORKERS: int
 GRAD_ACCUM: int
 MAX_STEPS: int
 CHECKPOINT_EVERY: int
+KEEP_CHECKPOINTS: int
 PHASE1_LR: float
 PHASE2_LR: float
 MIN_LR: float

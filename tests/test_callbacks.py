@@ -289,7 +289,7 @@ def test_crash_mid_save_leaves_no_file_under_the_final_name(tmp_path, monkeypatc
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", torch_save_that_dies)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(checkpoints.CheckpointError, match="disk full"):
         checkpoints.AtomicCheckpointIO().save_checkpoint(
             {"state_dict": {}}, tmp_path / "step_00000003.ckpt"
         )
@@ -333,7 +333,7 @@ def test_find_last_checkpoint_takes_the_highest_step_and_ignores_temporary_files
         ".step_00000015.ckpt.x1y2.tmp",
         "step_00000009.nemo",
     ):
-        (tmp_path / name).write_bytes(b"")
+        torch.save({"global_step": 0}, tmp_path / name)
     assert checkpoints.find_last_checkpoint(tmp_path).name == "step_00000012.ckpt"
     assert checkpoints.resolve_resume_from("last", tmp_path) == str(tmp_path / "step_00000012.ckpt")
 
@@ -810,3 +810,78 @@ def test_every_step_after_a_resume_follows_the_current_schedule_even_the_first(
     assert resumed.lrs == pytest.approx([new(step) for step in range(4, 7)], rel=1e-12)
     monkeypatch.setattr(config, "MAX_STEPS", 6)
     assert lr_schedule_from_config()(4) != pytest.approx(new(4))  # the old settings differ there
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoints that always resume: unreadable ones skipped, errors that name the file, pruning, space
+# ---------------------------------------------------------------------------------------------------
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_resume_from_last_falls_back_past_a_truncated_newest_checkpoint(tmp_path, caplog):
+    fit(tmp_path, max_steps=6, every=3)
+    newest = tmp_path / "ckpt" / "step_00000006.ckpt"
+    _truncate(newest)
+    with caplog.at_level("WARNING"):
+        chosen = checkpoints.resolve_resume_from("last", tmp_path / "ckpt")
+    assert chosen == str(tmp_path / "ckpt" / "step_00000003.ckpt")
+    assert str(newest) in caplog.text and chosen in caplog.text and "truncated" in caplog.text
+    trainer, _ = fit(tmp_path, max_steps=8, every=3, ckpt_path=chosen)
+    assert trainer.global_step == 8
+
+
+def test_resume_from_last_with_no_readable_checkpoint_names_the_directory(tmp_path):
+    fit(tmp_path, max_steps=3, every=3)
+    _truncate(tmp_path / "ckpt" / "step_00000003.ckpt")
+    with pytest.raises(
+        checkpoints.CheckpointError, match=r"none of the 1 step checkpoints.*RESUME_FROM="
+    ):
+        checkpoints.resolve_resume_from("last", tmp_path / "ckpt")
+
+
+def test_loading_a_truncated_checkpoint_names_its_path(tmp_path):
+    fit(tmp_path, max_steps=3, every=3)
+    path = tmp_path / "ckpt" / "step_00000003.ckpt"
+    _truncate(path)
+    with pytest.raises(
+        checkpoints.CheckpointError, match=rf"cannot load checkpoint {path}: truncated"
+    ):
+        fit(tmp_path, max_steps=5, every=3, ckpt_path=str(path))
+
+
+def test_a_full_disk_names_the_checkpoint_and_the_free_space(tmp_path, monkeypatch):
+    def full(obj, f):
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc:858] . unexpected pos 1030848 vs 1030736"
+        )
+
+    monkeypatch.setattr(checkpoints.torch, "save", full)
+    monkeypatch.setattr(checkpoints, "free_bytes", lambda d: 12 * 2**20)
+    with pytest.raises(checkpoints.CheckpointError) as err:
+        fit(tmp_path, max_steps=3, every=3)
+    message = str(err.value)
+    assert "step_00000003.ckpt: disk full" in message and "0.0 GiB free" in message
+    assert "KEEP_CHECKPOINTS" in message
+    assert not list((tmp_path / "ckpt").iterdir())  # no partial file under any name
+
+
+def test_keep_checkpoints_keeps_only_the_newest(tmp_path, monkeypatch):
+    monkeypatch.setattr(config, "KEEP_CHECKPOINTS", 2)
+    fit(tmp_path, max_steps=5, every=1)
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*.ckpt")) == [
+        "step_00000004.ckpt",
+        "step_00000005.ckpt",
+    ]
+
+
+def test_a_file_system_without_room_for_the_next_checkpoints_is_warned_about(
+    tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setattr(checkpoints, "free_bytes", lambda d: 1)
+    with caplog.at_level("WARNING"):
+        fit(tmp_path, max_steps=1, every=3)
+    assert "has room for 0 checkpoint(s)" in caplog.text and str(tmp_path / "ckpt") in caplog.text
