@@ -32,7 +32,7 @@ import process_control
 import training_metrics
 from collectives import all_gather_objects
 from dataset import BAD_AUDIO_REASONS
-from run_logging import log_to_loggers
+from run_logging import already_logged, log_to_loggers
 
 _log = _logging.getLogger("callbacks")
 
@@ -470,11 +470,136 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
     def on_train_end(self, trainer, pl_module) -> None:
         if self.preempted:
             return  # the run continues elsewhere; its .nemo comes at its real end
+        if (
+            trainer.global_step > 0
+            and getattr(pl_module, "skipped_steps", 0) >= trainer.global_step
+        ):
+            return  # every step was skipped: nothing was learned (train.py reports it and fails)
         if self.export_nemo_at_end and trainer.is_global_zero and trainer.global_step > 0:
             path = Path(self.dirpath) / f"step_{trainer.global_step:08d}.nemo"
             checkpoints.export_nemo(pl_module.model, path)
             _log.info("exported %s", path)
         trainer.strategy.barrier("nemo_export")
+
+
+class ProgressWatchdog(_pl.Callback):
+    """Reports a rank that makes no progress: after ``seconds`` (WATCHDOG_SECONDS) without a finished
+    micro-batch, the rank logs where its main thread waits (a collective, the DataLoader, a save) and
+    what every rank last told the process group's store: a watchdog thread on each rank writes its
+    step and last progress there every few seconds, so a rank that stopped answering (SIGSTOP, a
+    stuck file system, a dead node) is named as such, apart from ranks that are alive and waiting.
+    Repeated every ``seconds`` while it lasts; the job itself ends at COLLECTIVE_TIMEOUT_MINUTES.
+    """
+
+    def __init__(self, seconds: int | None = None):
+        self.seconds = int(_config.WATCHDOG_SECONDS if seconds is None else seconds)
+        self.period = max(0.5, min(2.0, self.seconds / 4))
+        self._last = time.monotonic()
+        self._last_wall = time.time()
+        self._step = 0
+        self._stop = None
+        self._store = None
+        self._rank = 0
+        self._world = 1
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import threading
+
+        if self.seconds <= 0:
+            return
+        self._rank, self._world = trainer.global_rank, trainer.world_size
+        self._step = trainer.global_step
+        # Counted from here: a rank stuck before its first micro-batch is reported too.
+        self._last, self._last_wall = time.monotonic(), time.time()
+        self._store = _default_store()
+        self._stop = threading.Event()
+        main = threading.main_thread()
+        threading.Thread(target=self._watch, args=(main,), name="watchdog", daemon=True).start()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._last, self._last_wall = time.monotonic(), time.time()
+        self._step = trainer.global_step
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self.on_train_end(trainer, pl_module)
+
+    def _pulse(self) -> None:
+        if self._store is None:
+            return
+        try:
+            self._store.set(
+                f"watchdog/{self._rank}", f"{self._step} {self._last_wall:.3f} {time.time():.3f}"
+            )
+        except Exception:  # the store is gone (the job is ending): nothing to report to
+            self._store = None
+
+    def ranks_report(self) -> str:
+        """Every rank's state from the store, the ranks that stopped answering first."""
+        if self._store is None:
+            return "no other ranks (single process)"
+        now = time.time()
+        rows = []
+        for rank in range(self._world):
+            key = f"watchdog/{rank}"
+            try:
+                if not self._store.check([key]):
+                    rows.append((0, 0.0, f"rank {rank}: never reported"))
+                    continue
+                step, progress, pulse = self._store.get(key).decode().split()
+            except Exception as exc:
+                return f"rank states unavailable ({exc})"
+            silent = now - float(pulse)
+            idle = now - float(progress)
+            if silent > 3 * self.period:
+                rows.append(
+                    (0, -silent, f"rank {rank}: NOT RESPONDING for {silent:.0f} s (step {step})")
+                )
+            else:
+                rows.append(
+                    (1, -idle, f"rank {rank}: alive, no progress for {idle:.0f} s (step {step})")
+                )
+        rows.sort()
+        return "; ".join(text for _, _, text in rows[:8]) + (
+            f" (+{len(rows) - 8} more)" if len(rows) > 8 else ""
+        )
+
+    def _watch(self, main) -> None:
+        import sys
+        import traceback
+
+        while not self._stop.wait(self.period):
+            self._pulse()
+            idle = time.monotonic() - self._last
+            if idle < self.seconds:
+                continue
+            frame = sys._current_frames().get(main.ident)
+            where = "".join(traceback.format_stack(frame, limit=6)) if frame else "unknown"
+            _log.warning(
+                "watchdog: rank %d has finished no micro-batch for %.0f s (optimizer step %d); %s; "
+                "this rank waits in:\n%s",
+                self._rank,
+                idle,
+                self._step,
+                self.ranks_report(),
+                where,
+            )
+            self._last = time.monotonic()  # report again after another WATCHDOG_SECONDS
+
+
+def _default_store():
+    """The default process group's key-value store, or None (single process, no store)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.distributed_c10d._get_default_store()
+    except Exception:
+        pass
+    return None
 
 
 class ExactResumeCallback(_pl.Callback):
@@ -669,7 +794,9 @@ class PerLanguageWERCallback(_pl.Callback):
             log_to_loggers(trainer, metrics, step=trainer.global_step)
             rows = evaluation.examples_by_language(langs, refs, outs, self.examples_per_lang)
             for logger in trainer.loggers:
-                if hasattr(logger, "log_table"):
+                if hasattr(logger, "log_table") and not already_logged(
+                    trainer, trainer.global_step
+                ):
                     logger.log_table(
                         "val/examples",
                         ["lang", "reference", "hypothesis"],

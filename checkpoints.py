@@ -28,6 +28,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 import config
 from atomic_files import atomic_write
+from process_control import UserError
 
 log = logging.getLogger("checkpoints")
 
@@ -39,7 +40,7 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}.ckpt"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be saved or loaded; the message names the path, the cause and what
     to do."""
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from process_control import UserError
+
 REPO_DIR = Path(__file__).resolve().parent
 
 PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true")
@@ -30,7 +32,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 LANG_WEIGHTINGS = ("count", "hours")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """One or more environment variables hold a value the pipeline cannot use."""
 
 
@@ -454,6 +456,42 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         steps=("train",),
     )
     knob(
+        "COLLECTIVE_TIMEOUT_MINUTES",
+        10.0,
+        _float,
+        "A collective (all-reduce, barrier) waiting longer than this ends the job with an error: a "
+        "stopped or hung rank costs minutes, not the default 30",
+        _positive,
+        steps=("train",),
+    )
+    knob(
+        "WATCHDOG_SECONDS",
+        300,
+        _int,
+        "A rank that completes no micro-batch for this long logs where it waits and which rank last "
+        "made progress when; 0 turns the watchdog off",
+        _non_negative,
+        steps=("train",),
+    )
+    knob(
+        "MAX_EMPTY_STEPS",
+        50,
+        _int,
+        "Stop with an error after this many optimizer steps in a row with no utterance on any rank "
+        "(all audio missing); 0 never stops",
+        _non_negative,
+        steps=("train",),
+    )
+    knob(
+        "AUDIO_CHECK_SAMPLES",
+        64,
+        _int,
+        "Audio files of the train manifest each rank opens at start-up; none readable stops the "
+        "run before training. 0 skips the check",
+        _non_negative,
+        steps=("train",),
+    )
+    knob(
         "KEEP_CHECKPOINTS",
         0,
         _int,
@@ -660,6 +698,10 @@ GRAD_ACCUM: int
 MAX_STEPS: int
 CHECKPOINT_EVERY: int
 KEEP_CHECKPOINTS: int
+MAX_EMPTY_STEPS: int
+COLLECTIVE_TIMEOUT_MINUTES: float
+WATCHDOG_SECONDS: int
+AUDIO_CHECK_SAMPLES: int
 PHASE1_LR: float
 PHASE2_LR: float
 MIN_LR: float

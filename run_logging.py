@@ -46,6 +46,8 @@ class JsonlMetricsLogger(Logger):
     def __init__(self, path: str | os.PathLike):
         super().__init__()
         self.path = Path(path)
+        # The last step earlier jobs of this run logged (build_loggers sets it when resuming).
+        self.logged_through = -1
 
     @property
     def name(self) -> str:
@@ -138,12 +140,42 @@ def build_loggers(run_dir: Path | None = None, resuming: bool = False) -> list[L
                 log_model=False,
             )
         )
-    loggers.append(JsonlMetricsLogger(run_dir / "metrics.jsonl"))
+    jsonl = JsonlMetricsLogger(run_dir / "metrics.jsonl")
+    if resuming:
+        jsonl.logged_through = last_logged_step(jsonl.path)
+    loggers.append(jsonl)
     return loggers
 
 
+def last_logged_step(metrics_path: Path) -> int:
+    """The highest step in a run's metrics.jsonl (-1 when there is none): what earlier jobs of the
+    run already logged."""
+    last = -1
+    try:
+        with open(metrics_path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    step = json.loads(line).get("step")
+                except ValueError:  # a line cut by a crash
+                    continue
+                if isinstance(step, int):
+                    last = max(last, step)
+    except FileNotFoundError:
+        pass
+    return last
+
+
+def already_logged(trainer, step: int) -> bool:
+    """Whether an earlier job of this run logged ``step``: a resumed job redoes the steps between its
+    checkpoint and the crash, and logging them again would put them twice into one history (W&B,
+    ``wandb sync`` of the run's offline directories, metrics.jsonl). With an exact resume the redone
+    steps compute what was logged the first time."""
+    return any(step <= getattr(logger, "logged_through", -1) for logger in trainer.loggers)
+
+
 def log_to_loggers(trainer, metrics: dict[str, float], step: int) -> None:
-    """Scalars to every logger of ``trainer``, from global rank 0 only."""
-    if trainer.is_global_zero:
+    """Scalars to every logger of ``trainer``, from global rank 0 only, unless an earlier job of
+    the run logged ``step`` already (``already_logged``)."""
+    if trainer.is_global_zero and not already_logged(trainer, step):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)

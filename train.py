@@ -52,20 +52,31 @@ Watching and keeping a run (callbacks.py):
 from __future__ import annotations
 
 import argparse
+import datetime
 import logging
 import os
 import sys
 
-import lightning.pytorch as pl
-import torch
-
-import asr_model
-import callbacks
-import checkpoints
-import config
 import process_control
-import run_logging
-from training_step import TrainingModule, prepare_training_caches
+
+# Before config.py is imported: a bad knob is found right then, and must read as one line too.
+process_control.exit_on_user_errors()
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+
+import asr_model  # noqa: E402
+import callbacks  # noqa: E402
+import checkpoints  # noqa: E402
+import config  # noqa: E402
+import run_logging  # noqa: E402
+from training_step import (  # noqa: E402
+    TrainingModule,
+    build_dataset,
+    check_audio_sample,
+    prepare_training_caches,
+)
 
 log = logging.getLogger("train")
 
@@ -98,6 +109,7 @@ def build_callbacks() -> list[pl.Callback]:
         callbacks.EpochBoundarySyncCallback(),
         callbacks.ExactResumeCallback(),
         callbacks.StepOnlyModelCheckpoint(),
+        callbacks.ProgressWatchdog(),
         callbacks.PerLanguageWERCallback(),
         callbacks.TrainingMetricsCallback(),
         callbacks.OptimizerStepProgressBar(),
@@ -119,7 +131,10 @@ def build_trainer(
         # broadcast_buffers=False: BatchNorm statistics are averaged once per step instead
         # (TrainingModule.average_batchnorm_statistics).
         strategy = DDPStrategy(
-            find_unused_parameters=True, gradient_as_bucket_view=True, broadcast_buffers=False
+            find_unused_parameters=True,
+            gradient_as_bucket_view=True,
+            broadcast_buffers=False,
+            timeout=datetime.timedelta(minutes=config.COLLECTIVE_TIMEOUT_MINUTES),
         )
     else:
         strategy = "auto"
@@ -206,7 +221,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@record  # any other failure: its traceback becomes the root cause of torchrun's summary
 def main(argv: list[str] | None = None) -> int:
+    """Train; 0 when done, PREEMPTED_EXIT_CODE after a stop signal's save, USER_ERROR_EXIT_CODE (one
+    line on rank 0) for an error the user can fix, 1 when every step was skipped."""
+    try:
+        return run(argv)
+    except process_control.USER_ERRORS as exc:
+        return process_control.report_user_error(exc)
+
+
+def run(argv: list[str] | None = None) -> int:
     parse_args(argv)
     env = distributed_env()
     logging.basicConfig(
@@ -224,6 +249,15 @@ def main(argv: list[str] | None = None) -> int:
     module = TrainingModule(model)
     # Before the process group exists, so a cache build never runs into a collective timeout.
     prepare_training_caches(model.tokenizer)
+    module.dataset = build_dataset(model.tokenizer)
+    # Missing audio (a wrong DATA_DIR on a node, extraction never run) stops the job here, not
+    # after hours of skipped steps.
+    check_audio_sample(
+        module.dataset,
+        samples=config.AUDIO_CHECK_SAMPLES,
+        rank=env["rank"],
+        manifest=config.TRAIN_MANIFEST_PATH,
+    )
     callback_list = build_callbacks()
     ckpt_path = checkpoints.resolve_resume_from()
     trainer = build_trainer(callback_list, env, resuming=ckpt_path is not None)
@@ -241,6 +275,13 @@ def main(argv: list[str] | None = None) -> int:
             process_control.PREEMPTED_EXIT_CODE,
         )
         return process_control.PREEMPTED_EXIT_CODE
+    if trainer.global_step > 0 and module.skipped_steps >= trainer.global_step:
+        log.error(
+            "every one of the %d optimizer steps was skipped: the model learned nothing and no .nemo "
+            "was exported",
+            trainer.global_step,
+        )
+        return 1
     log.info(
         "done: %d optimizer steps, %d skipped; %d empty micro-batches, %d non-finite losses; bad audio %s",
         trainer.global_step,

@@ -98,7 +98,7 @@ _FIXED_DTYPES = {
 _CODE_COLUMNS = ("lang", "shard", "audio_dir")
 
 
-class CacheError(ValueError):
+class CacheError(process_control.UserError, ValueError):
     """A manifest the cache cannot be built from, or a cache directory it cannot use; the message
     names the file, row or variable and what to do."""
 

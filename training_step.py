@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -79,6 +80,51 @@ def lr_schedule_from_config():
     return lambda step: lr_at_step(step, **kwargs)
 
 
+class NoTrainingData(process_control.UserError, RuntimeError):
+    """The run cannot learn: no audio of its manifest can be read (at start-up, or for
+    MAX_EMPTY_STEPS optimizer steps in a row)."""
+
+
+def check_audio_sample(
+    dataset, *, samples: int, rank: int = 0, manifest=None
+) -> list[tuple[str, str]]:
+    """Open ``samples`` random audio files of ``dataset`` (seeded by ``rank``): NoTrainingData when
+    none can be read, naming the directories they were expected in; a warning when some cannot.
+    Returns the unreadable ones as (path, reason)."""
+    import soundfile as sf
+
+    n = len(dataset)
+    if samples <= 0 or n == 0:
+        return []
+    picks = np.random.default_rng(1000 + rank).choice(n, size=min(samples, n), replace=False)
+    bad = []
+    for i in picks:
+        path = dataset.audio_path(int(i))
+        try:
+            sf.info(path)
+        except Exception as exc:  # libsndfile reports each failure its own way
+            bad.append((path, "no such file" if not os.path.exists(path) else str(exc)))
+    if len(bad) == len(picks):
+        dirs = sorted({os.path.dirname(p) for p, _ in bad})
+        raise NoTrainingData(
+            f"rank {rank}: none of {len(picks)} sampled audio files of {manifest or 'the manifest'} "
+            f"can be read (first: {bad[0][0]}: {bad[0][1]}); expected under {dirs[0]}"
+            f"{f' and {len(dirs) - 1} other directories' if len(dirs) > 1 else ''}. Check DATA_DIR / "
+            f"SHARDS_DIR on this node and run scripts/extract_audio.py (AUDIO_CHECK_SAMPLES=0 skips "
+            f"this check)"
+        )
+    if bad:
+        log.warning(
+            "rank %d: %d of %d sampled audio files cannot be read (first: %s: %s); they are skipped "
+            "as bad audio",
+            rank,
+            len(bad),
+            len(picks),
+            *bad[0],
+        )
+    return bad
+
+
 def apply_current_lr_schedule(trainer) -> None:
     """Set every param group's LR to ``lr_at_step(global_step)`` under the current settings.
 
@@ -124,6 +170,7 @@ class TrainingModule(pl.LightningModule):
         self._window_buffers: dict[str, torch.Tensor] | None = None
         self._batchnorms: list[tuple[str, torch.nn.Module]] | None = None
         self.stop_agreed = False  # a rank received a stop signal: save after this step and stop
+        self.empty_steps_in_a_row = 0  # optimizer steps with no utterance on any rank
 
     def enter_phase(self, phase: int) -> None:
         """Phase 1: the encoder frozen (``asr_model.set_encoder_trainable``), run without autograd;
@@ -160,7 +207,8 @@ class TrainingModule(pl.LightningModule):
             )
         # The training cache exists by now (prepare_training_caches ran before the process group
         # was formed): every rank only maps it, so no rank waits in a collective here.
-        self.dataset = build_dataset(self.model.tokenizer)
+        if self.dataset is None:  # train.py builds it before fit, to check its audio
+            self.dataset = build_dataset(self.model.tokenizer)
         loader, self.sampler = build_dataloader(
             self.dataset, world_size=world_size, rank=rank, pin_memory=self.device.type == "cuda"
         )
@@ -265,6 +313,16 @@ class TrainingModule(pl.LightningModule):
             reason = f"non-finite loss on {int(flags[0])} micro-batch(es)"
         elif flags[1] == 0:
             reason = "no utterance on any rank (every micro-batch was bad audio)"
+        self.empty_steps_in_a_row = self.empty_steps_in_a_row + 1 if flags[1] == 0 else 0
+        limit = config.MAX_EMPTY_STEPS
+        if limit and self.empty_steps_in_a_row >= limit:
+            # Every rank sees the same all-reduced count, so every rank stops here together.
+            raise NoTrainingData(
+                f"{self.empty_steps_in_a_row} optimizer steps in a row had no utterance on any rank "
+                f"(bad audio on this rank: {dict(self.bad_audio)}): the audio files are missing or "
+                f"unreadable. Check DATA_DIR / SHARDS_DIR on every node and run "
+                f"scripts/extract_audio.py (MAX_EMPTY_STEPS={limit})"
+            )
         elif not math.isfinite(self.last_grad_norm):
             reason = f"gradient norm {self.last_grad_norm}"
         if reason is not None:
@@ -447,6 +505,9 @@ def build_dataloader(dataset, *, world_size: int, rank: int, pin_memory: bool):
         pin_memory=pin_memory,
         persistent_workers=workers > 0,
         prefetch_factor=2 if workers > 0 else None,
+        # A worker that delivers nothing for this long (a deadlocked or stuck worker) fails the job
+        # with "DataLoader timed out" instead of hanging it; the watchdog shows where it waited.
+        timeout=config.COLLECTIVE_TIMEOUT_MINUTES * 60 if workers > 0 else 0,
     )
     return loader, sampler
 

@@ -885,3 +885,51 @@ def test_a_file_system_without_room_for_the_next_checkpoints_is_warned_about(
     with caplog.at_level("WARNING"):
         fit(tmp_path, max_steps=1, every=3)
     assert "has room for 0 checkpoint(s)" in caplog.text and str(tmp_path / "ckpt") in caplog.text
+
+
+def test_a_resumed_run_does_not_log_again_the_steps_its_crashed_job_logged(tmp_path, monkeypatch):
+    monkeypatch.setattr(config, "WANDB_MODE", "disabled")
+    monkeypatch.setattr(config, "WANDB_LOG_DIR", tmp_path / "logs")
+    monkeypatch.setattr(config, "WANDB_RUN_NAME", "run")
+    monkeypatch.setattr(config, "CHECKPOINT_DIR", tmp_path / "ckpt")
+    metrics = tmp_path / "logs" / "run" / "metrics.jsonl"
+    # The first job checkpoints step 3, logs up to step 5, then crashes.
+    fit(
+        tmp_path,
+        max_steps=5,
+        every=3,
+        extra=[callbacks.TrainingMetricsCallback()],
+        loggers=run_logging.build_loggers(resuming=False),
+    )
+    first = metrics.read_text()
+    trainer, _ = fit(
+        tmp_path,
+        max_steps=7,
+        every=3,
+        extra=[callbacks.TrainingMetricsCallback()],
+        loggers=run_logging.build_loggers(resuming=True),
+        ckpt_path=str(tmp_path / "ckpt" / "step_00000003.ckpt"),
+    )
+    assert trainer.global_step == 7
+    text = metrics.read_text()
+    assert text.startswith(first)  # what the first job logged stays as it was
+    steps = [json.loads(line)["step"] for line in text.splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6, 7]  # steps 4 and 5 were redone, not logged twice
+
+
+def test_the_watchdog_reports_a_rank_stuck_before_its_first_micro_batch_with_its_stack(caplog):
+    from types import SimpleNamespace
+
+    watchdog = callbacks.ProgressWatchdog(seconds=1)
+    trainer = SimpleNamespace(global_rank=0, world_size=1, global_step=0)
+
+    def stuck_loading_the_first_batch():
+        time.sleep(2.5)
+
+    with caplog.at_level("WARNING"):
+        watchdog.on_train_start(trainer, None)
+        stuck_loading_the_first_batch()
+        watchdog.on_train_end(trainer, None)
+    reports = [r.getMessage() for r in caplog.records if "watchdog" in r.getMessage()]
+    assert reports and "rank 0 has finished no micro-batch" in reports[0]
+    assert "stuck_loading_the_first_batch" in reports[0]

@@ -438,3 +438,31 @@ def test_dataloader_with_two_workers_yields_every_good_item_and_sums_bad_counts(
     assert sum(b.batch_size for b in batches) == 20
     assert sum(b.bad_audio.get("missing", 0) for b in batches) == 4
     assert all(b.signal.shape[1] == 16000 for b in batches if not b.is_empty)
+
+
+# ------------------------------------------------------------------------------------------ start-up check
+
+
+def test_a_manifest_whose_audio_is_all_missing_fails_the_start_up_check_naming_the_directory(
+    corpus, tokenizer
+):
+    from training_step import NoTrainingData, check_audio_sample
+
+    for k in range(10):
+        corpus.add(member=f"{k}.flac")  # no file written
+    ds = load(corpus, tokenizer)
+    with pytest.raises(
+        NoTrainingData, match=r"none of 8 sampled audio files.*expected under .*shard_0000"
+    ):
+        check_audio_sample(ds, samples=8, rank=1)
+
+
+def test_some_missing_audio_only_warns_at_start_up(corpus, tokenizer):
+    from training_step import check_audio_sample
+
+    for k in range(10):
+        corpus.add(member=f"{k}.flac", audio={} if k % 2 else None)
+    ds = load(corpus, tokenizer)
+    bad = check_audio_sample(ds, samples=10, rank=0)  # no exception: a warning
+    assert sorted(os.path.basename(p) for p, _ in bad) == [f"{k}.flac" for k in (0, 2, 4, 6, 8)]
+    assert {reason for _, reason in bad} == {"no such file"}

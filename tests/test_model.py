@@ -341,3 +341,14 @@ def test_a_skipped_step_restores_batchnorm_statistics_and_leaves_other_buffers_a
     module._window_bad = 1  # a non-finite loss in this window: the step is skipped
     module.on_before_optimizer_step(module.configure_optimizers()["optimizer"])
     assert module.skipped_steps == 1 and torch.equal(norm.running_mean, before)
+
+
+def test_optimizer_steps_with_no_utterance_stop_the_run_after_max_empty_steps(fresh, monkeypatch):
+    import config
+    from training_step import NoTrainingData
+
+    monkeypatch.setattr(config, "MAX_EMPTY_STEPS", 3)
+    module = TrainingModule(fresh)
+    with pytest.raises(NoTrainingData, match=r"3 optimizer steps in a row had no utterance"):
+        fit(module, [None] * 20, max_steps=10, unfreeze_step=0)
+    assert module.skipped_steps == 2  # the third empty step raised before it was counted

@@ -1,0 +1,169 @@
+"""Faults a 2-process `torchrun train.py` meets on a cluster, each reproduced (tiny model, CPU):
+a bad knob, every audio file missing, torchrun itself SIGKILLed, one rank stopped (SIGSTOP)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from tests.tiny_training_data import make_training_data
+from tests.torchrun_jobs import torchrun_command
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def job_env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    data = make_training_data(root, per_lang=16, vocab_size=64)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB", "RESUME"))}
+    env.update(
+        ACCELERATOR="cpu",
+        PRECISION="32-true",
+        NUM_WORKERS="0",
+        OMP_NUM_THREADS="1",
+        INIT_MODEL="",
+        TRAIN_MANIFEST_PATH=str(data["manifest"]),
+        TOKENIZER_DIR=str(data["tokenizer"]),
+        GRAD_ACCUM="1",
+        MAX_STEPS="4",
+        UNFREEZE_STEP="2",
+        WARMUP_STEPS="1",
+        PHASE2_WARMUP="1",
+        MAX_BATCH_DURATION="6",
+        BUCKET_BOUNDARIES="2",
+        WANDB_MODE="disabled",
+    )
+    return root, env, data
+
+
+def start(env: dict, log: Path, **extra) -> subprocess.Popen:
+    return subprocess.Popen(
+        torchrun_command(REPO / "train.py"),
+        cwd=REPO,
+        env={**env, **extra},
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen, log: Path, timeout: float = 240) -> tuple[int, str]:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"no exit in {timeout} s:\n{log.read_text()[-3000:]}")
+    return proc.returncode, log.read_text()
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        out += [int(c) for c in task.read_text().split()]
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_for(text: str, log: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"never saw {text!r}:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+
+
+def test_a_bad_knob_is_one_line_from_rank_0_and_the_root_cause_of_torchruns_summary(job_env):
+    root, env, _ = job_env
+    log = root / "bad_knob.log"
+    rc, out = finish(start(env, log, GRAD_ACCUM="four"), log)
+    assert rc != 0
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: invalid configuration:"], out[-3000:]
+    assert "GRAD_ACCUM='four': expected an integer" in out
+    ranks_output = out.split("ChildFailedError")[0].split("Traceback")[0]  # torchrun's own follow
+    assert "error: invalid configuration:" in ranks_output
+    root_cause = out.split("Root Cause")[1]
+    assert "exitcode  : 2" in root_cause and "GRAD_ACCUM='four'" in root_cause
+
+
+def test_a_manifest_whose_audio_is_all_missing_stops_before_training(job_env):
+    root, env, data = job_env
+    table = pq.read_table(data["manifest"])
+    moved = pc.replace_substring(table["tar_path"], str(data["manifest"].parent), "/nonexistent")
+    manifest = root / "moved.parquet"
+    pq.write_table(
+        table.set_column(table.schema.get_field_index("tar_path"), "tar_path", moved), manifest
+    )
+    log = root / "missing_audio.log"
+    started = time.monotonic()
+    rc, out = finish(
+        start(env, log, TRAIN_MANIFEST_PATH=str(manifest), DATA_DIR=str(root / "m")), log
+    )
+    assert rc != 0 and time.monotonic() - started < 120
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "none of" in errors[0] and "/nonexistent" in errors[0], out[-3000:]
+    assert not list((root / "m").rglob("*.nemo")) and not list((root / "m").rglob("*.ckpt"))
+
+
+def test_ranks_die_with_a_sigkilled_torchrun(job_env):
+    root, env, _ = job_env
+    log = root / "orphans.log"
+    proc = start(env, log, MAX_STEPS="100000", DATA_DIR=str(root / "o"))
+    wait_for("micro-batches this epoch", log, proc)
+    ranks = children(proc.pid)
+    assert len(ranks) == 2
+    proc.send_signal(signal.SIGKILL)  # the launcher only, as an OOM killer or a node agent would
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in ranks), "ranks outlived torchrun"
+
+
+def test_a_stopped_rank_ends_the_job_within_the_collective_timeout_and_is_named(job_env):
+    root, env, _ = job_env
+    log = root / "stopped.log"
+    proc = start(
+        env,
+        log,
+        MAX_STEPS="100000",
+        DATA_DIR=str(root / "s"),
+        COLLECTIVE_TIMEOUT_MINUTES="0.5",
+        WATCHDOG_SECONDS="8",
+    )
+    wait_for("micro-batches this epoch", log, proc)
+    time.sleep(3)  # a few optimizer steps, so both ranks have reported a heartbeat
+    rank1 = [p for p in children(proc.pid) if "RANK=1\0" in Path(f"/proc/{p}/environ").read_text()]
+    assert len(rank1) == 1
+    os.kill(rank1[0], signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        rc, out = finish(proc, log, timeout=150)
+    finally:
+        if alive(rank1[0]):
+            os.kill(rank1[0], signal.SIGKILL)
+    seconds = time.monotonic() - stopped
+    (root / "seconds_to_exit_after_sigstop").write_text(f"{seconds:.1f}")
+    assert rc != 0
+    assert seconds < 30 + 90, out[-3000:]
+    watchdog = [line for line in out.splitlines() if "watchdog: rank 0" in line]
+    assert watchdog, out[-3000:]
+    assert "rank 1: NOT RESPONDING" in watchdog[0] and "rank 0: alive" in watchdog[0]
