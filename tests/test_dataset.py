@@ -466,3 +466,23 @@ def test_some_missing_audio_only_warns_at_start_up(corpus, tokenizer):
     bad = check_audio_sample(ds, samples=10, rank=0)  # no exception: a warning
     assert sorted(os.path.basename(p) for p, _ in bad) == [f"{k}.flac" for k in (0, 2, 4, 6, 8)]
     assert {reason for _, reason in bad} == {"no such file"}
+
+
+def test_a_dataloader_worker_that_delivers_nothing_fails_the_job_instead_of_hanging(
+    corpus, tokenizer, monkeypatch
+):
+    import config
+    from training_step import build_dataloader
+
+    for k in range(8):
+        corpus.add(member=f"{k}.flac", audio={})
+    ds = load(corpus, tokenizer)
+    monkeypatch.setattr(config, "NUM_WORKERS", 1)
+    monkeypatch.setattr(config, "GRAD_ACCUM", 1)
+    monkeypatch.setattr(config, "MAX_BATCH_DURATION", 2.0)
+    monkeypatch.setattr(config, "COLLECTIVE_TIMEOUT_MINUTES", 2 / 60)
+    monkeypatch.setattr(dataset, "load_audio", lambda *a, **k: __import__("time").sleep(600))
+    loader, _ = build_dataloader(ds, world_size=1, rank=0, pin_memory=False)
+    assert loader.timeout == 2
+    with pytest.raises(RuntimeError, match="DataLoader timed out after 2"):
+        next(iter(loader))
