@@ -439,7 +439,8 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
         if step == self._seen_step:
             return  # no optimizer step in this micro-batch
         self._seen_step = step
-        stop = getattr(pl_module, "stop_agreed", False)
+        # A stop signal at the last step changes nothing: the run ends (and exports) as planned.
+        stop = getattr(pl_module, "stop_agreed", False) and step < trainer.max_steps
         if step % self.every_n_steps == 0 or stop:
             started = time.perf_counter()
             path = Path(self.dirpath) / checkpoints.checkpoint_name(step)

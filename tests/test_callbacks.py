@@ -933,3 +933,29 @@ def test_the_watchdog_reports_a_rank_stuck_before_its_first_micro_batch_with_its
     reports = [r.getMessage() for r in caplog.records if "watchdog" in r.getMessage()]
     assert reports and "rank 0 has finished no micro-batch" in reports[0]
     assert "stuck_loading_the_first_batch" in reports[0]
+
+
+class StopAgreedAt(pl.Callback):
+    """Stands in for the ranks agreeing on a stop signal in optimizer step ``step``."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        pl_module.stop_agreed = trainer.global_step + 1 == self.step
+
+
+@pytest.mark.parametrize("stop_at, max_steps", [(2, 5), (5, 5)])
+def test_an_agreed_stop_saves_that_step_and_stops_unless_it_is_the_last(
+    tmp_path, stop_at, max_steps
+):
+    trainer, _ = fit(tmp_path, max_steps=max_steps, every=100, extra=[StopAgreedAt(stop_at)])
+    saver = next(
+        cb for cb in trainer.callbacks if isinstance(cb, callbacks.StepOnlyModelCheckpoint)
+    )
+    saved = sorted(p.name for p in (tmp_path / "ckpt").glob("step_*.ckpt"))
+    if stop_at < max_steps:
+        assert saver.preempted and trainer.global_step == stop_at
+        assert saved == [f"step_{stop_at:08d}.ckpt"]
+    else:  # the last step: a normal end, no preemption
+        assert not saver.preempted and trainer.global_step == max_steps and saved == []
