@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from atomic_files import atomic_write
+from process_control import UserError
 
 if TYPE_CHECKING:
     import polars as pl
@@ -117,7 +118,7 @@ def split_lang_tags(texts: pa.Array | pa.ChunkedArray) -> tuple[pa.Array, pa.Arr
 
 
 # --- readers and writers -----------------------------------------------------------------------
-class ManifestError(RuntimeError):
+class ManifestError(UserError, RuntimeError):
     """Input a manifest step cannot use (missing SHARDS_DIR, no shards, a bad shard or manifest);
     the message names the path and what is wrong with it."""
 
@@ -138,6 +139,30 @@ def write_manifest(frame: pl.DataFrame, path: str | Path) -> None:
             tmp, compression="zstd", compression_level=1, statistics=False
         ),
     )
+
+
+# The parquet metadata key make_train_val.py writes into both halves of one split (and its summary).
+SPLIT_ID_KEY = "split_id"
+
+
+def split_id(path: str | Path) -> str | None:
+    """The split id in a manifest's parquet metadata, or None (a manifest written elsewhere)."""
+    import pyarrow.parquet as pq
+
+    meta = pq.read_metadata(path).metadata or {}
+    value = meta.get(SPLIT_ID_KEY.encode())
+    return value.decode() if value is not None else None
+
+
+def check_same_split(train: str | Path, val: str | Path) -> None:
+    """ManifestError when both manifests carry a split id and the ids differ: they come from
+    different make_train_val runs (a crash between its renames), and validation may overlap train."""
+    a, b = split_id(train), split_id(val)
+    if a is not None and b is not None and a != b:
+        raise ManifestError(
+            f"{train} and {val} come from different make_train_val.py runs (split ids {a[:8]} and "
+            f"{b[:8]}): validation rows may be in train. Rerun scripts/make_train_val.py"
+        )
 
 
 def write_json_atomically(data: dict, path: str | Path) -> None:

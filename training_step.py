@@ -443,6 +443,10 @@ def prepare_training_caches(tokenizer) -> None:
     manifests = [Path(config.TRAIN_MANIFEST_PATH)]
     if config.EVAL_EVERY_STEPS > 0 and Path(config.VAL_MANIFEST_PATH).is_file():
         manifests.append(Path(config.VAL_MANIFEST_PATH))
+        if manifests[0].is_file():
+            from manifest_schema import check_same_split
+
+            check_same_split(*manifests)
     for path in manifests:
         if not path.exists():
             raise FileNotFoundError(

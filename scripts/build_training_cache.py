@@ -28,6 +28,7 @@ from pathlib import Path
 
 import config
 import training_cache
+from manifest_schema import ManifestError, check_same_split
 
 log = logging.getLogger("build_training_cache")
 
@@ -105,9 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     workers = config.CACHE_BUILD_WORKERS if args.workers is None else args.workers
     try:
+        if len(manifests) == 2 and all(Path(m).is_file() for m in manifests):
+            check_same_split(*manifests)
         tokenizer = load_tokenizer(config.TOKENIZER_DIR)
         infos = build_caches(manifests, tokenizer, workers=workers)
-    except training_cache.CacheError as exc:
+    except (training_cache.CacheError, ManifestError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for manifest, info in zip(manifests, infos):

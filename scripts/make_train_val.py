@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -54,13 +56,12 @@ import config
 from manifest_schema import (
     LANG_CODE_PATTERN,
     OUTPUT_COLUMNS,
+    SPLIT_ID_KEY,
     ManifestError,
     counts_by,
     summary_path,
     tag_prefix_expr,
     tagged_text_expr,
-    write_json_atomically,
-    write_manifest,
 )
 
 # Script (Rust-regex Script name) -> (language it implies, languages legitimately written in it).
@@ -361,8 +362,16 @@ def make_train_val(
     threshold: float | None = None,
     max_val_fraction: float | None = None,
     languages: Sequence[str] | None = None,
+    allow_short_val: bool = False,
 ) -> dict[str, Any]:
-    """Write the train and validation manifests and the summary; return the summary.
+    """Write the train and validation manifests and the summary, as one set; return the summary.
+
+    The three files are written under temporary names first and renamed only when all three are
+    complete, and all carry one ``split_id`` (the parquet files in their metadata), so a failure
+    leaves the previous set as it was and a set mixed by a crash between the renames is detected by
+    ``manifest_schema.check_same_split``. An unusable split is a SplitError: an empty master, nothing
+    left to train on, or (with val_per_lang > 0) a language with a quota that gets no validation row,
+    unless ``allow_short_val``.
 
     None means the config value (MASTER_MANIFEST_PATH, TRAIN_MANIFEST_PATH, VAL_MANIFEST_PATH,
     VAL_PER_LANG, SEED, SCRIPT_VOTE_THRESHOLD, VAL_MAX_FRACTION, LANGUAGES).
@@ -383,6 +392,11 @@ def make_train_val(
 
     frame = load_master(master).with_row_index("row")
     rows_in = frame.height
+    if rows_in == 0:
+        raise SplitError(
+            f"{master}: the master manifest has no rows; see its summary "
+            f"({summary_path(master).name}) for what build_manifest.py dropped"
+        )
     columns = [c for c in frame.columns if c != "row"]
 
     # 1. language tags from the script, then explicit fixes; lang and the text prefix together
@@ -470,12 +484,53 @@ def make_train_val(
         else pl.concat_str(pl.lit("shard:"), pl.col("shard_id"))
     )
     kept = kept.with_columns(group.alias("group"))
+    if kept.is_empty():
+        raise SplitError(
+            f"every one of the {rows_in} rows of {master} was dropped ({counts_by(frame, 'reason')}): "
+            f"nothing to train on; check LANGUAGES={','.join(languages) or '(all)'} and the master"
+        )
     lang_rows = dict(kept.group_by("lang").len().iter_rows())
     quota = {lang: min(val_per_lang, int(max_val_fraction * n)) for lang, n in lang_rows.items()}
+    # Without speakers a shard is the group; a language whose every shard is larger than its quota
+    # could give validation nothing, so its rows are split one utterance at a time instead (said in
+    # the summary: there is no speaker information to keep apart).
+    smallest = dict(
+        kept.group_by("group", "lang").len().group_by("lang").agg(pl.col("len").min()).iter_rows()
+    )
+    by_segment = sorted(
+        lang
+        for lang, q in quota.items()
+        if q > 0
+        and smallest[lang] > q
+        and kept.filter(
+            (pl.col("lang") == lang) & pl.col("group").str.starts_with("speaker:")
+        ).is_empty()
+    )
+    if by_segment:
+        kept = kept.with_columns(
+            pl.when(pl.col("lang").is_in(by_segment))
+            .then(pl.concat_str(pl.lit("segment:"), pl.col("segment_id")))
+            .otherwise("group")
+            .alias("group")
+        )
     chosen = choose_val_groups(kept.group_by("group", "lang").agg(pl.len().alias("n")), quota, seed)
     in_val = pl.col("group").is_in(pl.Series(sorted(chosen), dtype=pl.String).implode())
     val = kept.filter(in_val)
     train = kept.filter(~in_val)
+    empty_val = sorted(
+        lang for lang, q in quota.items() if q > 0 and not val.filter(pl.col("lang") == lang).height
+    )
+    if empty_val and not allow_short_val:
+        sizes = dict(kept.group_by("lang").agg(pl.col("group").n_unique()).iter_rows())
+        why = "; ".join(
+            f"{lang}: its {lang_rows[lang]} rows are {sizes[lang]} speaker/shard group(s), the "
+            f"smallest of {smallest[lang]} rows, and validation may take {quota[lang]}"
+            for lang in empty_val
+        )
+        raise SplitError(
+            f"no validation rows for {', '.join(empty_val)} ({why}); the split would score nothing "
+            f"there. Lower --val-per-lang / VAL_MAX_FRACTION, add data, or pass --allow-short-val"
+        )
     assert val.join(train, on="group", how="semi").is_empty(), "a group is in both splits"
     assert val.join(train, on="segment_id", how="semi").is_empty(), "a segment_id is in both splits"
 
@@ -501,6 +556,7 @@ def make_train_val(
         "lang_fixes": fixes_summary,
         "split": {
             "grouped_by": "speaker_id, else shard_id" if has_speaker else "shard_id",
+            "grouped_by_utterance": by_segment,
             "val_groups": len(chosen),
             "train_groups": train.get_column("group").n_unique(),
             "seed": seed,
@@ -517,11 +573,62 @@ def make_train_val(
     total = summary["rows_out"] + summary["val_rows"] + sum(dropped.values())
     assert rows_in == total, f"row accounting broke: {rows_in} in != {total} out"
     order = ["shard_id", "segment_id", "row"]
-    write_manifest(train.sort(order).select(columns), train_path)
-    write_manifest(val.sort(order).select(columns), val_path)
-    write_json_atomically(summary, summary_path(train_path))
+    # Derived from the two halves, so the same input and seed give byte-identical files again.
+    digest = hashlib.sha256()
+    for half in (train, val):
+        digest.update(half.sort(order).select(columns).hash_rows(seed=seed).to_numpy().tobytes())
+        digest.update(b"|")
+    split_id = digest.hexdigest()[:32]
+    summary["split_id"] = split_id
+    write_split(
+        {
+            train_path: train.sort(order).select(columns),
+            val_path: val.sort(order).select(columns),
+        },
+        summary,
+        summary_path(train_path),
+        split_id,
+    )
     summary["seconds"] = round(time.perf_counter() - started, 3)
     return summary
+
+
+def write_split(
+    manifests: dict[Path, pl.DataFrame], summary: dict, summary_file: Path, split_id: str
+) -> None:
+    """Write the manifests (``split_id`` in each parquet's metadata) and the summary under hidden
+    temporary names, then rename them into place: until every file is complete none is renamed, so
+    a failure leaves the previous set whole. Temporary files of a killed run are removed first."""
+    targets = [*manifests, summary_file]
+    for target in targets:
+        for stale in target.parent.glob(f".{target.name}.*.split-tmp"):
+            stale.unlink(missing_ok=True)
+    temps = {t: t.with_name(f".{t.name}.{split_id[:8]}.split-tmp") for t in targets}
+    try:
+        for path, frame in manifests.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            frame.write_parquet(
+                temps[path],
+                compression="zstd",
+                compression_level=1,
+                statistics=False,
+                metadata={SPLIT_ID_KEY: split_id},
+            )
+        text = json.dumps(summary, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+        temps[summary_file].write_text(text, encoding="utf-8")
+        for temp in temps.values():
+            with open(temp, "rb+") as fh:
+                os.fsync(fh.fileno())
+    except OSError as exc:
+        for temp in temps.values():
+            temp.unlink(missing_ok=True)
+        raise SplitError(
+            f"cannot write the split ({exc.filename or ''}: {exc.strerror or exc}); the previous "
+            f"train, validation and summary are unchanged"
+        ) from None
+    # A crash between two renames leaves files with different split ids: check_same_split refuses them.
+    for target in targets:
+        os.replace(temps[target], target)
 
 
 def counts_pairs(changed: pl.DataFrame) -> dict[str, int]:
@@ -641,6 +748,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="keep rows with the same (lang, text, duration) as another row",
     )
     parser.add_argument(
+        "--allow-short-val",
+        action="store_true",
+        help="write the split even when a language with a quota gets no validation row",
+    )
+    parser.add_argument(
         "--script-threshold",
         type=float,
         default=None,
@@ -661,6 +773,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             keep_duplicate_texts=args.keep_duplicate_texts,
             threshold=args.script_threshold,
             max_val_fraction=args.max_val_fraction,
+            allow_short_val=args.allow_short_val,
         )
     except ManifestError as exc:
         print(f"make_train_val: error: {exc}", file=sys.stderr)

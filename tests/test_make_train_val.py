@@ -65,7 +65,14 @@ def write_master(tmp_path: Path, rows: list[dict]) -> Path:
 
 def run(tmp_path: Path, rows: list[dict], **kwargs) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
     master = write_master(tmp_path, rows)
-    options = dict(val_per_lang=0, seed=1, languages=(), threshold=0.9, max_val_fraction=0.5)
+    options = dict(
+        val_per_lang=0,
+        seed=1,
+        languages=(),
+        threshold=0.9,
+        max_val_fraction=0.5,
+        allow_short_val=True,
+    )
     options.update(kwargs)
     summary = mtv.make_train_val(
         master, tmp_path / "train.parquet", tmp_path / "val.parquet", **options
@@ -330,11 +337,16 @@ def test_rows_in_equal_train_plus_val_plus_dropped_and_no_leak(
     assert train.get_column("segment_id").n_unique() == train.height
     assert set(train.get_column("segment_id")).isdisjoint(set(val.get_column("segment_id")))
 
+    # Languages without any speaker whose every shard exceeds the quota are split per utterance.
+    per_utterance = summary["split"]["grouped_by_utterance"]
+
     def group(f):
         speaker_or_shard = pl.coalesce(
             pl.concat_str(pl.lit("s:"), "speaker_id"), pl.concat_str(pl.lit("h:"), "shard_id")
         )
-        return set(f.select(speaker_or_shard).to_series())
+        return set(
+            f.filter(~pl.col("lang").is_in(per_utterance)).select(speaker_or_shard).to_series()
+        )
 
     assert group(train).isdisjoint(group(val))
     for lang, n in summary["val_by_lang"].items():
@@ -377,3 +389,71 @@ def test_help_shows_a_usage_example():
         cwd=REPO,
     )
     assert "example" in result.stdout and "--lang-fixes" in result.stdout
+
+
+# --- an unusable split is an error ---------------------------------------------------------------
+def test_an_empty_master_is_an_error_not_a_traceback(tmp_path):
+    with pytest.raises(mtv.SplitError, match="has no rows"):
+        run(tmp_path, [])
+
+
+def test_every_row_dropped_is_an_error_naming_the_reason(tmp_path):
+    with pytest.raises(
+        mtv.SplitError, match=r"language_not_selected.*nothing to train on.*LANGUAGES=xx"
+    ):
+        run(tmp_path, [row("a", "hello", "en"), row("b", "नमस्ते", "hi")], languages=("xx",))
+
+
+def test_a_language_with_one_speaker_gets_no_validation_and_that_is_an_error(tmp_path):
+    rows = [row(f"t{k}", f"வணக்கம் {k}", "ta", speaker="only") for k in range(10)]
+    rows += [row(f"h{k}", f"नमस्ते {k}", "hi", speaker=f"s{k}") for k in range(10)]
+    with pytest.raises(mtv.SplitError, match=r"no validation rows for ta \(ta: its 10 rows are 1 "):
+        run(tmp_path, rows, val_per_lang=2, allow_short_val=False)
+    _, val, summary = run(tmp_path, rows, val_per_lang=2, allow_short_val=True)
+    assert summary["val_by_lang"] == {"hi": 2} and summary["val_shortfall"] == {"ta": 2}
+
+
+def test_without_speaker_ids_large_shards_are_split_per_utterance_to_meet_the_quota(tmp_path):
+    rows = [
+        row(f"{lang}{k}", f"{body} {k}", lang, shard=f"src/{lang}/s{k // 40}")
+        for lang, body in (("hi", "नमस्ते"), ("en", "hello"))
+        for k in range(80)
+    ]
+    train, val, summary = run(tmp_path, rows, val_per_lang=8, allow_short_val=False)
+    assert summary["val_by_lang"] == {"en": 8, "hi": 8}
+    assert summary["split"]["grouped_by_utterance"] == ["en", "hi"]
+    assert set(train["segment_id"]).isdisjoint(set(val["segment_id"]))
+
+
+# --- written as one set ---------------------------------------------------------------------------
+def test_a_failed_validation_write_leaves_the_previous_split_whole(tmp_path, monkeypatch):
+    rows = [row(f"h{k}", f"नमस्ते {k}", "hi", speaker=f"s{k}") for k in range(20)]
+    run(tmp_path, rows, val_per_lang=4, seed=1)
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("*") if p.is_file()}
+    real = pl.DataFrame.write_parquet
+
+    def fail_on_val(self, path, *args, **kwargs):
+        if ".val.parquet." in str(path):
+            raise OSError(122, "Disk quota exceeded", str(path))
+        return real(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(pl.DataFrame, "write_parquet", fail_on_val)
+    with pytest.raises(mtv.SplitError, match="Disk quota exceeded.*previous train, validation"):
+        run(tmp_path, rows, val_per_lang=4, seed=2)
+    after = {p.name: p.read_bytes() for p in tmp_path.glob("*") if p.is_file()}
+    assert after == before  # same files, same bytes, no temporary left
+
+
+def test_train_and_validation_of_different_runs_are_refused(tmp_path):
+    from manifest_schema import ManifestError, check_same_split, split_id
+
+    rows = [row(f"h{k}", f"नमस्ते {k}", "hi", speaker=f"s{k}") for k in range(20)]
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    run(a, rows, val_per_lang=4, seed=1)
+    run(b, rows, val_per_lang=4, seed=2)
+    assert split_id(a / "train.parquet") == split_id(a / "val.parquet")
+    check_same_split(a / "train.parquet", a / "val.parquet")
+    with pytest.raises(ManifestError, match="different make_train_val.py runs"):
+        check_same_split(a / "train.parquet", b / "val.parquet")
