@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import config
+from process_control import UserError
 
 log = logging.getLogger("evaluate")
 
@@ -42,6 +43,10 @@ CSV_COLUMNS = (
     "cer",
     "bad_audio",
 )
+
+
+class NothingToScore(UserError):
+    """The manifest has no utterance the model can be scored on (empty, or all of its audio bad)."""
 
 
 def evaluate(
@@ -72,6 +77,13 @@ def evaluate(
         model, dataset, indices, max_batch_seconds=batch_seconds, device=device, progress=progress
     )
     done = [i for i in sorted(hyps) if hyps[i] is not None]
+    if not done:
+        raise NothingToScore(
+            f"no utterance of {manifest} could be scored: {len(indices)} selected, "
+            f"{len(indices) - len(done)} of them bad audio, {dataset.load_summary['dropped']} dropped "
+            f"as unusable of {dataset.load_summary['rows_read']} rows; check the manifest and that "
+            f"its audio exists (DATA_DIR / SHARDS_DIR, scripts/extract_audio.py)"
+        )
     bad: dict[str, int] = {}
     for i in sorted(hyps):
         if hyps[i] is None:
@@ -170,15 +182,19 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = args.out or model_path.with_name(f"{model_path.stem}.{manifest.stem}.wer.csv")
 
-    model = asr_model.load_trained_model(model_path, device)
-    results, bad = evaluate(
-        model,
-        manifest,
-        per_lang=args.per_lang,
-        batch_seconds=args.batch_seconds,
-        seed=args.seed,
-        device=device,
-    )
+    try:
+        model = asr_model.load_trained_model(model_path, device)
+        results, bad = evaluate(
+            model,
+            manifest,
+            per_lang=args.per_lang,
+            batch_seconds=args.batch_seconds,
+            seed=args.seed,
+            device=device,
+        )
+    except UserError as exc:
+        print(f"evaluate: error: {exc}", file=sys.stderr)
+        return 2
     rows = result_rows(results, bad)
     write_csv(rows, out)
     print(

@@ -17,6 +17,8 @@ import logging
 import sys
 from pathlib import Path
 
+from process_control import UserError
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -40,7 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or path.with_suffix(".nemo")
     if out.suffix != ".nemo":
         raise ValueError(f"--out {out}: expected a path ending in .nemo")
-    checkpoints.export_nemo(asr_model.load_trained_model(path, "cpu"), out)
+    try:
+        model = asr_model.load_trained_model(path, "cpu")
+    except UserError as exc:
+        print(f"export_nemo: error: {exc}", file=sys.stderr)
+        return 2
+    checkpoints.export_nemo(model, out)
     print(f"exported {path} -> {out}")
     return 0
 

@@ -123,6 +123,38 @@ def test_export_nemo_script_writes_a_restorable_nemo_with_the_checkpoints_weight
         assert torch.equal(value, expected[key]), key
 
 
+@pytest.mark.parametrize("kind", ["ckpt", "nemo"])
+def test_a_truncated_checkpoint_or_nemo_is_named_in_one_line(tiny, capsys, kind):
+    good = tiny.ckpt if kind == "ckpt" else tiny.nemo
+    cut = tiny.root / f"cut.{kind}"
+    data = good.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    assert evaluate.main([str(cut), "--manifest", str(tiny.manifest)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("evaluate: error: cannot load") and str(cut) in err
+    assert len(err.strip().splitlines()) == 1
+    if kind == "ckpt":
+        assert export_nemo.main([str(cut)]) == 2
+        assert str(cut) in capsys.readouterr().err
+
+
+def test_an_evaluation_with_no_usable_utterance_is_an_error_and_writes_no_csv(tiny, capsys):
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(tiny.manifest)
+    moved = pc.replace_substring(table["tar_path"], str(tiny.manifest.parent), "/nonexistent")
+    manifest = tiny.root / "moved.parquet"
+    pq.write_table(
+        table.set_column(table.schema.get_field_index("tar_path"), "tar_path", moved), manifest
+    )
+    out = tiny.root / "none.csv"
+    assert evaluate.main([str(tiny.nemo), "--manifest", str(manifest), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "no utterance of" in err and "could be scored" in err and "bad audio" in err
+    assert not out.exists()
+
+
 def test_help_explains_usage_with_an_example():
     for script in ("evaluate.py", "export_nemo.py"):
         out = subprocess.run(
