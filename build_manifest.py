@@ -18,8 +18,9 @@ A row is kept when, checked in this order (the first failing check names the dro
     language_not_selected   LANGUAGES is empty or holds its language
     duration_missing / duration_too_short / duration_too_long
                             MIN_DURATION <= duration_s <= MAX_DURATION
-    quality_missing / quality_below_min
-                            tx_quality_score >= MIN_QUALITY (a null score is not a pass)
+    quality_missing / quality_not_finite / quality_below_min
+                            tx_quality_score is a finite number >= MIN_QUALITY (null, NaN and
+                            +-inf are not a pass)
     transcript_missing / empty_after_cleaning
                             the transcript is non-empty after ``clean_text``
 ``lang`` is ``segment_language`` (stripped, lower-cased) when set, else the ``<lang>`` directory.
@@ -632,6 +633,7 @@ DROP_REASON = pl.Enum(
         "duration_too_short",
         "duration_too_long",
         "quality_missing",
+        "quality_not_finite",
         "quality_below_min",
         "transcript_missing",
         "empty_after_cleaning",
@@ -663,6 +665,8 @@ def _drop_reason(filters: Filters) -> pl.Expr:
         .then(reason("duration_too_long"))
         .when(quality.is_null() | quality.is_nan())
         .then(reason("quality_missing"))
+        .when(quality.is_infinite())
+        .then(reason("quality_not_finite"))
         .when(quality < filters.min_quality)
         .then(reason("quality_below_min"))
         .when(pl.col("transcription_native").is_null())
@@ -859,6 +863,26 @@ def assemble_manifest(
     return kept, drops
 
 
+def _prepare_output(output: Path) -> None:
+    """Before any shard is read: the output directory must take a file (ManifestError naming it),
+    and the hidden temporary files a killed run left beside the outputs are removed."""
+    directory = output.parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".{output.name}.write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ManifestError(
+            f"cannot write the master manifest into {directory}: {exc.strerror or exc}; fix the "
+            f"permissions or choose --output / MASTER_MANIFEST_PATH elsewhere (checked before reading "
+            f"any shard)"
+        ) from None
+    for name in (output.name, summary_path(output).name):
+        for stale in directory.glob(f".{name}.*.tmp"):
+            stale.unlink(missing_ok=True)
+
+
 def build_manifest(
     shards_dir: Path | None = None,
     output: Path | None = None,
@@ -888,6 +912,7 @@ def build_manifest(
     )
     workers = workers or min(8, os.cpu_count() or 1)
 
+    _prepare_output(output)
     shards, misplaced = discover_shards(shards_dir)
     root = os.path.abspath(shards_dir).rstrip("/")
     kept_parts, drop_parts, unreadable, rows_in, orphans = [], [], [], 0, 0

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import build_manifest as bm
-from manifest_schema import EXTRA_COLUMNS, OUTPUT_COLUMNS
+from manifest_schema import EXTRA_COLUMNS, OUTPUT_COLUMNS, ManifestError
 from tests.shard_factory import write_shard
 
 REPO = Path(__file__).resolve().parents[1]
@@ -336,16 +336,42 @@ def test_duration_bounds_are_inclusive_and_outside_rows_are_dropped(tmp_path):
     }
 
 
-def test_quality_below_min_and_null_quality_are_dropped(tmp_path):
+def test_quality_below_min_null_and_non_finite_quality_are_dropped(tmp_path):
     rows = [
         {"segment_id": "low", "tx_quality_score": 0.2},
         {"segment_id": "ok", "tx_quality_score": 0.5},
         {"segment_id": "none", "tx_quality_score": None},
+        {"segment_id": "inf", "tx_quality_score": float("inf")},
+        {"segment_id": "-inf", "tx_quality_score": float("-inf")},
     ]
     write_shard(tmp_path / "shards", "src", "hi", "s0", rows)
     manifest, summary = build(tmp_path / "shards", tmp_path, min_quality=0.5)
     assert manifest.get_column("segment_id").to_list() == ["ok"]
-    assert drops_of(summary) == {"quality_below_min": 1, "quality_missing": 1}
+    assert drops_of(summary) == {
+        "quality_below_min": 1,
+        "quality_missing": 1,
+        "quality_not_finite": 2,
+    }
+
+
+def test_an_unwritable_output_is_refused_before_any_shard_is_read(tmp_path, monkeypatch):
+    write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a"}])
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    read = []
+    monkeypatch.setattr(bm, "discover_shards", lambda *a: read.append(a) or ([], []))
+    with pytest.raises(ManifestError, match=r"cannot write the master manifest into .*file/out"):
+        bm.build_manifest(tmp_path / "shards", blocker / "out" / "master.parquet", progress=False)
+    assert read == []
+
+
+def test_temporary_files_of_a_killed_run_are_removed_by_the_next(tmp_path):
+    write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a"}])
+    stale = [tmp_path / ".master.parquet.k1l2.tmp", tmp_path / ".master.summary.json.x9.tmp"]
+    for path in stale:
+        path.write_bytes(b"PAR1 half")
+    bm.build_manifest(tmp_path / "shards", tmp_path / "master.parquet", progress=False)
+    assert not any(p.exists() for p in stale)
 
 
 def test_tag_only_and_punctuation_only_transcripts_are_dropped_not_kept_as_a_bare_tag(tmp_path):
