@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.tiny_training_data import make_training_data
-from tests.torchrun_jobs import torchrun_command
+from tests.torchrun_jobs import tiny_train_env, torchrun_command
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -24,24 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 def job_env(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     data = make_training_data(root, per_lang=16, vocab_size=64)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB", "RESUME"))}
-    env.update(
-        ACCELERATOR="cpu",
-        PRECISION="32-true",
-        NUM_WORKERS="0",
-        OMP_NUM_THREADS="1",
-        INIT_MODEL="",
-        TRAIN_MANIFEST_PATH=str(data["manifest"]),
-        TOKENIZER_DIR=str(data["tokenizer"]),
-        GRAD_ACCUM="1",
-        MAX_STEPS="4",
-        UNFREEZE_STEP="2",
-        WARMUP_STEPS="1",
-        PHASE2_WARMUP="1",
-        MAX_BATCH_DURATION="6",
-        BUCKET_BOUNDARIES="2",
-        WANDB_MODE="disabled",
-    )
+    env = tiny_train_env(data, GRAD_ACCUM="1", MAX_STEPS="4", UNFREEZE_STEP="2")
     return root, env, data
 
 

@@ -30,7 +30,7 @@ import torch
 
 from checkpoints import checkpoint_name
 from tests.tiny_training_data import make_training_data
-from tests.torchrun_jobs import torchrun_command
+from tests.torchrun_jobs import tiny_train_env, torchrun_command
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -112,27 +112,15 @@ def runs(tmp_path_factory):
     data = make_training_data(root, per_lang=16, vocab_size=64)
     script = root / "probe_train.py"
     script.write_text(PROBE)
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB", "RESUME", "PROBE"))}
-    base.update(
-        ACCELERATOR="cpu",
-        PRECISION="32-true",
-        NUM_WORKERS="0",
-        OMP_NUM_THREADS="1",
-        INIT_MODEL="",
-        TRAIN_MANIFEST_PATH=str(data["manifest"]),
+    base = tiny_train_env(
+        data,
         VAL_MANIFEST_PATH=str(data["manifest"]),
-        TOKENIZER_DIR=str(data["tokenizer"]),
         GRAD_ACCUM="2",
         MAX_STEPS=str(MAX_STEPS),
         UNFREEZE_STEP="4",
-        WARMUP_STEPS="1",
-        PHASE2_WARMUP="1",
-        MAX_BATCH_DURATION="6",
-        BUCKET_BOUNDARIES="2",
         CHECKPOINT_EVERY=str(HALF),
         EVAL_EVERY_STEPS=str(HALF),
         EVAL_SAMPLES_PER_LANG="3",
-        WANDB_MODE="disabled",
         WANDB_RUN_NAME="run",
         REPO=str(REPO),
     )

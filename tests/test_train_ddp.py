@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.tiny_training_data import make_training_data
-from tests.torchrun_jobs import torchrun_command
+from tests.torchrun_jobs import tiny_train_env, torchrun_command
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -108,24 +108,12 @@ def torchrun(script: Path, env: dict, log_path: Path) -> subprocess.CompletedPro
 def run_env(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddp")
     data = make_training_data(root, per_lang=16, vocab_size=64)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB", "RESUME"))}
-    env.update(
-        ACCELERATOR="cpu",
-        PRECISION="32-true",
-        NUM_WORKERS="0",
-        OMP_NUM_THREADS="1",
-        INIT_MODEL="",
-        TRAIN_MANIFEST_PATH=str(data["manifest"]),
-        TOKENIZER_DIR=str(data["tokenizer"]),
+    env = tiny_train_env(
+        data,
         DATA_DIR=str(root / "data"),
         GRAD_ACCUM=str(GRAD_ACCUM),
         MAX_STEPS=str(MAX_STEPS),
         UNFREEZE_STEP=str(UNFREEZE_STEP),
-        WARMUP_STEPS="1",
-        PHASE2_WARMUP="1",
-        MAX_BATCH_DURATION="6",
-        BUCKET_BOUNDARIES="2",
-        WANDB_MODE="disabled",
         REPO=str(REPO),
     )
     return root, env

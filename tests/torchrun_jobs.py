@@ -1,7 +1,9 @@
-"""Launching the multi-process tests' jobs: a free loopback port and the torchrun command line."""
+"""Launching the multi-process tests' jobs: a free loopback port, the torchrun command line, and
+the environment of a tiny CPU train.py run."""
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from pathlib import Path
@@ -28,3 +30,26 @@ def torchrun_command(script: Path, nproc: int = 2) -> list[str]:
         str(free_port()),
         str(script),
     ]
+
+
+def tiny_train_env(data: dict, **knobs: str) -> dict:
+    """The environment of a tiny train.py run on CPU over ``make_training_data``'s manifest and
+    tokenizer, without W&B, plus ``knobs``; the caller's W&B, RESUME_FROM and PROBE_ variables are
+    left out so the shell that runs the tests cannot change the job."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB", "RESUME", "PROBE"))}
+    env.update(
+        ACCELERATOR="cpu",
+        PRECISION="32-true",
+        NUM_WORKERS="0",
+        OMP_NUM_THREADS="1",
+        INIT_MODEL="",
+        TRAIN_MANIFEST_PATH=str(data["manifest"]),
+        TOKENIZER_DIR=str(data["tokenizer"]),
+        WARMUP_STEPS="1",
+        PHASE2_WARMUP="1",
+        MAX_BATCH_DURATION="6",
+        BUCKET_BOUNDARIES="2",
+        WANDB_MODE="disabled",
+    )
+    env.update(knobs)
+    return env
