@@ -32,6 +32,7 @@ is 1 when any shard is unverified or failed, 2 on bad input (no SHARDS_DIR, no s
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
 import shutil
@@ -72,6 +73,8 @@ class ShardReport:
     missing: list[str] = field(default_factory=list)  # index members absent afterwards
     missing_count: int = 0
     stale_temps_removed: int = 0
+    # members of a done shard found missing or resized on a rerun, extracted again from its tar
+    reextracted_after_check: int = 0
     tar_deleted: bool = False
     error: str = ""
 
@@ -173,6 +176,14 @@ def verify(
     return missing
 
 
+def _marker_sizes(marker: Path) -> dict[str, int] | None:
+    """The member sizes a done marker recorded (None for a marker without them)."""
+    try:
+        return json.loads(marker.read_text(encoding="utf-8")).get("sizes")
+    except (OSError, ValueError):
+        return None
+
+
 def _write_member(tar: tarfile.TarFile, member: tarfile.TarInfo, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
@@ -201,20 +212,28 @@ def extract_shard(shard_dir: Path, delete_tar: bool = False, force: bool = False
     try:
         members = read_index(shard_dir)
         if marker.is_file() and not force:
-            report.status = "skipped_done"
-            if delete_tar and tar_path.exists():
-                missing = verify(shard_dir, members)
-                if missing:
-                    report.status, report.missing_count, report.missing = (
-                        "unverified",
-                        len(missing),
-                        missing[:MAX_LISTED],
-                    )
-                    marker.unlink()  # the marker no longer tells the truth: extract again next run
-                    return report
-                tar_path.unlink()
-                report.tar_deleted = True
-            return report
+            # A done shard is checked before it is skipped: every index member must still be a
+            # file of the size it was extracted with (one lstat each; no audio is read).
+            missing = verify(shard_dir, members, _marker_sizes(marker))
+            if not missing:
+                report.status = "skipped_done"
+                if delete_tar and tar_path.exists():
+                    tar_path.unlink()
+                    report.tar_deleted = True
+                return report
+            marker.unlink()  # the marker no longer tells the truth
+            if not tar_path.exists():
+                report.status, report.missing_count, report.missing = (
+                    "unverified",
+                    len(missing),
+                    missing[:MAX_LISTED],
+                )
+                report.error = (
+                    f"{len(missing)} member(s) of a finished shard are missing or changed size "
+                    f"(first: {missing[0]}) and {tar_path} is gone: restore the tar and rerun"
+                )
+                return report
+            report.reextracted_after_check = len(missing)
         marker.unlink(missing_ok=True)
         report.stale_temps_removed = remove_stale_temps(shard_dir)
         sizes: dict[str, int] | None = None
@@ -249,12 +268,18 @@ def extract_shard(shard_dir: Path, delete_tar: bool = False, force: bool = False
             if not tar_path.exists():
                 report.error = f"{tar_path} is gone and {len(missing)} member(s) are not extracted"
             return report
+        root = shard_dir.resolve()
         write_json_atomically(
             {
                 "members": len(members),
                 "extracted": report.extracted,
                 "refused": report.refused_count,
                 "time": time.time(),
+                # what a rerun checks before it skips this shard
+                "sizes": {
+                    rel: (root / rel).lstat().st_size
+                    for rel in (normalized_name(m) for m in members)
+                },
             },
             marker,
         )
@@ -312,9 +337,12 @@ def extract_all(
         "members_not_in_index": sum(r.not_in_index for r in reports),
         "members_missing": sum(r.missing_count for r in reports),
         "stale_temps_removed": sum(r.stale_temps_removed for r in reports),
+        "done_members_found_missing": sum(r.reextracted_after_check for r in reports),
         "tars_deleted": sum(r.tar_deleted for r in reports),
         "problems": [
-            asdict(r) for r in reports if r.status in ("failed", "unverified") or r.refused_count
+            asdict(r)
+            for r in reports
+            if r.status in ("failed", "unverified") or r.refused_count or r.reextracted_after_check
         ],
     }
     write_json_atomically(summary, shards_dir / "extract_audio.summary.json")
@@ -327,6 +355,8 @@ def format_summary(summary: dict) -> str:
         f"files extracted: {summary['files_extracted']:,}; refused: {summary['members_refused']:,}; "
         f"missing after extraction: {summary['members_missing']:,}; not in index (skipped): "
         f"{summary['members_not_in_index']:,}; tars deleted: {summary['tars_deleted']:,}",
+        f"members of done shards found missing or resized on this run (extracted again where the "
+        f"tar remains): {summary['done_members_found_missing']:,}",
     ]
     if summary["stale_temps_removed"]:
         lines.append(

@@ -172,8 +172,9 @@ def test_delete_tars_on_a_done_shard_rechecks_the_files_first(tmp_path):
     extract(tmp_path)
     (shard / "u1.flac").unlink()
     summary = extract(tmp_path, delete_tars=True)
-    assert (shard / "audio.tar").exists() and summary["by_status"] == {"unverified": 1}
-    assert extract(tmp_path)["by_status"] == {"extracted": 1}  # the next run repairs it
+    # The missing file is extracted again from the tar in the same run; only then is the tar deleted.
+    assert summary["done_members_found_missing"] == 1 and summary["by_status"] == {"extracted": 1}
+    assert (shard / "u1.flac").is_file() and not (shard / "audio.tar").exists()
 
 
 def test_a_corrupt_tar_fails_only_its_shard(tmp_path):
@@ -270,3 +271,29 @@ def test_help_shows_a_usage_example():
         cwd=REPO,
     )
     assert "example" in result.stdout and "--delete-tars" in result.stdout
+
+
+def test_a_rerun_checks_done_shards_and_extracts_again_what_went_missing(tmp_path):
+    shard = shard_with_audio(tmp_path)
+    extract(tmp_path)
+    (shard / "u0.flac").unlink()
+    with open(shard / "u1.flac", "r+b") as fh:
+        fh.truncate(10)
+    summary = extract(tmp_path)
+    assert summary["done_members_found_missing"] == 2
+    assert summary["by_status"] == {"extracted": 1}
+    assert (shard / "u0.flac").is_file() and (shard / "u1.flac").stat().st_size > 10
+    assert extract(tmp_path)["by_status"] == {"skipped_done": 1}  # and now it is whole again
+
+
+def test_a_done_shard_whose_tar_is_gone_reports_the_missing_members(tmp_path, capsys):
+    shard = shard_with_audio(tmp_path)
+    extract(tmp_path, delete_tars=True)
+    (shard / "u0.flac").unlink()
+    args = ["--shards-dir", str(tmp_path / "shards"), "--workers", "1", "--no-progress"]
+    assert ea.main(args) == 1
+    out = capsys.readouterr().out
+    assert "missing after extraction: 1" in out
+    report = json.loads((tmp_path / "shards" / "extract_audio.summary.json").read_text())
+    assert report["problems"][0]["missing"] == ["u0.flac"]
+    assert "is gone" in report["problems"][0]["error"]
