@@ -130,15 +130,20 @@ def summary_path(manifest: str | Path) -> Path:
     return manifest.with_name(stem + SUMMARY_SUFFIX)
 
 
+def write_manifest_file(
+    frame: pl.DataFrame, path: str | Path, metadata: dict[str, str] | None = None
+) -> None:
+    """Write ``frame`` to ``path`` with the writer settings every manifest uses (and ``metadata`` as
+    parquet key-value metadata); no temporary file: see ``write_manifest`` for that."""
+    frame.write_parquet(
+        path, compression="zstd", compression_level=1, statistics=False, metadata=metadata
+    )
+
+
 def write_manifest(frame: pl.DataFrame, path: str | Path) -> None:
     """Write ``frame`` as parquet to a temp file beside ``path`` and rename it over ``path``
     (``atomic_write``): a crash never leaves a partial manifest under its name."""
-    atomic_write(
-        path,
-        lambda tmp: frame.write_parquet(
-            tmp, compression="zstd", compression_level=1, statistics=False
-        ),
-    )
+    atomic_write(path, lambda tmp: write_manifest_file(frame, tmp))
 
 
 # The parquet metadata key make_train_val.py writes into both halves of one split (and its summary).
@@ -165,10 +170,14 @@ def check_same_split(train: str | Path, val: str | Path) -> None:
         )
 
 
+def json_text(data: dict) -> str:
+    """``data`` as the pipeline writes every JSON summary: indented, keys sorted, UTF-8 as is."""
+    return json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
 def write_json_atomically(data: dict, path: str | Path) -> None:
-    """Write ``data`` as JSON (indented, keys sorted, UTF-8) to a temp file beside ``path`` and
-    rename it over ``path``."""
-    text = json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    """Write ``json_text(data)`` to a temp file beside ``path`` and rename it over ``path``."""
+    text = json_text(data)
     atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import sys
 import time
@@ -59,9 +58,11 @@ from manifest_schema import (
     SPLIT_ID_KEY,
     ManifestError,
     counts_by,
+    json_text,
     summary_path,
     tag_prefix_expr,
     tagged_text_expr,
+    write_manifest_file,
 )
 
 # Script (Rust-regex Script name) -> (language it implies, languages legitimately written in it).
@@ -607,15 +608,8 @@ def write_split(
     try:
         for path, frame in manifests.items():
             path.parent.mkdir(parents=True, exist_ok=True)
-            frame.write_parquet(
-                temps[path],
-                compression="zstd",
-                compression_level=1,
-                statistics=False,
-                metadata={SPLIT_ID_KEY: split_id},
-            )
-        text = json.dumps(summary, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-        temps[summary_file].write_text(text, encoding="utf-8")
+            write_manifest_file(frame, temps[path], metadata={SPLIT_ID_KEY: split_id})
+        temps[summary_file].write_text(json_text(summary), encoding="utf-8")
         for temp in temps.values():
             with open(temp, "rb+") as fh:
                 os.fsync(fh.fileno())
