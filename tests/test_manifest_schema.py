@@ -11,7 +11,7 @@ from pathlib import Path
 import polars as pl
 import pyarrow as pa
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import manifest_schema as ms
@@ -33,6 +33,9 @@ def test_tag_prefix_and_tagged_text_spell_the_format():
     assert ms.tagged_text("ta", "வணக்கம் நன்றி") == "<|ta|> வணக்கம் நன்றி"
 
 
+# No deadline: the first call compiles pyarrow's (or polars') regex and can take longer than
+# hypothesis' 200 ms on a busy 2-core machine, which hypothesis then reports as a flaky failure.
+@settings(deadline=None)
 @given(LANG, TRANSCRIPT)
 def test_split_lang_tags_recovers_the_language_and_transcript_of_tagged_text(lang, transcript):
     langs, transcripts = ms.split_lang_tags(pa.array([ms.tagged_text(lang, transcript)]))
@@ -53,6 +56,7 @@ def test_split_lang_tags_takes_one_space_after_the_tag_and_accepts_the_bare_tag(
     assert transcripts.to_pylist() == [" two spaces", ""]
 
 
+@settings(deadline=None)  # see above
 @given(st.lists(st.tuples(LANG, TRANSCRIPT), max_size=8))
 def test_polars_expressions_equal_the_python_functions(rows):
     frame = pl.DataFrame(
