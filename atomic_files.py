@@ -42,6 +42,27 @@ def atomic_write(
     _fsync_dir(path.parent)
 
 
+def remove_stale_temporaries(path: str | os.PathLike, suffix: str = ".tmp") -> int:
+    """Delete the temporary files that ``atomic_write(path, ..., suffix)`` calls killed before their
+    rename left beside ``path``; the number deleted. Call it only where no other process is writing
+    ``path`` at the same time."""
+    path = Path(path)
+    stale = list(path.parent.glob(f".{path.name}.*{suffix}"))
+    for temp in stale:
+        temp.unlink(missing_ok=True)
+    return len(stale)
+
+
+def check_writable(directory: str | os.PathLike) -> None:
+    """Create ``directory`` when needed and create and delete a file in it: OSError when it cannot
+    take one (permissions, a read-only file system), before any expensive work."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    probe = directory / f".write-probe-{os.getpid()}"
+    probe.touch()
+    probe.unlink()
+
+
 def _fsync_dir(directory: Path) -> None:
     """Make the rename itself durable where the file system allows it."""
     try:

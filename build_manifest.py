@@ -61,6 +61,7 @@ import polars as pl
 from tqdm import tqdm
 
 import config
+from atomic_files import check_writable, remove_stale_temporaries
 from manifest_schema import (
     INDEX_FILE,
     LANG_CODE_PATTERN,
@@ -868,19 +869,15 @@ def _prepare_output(output: Path) -> None:
     and the hidden temporary files a killed run left beside the outputs are removed."""
     directory = output.parent
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".{output.name}.write-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        check_writable(directory)
     except OSError as exc:
         raise ManifestError(
             f"cannot write the master manifest into {directory}: {exc.strerror or exc}; fix the "
             f"permissions or choose --output / MASTER_MANIFEST_PATH elsewhere (checked before reading "
             f"any shard)"
         ) from None
-    for name in (output.name, summary_path(output).name):
-        for stale in directory.glob(f".{name}.*.tmp"):
-            stale.unlink(missing_ok=True)
+    for path in (output, summary_path(output)):
+        remove_stale_temporaries(path)
 
 
 def build_manifest(

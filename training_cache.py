@@ -67,7 +67,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 import process_control
-from atomic_files import atomic_write
+from atomic_files import atomic_write, check_writable
 from manifest_schema import lang_tag, split_lang_tags
 
 log = logging.getLogger("training_cache")
@@ -762,10 +762,7 @@ def cache_directory(manifest_path: Path, cache_dir: Path | str | None) -> Path:
 
 def _check_writable(directory: Path, manifest_path: Path, explicit: bool) -> None:
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".write-probe-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
+        check_writable(directory)
     except OSError as exc:
         where = (
             f"CACHE_DIR={directory}"
