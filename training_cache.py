@@ -238,24 +238,55 @@ def content_sha256(manifest_path: Path, memo_dir: Path, progress: bool = False) 
     """sha256 of the manifest's bytes, remembered in ``memo_dir`` for this exact file state.
 
     The memo is keyed by path, inode, size, mtime and ctime: a write to the file (or a replacement
-    by rename) changes at least the ctime or the inode, so a remembered hash is never stale.
+    by rename) changes at least the ctime or the inode, so a remembered hash is never stale. Processes
+    that miss the memo at once (the ranks of a node) hash one at a time under a file lock, so the
+    file is read once and the others find the memo.
     """
     manifest_path = Path(manifest_path)
     ident = _file_identity(manifest_path)
     name = hashlib.sha256(ident[0].encode()).hexdigest()[:12]
     memo = Path(memo_dir) / f".{manifest_path.name}.{name}.sha256.json"
+    value = _remembered(memo, ident)
+    if value is not None:
+        return value
+    try:
+        lock = open(memo.with_suffix(".lock"), "a+")
+    except OSError:  # a directory this process cannot write: hash without the memo
+        return _hash_file(manifest_path, ident[2], progress)
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        value = _remembered(memo, ident)
+        if value is not None:
+            return value
+        value = _hash_file(manifest_path, ident[2], progress)
+        if _file_identity(manifest_path) == ident:  # not rewritten while it was read
+            with contextlib.suppress(OSError):
+                atomic_write(
+                    memo,
+                    lambda tmp: Path(tmp).write_text(
+                        json.dumps({"identity": ident, "sha256": value})
+                    ),
+                )
+    return value
+
+
+def _remembered(memo: Path, ident: list) -> str | None:
     with contextlib.suppress(OSError, ValueError, KeyError):
         remembered = json.loads(memo.read_text())
         if remembered["identity"] == ident:
             return remembered["sha256"]
+    return None
+
+
+def _hash_file(path: Path, size: int, progress: bool) -> str:
     from tqdm import tqdm
 
     digest = hashlib.sha256()
     with (
-        open(manifest_path, "rb") as fh,
+        open(path, "rb") as fh,
         tqdm(
-            total=ident[2],
-            desc=f"hashing {manifest_path.name}",
+            total=size,
+            desc=f"hashing {path.name}",
             unit="B",
             unit_scale=True,
             disable=not progress,
@@ -265,14 +296,7 @@ def content_sha256(manifest_path: Path, memo_dir: Path, progress: bool = False) 
         while chunk := fh.read(_HASH_CHUNK):
             digest.update(chunk)
             bar.update(len(chunk))
-    value = digest.hexdigest()
-    if _file_identity(manifest_path) == ident:  # not rewritten while it was read
-        with contextlib.suppress(OSError):
-            atomic_write(
-                memo,
-                lambda tmp: Path(tmp).write_text(json.dumps({"identity": ident, "sha256": value})),
-            )
-    return value
+    return digest.hexdigest()
 
 
 def cache_key(content: str, tokenizer_sha256: str, frame_seconds: float, max_token_len: int) -> str:
@@ -579,8 +603,9 @@ class _Assembler:
         }
 
 
-def _manifest_row_groups(manifest_path: Path) -> list[tuple[int, int]]:
-    """(row group, first row) of every row group; CacheError when unreadable or a column is missing."""
+def _manifest_row_groups(manifest_path: Path) -> tuple[list[tuple[int, int]], int]:
+    """((row group, first row) of every row group, rows); CacheError when unreadable or a column
+    is missing."""
     try:
         meta = pq.ParquetFile(manifest_path).metadata
     except (OSError, pa.ArrowInvalid) as exc:
@@ -593,7 +618,7 @@ def _manifest_row_groups(manifest_path: Path) -> list[tuple[int, int]]:
             f"rebuild it with build_manifest.py and scripts/make_train_val.py"
         )
     starts = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
-    return [(g, int(starts[g])) for g in range(meta.num_row_groups)]
+    return [(g, int(starts[g])) for g in range(meta.num_row_groups)], meta.num_rows
 
 
 def usable_cores() -> int:
@@ -621,8 +646,7 @@ def build(
 
     t0 = time.monotonic()
     manifest_path = Path(manifest_path)
-    groups = _manifest_row_groups(manifest_path)
-    rows = pq.ParquetFile(manifest_path).metadata.num_rows
+    groups, rows = _manifest_row_groups(manifest_path)
     vocab = getattr(tokenizer, "vocab_size", 1 << 31)
     id_dtype = "<u2" if vocab <= 1 << 16 else "<i4"
     proto = _sentencepiece_proto(tokenizer)

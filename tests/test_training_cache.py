@@ -412,3 +412,25 @@ def _is_zombie(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def _hash_in_child(args):
+    path, memo_dir = args
+    return training_cache.content_sha256(path, memo_dir)
+
+
+def test_processes_missing_the_memo_together_read_the_manifest_once(tmp_path, monkeypatch):
+    path = write(tmp_path / "m.parquet", rows(300))
+    calls = tmp_path / "hash_calls"
+    real = training_cache._hash_file
+
+    def counted(*args):
+        with open(calls, "a") as fh:
+            fh.write("x")
+        return real(*args)
+
+    monkeypatch.setattr(training_cache, "_hash_file", counted)  # forked children inherit it
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        values = pool.map(_hash_in_child, [(path, tmp_path)] * 4)
+    assert len(set(values)) == 1 and values[0] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert calls.read_text() == "x"
