@@ -48,6 +48,7 @@ import pyarrow.parquet as pq
 
 import training_cache
 from manifest_schema import TAR_FILE, lang_tag, tag_prefix
+from scripts.process_memory import process_tree, pss_bytes, status_bytes
 
 LANGS = ("hi", "en", "mr", "ta")
 POOL_SIZE = 64
@@ -303,43 +304,6 @@ def run_rank(args) -> None:
     del batches
 
 
-def _process_tree(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, []))
-    return tree
-
-
-def _high_water_rss() -> int:
-    """VmHWM of this process image (getrusage would include the parent's pages at fork, before exec)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def _pss_bytes(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def measure_memory(kind: str, args) -> dict:
     """Start the ranks, sample summed PSS every second; the final sample is taken with all alive."""
     cmd = [
@@ -377,8 +341,8 @@ def measure_memory(kind: str, args) -> dict:
         peak = 0
         t0 = time.monotonic()
         while time.monotonic() - t0 < args.seconds:
-            pids = [p for proc in ranks for p in _process_tree(proc.pid)]
-            peak = max(peak, sum(map(_pss_bytes, pids)))
+            pids = [p for proc in ranks for p in process_tree(proc.pid)]
+            peak = max(peak, sum(map(pss_bytes, pids)))
             time.sleep(1.0)
         reports = []
         for proc in ranks:
@@ -386,8 +350,8 @@ def measure_memory(kind: str, args) -> dict:
             if not line.startswith("READY"):
                 raise RuntimeError(f"{kind} rank {proc.pid} stopped early (exit {proc.wait()})")
             reports.append(json.loads(line.split(" ", 1)[1]))
-        pids = [p for proc in ranks for p in _process_tree(proc.pid)]
-        final = sum(map(_pss_bytes, pids))
+        pids = [p for proc in ranks for p in process_tree(proc.pid)]
+        final = sum(map(pss_bytes, pids))
         for proc in ranks:
             proc.stdin.write("\n")
             proc.stdin.flush()
@@ -516,7 +480,7 @@ def main(argv=None) -> None:
 
         corpus = json.loads(Path(args.workdir, "corpus.json").read_text())
         tokenizer = load_tokenizer(corpus["tokenizer"])
-        before = _high_water_rss()
+        before = status_bytes("VmHWM")
         t = time.monotonic()
         ds = dataset.LocalShardDataset(corpus["manifest"], tokenizer, progress=False)
         print(
@@ -525,7 +489,7 @@ def main(argv=None) -> None:
                     "seconds": time.monotonic() - t,
                     "summary": ds.load_summary,
                     "hwm_before": before,
-                    "hwm_after": _high_water_rss(),
+                    "hwm_after": status_bytes("VmHWM"),
                 }
             )
         )

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from scripts.process_memory import process_tree, pss_bytes, status_bytes
+
 ROW_GROUP_ROWS = 262_144
 ROWS_PER_SHARD = 1000
 VOCAB = 12_000
@@ -200,13 +202,6 @@ def _tokenizer(model: Path):
     return SentencePieceTokenizer(str(model))
 
 
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 class TreeMemory:
     """Samples the summed PSS of this process and its children every 200 ms: shared pages (a forked
     worker's inherited interpreter, the page cache of mapped files) count once across the tree."""
@@ -219,31 +214,9 @@ class TreeMemory:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    @staticmethod
-    def _pss(pid: int) -> int:
-        try:
-            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return 0
-
-    def _tree(self) -> list[int]:
-        pids, todo = [], [os.getpid()]
-        while todo:
-            pid = todo.pop()
-            pids.append(pid)
-            for task in Path(f"/proc/{pid}/task").glob("*/children"):
-                try:
-                    todo += [int(c) for c in task.read_text().split()]
-                except OSError:
-                    pass
-        return pids
-
     def _run(self) -> None:
         while not self._stop.wait(0.2):
-            self.peak = max(self.peak, sum(self._pss(pid) for pid in self._tree()))
+            self.peak = max(self.peak, sum(map(pss_bytes, process_tree(os.getpid()))))
 
     def stop(self) -> int:
         self._stop.set()
@@ -314,8 +287,8 @@ def run_one(kind: str, manifest: Path, model: Path, out_dir: Path, workers: int)
     import training_cache
 
     tokenizer = _tokenizer(model)
-    before_anon = _status("RssAnon")
-    imports_pss = TreeMemory._pss(os.getpid())
+    before_anon = status_bytes("RssAnon")
+    imports_pss = pss_bytes(os.getpid())
     tree = TreeMemory()
     cpu0, t0 = _cpu_seconds(), time.perf_counter()
     result: dict = {"kind": kind}
@@ -354,8 +327,8 @@ def run_one(kind: str, manifest: Path, model: Path, out_dir: Path, workers: int)
     result["cpu_seconds"] = _cpu_seconds() - cpu0
     result["tree_peak_pss"] = tree.stop()
     result["imports_pss"] = imports_pss
-    result["peak_rss"] = _status("VmHWM")
-    result["anon_after"] = _status("RssAnon") - before_anon
+    result["peak_rss"] = status_bytes("VmHWM")
+    result["anon_after"] = status_bytes("RssAnon") - before_anon
     result["arrow_pool"] = pa.total_allocated_bytes()
     if kind == "mapped":
         from sampler import DurationBucketBatchSampler
