@@ -214,9 +214,13 @@ class TreeMemory:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
+    def _sample(self) -> None:
+        self.peak = max(self.peak, sum(map(pss_bytes, process_tree(os.getpid()))))
+
     def _run(self) -> None:
+        self._sample()  # a build shorter than one period still gets a sample
         while not self._stop.wait(0.2):
-            self.peak = max(self.peak, sum(map(pss_bytes, process_tree(os.getpid()))))
+            self._sample()
 
     def stop(self) -> int:
         self._stop.set()
