@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.tiny_training_data import make_training_data
-from tests.torchrun_jobs import tiny_train_env, torchrun_command
+from tests.torchrun_jobs import child_pids, is_running, tiny_train_env, torchrun_command
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -47,21 +47,6 @@ def finish(proc: subprocess.Popen, log: Path, timeout: float = 240) -> tuple[int
         proc.wait()
         pytest.fail(f"no exit in {timeout} s:\n{log.read_text()[-3000:]}")
     return proc.returncode, log.read_text()
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        out += [int(c) for c in task.read_text().split()]
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def wait_for(text: str, log: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
@@ -111,14 +96,14 @@ def test_ranks_die_with_a_sigkilled_torchrun(job_env):
     log = root / "orphans.log"
     proc = start(env, log, MAX_STEPS="100000", DATA_DIR=str(root / "o"))
     wait_for("micro-batches this epoch", log, proc)
-    ranks = children(proc.pid)
+    ranks = child_pids(proc.pid)
     assert len(ranks) == 2
     proc.send_signal(signal.SIGKILL)  # the launcher only, as an OOM killer or a node agent would
     proc.wait()
     deadline = time.monotonic() + 10
-    while any(alive(p) for p in ranks) and time.monotonic() < deadline:
+    while any(is_running(p) for p in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(alive(p) for p in ranks), "ranks outlived torchrun"
+    assert not any(is_running(p) for p in ranks), "ranks outlived torchrun"
 
 
 def test_a_stopped_rank_ends_the_job_within_the_collective_timeout_and_is_named(job_env):
@@ -134,14 +119,16 @@ def test_a_stopped_rank_ends_the_job_within_the_collective_timeout_and_is_named(
     )
     wait_for("micro-batches this epoch", log, proc)
     time.sleep(3)  # a few optimizer steps, so both ranks have reported a heartbeat
-    rank1 = [p for p in children(proc.pid) if "RANK=1\0" in Path(f"/proc/{p}/environ").read_text()]
+    rank1 = [
+        p for p in child_pids(proc.pid) if "RANK=1\0" in Path(f"/proc/{p}/environ").read_text()
+    ]
     assert len(rank1) == 1
     os.kill(rank1[0], signal.SIGSTOP)
     stopped = time.monotonic()
     try:
         rc, out = finish(proc, log, timeout=150)
     finally:
-        if alive(rank1[0]):
+        if is_running(rank1[0]):
             os.kill(rank1[0], signal.SIGKILL)
     seconds = time.monotonic() - stopped
     (root / "seconds_to_exit_after_sigstop").write_text(f"{seconds:.1f}")

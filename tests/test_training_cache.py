@@ -19,6 +19,7 @@ import dataset
 import training_cache
 from manifest_schema import tagged_text
 from tests.conftest import LANGS, WORDS
+from tests.torchrun_jobs import child_pids, is_running
 
 
 def rows(n: int, *, duration=5.0, seed=0) -> list[dict]:
@@ -365,15 +366,6 @@ training_cache.ensure(sys.argv[1], SentencePieceTokenizer(sys.argv[2]), frame_se
 """
 
 
-def _children(pid: int) -> list[int]:
-    from pathlib import Path
-
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        out += [int(c) for c in task.read_text().split()]
-    return out
-
-
 def test_workers_die_with_a_killed_builder(tmp_path, tokenizer):
     import signal
     import subprocess
@@ -392,7 +384,7 @@ def test_workers_die_with_a_killed_builder(tmp_path, tokenizer):
     workers: list[int] = []
     while len(workers) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
-        workers = _children(builder.pid)
+        workers = child_pids(builder.pid)
     assert len(workers) == 2, "the builder never started its workers"
     builder.send_signal(signal.SIGKILL)
     builder.wait()
@@ -400,18 +392,10 @@ def test_workers_die_with_a_killed_builder(tmp_path, tokenizer):
     alive = workers
     while alive and time.monotonic() < deadline:
         time.sleep(0.1)
-        alive = [p for p in workers if os.path.exists(f"/proc/{p}") and not _is_zombie(p)]
+        alive = [p for p in workers if is_running(p)]
     assert alive == [], "workers outlived their builder"
     assert caches(tmp_path) == []  # only a hidden temporary directory, removed by the next build
     assert ensure(path, tokenizer).built
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def _hash_in_child(args):

@@ -1,5 +1,5 @@
-"""Launching the multi-process tests' jobs: a free loopback port, the torchrun command line, and
-the environment of a tiny CPU train.py run."""
+"""Launching the multi-process tests' jobs: a free loopback port, the torchrun command line, the
+environment of a tiny CPU train.py run, and the state of the processes a job started."""
 
 from __future__ import annotations
 
@@ -53,3 +53,20 @@ def tiny_train_env(data: dict, **knobs: str) -> dict:
     )
     env.update(knobs)
     return env
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes ``pid`` started that are still its children (Linux /proc)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        out += [int(c) for c in task.read_text().split()]
+    return out
+
+
+def is_running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie waiting to be reaped."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
