@@ -440,18 +440,13 @@ def prepare_training_caches(tokenizer) -> None:
     """
     import training_cache
 
-    manifests = [Path(config.TRAIN_MANIFEST_PATH)]
+    manifests = [train_manifest_path()]
     if config.EVAL_EVERY_STEPS > 0 and Path(config.VAL_MANIFEST_PATH).is_file():
-        manifests.append(Path(config.VAL_MANIFEST_PATH))
-        if manifests[0].is_file():
-            from manifest_schema import check_same_split
+        from manifest_schema import check_same_split
 
-            check_same_split(*manifests)
+        manifests.append(Path(config.VAL_MANIFEST_PATH))
+        check_same_split(*manifests)
     for path in manifests:
-        if not path.exists():
-            raise FileNotFoundError(
-                f"TRAIN_MANIFEST_PATH={path} does not exist; build it with scripts/make_train_val.py"
-            )
         info = training_cache.ensure(
             path,
             tokenizer,
@@ -470,15 +465,21 @@ def prepare_training_caches(tokenizer) -> None:
             )
 
 
-def build_dataset(tokenizer):
-    """LocalShardDataset over TRAIN_MANIFEST_PATH (feasibility-filtered)."""
-    from dataset import LocalShardDataset
-
+def train_manifest_path() -> Path:
+    """TRAIN_MANIFEST_PATH; FileNotFoundError naming the variable when it does not exist."""
     path = Path(config.TRAIN_MANIFEST_PATH)
     if not path.exists():
         raise FileNotFoundError(
             f"TRAIN_MANIFEST_PATH={path} does not exist; build it with scripts/make_train_val.py"
         )
+    return path
+
+
+def build_dataset(tokenizer):
+    """LocalShardDataset over TRAIN_MANIFEST_PATH (feasibility-filtered)."""
+    from dataset import LocalShardDataset
+
+    path = train_manifest_path()
     dataset = LocalShardDataset(path, tokenizer)
     if len(dataset) == 0:
         raise ValueError(
