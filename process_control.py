@@ -69,12 +69,6 @@ def stop_requested() -> str | None:
     return _requested
 
 
-def reset() -> None:
-    """Forget a received stop request (for a second run in the same process)."""
-    global _requested, _training
-    _requested, _training = None, False
-
-
 def die_with_parent(parent: int | None = None) -> None:
     """Have the kernel SIGKILL this process when ``parent`` (default: the current parent) dies.
 
