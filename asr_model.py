@@ -244,7 +244,7 @@ def load_trained_model(path: str | Path, device: str = "cpu"):
     A .ckpt holds weights only: the model is built as training built it (``build_model`` from
     INIT_MODEL / MODEL_CONFIG and TOKENIZER_DIR, which must be set as in training) and the
     checkpoint's ``model.`` weights are loaded into it."""
-    from checkpoints import CheckpointError, checkpoint_problem
+    from checkpoints import CheckpointError, read_checkpoint
 
     path = Path(path)
     if path.suffix == ".nemo":
@@ -258,18 +258,8 @@ def load_trained_model(path: str | Path, device: str = "cpu"):
                 f"not a NeMo model: export it again (scripts/export_nemo.py) or use its .ckpt"
             ) from exc
     else:
-        problem = checkpoint_problem(path)
-        if problem is not None:
-            raise CheckpointError(
-                f"cannot load checkpoint {path}: {problem}; use an older step_*.ckpt or delete it"
-            )
+        checkpoint = read_checkpoint(path)
         model = build_model()
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as exc:
-            raise CheckpointError(
-                f"cannot load checkpoint {path}: {type(exc).__name__}: {exc}"
-            ) from exc
         if "state_dict" not in checkpoint:
             raise ValueError(
                 f"{path} has no 'state_dict': expected a Lightning checkpoint written by train.py"

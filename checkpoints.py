@@ -19,6 +19,7 @@ import secrets
 import shutil
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,19 +84,33 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             ) from exc
 
     def load_checkpoint(self, path, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        problem = checkpoint_problem(Path(path))
-        if problem is not None:
-            raise CheckpointError(
-                f"cannot load checkpoint {path}: {problem}; resume from an older one "
-                f"(RESUME_FROM=<path>, or RESUME_FROM=last skips unreadable ones) or delete it"
-            )
-        try:
-            return super().load_checkpoint(path, *args, **kwargs)
-        except Exception as exc:
-            raise CheckpointError(
-                f"cannot load checkpoint {path}: {type(exc).__name__}: {exc}; resume from an older "
-                f"one (RESUME_FROM=<path>) or delete it"
-            ) from exc
+        return read_checkpoint(
+            Path(path),
+            lambda: super(AtomicCheckpointIO, self).load_checkpoint(path, *args, **kwargs),
+            advice="resume from an older one (RESUME_FROM=<path>, or RESUME_FROM=last skips "
+            "unreadable ones) or delete it",
+        )
+
+
+def read_checkpoint(
+    path: Path,
+    load: Callable[[], dict[str, Any]] | None = None,
+    advice: str = "use an older step_*.ckpt or delete it",
+) -> dict[str, Any]:
+    """``load()`` (default: torch.load on the CPU) of the step checkpoint at ``path``, after the
+    cheap ``checkpoint_problem`` check; any failure is a CheckpointError naming the path, the cause
+    and ``advice``."""
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise CheckpointError(f"cannot load checkpoint {path}: {problem}; {advice}")
+    try:
+        if load is None:
+            return torch.load(path, map_location="cpu", weights_only=False)
+        return load()
+    except Exception as exc:
+        raise CheckpointError(
+            f"cannot load checkpoint {path}: {type(exc).__name__}: {exc}; {advice}"
+        ) from exc
 
 
 def checkpoint_problem(path: Path) -> str | None:
