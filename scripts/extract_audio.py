@@ -24,14 +24,25 @@ For each ``<SHARDS_DIR>/<source>/<lang>/<shard>/`` holding audio.tar and audio_i
   (``.extract_done.json``); a rerun skips shards with a marker, so an interrupted run resumes.
   ``--delete-tars`` deletes a tar only after its shard verified (on this run or an earlier one,
   re-checked before deleting).
+- A member the tar holds twice is extracted as ``tar -x`` would (the later copy wins: appending is
+  how a tar member is updated); when the two copies differ in content, the shard's report lists it.
+- Before any work: SHARDS_DIR must take a file, and its file system must have room for the
+  pending shards (their tars' size; with ``--delete-tars``, the largest ``--workers`` tars, since
+  each tar goes once its shard verifies). ``--no-space-check`` skips the estimate.
+- A full disk fails each shard that meets it (its report names the file and says so); the shards
+  done before keep their markers, so a rerun after freeing space resumes.
 
-A summary is printed and written to ``<SHARDS_DIR>/extract_audio.summary.json``. The exit status
-is 1 when any shard is unverified or failed, 2 on bad input (no SHARDS_DIR, no shards).
+The per-shard report is printed first and then written to
+``<SHARDS_DIR>/extract_audio.summary.json``; when that write fails (a full disk) the printed report
+is complete and the last line names the file and the cause. The exit status is 1 when any shard is
+unverified or failed or the summary could not be written, 2 on bad input (no SHARDS_DIR, no
+shards, no room).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import multiprocessing
 import os
@@ -50,16 +61,22 @@ import polars as pl
 from tqdm import tqdm
 
 import config
+from atomic_files import check_writable
 from manifest_schema import INDEX_FILE, METADATA_FILE, TAR_FILE, write_json_atomically
 
 DONE_MARKER = ".extract_done.json"
 TEMP_PREFIX = ".extract-tmp-"
 RESERVED_NAMES = frozenset({METADATA_FILE, INDEX_FILE, TAR_FILE, DONE_MARKER})
 MAX_LISTED = 20  # per shard, per kind: the rest is counted
+SUMMARY_FILE = "extract_audio.summary.json"
 
 
 class ExtractError(RuntimeError):
-    """Input extract_audio cannot work on (missing SHARDS_DIR, no shards)."""
+    """Input extract_audio cannot work on (missing SHARDS_DIR, no shards, no room)."""
+
+
+class DiskFull(OSError):
+    """No space left while writing a member: the shard fails with that reason."""
 
 
 @dataclass
@@ -75,6 +92,9 @@ class ShardReport:
     stale_temps_removed: int = 0
     # members of a done shard found missing or resized on a rerun, extracted again from its tar
     reextracted_after_check: int = 0
+    # members the tar holds twice with different content: {"member", "sizes"}; the later copy is kept
+    conflicting: list[dict] = field(default_factory=list)
+    conflicting_count: int = 0
     tar_deleted: bool = False
     error: str = ""
 
@@ -198,6 +218,21 @@ def _write_member(tar: tarfile.TarFile, member: tarfile.TarInfo, target: Path) -
         raise
 
 
+def _same_content(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> bool:
+    """Whether ``member`` holds exactly the bytes of the file at ``path`` (a copy written earlier
+    in this run): read only for a member the tar holds twice."""
+    if path.stat().st_size != member.size:
+        return False
+    source = tar.extractfile(member)
+    with open(path, "rb") as written:
+        while True:
+            a, b = source.read(1 << 20), written.read(1 << 20)
+            if a != b:
+                return False
+            if not a:
+                return True
+
+
 def _refuse(report: ShardReport, member: str, reason: str) -> None:
     report.refused_count += 1
     if len(report.refused) < MAX_LISTED:
@@ -254,13 +289,24 @@ def extract_shard(shard_dir: Path, delete_tar: bool = False, force: bool = False
                     if rel not in wanted:
                         report.not_in_index += 1
                         continue
+                    if rel in sizes:  # held twice: the later copy wins, as with tar -x
+                        if _same_content(tar, member, target):
+                            continue  # the same bytes again: nothing to write or report
+                        report.conflicting_count += 1
+                        if len(report.conflicting) < MAX_LISTED:
+                            report.conflicting.append(
+                                {"member": member.name, "sizes": [sizes[rel], member.size]}
+                            )
                     try:
                         _write_member(tar, member, target)
-                    except OSError as exc:  # e.g. a directory already sits at the target
+                    except OSError as exc:
+                        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                            raise DiskFull(exc.errno, exc.strerror, str(target)) from None
+                        # e.g. a directory already sits at the target
                         _refuse(report, member.name, f"cannot write: {exc.strerror or exc}")
                         continue
+                    report.extracted += rel not in sizes
                     sizes[rel] = member.size
-                    report.extracted += 1
         missing = verify(shard_dir, members, sizes)
         report.missing_count, report.missing = len(missing), missing[:MAX_LISTED]
         if missing:
@@ -287,10 +333,55 @@ def extract_shard(shard_dir: Path, delete_tar: bool = False, force: bool = False
         if delete_tar and tar_path.exists():
             tar_path.unlink()
             report.tar_deleted = True
+    except DiskFull as exc:
+        report.status = "failed"
+        report.error = (
+            f"disk full writing {exc.filename} ({exc.strerror}): free space and rerun; the shards "
+            f"already done keep their markers and are skipped"
+        )
     except Exception as exc:  # a broken tar or index fails this shard only
         report.status = "failed"
         report.error = f"{type(exc).__name__}: {exc}"
     return report
+
+
+def _pending_tar_bytes(shards: Sequence[Path], force: bool) -> list[int]:
+    """Sizes of the tars of the shards this run will extract (no done marker, or ``force``)."""
+    sizes = []
+    for shard in shards:
+        tar = shard / TAR_FILE
+        if (force or not (shard / DONE_MARKER).is_file()) and tar.is_file():
+            sizes.append(tar.stat().st_size)
+    return sizes
+
+
+def check_room(
+    shards_dir: Path, shards: Sequence[Path], *, workers: int, delete_tars: bool, force: bool
+) -> None:
+    """ExtractError when SHARDS_DIR cannot take a file, or has less free space than the pending
+    shards need: their tars' total size (a shard's audio is at most its tar), or with
+    ``delete_tars`` the ``workers`` largest tars (each tar goes once its shard verifies)."""
+    try:
+        check_writable(shards_dir)
+    except OSError as exc:
+        raise ExtractError(
+            f"cannot write into SHARDS_DIR {shards_dir}: {exc.strerror or exc}; fix the permissions"
+        ) from None
+    sizes = sorted(_pending_tar_bytes(shards, force), reverse=True)
+    needed = sum(sizes[:workers]) if delete_tars else sum(sizes)
+    free = shutil.disk_usage(shards_dir).free
+    if needed > free:
+        gib = 1 << 30
+        hint = (
+            ""
+            if delete_tars
+            else (f", or pass --delete-tars (needs about {sum(sizes[:workers]) / gib:.1f} GiB)")
+        )
+        raise ExtractError(
+            f"{shards_dir} has {free / gib:.1f} GiB free; the {len(sizes)} shard(s) to extract "
+            f"need about {needed / gib:.1f} GiB (their tars' size): free space{hint}; "
+            f"--no-space-check skips this estimate"
+        )
 
 
 def extract_all(
@@ -300,12 +391,16 @@ def extract_all(
     delete_tars: bool = False,
     force: bool = False,
     progress: bool = True,
+    space_check: bool = True,
 ) -> dict:
     """Extract every shard under ``shards_dir`` (default SHARDS_DIR) on a process pool; return
-    the summary, also written to ``<shards_dir>/extract_audio.summary.json``."""
+    the summary, also written to ``<shards_dir>/extract_audio.summary.json``. When that write
+    fails, the summary's ``summary_write_error`` says why (the rest of it is complete)."""
     shards_dir = Path(config.SHARDS_DIR if shards_dir is None else shards_dir)
     shards = find_shards(shards_dir)
     workers = workers or min(8, os.cpu_count() or 1)
+    if space_check:
+        check_room(shards_dir, shards, workers=workers, delete_tars=delete_tars, force=force)
     reports: list[ShardReport] = []
     with tqdm(total=len(shards), desc="extracting", unit="shard", disable=not progress) as bar:
         if workers == 1:
@@ -338,14 +433,26 @@ def extract_all(
         "members_missing": sum(r.missing_count for r in reports),
         "stale_temps_removed": sum(r.stale_temps_removed for r in reports),
         "done_members_found_missing": sum(r.reextracted_after_check for r in reports),
+        "members_conflicting": sum(r.conflicting_count for r in reports),
         "tars_deleted": sum(r.tar_deleted for r in reports),
         "problems": [
             asdict(r)
             for r in reports
-            if r.status in ("failed", "unverified") or r.refused_count or r.reextracted_after_check
+            if r.status in ("failed", "unverified")
+            or r.refused_count
+            or r.reextracted_after_check
+            or r.conflicting_count
         ],
     }
-    write_json_atomically(summary, shards_dir / "extract_audio.summary.json")
+    path = shards_dir / SUMMARY_FILE
+    try:
+        write_json_atomically(summary, path)
+    except OSError as exc:
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        summary["summary_write_error"] = (
+            f"cannot write {path}: {'disk full: ' if full else ''}{exc.strerror or exc}; the report "
+            f"above is complete"
+        )
     return summary
 
 
@@ -358,6 +465,11 @@ def format_summary(summary: dict) -> str:
         f"members of done shards found missing or resized on this run (extracted again where the "
         f"tar remains): {summary['done_members_found_missing']:,}",
     ]
+    if summary["members_conflicting"]:
+        lines.append(
+            f"members held twice by a tar with different content (the later copy kept): "
+            f"{summary['members_conflicting']:,}"
+        )
     if summary["stale_temps_removed"]:
         lines.append(
             f"temp files of an interrupted run removed: {summary['stale_temps_removed']:,}"
@@ -374,6 +486,13 @@ def format_summary(summary: dict) -> str:
             lines.append(f"  missing {m!r}")
         if p["missing_count"] > len(p["missing"]):
             lines.append(f"  ... {p['missing_count'] - len(p['missing'])} more missing")
+        for c in p["conflicting"]:
+            sizes = " and ".join(f"{n:,}" for n in c["sizes"])
+            lines.append(f"  twice with different content {c['member']!r} ({sizes} bytes)")
+        if p["conflicting_count"] > len(p["conflicting"]):
+            lines.append(f"  ... {p['conflicting_count'] - len(p['conflicting'])} more held twice")
+    if summary.get("summary_write_error"):
+        lines.append(f"ERROR {summary['summary_write_error']}")
     return "\n".join(lines)
 
 
@@ -400,6 +519,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--force", action="store_true", help="extract shards that already have a done marker"
     )
+    parser.add_argument(
+        "--no-space-check",
+        action="store_true",
+        help="start even when the free space looks smaller than the pending tars",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
     try:
@@ -409,13 +533,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             delete_tars=args.delete_tars,
             force=args.force,
             progress=not args.no_progress,
+            space_check=not args.no_space_check,
         )
     except ExtractError as exc:
         print(f"extract_audio: error: {exc}", file=sys.stderr)
         return 2
     print(format_summary(summary))
     bad = summary["by_status"].get("failed", 0) + summary["by_status"].get("unverified", 0)
-    return 1 if bad else 0
+    return 1 if bad or summary.get("summary_write_error") else 0
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import subprocess
@@ -297,3 +298,101 @@ def test_a_done_shard_whose_tar_is_gone_reports_the_missing_members(tmp_path, ca
     report = json.loads((tmp_path / "shards" / "extract_audio.summary.json").read_text())
     assert report["problems"][0]["missing"] == ["u0.flac"]
     assert "is gone" in report["problems"][0]["error"]
+
+
+# --- a tar holding a member twice --------------------------------------------------------------
+def test_a_member_held_twice_with_other_content_is_reported_and_the_later_copy_kept(
+    tmp_path, capsys
+):
+    shard = shard_with_audio(tmp_path)
+    later = flac_bytes(0.3)
+    add_members(shard, tar_info("u0.flac", data=later), tar_info("u1.flac", data=b"x" * 50))
+    code = ea.main(["--shards-dir", str(tmp_path / "shards"), "--workers", "1", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0 and "held twice by a tar with different content" in out
+    assert "twice with different content 'u0.flac'" in out and "'u1.flac'" in out
+    assert (shard / "u0.flac").read_bytes() == later, "the later copy wins, as with tar -x"
+    report = json.loads((tmp_path / "shards" / ea.SUMMARY_FILE).read_text())
+    assert report["members_conflicting"] == 2 and report["files_extracted"] == 3
+    assert [c["member"] for c in report["problems"][0]["conflicting"]] == ["u0.flac", "u1.flac"]
+
+
+def test_a_member_held_twice_with_the_same_bytes_is_not_reported(tmp_path):
+    shard = shard_with_audio(tmp_path)
+    with tarfile.open(shard / "audio.tar") as tar:
+        same = tar.extractfile("u2.flac").read()
+    add_members(shard, tar_info("u2.flac", data=same))
+    summary = extract(tmp_path)
+    assert summary["members_conflicting"] == 0 and not summary["problems"]
+    assert summary["files_extracted"] == 3
+
+
+# --- a full disk -------------------------------------------------------------------------------
+def test_a_full_disk_fails_the_shard_and_the_report_survives_the_summary_write(
+    tmp_path, monkeypatch, capsys
+):
+    first = shard_with_audio(tmp_path, name="s0")
+    second = shard_with_audio(tmp_path, name="s1")
+    write_member = ea._write_member
+
+    def fills_up(tar, member, target):
+        if target.parent == second.resolve():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write_member(tar, member, target)
+
+    write_json = ea.write_json_atomically
+
+    def summary_write_fails(data, path):
+        if Path(path).name == ea.SUMMARY_FILE:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write_json(data, path)  # the done markers
+
+    monkeypatch.setattr(ea, "_write_member", fills_up)
+    monkeypatch.setattr(ea, "write_json_atomically", summary_write_fails)
+    code = ea.main(["--shards-dir", str(tmp_path / "shards"), "--workers", "1", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert f"FAILED {second}: disk full writing {second.resolve()}/u0.flac" in out
+    assert f"ERROR cannot write {tmp_path / 'shards' / ea.SUMMARY_FILE}: disk full" in out
+    assert "shards: 2 (extracted=1, failed=1)" in out
+    assert (first / ea.DONE_MARKER).exists() and not (second / ea.DONE_MARKER).exists()
+    assert not list(second.glob(ea.TEMP_PREFIX + "*"))
+
+
+def test_too_little_free_space_for_the_pending_tars_stops_before_any_work(
+    tmp_path, monkeypatch, capsys
+):
+    shard = shard_with_audio(tmp_path, name="s0")
+    shard_with_audio(tmp_path, name="s1")
+    tar_bytes = (shard / "audio.tar").stat().st_size
+    usage = ea.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(ea.shutil, "disk_usage", lambda path: usage._replace(free=tar_bytes + 1))
+    args = ["--shards-dir", str(tmp_path / "shards"), "--workers", "1", "--no-progress"]
+    assert ea.main(args) == 2
+    err = capsys.readouterr().err
+    assert "the 2 shard(s) to extract need about" in err and "--delete-tars" in err
+    assert not list((tmp_path / "shards").rglob("*.flac"))
+    # one tar at a time fits when each tar goes once its shard verifies
+    assert ea.main([*args, "--delete-tars"]) == 0
+    assert len(list((tmp_path / "shards").rglob("*.flac"))) == 6
+    assert not list((tmp_path / "shards").rglob("audio.tar"))
+
+
+def test_no_space_check_starts_whatever_the_estimate(tmp_path, monkeypatch):
+    shard_with_audio(tmp_path)
+    usage = ea.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(ea.shutil, "disk_usage", lambda path: usage._replace(free=0))
+    args = ["--shards-dir", str(tmp_path / "shards"), "--workers", "1", "--no-progress"]
+    assert ea.main([*args, "--no-space-check"]) == 0
+
+
+def test_an_unwritable_shards_dir_stops_before_any_work(tmp_path, monkeypatch, capsys):
+    shard_with_audio(tmp_path)
+
+    def read_only(directory):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(ea, "check_writable", read_only)
+    args = ["--shards-dir", str(tmp_path / "shards"), "--workers", "1", "--no-progress"]
+    assert ea.main(args) == 2
+    assert "cannot write into SHARDS_DIR" in capsys.readouterr().err
