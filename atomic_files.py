@@ -7,6 +7,7 @@ Shared by the offline tools (build_manifest.py, scripts/), the training callback
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from collections.abc import Callable
@@ -40,6 +41,55 @@ def atomic_write(
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+
+
+SET_SUFFIX = ".set-tmp"
+
+
+def write_together(writers: dict[Path, Callable[[str], None]], tag: str) -> None:
+    """Write a set of files that belong together so that a reader never takes a mixed set for a
+    whole one: each ``writers[path](tmp)`` writes a hidden temporary beside ``path`` (fsynced), and
+    only once all are complete are they renamed into place. The last path of ``writers`` is the
+    set's seal (a summary): it is removed before the first rename and renamed last, so a crash
+    between renames leaves the set without its seal, never with an old one. Temporaries a killed
+    run left are removed first. When a write fails, every temporary is removed and the previous
+    set is untouched; the error (any writer's: polars reports a full disk as a ComputeError) comes
+    back as an OSError whose ``filename`` is the file of the set being written and whose
+    ``strerror`` starts with "disk full" when it was. ``tag`` names this run's temporaries."""
+    targets = [Path(t) for t in writers]
+    for target in targets:
+        remove_stale_temporaries(target, SET_SUFFIX)
+    temps = {t: t.with_name(f".{t.name}.{tag}{SET_SUFFIX}") for t in targets}
+    try:
+        for target, write in zip(targets, writers.values()):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            write(str(temps[target]))
+            with open(temps[target], "rb+") as f:
+                os.fsync(f.fileno())
+    except BaseException as exc:
+        for temp in temps.values():
+            temp.unlink(missing_ok=True)
+        if not isinstance(exc, Exception):
+            raise
+        full = disk_full(exc)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        code = errno.ENOSPC if full else getattr(exc, "errno", None) or errno.EIO
+        raise OSError(code, f"disk full: {reason}" if full else reason, str(target)) from exc
+    seal = targets[-1]
+    seal.unlink(missing_ok=True)
+    for target in targets:
+        os.replace(temps[target], target)
+    for directory in {t.parent for t in targets}:
+        _fsync_dir(directory)
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` reports a full file system or quota, as an OSError or in a library's own
+    exception (polars and pyarrow put the OS message in theirs)."""
+    if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(exc)
+    return any(m in text for m in ("No space left on device", "Disk quota exceeded", "os error 28"))
 
 
 def remove_stale_temporaries(path: str | os.PathLike, suffix: str = ".tmp") -> int:

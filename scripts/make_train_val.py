@@ -40,8 +40,8 @@ same inputs give byte-identical outputs.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -52,6 +52,7 @@ import numpy as np
 import polars as pl
 
 import config
+from atomic_files import write_together
 from manifest_schema import (
     LANG_CODE_PATTERN,
     OUTPUT_COLUMNS,
@@ -597,32 +598,25 @@ def make_train_val(
 def write_split(
     manifests: dict[Path, pl.DataFrame], summary: dict, summary_file: Path, split_id: str
 ) -> None:
-    """Write the manifests (``split_id`` in each parquet's metadata) and the summary under hidden
-    temporary names, then rename them into place: until every file is complete none is renamed, so
-    a failure leaves the previous set whole. Temporary files of a killed run are removed first."""
-    targets = [*manifests, summary_file]
-    for target in targets:
-        for stale in target.parent.glob(f".{target.name}.*.split-tmp"):
-            stale.unlink(missing_ok=True)
-    temps = {t: t.with_name(f".{t.name}.{split_id[:8]}.split-tmp") for t in targets}
+    """Write the manifests (``split_id`` in each parquet's metadata) and the summary as one set
+    (``atomic_files.write_together``, the summary last): a failure leaves the previous set whole."""
+    writers = {
+        path: functools.partial(_write_half, frame, split_id) for path, frame in manifests.items()
+    }
+    writers[summary_file] = lambda tmp: Path(tmp).write_text(json_text(summary), encoding="utf-8")
     try:
-        for path, frame in manifests.items():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_manifest_file(frame, temps[path], metadata={SPLIT_ID_KEY: split_id})
-        temps[summary_file].write_text(json_text(summary), encoding="utf-8")
-        for temp in temps.values():
-            with open(temp, "rb+") as fh:
-                os.fsync(fh.fileno())
+        write_together(writers, split_id[:8])
     except OSError as exc:
-        for temp in temps.values():
-            temp.unlink(missing_ok=True)
         raise SplitError(
             f"cannot write the split ({exc.filename or ''}: {exc.strerror or exc}); the previous "
             f"train, validation and summary are unchanged"
         ) from None
-    # A crash between two renames leaves files with different split ids: check_same_split refuses them.
-    for target in targets:
-        os.replace(temps[target], target)
+    # A crash between two renames leaves files with different split ids (check_same_split refuses
+    # them) and no summary.
+
+
+def _write_half(frame: pl.DataFrame, split_id: str, path: str) -> None:
+    write_manifest_file(frame, path, metadata={SPLIT_ID_KEY: split_id})
 
 
 def counts_pairs(changed: pl.DataFrame) -> dict[str, int]:
