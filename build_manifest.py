@@ -23,9 +23,20 @@ A row is kept when, checked in this order (the first failing check names the dro
                             +-inf are not a pass)
     transcript_missing / empty_after_cleaning
                             the transcript is non-empty after ``clean_text``
+    shared_audio_other_text no kept row of another segment_id in its shard names the same audio
+                            file with a different cleaned transcript (one of them is wrong, and
+                            nothing says which: every row of that file is dropped)
 ``lang`` is ``segment_language`` (stripped, lower-cased) when set, else the ``<lang>`` directory.
 
-A segment_id listed twice in a shard stays twice here; make_train_val.py keeps one.
+Reported, not dropped (the summary's ``duplicate_segment_ids`` and ``shared_audio``, with their
+shards): a segment_id kept in several rows (in one shard or several; make_train_val.py keeps one),
+and an audio file several segment_ids name with the same transcript.
+
+Before any shard is read, the output directory must take a file, and a warning says when its file
+system has less free space than the shards' metadata and index files take (the master holds about
+as much). The master and its summary are written as one set (``atomic_files.write_together``): a
+failed or killed write leaves the previous pair, or the new master without a summary, never a
+master beside another run's summary. A write error names the file and says "disk full" when it is.
 
 Engine: polars, for every step. Shards go through in batches of about 128k rows: while one batch
 is filtered and cleaned, the next is read and joined on a background thread (see
@@ -47,11 +58,13 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import shutil
 import sys
 import time
 import unicodedata
+import uuid
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,7 +74,7 @@ import polars as pl
 from tqdm import tqdm
 
 import config
-from atomic_files import check_writable, remove_stale_temporaries
+from atomic_files import check_writable, remove_stale_temporaries, write_together
 from manifest_schema import (
     INDEX_FILE,
     LANG_CODE_PATTERN,
@@ -69,10 +82,10 @@ from manifest_schema import (
     TAR_FILE,
     ManifestError,
     counts_by,
+    json_text,
     summary_path,
     tagged_text_expr,
-    write_json_atomically,
-    write_manifest,
+    write_manifest_file,
 )
 
 REQUIRED_METADATA = {
@@ -554,12 +567,7 @@ def _read_shard_by_shard(
                     )
                 )
             except Exception as exc:
-                failed.append(
-                    {
-                        "path": str(shard.path),
-                        "reason": f"{shard.path}: unreadable ({type(exc).__name__}: {exc})",
-                    }
-                )
+                failed.append({"path": str(shard.path), "reason": _unreadable_reason(shard, exc)})
         return parts, failed
 
     parts = []
@@ -568,6 +576,52 @@ def _read_shard_by_shard(
             parts.extend(group_parts)
             bad.extend(failed)
     return parts, bad
+
+
+def first_invalid_utf8(path: Path) -> tuple[str, int] | None:
+    """(column, row counted from 0) of the first string value in the parquet file ``path`` that is
+    not valid UTF-8, or None. pyarrow reads string columns without checking them, so the bad value
+    can be found (polars refuses the whole file without saying where)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    for name in table.column_names:
+        column = table.column(name)
+        if not pa.types.is_string(column.type) and not pa.types.is_large_string(column.type):
+            continue
+        start = 0
+        for chunk in column.chunks:
+            try:
+                chunk.validate(full=True)
+            except pa.ArrowInvalid:
+                as_bytes = chunk.cast(
+                    pa.large_binary() if pa.types.is_large_string(chunk.type) else pa.binary()
+                )
+                for row, value in enumerate(as_bytes.to_pylist()):
+                    try:
+                        value is None or value.decode("utf-8")
+                    except UnicodeDecodeError:
+                        return name, start + row
+            start += len(chunk)
+    return None
+
+
+def _unreadable_reason(shard: Shard, exc: Exception) -> str:
+    """Why a shard's files could not be read, naming the file; for text that is not UTF-8, the
+    column and the first bad row."""
+    for name in (METADATA_FILE, INDEX_FILE):
+        try:
+            found = first_invalid_utf8(shard.path / name)
+        except Exception:
+            continue  # unreadable to pyarrow too: the polars error below says why
+        if found is not None:
+            column, row = found
+            return (
+                f"{shard.path / name}: column {column!r} is not valid UTF-8 at row {row} (counted "
+                f"from 0; the first such row): re-encode the shard's text as UTF-8"
+            )
+    return f"{shard.path}: unreadable ({type(exc).__name__}: {exc})"
 
 
 def read_shards(
@@ -638,6 +692,7 @@ DROP_REASON = pl.Enum(
         "quality_below_min",
         "transcript_missing",
         "empty_after_cleaning",
+        "shared_audio_other_text",
     ]
 )
 
@@ -805,8 +860,10 @@ def _is_sorted(frame: pl.DataFrame, columns: list[str]) -> bool:
 
 def assemble_manifest(
     joined: pl.DataFrame, shards: Sequence[Shard], filters: Filters, root: str, workers: int = 1
-) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(manifest rows sorted by shard_id and segment_id, one (lang, reason) row per dropped row)."""
+) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+    """(manifest rows sorted by shard_id and segment_id, one (lang, reason) row per dropped row,
+    the audio files several kept segment_ids name: ``shard_id, tar_member_name, segment_ids,
+    texts_differ``; those whose transcripts differ were dropped as ``shared_audio_other_text``)."""
 
     def per_shard(values: list[str]) -> pl.Expr:  # a shard's constant, looked up by position
         return pl.lit(pl.Series(values, dtype=pl.String)).gather(pl.col("shard"))
@@ -836,20 +893,20 @@ def assemble_manifest(
     candidates = candidates.with_columns(
         clean_in_parallel(candidates.get_column("transcription_native"), workers).alias("cleaned")
     )
-    is_empty = pl.col("cleaned") == ""
+    candidates = candidates.with_columns(
+        pl.when(pl.col("cleaned") == "")
+        .then(pl.lit("empty_after_cleaning", DROP_REASON))
+        .otherwise(pl.lit(None, DROP_REASON))
+        .alias("reason")
+    )
+    candidates, shared = _shared_audio(candidates, shards)
     drops = pl.concat(
         [
             frame.select("lang", "reason").filter(pl.col("reason").is_not_null()),
-            candidates.select(
-                "lang",
-                pl.lit("empty_after_cleaning", DROP_REASON).alias("reason"),
-                is_empty.alias("empty"),
-            )
-            .filter("empty")
-            .drop("empty"),
+            candidates.select("lang", "reason").filter(pl.col("reason").is_not_null()),
         ]
     )
-    kept = candidates.filter(~is_empty).select(
+    kept = candidates.filter(pl.col("reason").is_null()).select(
         pl.col("segment_id"),
         per_shard([s.shard_id for s in shards]).alias("shard_id"),
         tagged_text_expr("cleaned").alias("text"),
@@ -861,7 +918,95 @@ def assemble_manifest(
         pl.col("tx_quality_score"),
         pl.col("speaker_id"),
     )
-    return kept, drops
+    return kept, drops, shared
+
+
+def _shared_audio(
+    candidates: pl.DataFrame, shards: Sequence[Shard]
+) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """``candidates`` with ``reason`` set to ``shared_audio_other_text`` on every row of an audio
+    file that kept rows name with different cleaned transcripts; and the files named by several
+    rows (see ``assemble_manifest``). Rows are found through a 64-bit hash of (shard, member), then
+    grouped on the exact keys, so a hash collision only costs a look."""
+    keys = ["shard", "tar_member_name"]
+    alive = pl.col("reason").is_null()
+    maybe = candidates.select(alive & pl.struct(keys).hash().is_duplicated()).to_series()
+    if not maybe.any():
+        return candidates, SHARED_AUDIO_EMPTY
+    groups = (
+        candidates.filter(maybe)
+        .group_by(keys, maintain_order=True)
+        .agg(
+            pl.col("segment_id").unique(maintain_order=True),
+            pl.len().alias("rows"),
+            (pl.col("cleaned").n_unique() > 1).alias("texts_differ"),
+        )
+        .filter(pl.col("segment_id").list.len() > 1)  # one id listed twice is make_train_val's
+    )
+    conflicting = groups.filter("texts_differ").select(keys).with_columns(conflict=pl.lit(True))
+    if conflicting.height:
+        flag = candidates.select(keys).join(conflicting, on=keys, how="left", maintain_order="left")
+        candidates = candidates.with_columns(
+            pl.when(alive & flag.get_column("conflict").fill_null(False))
+            .then(pl.lit("shared_audio_other_text", DROP_REASON))
+            .otherwise(pl.col("reason"))
+            .alias("reason")
+        )
+    shard_ids = pl.Series([s.shard_id for s in shards], dtype=pl.String)
+    shared = groups.select(
+        pl.lit(shard_ids).gather(pl.col("shard")).alias("shard_id"),
+        "tar_member_name",
+        pl.col("segment_id").alias("segment_ids"),
+        "rows",
+        "texts_differ",
+    )
+    return candidates, shared
+
+
+SHARED_AUDIO_EMPTY = pl.DataFrame(
+    schema={
+        "shard_id": pl.String,
+        "tar_member_name": pl.String,
+        "segment_ids": pl.List(pl.String),
+        "rows": pl.UInt32,
+        "texts_differ": pl.Boolean,
+    }
+)
+MAX_EXAMPLES = 20  # listed per kind of duplicate in the summary; the rest is counted
+
+
+def duplicate_segment_ids(kept: pl.DataFrame) -> dict[str, Any]:
+    """The segment_ids the manifest holds more than once, with their shards: ``{"ids", "rows",
+    "in_several_shards", "examples": [{"segment_id", "shard_ids"}]}`` (first ``MAX_EXAMPLES`` ids
+    in manifest order). Found through a 64-bit hash of the id, then checked on the ids."""
+    maybe = kept.select(pl.col("segment_id").hash().is_duplicated()).to_series()
+    rows = kept.select("segment_id", "shard_id").filter(maybe)
+    groups = (
+        rows.group_by("segment_id", maintain_order=True)
+        .agg(pl.col("shard_id").unique(maintain_order=True), pl.len().alias("rows"))
+        .filter(pl.col("rows") > 1)
+    )
+    return {
+        "ids": groups.height,
+        "rows": int(groups.get_column("rows").sum()) if groups.height else 0,
+        "in_several_shards": groups.filter(pl.col("shard_id").list.len() > 1).height,
+        "examples": [
+            {"segment_id": sid, "shard_ids": shard_ids}
+            for sid, shard_ids in groups.head(MAX_EXAMPLES).select("segment_id", "shard_id").rows()
+        ],
+    }
+
+
+def shared_audio_report(shared: pl.DataFrame) -> dict[str, Any]:
+    """``{"files", "rows", "files_with_other_text", "examples": [...]}`` of the audio files that
+    several segment_ids name (see ``assemble_manifest``); conflicting examples listed first."""
+    listed = shared.sort("texts_differ", descending=True, maintain_order=True)
+    return {
+        "files": shared.height,
+        "rows": int(shared.get_column("rows").sum()),
+        "files_with_other_text": int(shared.get_column("texts_differ").sum()),
+        "examples": listed.head(MAX_EXAMPLES).to_dicts(),
+    }
 
 
 def _prepare_output(output: Path) -> None:
@@ -878,6 +1023,26 @@ def _prepare_output(output: Path) -> None:
         ) from None
     for path in (output, summary_path(output)):
         remove_stale_temporaries(path)
+
+
+def _warn_if_short_of_space(output: Path, shards: Sequence[Shard]) -> None:
+    """A warning on stderr when the output's file system has less free space than the shards'
+    metadata and index files take (about what the master needs), before the work."""
+    need = 0
+    for shard in shards:
+        for name in (METADATA_FILE, INDEX_FILE):
+            try:
+                need += (shard.path / name).stat().st_size
+            except OSError:
+                pass  # reported as unreadable when read
+    free = shutil.disk_usage(output.parent).free
+    if need > free:
+        print(
+            f"build_manifest: warning: {output.parent} has {free / 2**30:.2f} GiB free and the "
+            f"master manifest may need about {need / 2**30:.2f} GiB (the size of the shards' "
+            f"metadata and index files): free space or choose --output elsewhere",
+            file=sys.stderr,
+        )
 
 
 def build_manifest(
@@ -911,8 +1076,9 @@ def build_manifest(
 
     _prepare_output(output)
     shards, misplaced = discover_shards(shards_dir)
+    _warn_if_short_of_space(output, shards)
     root = os.path.abspath(shards_dir).rstrip("/")
-    kept_parts, drop_parts, unreadable, rows_in, orphans = [], [], [], 0, 0
+    kept_parts, drop_parts, shared_parts, unreadable, rows_in, orphans = [], [], [], [], 0, 0
     # Building and compiling the cleaning regexes costs ~30 ms, most of it Python holding the GIL:
     # done while the first batch is read, on this thread, which has nothing else to do then.
     warm_up = functools.partial(clean_text_column, pl.Series(_WARM_UP_TEXTS, dtype=pl.String))
@@ -924,9 +1090,10 @@ def build_manifest(
         ):
             unreadable += batch_unreadable
             if joined is not None:
-                kept, drops = assemble_manifest(joined, batch, filters, root, workers)
+                kept, drops, shared = assemble_manifest(joined, batch, filters, root, workers)
                 kept_parts.append(kept)
                 drop_parts.append(drops)
+                shared_parts.append(shared)
                 rows_in, orphans = rows_in + joined.height, orphans + batch_orphans
                 del joined, kept, drops  # the batch's columns go as soon as they are assembled
             bar.update(len(batch))
@@ -945,28 +1112,48 @@ def build_manifest(
     kept, drops = pl.concat(kept_parts), pl.concat(drop_parts)
     dropped = counts_by(drops, "reason")
     assert rows_in == kept.height + sum(dropped.values()), "row accounting broke"
+    # The master is written on a thread while the summary is counted; both become visible together.
+    summary_ready: Future = Future()
+    writers = {
+        output: functools.partial(write_manifest_file, kept),
+        summary_path(output): lambda tmp: Path(tmp).write_text(
+            json_text(summary_ready.result()), encoding="utf-8"
+        ),
+    }
     with ThreadPoolExecutor(max_workers=1) as writer:
-        written = writer.submit(write_manifest, kept, output)  # the summary is counted meanwhile
-        summary = {
-            "rows_in": rows_in,
-            "rows_out": kept.height,
-            "dropped": dropped,
-            "dropped_by_lang": counts_by(drops, "lang", "reason"),
-            "kept_by_lang": counts_by(kept, "lang"),
-            "shards_found": len(shards) + len(misplaced),
-            "shards_read": len(shards) - len(unreadable),
-            "bad_shards": bad,
-            "audio_index_without_metadata": orphans,
-            "settings": {
-                "shards_dir": str(shards_dir),
-                "languages": list(filters.languages),
-                "min_duration": filters.min_duration,
-                "max_duration": filters.max_duration,
-                "min_quality": filters.min_quality,
-            },
-        }
-        written.result()
-    write_json_atomically(summary, summary_path(output))
+        written = writer.submit(write_together, writers, uuid.uuid4().hex[:8])
+        try:
+            summary = {
+                "rows_in": rows_in,
+                "rows_out": kept.height,
+                "dropped": dropped,
+                "dropped_by_lang": counts_by(drops, "lang", "reason"),
+                "kept_by_lang": counts_by(kept, "lang"),
+                "shards_found": len(shards) + len(misplaced),
+                "shards_read": len(shards) - len(unreadable),
+                "bad_shards": bad,
+                "audio_index_without_metadata": orphans,
+                "duplicate_segment_ids": duplicate_segment_ids(kept),
+                "shared_audio": shared_audio_report(pl.concat(shared_parts)),
+                "settings": {
+                    "shards_dir": str(shards_dir),
+                    "languages": list(filters.languages),
+                    "min_duration": filters.min_duration,
+                    "max_duration": filters.max_duration,
+                    "min_quality": filters.min_quality,
+                },
+            }
+        except BaseException as exc:
+            summary_ready.set_exception(exc)
+            raise
+        summary_ready.set_result(summary)
+        try:
+            written.result()
+        except OSError as exc:
+            raise ManifestError(
+                f"cannot write {exc.filename}: {exc.strerror}; the previous master manifest and "
+                f"summary are unchanged. Free space (or choose --output elsewhere) and rerun"
+            ) from None
     summary["seconds"] = round(time.perf_counter() - started, 3)
     return summary
 
@@ -994,6 +1181,25 @@ def format_summary(summary: dict[str, Any], output: Path) -> str:
             f"audio_index entries without metadata (ignored): "
             f"{summary['audio_index_without_metadata']:,}"
         )
+    duplicates = summary["duplicate_segment_ids"]
+    if duplicates["ids"]:
+        lines.append(
+            f"segment_ids kept more than once: {duplicates['ids']:,} ({duplicates['rows']:,} rows, "
+            f"{duplicates['in_several_shards']:,} in several shards; make_train_val.py keeps one)"
+        )
+        for d in duplicates["examples"][:5]:
+            lines.append(f"  {d['segment_id']!r} in {', '.join(d['shard_ids'])}")
+    shared = summary["shared_audio"]
+    if shared["files"]:
+        lines.append(
+            f"audio files named by several segment_ids: {shared['files']:,} ({shared['rows']:,} "
+            f"rows; {shared['files_with_other_text']:,} with different transcripts, dropped)"
+        )
+        for f in shared["examples"][:5]:
+            what = "different transcripts" if f["texts_differ"] else "same transcript"
+            lines.append(
+                f"  {f['shard_id']}/{f['tar_member_name']}: {', '.join(f['segment_ids'])} ({what})"
+            )
     for b in summary["bad_shards"]:
         lines.append(f"UNREADABLE {b['path']}: {b['reason']}")
     lines.append(f"wrote {output} and {summary_path(output).name}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import unicodedata
@@ -17,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import atomic_files
 import build_manifest as bm
 from manifest_schema import EXTRA_COLUMNS, OUTPUT_COLUMNS, ManifestError
 from tests.shard_factory import write_shard
@@ -780,7 +782,7 @@ def test_a_failed_write_leaves_the_previous_manifest_and_no_temp_file(tmp_path, 
         raise OSError("disk full")
 
     monkeypatch.setattr(pl.DataFrame, "write_parquet", broken_write)
-    with pytest.raises(OSError):
+    with pytest.raises(ManifestError, match=r"cannot write .*master_manifest.parquet: disk full"):
         build(tmp_path / "shards", tmp_path)
     assert (tmp_path / "master_manifest.parquet").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == [
@@ -788,6 +790,161 @@ def test_a_failed_write_leaves_the_previous_manifest_and_no_temp_file(tmp_path, 
         "master_manifest.summary.json",
         "shards",
     ]
+
+
+def test_a_full_disk_reported_by_polars_is_named_disk_full_with_the_file(tmp_path, monkeypatch):
+    write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a"}])
+    build(tmp_path / "shards", tmp_path)
+    summary_before = (tmp_path / "master_manifest.summary.json").read_text()
+    write_shard(tmp_path / "shards", "src", "hi", "s1", [{"segment_id": "b"}])
+
+    def full(self, path, **kwargs):
+        raise pl.exceptions.ComputeError(
+            "parquet: File out of specification: underlying IO error: No space left on device "
+            "(os error 28)"
+        )
+
+    monkeypatch.setattr(pl.DataFrame, "write_parquet", full)
+    code = bm.main(
+        [
+            "--shards-dir",
+            str(tmp_path / "shards"),
+            "--output",
+            str(tmp_path / "master_manifest.parquet"),
+            "--no-progress",
+        ]
+    )
+    assert code == 2
+    assert (tmp_path / "master_manifest.summary.json").read_text() == summary_before
+
+
+def test_a_kill_between_the_renames_leaves_no_master_beside_an_old_summary(tmp_path, monkeypatch):
+    write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a"}])
+    build(tmp_path / "shards", tmp_path)
+    write_shard(tmp_path / "shards", "src", "hi", "s1", [{"segment_id": "b"}])
+    replace = os.replace
+
+    def killed_after_the_master(src, dst):
+        replace(src, dst)
+        if str(dst).endswith(".parquet"):
+            raise KeyboardInterrupt("SIGKILL")
+
+    monkeypatch.setattr(atomic_files.os, "replace", killed_after_the_master)
+    with pytest.raises(KeyboardInterrupt):
+        build(tmp_path / "shards", tmp_path)
+    assert pl.read_parquet(tmp_path / "master_manifest.parquet").height == 2
+    assert not (tmp_path / "master_manifest.summary.json").exists()
+    monkeypatch.undo()
+    _, summary = build(tmp_path / "shards", tmp_path)  # the rerun writes a whole pair again
+    assert summary["rows_out"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "master_manifest.parquet",
+        "master_manifest.summary.json",
+        "shards",
+    ]
+
+
+def test_less_free_space_than_the_shards_take_is_a_warning_before_the_work(
+    tmp_path, monkeypatch, capsys
+):
+    write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a"}])
+    usage = bm.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(bm.shutil, "disk_usage", lambda path: usage._replace(free=10))
+    build(tmp_path / "shards", tmp_path)
+    err = capsys.readouterr().err
+    assert f"warning: {tmp_path} has 0.00 GiB free" in err and "may need about" in err
+
+
+# --- duplicates --------------------------------------------------------------------------------
+def test_a_segment_id_in_several_shards_is_reported_with_its_shards(tmp_path, capsys):
+    for shard in ("s0", "s1", "s2"):
+        write_shard(
+            tmp_path / "shards", "src", "hi", shard, [{"segment_id": "dup"}, {"segment_id": shard}]
+        )
+    code = bm.main(
+        [
+            "--shards-dir",
+            str(tmp_path / "shards"),
+            "--output",
+            str(tmp_path / "m.parquet"),
+            "--no-progress",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "segment_ids kept more than once: 1 (3 rows, 1 in several shards" in out
+    assert "'dup' in src/hi/s0, src/hi/s1, src/hi/s2" in out
+    summary = json.loads((tmp_path / "m.summary.json").read_text())
+    assert summary["duplicate_segment_ids"]["examples"] == [
+        {"segment_id": "dup", "shard_ids": ["src/hi/s0", "src/hi/s1", "src/hi/s2"]}
+    ]
+
+
+def test_an_audio_file_two_ids_name_with_different_transcripts_is_dropped_and_reported(tmp_path):
+    write_shard(
+        tmp_path / "shards",
+        "src",
+        "hi",
+        "s0",
+        [
+            {"segment_id": "a", "tar_member_name": "x.flac", "transcription_native": "one"},
+            {"segment_id": "b", "tar_member_name": "x.flac", "transcription_native": "two"},
+            {"segment_id": "c", "tar_member_name": "y.flac", "transcription_native": "same"},
+            {"segment_id": "d", "tar_member_name": "y.flac", "transcription_native": "same!"},
+            {"segment_id": "e"},
+        ],
+    )
+    manifest, summary = build(tmp_path / "shards", tmp_path)
+    assert manifest.get_column("segment_id").to_list() == ["c", "d", "e"]
+    assert drops_of(summary) == {"shared_audio_other_text": 2}
+    shared = summary["shared_audio"]
+    assert (shared["files"], shared["rows"], shared["files_with_other_text"]) == (2, 4, 1)
+    assert shared["examples"][0] == {
+        "shard_id": "src/hi/s0",
+        "tar_member_name": "x.flac",
+        "segment_ids": ["a", "b"],
+        "rows": 2,
+        "texts_differ": True,
+    }
+    assert shared["examples"][1]["texts_differ"] is False
+
+
+def test_the_same_member_name_in_two_shards_is_two_files(tmp_path):
+    for shard, text in (("s0", "one"), ("s1", "two")):
+        write_shard(
+            tmp_path / "shards",
+            "src",
+            "hi",
+            shard,
+            [{"segment_id": shard, "tar_member_name": "x.flac", "transcription_native": text}],
+        )
+    manifest, summary = build(tmp_path / "shards", tmp_path)
+    assert manifest.height == 2 and summary["shared_audio"]["files"] == 0
+
+
+# --- text that is not UTF-8 ----------------------------------------------------------------------
+def test_invalid_utf8_names_the_file_the_column_and_the_first_bad_row(tmp_path):
+    good = write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a"}])
+    bad = write_shard(tmp_path / "shards", "src", "hi", "s1", [{"segment_id": "b"}])
+    texts = pa.array([b"fine", b"also fine", b"bad \xff text", b"\xfe"], type=pa.binary())
+    pq.write_table(
+        pa.table(
+            {
+                "segment_id": ["b", "c", "d", "e"],
+                "transcription_native": texts.view(pa.string()),
+                "duration_s": [2.0] * 4,
+                "tx_quality_score": [1.0] * 4,
+            }
+        ),
+        bad / "metadata.parquet",
+    )
+    manifest, summary = build(tmp_path / "shards", tmp_path)
+    assert manifest.get_column("segment_id").to_list() == ["a"] and good.exists()
+    (report,) = summary["bad_shards"]
+    assert report["path"] == str(bad)
+    assert report["reason"].startswith(
+        f"{bad / 'metadata.parquet'}: column 'transcription_native' is not valid UTF-8 at row 2 "
+    )
 
 
 # --- the benchmark script ----------------------------------------------------------------------
