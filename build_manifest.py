@@ -74,7 +74,7 @@ import polars as pl
 from tqdm import tqdm
 
 import config
-from atomic_files import check_writable, remove_stale_temporaries, write_together
+from atomic_files import SET_SUFFIX, check_writable, remove_stale_temporaries, write_together
 from manifest_schema import (
     INDEX_FILE,
     LANG_CODE_PATTERN,
@@ -1022,7 +1022,8 @@ def _prepare_output(output: Path) -> None:
             f"any shard)"
         ) from None
     for path in (output, summary_path(output)):
-        remove_stale_temporaries(path)
+        remove_stale_temporaries(path)  # left by atomic_write
+        remove_stale_temporaries(path, SET_SUFFIX)  # left by write_together
 
 
 def _warn_if_short_of_space(output: Path, shards: Sequence[Shard]) -> None:

@@ -367,13 +367,31 @@ def test_an_unwritable_output_is_refused_before_any_shard_is_read(tmp_path, monk
     assert read == []
 
 
-def test_temporary_files_of_a_killed_run_are_removed_by_the_next(tmp_path):
+def test_temporary_files_of_a_killed_run_are_removed_by_the_next(tmp_path, monkeypatch):
     write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a"}])
-    stale = [tmp_path / ".master.parquet.k1l2.tmp", tmp_path / ".master.summary.json.x9.tmp"]
+    stale = [
+        tmp_path / ".master.parquet.k1l2.tmp",
+        tmp_path / ".master.summary.json.x9.tmp",
+        tmp_path / ".master.parquet.0f3a9c2e.set-tmp",
+        tmp_path / ".master.summary.json.0f3a9c2e.set-tmp",
+    ]
     for path in stale:
         path.write_bytes(b"PAR1 half")
+    removed_before_reading = []
+    read_shards = bm.read_shards
+
+    def reading(*args):
+        removed_before_reading.append(not any(p.exists() for p in stale))
+        return read_shards(*args)
+
+    monkeypatch.setattr(bm, "read_shards", reading)
     bm.build_manifest(tmp_path / "shards", tmp_path / "master.parquet", progress=False)
-    assert not any(p.exists() for p in stale)
+    assert removed_before_reading == [True]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "master.parquet",
+        "master.summary.json",
+        "shards",
+    ]
 
 
 def test_tag_only_and_punctuation_only_transcripts_are_dropped_not_kept_as_a_bare_tag(tmp_path):
