@@ -23,13 +23,17 @@ from manifest_schema import strip_lang_tag
 
 @dataclasses.dataclass
 class ErrorCounts:
-    """Edit counts summed over utterances: rates are corpus-level (total edits / total reference units)."""
+    """Edit counts summed over utterances: rates are corpus-level (total edits / total reference
+    units). Word edits split into substitutions, deletions and insertions (one minimal alignment)."""
 
     word_edits: int = 0
     words: int = 0
     char_edits: int = 0
     chars: int = 0
     utterances: int = 0
+    substitutions: int = 0
+    deletions: int = 0
+    insertions: int = 0
 
     @property
     def wer(self) -> float:
@@ -39,13 +43,21 @@ class ErrorCounts:
     def cer(self) -> float:
         return self.char_edits / self.chars if self.chars else math.nan
 
+    def rate(self, edits: int) -> float:
+        """``edits`` per reference word (the WER's share of substitutions, deletions or insertions)."""
+        return edits / self.words if self.words else math.nan
+
     def add(self, reference: str, hypothesis: str) -> None:
         """Count one utterance; both sides are tag-stripped. CER counts characters including the single
         spaces between words (jiwer's convention)."""
         from kaldialign import edit_distance  # C++ Levenshtein; NeMo's ASR extra installs it
 
         ref, hyp = strip_lang_tag(reference), strip_lang_tag(hypothesis)
-        self.word_edits += edit_distance(ref.split(), hyp.split())["total"]
+        words = edit_distance(ref.split(), hyp.split())
+        self.word_edits += words["total"]
+        self.substitutions += words["sub"]
+        self.deletions += words["del"]
+        self.insertions += words["ins"]
         self.words += len(ref.split())
         self.char_edits += edit_distance(list(ref), list(hyp))["total"]
         self.chars += len(ref)

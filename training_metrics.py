@@ -204,6 +204,10 @@ EVALUATION_METRICS: tuple[Metric, ...] = (
     Metric("val/wer/<lang>", "gathered", "greedy WER on the validation sample, corpus-level, tags stripped; "
            "<lang> = all pools every language"),
     Metric("val/cer/<lang>", "gathered", "the same for CER (characters, single spaces included)"),
+    Metric("val/wer_sub/<lang>", "gathered", "substituted words per reference word (the WER is "
+           "wer_sub + wer_del + wer_ins)"),
+    Metric("val/wer_del/<lang>", "gathered", "deleted words per reference word"),
+    Metric("val/wer_ins/<lang>", "gathered", "inserted words per reference word"),
     Metric("val/utterances", "gathered", "validation utterances decoded (bad audio excluded)"),
     Metric("val/seconds", "rank 0", "wall time of the evaluation"),
 )  # fmt: skip
@@ -217,6 +221,9 @@ def evaluation_metrics(results: Mapping[str, Any], utterances: int, seconds: flo
     for lang, counts in results.items():
         out[f"val/wer/{lang}"] = counts.wer
         out[f"val/cer/{lang}"] = counts.cer
+        out[f"val/wer_sub/{lang}"] = counts.rate(counts.substitutions)
+        out[f"val/wer_del/{lang}"] = counts.rate(counts.deletions)
+        out[f"val/wer_ins/{lang}"] = counts.rate(counts.insertions)
     return out
 
 

@@ -16,7 +16,9 @@ in training), then its weights are loaded. Audio is loaded and padded by the tra
 dataset and collate; decoding is the model's greedy decoding (evaluation.greedy_transcribe).
 
 The CSV (default: ``<model stem>.<manifest stem>.wer.csv`` beside the model) has one row per language
-plus ``all``: lang, utterances, words, word_edits, wer, chars, char_edits, cer, bad_audio.
+plus ``all``: lang, utterances, words, word_edits (= substitutions + deletions + insertions, also
+given), wer, chars, char_edits, cer, bad_audio. The table shows each kind of word edit per reference
+word (sub + del + ins = WER).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -37,6 +40,9 @@ CSV_COLUMNS = (
     "utterances",
     "words",
     "word_edits",
+    "substitutions",
+    "deletions",
+    "insertions",
     "wer",
     "chars",
     "char_edits",
@@ -103,6 +109,9 @@ def result_rows(results: dict, bad: dict[str, int]) -> list[dict]:
             "utterances": c.utterances,
             "words": c.words,
             "word_edits": c.word_edits,
+            "substitutions": c.substitutions,
+            "deletions": c.deletions,
+            "insertions": c.insertions,
             "wer": round(c.wer, 6),
             "chars": c.chars,
             "char_edits": c.char_edits,
@@ -114,11 +123,19 @@ def result_rows(results: dict, bad: dict[str, int]) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'lang':<8} {'utts':>7} {'words':>9} {'WER':>8} {'CER':>8} {'bad':>5}"]
+    lines = [
+        f"{'lang':<8} {'utts':>7} {'words':>9} {'WER':>8} {'sub':>7} {'del':>7} {'ins':>7} "
+        f"{'CER':>8} {'bad':>5}"
+    ]
     for r in rows:
+        shares = [
+            r[k] / r["words"] if r["words"] else math.nan
+            for k in ("substitutions", "deletions", "insertions")
+        ]
         lines.append(
-            f"{r['lang']:<8} {r['utterances']:>7} {r['words']:>9} {r['wer']:>8.4f} {r['cer']:>8.4f} "
-            f"{r['bad_audio']:>5}"
+            f"{r['lang']:<8} {r['utterances']:>7} {r['words']:>9} {r['wer']:>8.4f} "
+            + " ".join(f"{v:>7.4f}" for v in shares)
+            + f" {r['cer']:>8.4f} {r['bad_audio']:>5}"
         )
     return "\n".join(lines)
 

@@ -30,6 +30,7 @@ import dataset as dataset_module
 import evaluation
 import manifest_schema
 import run_logging
+import training_metrics
 from dataset import collate_asr_batch
 from sampler import DurationBucketBatchSampler
 
@@ -65,6 +66,19 @@ def test_cer_counts_characters_including_the_spaces_between_words():
     counts = evaluation.corpus_error_rates(["ab cd"], ["ab cx"], ["en"])["en"]
     assert (counts.char_edits, counts.chars) == (1, 5)
     assert counts.cer == pytest.approx(0.2)
+
+
+def test_word_edits_split_into_substitutions_deletions_and_insertions_per_language():
+    refs = ["a b c d", "x y", "p q"]
+    hyps = ["a z c", "x y extra more", "p q"]  # 1 sub + 1 del; 2 ins; none
+    counts = evaluation.corpus_error_rates(refs, hyps, ["hi", "en", "en"])
+    hi, en = counts["hi"], counts["en"]
+    assert (hi.substitutions, hi.deletions, hi.insertions) == (1, 1, 0)
+    assert (en.substitutions, en.deletions, en.insertions) == (0, 0, 2)
+    assert hi.rate(hi.substitutions) + hi.rate(hi.deletions) == pytest.approx(hi.wer)
+    metrics = training_metrics.evaluation_metrics(counts, 3, 1.0)
+    assert metrics["val/wer_ins/en"] == pytest.approx(0.5) == metrics["val/wer/en"]
+    assert metrics["val/wer_del/all"] == pytest.approx(1 / 8)
 
 
 def test_rates_are_per_language_plus_an_all_row_pooling_every_utterance():
@@ -549,6 +563,10 @@ def test_metrics_are_logged_once_per_optimizer_step_with_every_key(tmp_path):
         and settings["resumed_at_step"] == 0
         and "CHECKPOINT_EVERY" in settings
     )
+    # numbers are logged as numbers, so runs can be filtered and plotted by them
+    assert settings["CHECKPOINT_EVERY"] == config.CHECKPOINT_EVERY
+    assert isinstance(settings["PHASE2_LR"], float) and isinstance(settings["SEED"], int)
+    assert isinstance(settings["LANGUAGES"], list) and isinstance(settings["TOKENIZER_DIR"], str)
 
 
 def test_checkpoint_time_is_reported_apart_from_data_wait_in_the_following_step(tmp_path):
