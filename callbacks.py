@@ -160,7 +160,7 @@ class TrainingMetricsCallback(_pl.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         if trainer.is_global_zero:
-            params = {name: str(knob.value) for name, knob in _config.KNOBS.items()}
+            params = _config.run_settings()
             params.update(world_size=trainer.world_size, resumed_at_step=trainer.global_step)
             for logger in trainer.loggers:
                 logger.log_hyperparams(params)
@@ -478,8 +478,9 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
             return  # every step was skipped: nothing was learned (train.py reports it and fails)
         if self.export_nemo_at_end and trainer.is_global_zero and trainer.global_step > 0:
             path = Path(self.dirpath) / f"step_{trainer.global_step:08d}.nemo"
-            checkpoints.export_nemo(pl_module.model, path)
-            _log.info("exported %s", path)
+            record = pl_module.run_record() if hasattr(pl_module, "run_record") else None
+            checkpoints.export_nemo(pl_module.model, path, record)
+            _log.info("exported %s and its model card", path)
         trainer.strategy.barrier("nemo_export")
 
 

@@ -601,6 +601,20 @@ def _format_value(value: Any) -> str:
     return str(value)
 
 
+def run_settings(knobs: Mapping[str, Knob] | None = None) -> dict[str, Any]:
+    """Every knob's effective value as JSON types: numbers stay numbers (so W&B can filter and
+    plot runs by them), paths become strings, tuples lists."""
+    out: dict[str, Any] = {}
+    for k in (KNOBS if knobs is None else knobs).values():
+        value = k.value
+        if isinstance(value, Path):
+            value = str(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[k.name] = value
+    return out
+
+
 def describe(knobs: Mapping[str, Knob]) -> str:
     """A plain table of every effective value and its source."""
     width = max(len(n) for n in knobs)

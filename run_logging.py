@@ -24,6 +24,17 @@ import config
 from atomic_files import atomic_write
 
 
+def _json_setting(value: Any) -> Any:
+    """A setting as JSON keeps its type (number, bool, string, null, list); anything else is its str."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)):
+        return _json_value(value)
+    if isinstance(value, (list, tuple)):
+        return [_json_setting(v) for v in value]
+    return str(value)
+
+
 def _json_value(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
         v = v.item()
@@ -90,10 +101,7 @@ class JsonlMetricsLogger(Logger):
         """The run's settings to ``hparams.json`` beside the metrics file (the latest launch's)."""
         params = params if isinstance(params, dict) else vars(params)
         text = json.dumps(
-            {
-                k: _json_value(v) if isinstance(v, (int, float)) else str(v)
-                for k, v in params.items()
-            },
+            {k: _json_setting(v) for k, v in params.items()},
             indent=1,
             ensure_ascii=False,
         )
