@@ -4,16 +4,22 @@ Building it (``build_model``: INIT_MODEL, MODEL_CONFIG, TOKENIZER_DIR), giving i
 TDT loss (``use_tokenizer``), checking that the model agrees with the data pipeline's settings
 (``check_frontend``), reaching its encoder (``encoder``, ``set_encoder_trainable``), computing the
 loss of one micro-batch (``transducer_loss``), greedy decoding (``greedy_texts``), checking the loss
-on the training device (``check_loss_on_device``) and loading a trained model for inference
-(``load_trained_model``). Another transducer family is a change in this module only.
+on the training device (``check_loss_on_device``), describing a model so that a checkpoint rebuilds
+it alone (``portable_description``, ``model_from_description``) and loading a trained model for
+inference (``load_trained_model``). Another transducer family is a change in this module only.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import importlib
 import logging
 import math
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -238,12 +244,68 @@ def describe(model) -> str:
     )
 
 
-def load_trained_model(path: str | Path, device: str = "cpu"):
+# The key of a step checkpoint that holds ``portable_description``.
+PORTABLE_KEY = "asr_model"
+# A SentencePiece tokenizer directory as NeMo reads it (scripts/train_tokenizer.py writes all three).
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.vocab", "vocab.txt")
+
+
+def portable_description(model, tokenizer_dir: Path | None = None) -> dict[str, Any]:
+    """What rebuilds ``model`` without the environment it was trained in: its class, its config as
+    plain data, and the bytes of the tokenizer files of ``tokenizer_dir`` (TOKENIZER_DIR, whose pieces
+    ``use_tokenizer`` made the model's). A few hundred kB; a step checkpoint carries it."""
+    from omegaconf import OmegaConf
+
+    tokenizer_dir = Path(tokenizer_dir or config.TOKENIZER_DIR)
+    files = {
+        name: (tokenizer_dir / name).read_bytes()
+        for name in TOKENIZER_FILES
+        if (tokenizer_dir / name).is_file()
+    }
+    if "tokenizer.model" not in files:
+        raise FileNotFoundError(f"TOKENIZER_DIR={tokenizer_dir} has no tokenizer.model")
+    return {
+        "class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "config": OmegaConf.to_container(model.cfg, resolve=True),
+        "tokenizer": files,
+    }
+
+
+def model_from_description(description: dict[str, Any]):
+    """The model ``portable_description`` describes (fresh weights), on CPU, ready for its weights:
+    the tokenizer files go to a directory that lives as long as this process (a .nemo export copies
+    them from there), and the loss and the encoder settings are those ``build_model`` gives."""
+    from omegaconf import OmegaConf, open_dict
+
+    tokenizer_dir = Path(tempfile.mkdtemp(prefix="asr-tokenizer-"))
+    atexit.register(shutil.rmtree, tokenizer_dir, True)
+    for name, data in description["tokenizer"].items():
+        (tokenizer_dir / name).write_bytes(data)
+    cfg = OmegaConf.create(description["config"])
+    with open_dict(cfg):
+        cfg.tokenizer = {"dir": str(tokenizer_dir), "type": "bpe"}
+    module, _, name = description["class"].rpartition(".")
+    model = getattr(importlib.import_module(module), name)(cfg=cfg)
+    tdt_loss.attach_tdt_loss(model)
+    ensure_validation_ds(model)
+    make_encoder_forward_rank_local(model)
+    return model
+
+
+def model_weights(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The model's own state_dict inside a train.py step checkpoint (its ``model.`` keys)."""
+    return {
+        k[len("model.") :]: v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")
+    }
+
+
+def load_trained_model(path: str | Path, device: str = "cpu", weights: dict | None = None):
     """The model of a .nemo file, or of a train.py step checkpoint (.ckpt), on ``device``, in eval mode.
 
-    A .ckpt holds weights only: the model is built as training built it (``build_model`` from
-    INIT_MODEL / MODEL_CONFIG and TOKENIZER_DIR, which must be set as in training) and the
-    checkpoint's ``model.`` weights are loaded into it."""
+    A .ckpt carries its model's description (``PORTABLE_KEY``): the model is rebuilt from it alone,
+    whatever INIT_MODEL, MODEL_CONFIG and TOKENIZER_DIR say now. A checkpoint without one is rebuilt
+    as training built it (``build_model`` from those settings, which must then be as in training).
+    ``weights`` replaces the checkpoint's own (an average of several, see export_nemo.py)."""
     from checkpoints import CheckpointError, read_checkpoint
 
     path = Path(path)
@@ -257,24 +319,29 @@ def load_trained_model(path: str | Path, device: str = "cpu"):
                 f"cannot load the .nemo {path}: {type(exc).__name__}: {exc}; it is truncated or "
                 f"not a NeMo model: export it again (scripts/export_nemo.py) or use its .ckpt"
             ) from exc
+        return model.to(device).eval()
+    checkpoint = read_checkpoint(path)
+    if "state_dict" not in checkpoint:
+        raise CheckpointError(
+            f"{path} has no 'state_dict': expected a Lightning checkpoint written by train.py"
+        )
+    portable = checkpoint.get(PORTABLE_KEY)
+    if portable is not None:
+        model = model_from_description(portable)
+        source = f"the model description inside {path}"
     else:
-        checkpoint = read_checkpoint(path)
         model = build_model()
-        if "state_dict" not in checkpoint:
-            raise ValueError(
-                f"{path} has no 'state_dict': expected a Lightning checkpoint written by train.py"
-            )
-        weights = {
-            k[len("model.") :]: v
-            for k, v in checkpoint["state_dict"].items()
-            if k.startswith("model.")
-        }
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        if missing or unexpected:
-            raise ValueError(
-                f"{path} does not fit the model built from INIT_MODEL="
-                f"{config.INIT_MODEL!r} / MODEL_CONFIG={config.MODEL_CONFIG} / TOKENIZER_DIR="
-                f"{config.TOKENIZER_DIR}: missing {missing[:5]}, unexpected {unexpected[:5]}; set "
-                "them as in training"
-            )
+        source = (
+            f"INIT_MODEL={config.INIT_MODEL!r} / MODEL_CONFIG={config.MODEL_CONFIG} / "
+            f"TOKENIZER_DIR={config.TOKENIZER_DIR} (the checkpoint carries no model description; "
+            f"set them as in training)"
+        )
+    missing, unexpected = model.load_state_dict(
+        model_weights(checkpoint) if weights is None else weights, strict=False
+    )
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path} does not fit the model built from {source}: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
     return model.to(device).eval()

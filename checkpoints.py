@@ -28,7 +28,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 import config
-from atomic_files import atomic_write
+from atomic_files import atomic_write, write_together
 from process_control import UserError
 
 log = logging.getLogger("checkpoints")
@@ -213,10 +213,21 @@ def resolve_resume_from(
     return resume_from
 
 
-def export_nemo(model, path: str | os.PathLike) -> Path:
-    """``model.save_to`` a .nemo file, atomically (see ``atomic_write``)."""
+def export_nemo(model, path: str | os.PathLike, record: dict[str, Any] | None = None) -> Path:
+    """``model.save_to`` a .nemo file and write its model card beside it (``model_card``, from the
+    run ``record``), as one set (``atomic_files.write_together``, the card last): a crash leaves
+    the previous pair, or the new .nemo without a card, never a card describing another model."""
+    import model_card
+
     path = Path(path)
-    atomic_write(path, lambda tmp: model.save_to(tmp), suffix=".tmp.nemo")
+    text = model_card.render(record or {}, model, path.name)
+    write_together(
+        {
+            path: lambda tmp: model.save_to(tmp),
+            model_card.card_path(path): lambda tmp: Path(tmp).write_text(text, encoding="utf-8"),
+        },
+        f"{os.getpid()}",
+    )
     return path
 
 

@@ -140,6 +140,9 @@ def apply_current_lr_schedule(trainer) -> None:
 
 # ---- the LightningModule ---------------------------------------------------------------------
 
+# The key of a step checkpoint that holds ``TrainingModule.run_record``.
+RUN_RECORD_KEY = "run_record"
+
 
 class TrainingModule(pl.LightningModule):
     """Trains a NeMo TDT model on our AsrBatch micro-batches; the NeMo model itself stays unchanged.
@@ -171,6 +174,11 @@ class TrainingModule(pl.LightningModule):
         self._batchnorms: list[tuple[str, torch.nn.Module]] | None = None
         self.stop_agreed = False  # a rank received a stop signal: save after this step and stop
         self.empty_steps_in_a_row = 0  # optimizer steps with no utterance on any rank
+        # {"step", "results": {lang: ErrorCounts fields}, "loss"} of the newest validation
+        # (callbacks.PerLanguageWERCallback): in every checkpoint and the model card
+        self.last_evaluation: dict | None = None
+        self._portable: dict | None = None  # asr_model.portable_description, made at the first save
+        self._training_hours: dict[str, float] | None = None
 
     def enter_phase(self, phase: int) -> None:
         """Phase 1: the encoder frozen (``asr_model.set_encoder_trainable``), run without autograd;
@@ -179,6 +187,33 @@ class TrainingModule(pl.LightningModule):
         asr_model.set_encoder_trainable(self.model, phase != 1)
         self.encoder_frozen = phase == 1
         self.phase = phase
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Every step checkpoint carries what rebuilds the model alone (``asr_model.PORTABLE_KEY``)
+        and what its model card says (``run_record``)."""
+        if self._portable is None:
+            self._portable = asr_model.portable_description(self.model)
+        checkpoint[asr_model.PORTABLE_KEY] = self._portable
+        checkpoint[RUN_RECORD_KEY] = self.run_record()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.last_evaluation = checkpoint.get(RUN_RECORD_KEY, {}).get("evaluation")
+
+    def run_record(self) -> dict:
+        """The run as a model card tells it: settings (numbers as numbers), hours of training audio
+        per language, the step, the world size and the newest validation."""
+        if self._training_hours is None and self.dataset is not None:
+            names, codes = self.dataset.lang_names, self.dataset.lang_codes
+            seconds = np.bincount(codes, weights=self.dataset.durations, minlength=len(names))
+            self._training_hours = {n: float(s) / 3600 for n, s in zip(names, seconds) if s > 0}
+        trainer = self._trainer
+        return {
+            "settings": config.run_settings(),
+            "training_hours": self._training_hours or {},
+            "step": int(trainer.global_step) if trainer is not None else None,
+            "world_size": int(trainer.world_size) if trainer is not None else None,
+            "evaluation": self.last_evaluation,
+        }
 
     def on_fit_start(self):
         # Before the dataset is loaded: a CUDA loss that cannot run should cost seconds, not a node-hour.

@@ -1,13 +1,25 @@
-"""Export a train.py step checkpoint (.ckpt) as a .nemo file, written atomically.
+"""Export a train.py step checkpoint (.ckpt), or the average of several, as a .nemo file with its
+model card beside it.
 
 Usage:
     python scripts/export_nemo.py data/checkpoints/step_00005000.ckpt        # -> step_00005000.nemo beside it
     python scripts/export_nemo.py data/checkpoints/step_00005000.ckpt --out parakeet-hi-en.nemo
     python scripts/export_nemo.py last                   # the newest step checkpoint in CHECKPOINT_DIR
+    python scripts/export_nemo.py last --average 3       # the mean of the newest 3 -> step_<newest>.avg3.nemo
+    python scripts/export_nemo.py a.ckpt b.ckpt c.ckpt --out averaged.nemo    # the mean of these
 
-The model is rebuilt the way train.py builds it (INIT_MODEL or MODEL_CONFIG, and TOKENIZER_DIR, set as
-in training), the checkpoint's weights are loaded, and NeMo's ``save_to`` writes the file (the end of a
-training run writes CHECKPOINT_DIR/step_<MAX_STEPS>.nemo by itself).
+A step checkpoint carries its model's description (class, config, tokenizer), so the model is
+rebuilt from the checkpoint alone; an older checkpoint without one is rebuilt the way train.py
+builds it (INIT_MODEL or MODEL_CONFIG, and TOKENIZER_DIR, set as in training).
+
+Averaging (``--average N``, or several checkpoints given): every floating-point weight is the
+mean of the checkpoints' weights (computed in float64); integer buffers (BatchNorm's
+``num_batches_tracked``) come from the newest. The checkpoints must hold the same model. Only the
+weights are read (the checkpoints are memory-mapped, so their optimizer states are not loaded).
+
+The model card (``<name>.model-card.md``: base model, hours per language, tokenizer, settings, the
+newest validation WER/CER) comes from the newest checkpoint's run record; it names the averaged
+checkpoints. NeMo's ``save_to`` writes the .nemo; the .nemo and its card appear together.
 """
 
 from __future__ import annotations
@@ -20,35 +32,133 @@ from pathlib import Path
 from process_control import UserError
 
 
+class AveragingError(UserError):
+    """Checkpoints that cannot be averaged (different models, too few)."""
+
+
+def checkpoints_to_average(given: list[str], average: int) -> list[Path]:
+    """The checkpoints to export, oldest first: ``given`` (paths or 'last'), or with ``average`` N
+    and one given checkpoint, the newest N step checkpoints up to and including it."""
+    import checkpoints
+
+    paths = [checkpoints.resolve_model_path(g) for g in given]
+    for path in paths:
+        if path.suffix != ".ckpt":
+            raise AveragingError(
+                f"{path}: expected a .ckpt step checkpoint (a .nemo file needs no export)"
+            )
+    if average <= 1:
+        return paths
+    if len(paths) != 1:
+        raise AveragingError(
+            "--average N takes one checkpoint (the newest to include, or 'last'); to average a list, "
+            "give the checkpoints without --average"
+        )
+    newest = paths[0]
+    steps = [p for p in checkpoints.step_checkpoints(newest.parent) if p.name <= newest.name]
+    if len(steps) < average:
+        raise AveragingError(
+            f"--average {average}: only {len(steps)} step checkpoint(s) up to {newest.name} in "
+            f"{newest.parent}"
+        )
+    return steps[-average:]
+
+
+def average_weights(paths: list[Path]) -> dict:
+    """The mean of the model weights of ``paths`` (see the module doc); AveragingError when they do
+    not hold the same tensors."""
+    import torch
+
+    import asr_model
+    import checkpoints
+
+    total: dict[str, torch.Tensor] = {}
+    newest: dict[str, torch.Tensor] = {}
+    for n, path in enumerate(paths):
+        checkpoint = checkpoints.read_checkpoint(
+            path,
+            load=lambda p=path: torch.load(p, map_location="cpu", weights_only=False, mmap=True),
+        )
+        weights = asr_model.model_weights(checkpoint)
+        if n and weights.keys() != total.keys():
+            raise AveragingError(
+                f"{path} holds other tensors than {paths[0]} "
+                f"({sorted(weights.keys() ^ total.keys())[:3]}...): average checkpoints of one run"
+            )
+        for key, value in weights.items():
+            if n and value.shape != total[key].shape:
+                raise AveragingError(
+                    f"{path}: {key} has shape {tuple(value.shape)}, {paths[0]} "
+                    f"{tuple(total[key].shape)}: average checkpoints of one run"
+                )
+            if value.is_floating_point():
+                total[key] = total[key] + value.double() if n else value.double()
+            else:
+                total[key] = value
+            newest[key] = value
+        del checkpoint, weights
+    return {
+        key: (total[key] / len(paths)).to(newest[key].dtype)
+        if newest[key].is_floating_point()
+        else newest[key].clone()
+        for key in total
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("checkpoint", help="a step_*.ckpt written by train.py, or 'last'")
     parser.add_argument(
-        "--out", type=Path, default=None, help="the .nemo path (default: the checkpoint's, .nemo)"
+        "checkpoint",
+        nargs="+",
+        help="step_*.ckpt written by train.py, or 'last'; several: export their average",
+    )
+    parser.add_argument(
+        "--average",
+        type=int,
+        default=1,
+        metavar="N",
+        help="average the newest N step checkpoints up to the one given (default 1: no averaging)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the .nemo path (default: the newest checkpoint's, .nemo; .avgN.nemo when averaging)",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
 
+    import torch
+
     import asr_model
     import checkpoints
+    import training_step
 
-    path = checkpoints.resolve_model_path(args.checkpoint)
-    if path.suffix != ".ckpt":
-        raise ValueError(f"{path}: expected a .ckpt step checkpoint (a .nemo file needs no export)")
-    out = args.out or path.with_suffix(".nemo")
-    if out.suffix != ".nemo":
-        raise ValueError(f"--out {out}: expected a path ending in .nemo")
     try:
-        model = asr_model.load_trained_model(path, "cpu")
+        paths = checkpoints_to_average(args.checkpoint, args.average)
+        newest = paths[-1]
+        suffix = f".avg{len(paths)}.nemo" if len(paths) > 1 else ".nemo"
+        out = args.out or newest.with_name(newest.stem + suffix)
+        if out.suffix != ".nemo":
+            raise AveragingError(f"--out {out}: expected a path ending in .nemo")
+        weights = average_weights(paths) if len(paths) > 1 else None
+        model = asr_model.load_trained_model(newest, "cpu", weights=weights)
+        record = checkpoints.read_checkpoint(
+            newest,
+            load=lambda: torch.load(newest, map_location="cpu", weights_only=False, mmap=True),
+        ).get(training_step.RUN_RECORD_KEY, {})
     except UserError as exc:
         print(f"export_nemo: error: {exc}", file=sys.stderr)
         return 2
-    checkpoints.export_nemo(model, out)
-    print(f"exported {path} -> {out}")
+    if len(paths) > 1:
+        record = {**record, "averaged": [p.name for p in paths]}
+    checkpoints.export_nemo(model, out, record)
+    what = f"the mean of {', '.join(p.name for p in paths)}" if len(paths) > 1 else str(newest)
+    print(f"exported {what} -> {out} (and {out.name.removesuffix('.nemo')}.model-card.md)")
     return 0
 
 

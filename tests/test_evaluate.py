@@ -23,6 +23,7 @@ import checkpoints
 import config
 import evaluation
 import run_logging
+import training_step
 from scripts import evaluate, export_nemo
 from tests.tiny_training_data import make_training_data
 
@@ -43,24 +44,56 @@ def tiny(tmp_path_factory):
         mp.setattr(config, "CHECKPOINT_DIR", root / "checkpoints")
         torch.manual_seed(0)
         model = asr_model.build_model()
+        weights = {f"model.{k}": v for k, v in model.state_dict().items()}
+        # a checkpoint as train.py writes it: weights, the model's description and the run record
         ckpt = root / "checkpoints" / "step_00000010.ckpt"
         ckpt.parent.mkdir()
         torch.save(
             {
                 "global_step": 10,
-                "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+                "state_dict": weights,
+                asr_model.PORTABLE_KEY: asr_model.portable_description(model),
+                training_step.RUN_RECORD_KEY: RUN_RECORD,
             },
             ckpt,
         )
-        nemo = checkpoints.export_nemo(model, root / "tiny.nemo")
+        bare = root / "bare" / "step_00000010.ckpt"  # weights only: rebuilt from the settings
+        bare.parent.mkdir()
+        torch.save({"global_step": 10, "state_dict": weights}, bare)
+        nemo = checkpoints.export_nemo(model, root / "tiny.nemo", RUN_RECORD)
         yield SimpleNamespace(
             root=root,
             manifest=data["manifest"],
             tokenizer=data["tokenizer"],
             ckpt=ckpt,
+            bare=bare,
             nemo=nemo,
             model=model,
         )
+
+
+RUN_RECORD = {
+    "settings": {"INIT_MODEL": "", "MODEL_CONFIG": "configs/tiny_tdt.yaml", "PHASE2_LR": 3e-4},
+    "training_hours": {"hi": 1.5, "en": 0.25},
+    "step": 10,
+    "world_size": 8,
+    "evaluation": {
+        "step": 10,
+        "loss": 1.25,
+        "results": {
+            "hi": {
+                "utterances": 4,
+                "words": 10,
+                "word_edits": 3,
+                "substitutions": 1,
+                "deletions": 1,
+                "insertions": 1,
+                "chars": 40,
+                "char_edits": 4,
+            },
+        },
+    },
+}
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -86,10 +119,27 @@ def test_evaluate_prints_a_per_language_table_and_writes_the_csv(tiny, capsys):
 
 
 def test_a_checkpoint_and_its_nemo_export_get_the_same_rates(tiny):
-    a, b = tiny.root / "a.csv", tiny.root / "b.csv"
+    a, b, c = tiny.root / "a.csv", tiny.root / "b.csv", tiny.root / "c.csv"
     evaluate.main([str(tiny.nemo), "--manifest", str(tiny.manifest), "--out", str(a)])
     evaluate.main([str(tiny.ckpt), "--manifest", str(tiny.manifest), "--out", str(b)])
+    evaluate.main([str(tiny.bare), "--manifest", str(tiny.manifest), "--out", str(c)])
+    assert read_csv(a) == read_csv(b) == read_csv(c)
+
+
+def test_a_checkpoint_rebuilds_its_model_without_the_training_settings(tiny, monkeypatch):
+    gone = tiny.root / "moved-away"
+    monkeypatch.setattr(config, "MODEL_CONFIG", gone / "tiny_tdt.yaml")
+    monkeypatch.setattr(config, "TOKENIZER_DIR", gone / "tokenizer")
+    monkeypatch.setattr(config, "INIT_MODEL", "")
+    a, b = tiny.root / "alone-nemo.csv", tiny.root / "alone-ckpt.csv"
+    assert evaluate.main([str(tiny.nemo), "--manifest", str(tiny.manifest), "--out", str(a)]) == 0
+    assert evaluate.main([str(tiny.ckpt), "--manifest", str(tiny.manifest), "--out", str(b)]) == 0
     assert read_csv(a) == read_csv(b)
+    out = tiny.root / "alone.nemo"
+    assert export_nemo.main([str(tiny.ckpt), "--out", str(out)]) == 0
+    # a checkpoint without a description still needs them, and says so
+    with pytest.raises(FileNotFoundError, match="TOKENIZER_DIR"):
+        evaluate.main([str(tiny.bare), "--manifest", str(tiny.manifest)])
 
 
 def test_per_lang_limits_the_utterances_of_each_language(tiny):
@@ -121,6 +171,73 @@ def test_export_nemo_script_writes_a_restorable_nemo_with_the_checkpoints_weight
     expected = tiny.model.state_dict()
     for key, value in restored.state_dict().items():
         assert torch.equal(value, expected[key]), key
+
+
+def test_a_model_card_is_written_beside_the_nemo_from_the_run_record(tiny):
+    card = (tiny.root / "tiny.model-card.md").read_text(encoding="utf-8")
+    assert "trained from scratch (`configs/tiny_tdt.yaml`)" in card
+    assert "| hi | 1.50 |" in card and "| en | 0.25 |" in card and "| all | 1.75 |" in card
+    assert "| `PHASE2_LR` | `0.0003` |" in card
+    assert "validation loss 1.2500" in card
+    assert "| hi | 4 | 10 | 0.3000 | 0.1000 | 0.1000 | 0.1000 | 0.1000 |" in card
+    assert "<|hi|>" in card and "<|en|>" in card  # the tokenizer's language tags
+
+
+def _step_checkpoint(tiny, directory: Path, step: int, shift: float) -> Path:
+    """A step checkpoint of the tiny model with every float weight moved by ``shift``."""
+    import asr_model
+
+    weights = {
+        f"model.{k}": v + shift if v.is_floating_point() else v + step
+        for k, v in tiny.model.state_dict().items()
+    }
+    path = directory / checkpoints.checkpoint_name(step)
+    torch.save(
+        {
+            "global_step": step,
+            "state_dict": weights,
+            asr_model.PORTABLE_KEY: asr_model.portable_description(tiny.model),
+            training_step.RUN_RECORD_KEY: {**RUN_RECORD, "step": step},
+        },
+        path,
+    )
+    return path
+
+
+def test_export_average_3_writes_the_mean_of_the_newest_three(tiny, monkeypatch, capsys):
+    from nemo.collections.asr.models import ASRModel
+
+    directory = tiny.root / "averaging"
+    directory.mkdir()
+    for step, shift in ((100, 5.0), (200, 1.0), (300, 2.0), (400, 6.0)):
+        _step_checkpoint(tiny, directory, step, shift)
+    monkeypatch.setattr(config, "CHECKPOINT_DIR", directory)
+    assert export_nemo.main(["last", "--average", "3"]) == 0
+    out = directory / "step_00000400.avg3.nemo"
+    assert str(out) in capsys.readouterr().out
+    restored = ASRModel.restore_from(str(out), map_location="cpu").state_dict()
+    for key, value in tiny.model.state_dict().items():
+        if value.is_floating_point():  # the mean of +1, +2 and +6
+            torch.testing.assert_close(restored[key], value + 3.0, rtol=0, atol=1e-5)
+        else:  # integer buffers: the newest checkpoint's
+            assert torch.equal(restored[key], value + 400), key
+    card = (directory / "step_00000400.avg3.model-card.md").read_text(encoding="utf-8")
+    assert "the mean of 3 step checkpoints (step_00000200.ckpt, step_00000300.ckpt, " in card
+    # a list of checkpoints is averaged as given
+    listed = [str(directory / checkpoints.checkpoint_name(s)) for s in (100, 200)]
+    assert export_nemo.main([*listed, "--out", str(directory / "two.nemo")]) == 0
+    restored = ASRModel.restore_from(str(directory / "two.nemo"), map_location="cpu").state_dict()
+    key = next(k for k, v in tiny.model.state_dict().items() if v.is_floating_point())
+    torch.testing.assert_close(restored[key], tiny.model.state_dict()[key] + 3.0, rtol=0, atol=1e-5)
+
+
+def test_averaging_more_checkpoints_than_there_are_is_one_line(tiny, monkeypatch, capsys):
+    directory = tiny.root / "too-few"
+    directory.mkdir()
+    _step_checkpoint(tiny, directory, 100, 0.0)
+    monkeypatch.setattr(config, "CHECKPOINT_DIR", directory)
+    assert export_nemo.main(["last", "--average", "3"]) == 2
+    assert "only 1 step checkpoint(s) up to step_00000100.ckpt" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kind", ["ckpt", "nemo"])

@@ -1,0 +1,160 @@
+"""The model card written beside every exported .nemo: what the model is, what it was trained on and
+how well it does, in one Markdown file a teammate can read without the run's environment.
+
+``render(record, model, nemo_name)`` writes it from a run record (``training_step.TrainingModule.
+run_record``: the settings, hours of training audio per language, the step and the newest
+validation), which the end of a training run has in memory and every step checkpoint carries, so
+train.py and scripts/export_nemo.py write the same card. ``card_path`` names it:
+``<name>.nemo`` -> ``<name>.model-card.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+# The settings a reader needs to judge or repeat the training, in this order.
+TRAINING_SETTINGS = (
+    "MAX_STEPS",
+    "UNFREEZE_STEP",
+    "PHASE1_LR",
+    "PHASE2_LR",
+    "MIN_LR",
+    "WARMUP_STEPS",
+    "PHASE2_WARMUP",
+    "WEIGHT_DECAY",
+    "GRAD_CLIP",
+    "GRAD_ACCUM",
+    "MAX_BATCH_DURATION",
+    "TEMPERATURE",
+    "MIN_DURATION",
+    "MAX_DURATION",
+    "MAX_TOKEN_LEN",
+    "PRECISION",
+    "SEED",
+)
+
+
+def card_path(nemo_path: str | Path) -> Path:
+    """Where the card of ``nemo_path`` goes: beside it, ``<name>.model-card.md``."""
+    nemo_path = Path(nemo_path)
+    return nemo_path.with_name(nemo_path.name.removesuffix(".nemo") + ".model-card.md")
+
+
+def _rate(value: float | None) -> str:
+    return (
+        "n/a"
+        if value is None or (isinstance(value, float) and math.isnan(value))
+        else f"{value:.4f}"
+    )
+
+
+def _evaluation_rows(results: dict[str, dict[str, int]]) -> list[str]:
+    rows = [
+        "| language | utterances | words | WER | substitutions | deletions | insertions | CER |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for lang, c in results.items():
+        words, chars = c.get("words", 0), c.get("chars", 0)
+
+        def share(key: str, total: int = words, counts: dict = c) -> float | None:
+            return counts.get(key, 0) / total if total else None
+
+        rows.append(
+            f"| {lang} | {c.get('utterances', 0):,} | {words:,} | {_rate(share('word_edits'))} | "
+            f"{_rate(share('substitutions'))} | {_rate(share('deletions'))} | "
+            f"{_rate(share('insertions'))} | {_rate(share('char_edits', chars))} |"
+        )
+    return rows
+
+
+def render(record: dict[str, Any], model, nemo_name: str) -> str:
+    """The card's Markdown. ``record``: a run record (settings, training_hours, step, world_size,
+    evaluation); ``model``: the exported NeMo model (its size and tokenizer are read from it)."""
+    settings = record.get("settings") or {}
+    hours = record.get("training_hours") or {}
+    evaluation = record.get("evaluation")
+    init = settings.get("INIT_MODEL") or ""
+    base = (
+        f"`{init}` (fine-tuned)"
+        if init
+        else f"trained from scratch (`{settings.get('MODEL_CONFIG')}`)"
+    )
+    n_params = sum(p.numel() for p in model.parameters())
+    tags = [t for t in _pieces(model) if t.startswith("<|") and t.endswith("|>")]
+    lines = [
+        f"# {nemo_name}",
+        "",
+        f"A NeMo {type(model).__name__} (TDT transducer, {n_params / 1e6:.1f} M parameters) that "
+        f"writes a language tag, then the transcript: `<|hi|> नमस्ते दुनिया`. Strip the tag (the "
+        f"first token) to get the text; it names the language the model heard.",
+        "",
+        "## Model",
+        "",
+        f"- base model: {base}",
+        f"- tokenizer: SentencePiece, {model.tokenizer.vocab_size:,} pieces, "
+        f"{len(tags)} language tags ({', '.join(tags)}); from `{settings.get('TOKENIZER_DIR')}`",
+        f"- sample rate: {settings.get('TARGET_SAMPLE_RATE')} Hz, mono",
+        f"- trained for {record.get('step')} optimizer steps on {record.get('world_size')} "
+        f"process(es)",
+        *(
+            [
+                f"- weights: the mean of {len(record['averaged'])} step checkpoints "
+                f"({', '.join(record['averaged'])})"
+            ]
+            if record.get("averaged")
+            else []
+        ),
+        "",
+        "## Training data",
+        "",
+        f"`{settings.get('TRAIN_MANIFEST_PATH')}`, after the feasibility filter:",
+        "",
+        "| language | hours |",
+        "|---|---:|",
+        *(f"| {lang} | {h:,.2f} |" for lang, h in sorted(hours.items())),
+        f"| all | {sum(hours.values()):,.2f} |",
+        "",
+        "## Training settings",
+        "",
+        "| setting | value |",
+        "|---|---|",
+        *(f"| `{k}` | `{settings[k]}` |" for k in TRAINING_SETTINGS if k in settings),
+        "",
+        "## Evaluation",
+        "",
+    ]
+    if evaluation and evaluation.get("results"):
+        loss = evaluation.get("loss")
+        lines += [
+            f"Greedy decoding at step {evaluation.get('step')} on `{settings.get('VAL_MANIFEST_PATH')}`"
+            f" (corpus-level rates, language tags stripped from both sides"
+            + (f"; validation loss {loss:.4f}" if isinstance(loss, float) else "")
+            + "):",
+            "",
+            *_evaluation_rows(evaluation["results"]),
+        ]
+    else:
+        lines.append(
+            "No validation ran in this run (EVAL_EVERY_STEPS=0 or no VAL_MANIFEST_PATH): score it "
+            f"with `python scripts/evaluate.py {nemo_name}`."
+        )
+    lines += [
+        "",
+        "## Use",
+        "",
+        "```bash",
+        f"python scripts/transcribe.py {nemo_name} audio1.flac audio2.wav   # JSONL: lang + text",
+        f"python scripts/evaluate.py {nemo_name} --manifest test.json        # NeMo JSON or parquet",
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _pieces(model) -> list[str]:
+    inner = getattr(model.tokenizer, "tokenizer", None)
+    if inner is None or not hasattr(inner, "id_to_piece"):
+        return []
+    return [inner.id_to_piece(i) for i in range(inner.get_piece_size())]
