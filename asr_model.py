@@ -200,6 +200,10 @@ def transducer_loss(model, batch, *, encoder_frozen: bool) -> torch.Tensor:
         encoded, encoded_len = model.forward(
             input_signal=batch.signal, input_signal_length=batch.signal_len
         )
+    return _loss_of_encoded(model, encoded, encoded_len, batch)
+
+
+def _loss_of_encoded(model, encoded, encoded_len, batch) -> torch.Tensor:
     decoded, target_len, _ = model.decoder(targets=batch.tokens, target_length=batch.token_len)
     if model.joint.fuse_loss_wer:
         loss, _, _, _ = model.joint(
@@ -221,6 +225,21 @@ def transducer_loss(model, batch, *, encoder_frozen: bool) -> torch.Tensor:
 def greedy_texts(model, signal: torch.Tensor, signal_len: torch.Tensor) -> list[str]:
     """Greedy transcripts (tags included, as the model emits them) of a padded batch of audio."""
     encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=signal_len)
+    return _greedy_of_encoded(model, encoded, encoded_len)
+
+
+@torch.no_grad()
+def greedy_texts_and_loss(model, batch) -> tuple[list[str], float]:
+    """Greedy transcripts of a non-empty AsrBatch and its TDT loss (the training loss's reduction),
+    from one encoder forward."""
+    encoded, encoded_len = model.forward(
+        input_signal=batch.signal, input_signal_length=batch.signal_len
+    )
+    texts = _greedy_of_encoded(model, encoded, encoded_len)
+    return texts, float(_loss_of_encoded(model, encoded, encoded_len, batch))
+
+
+def _greedy_of_encoded(model, encoded, encoded_len) -> list[str]:
     hyps = model.decoding.rnnt_decoder_predictions_tensor(
         encoder_output=encoded, encoded_lengths=encoded_len
     )

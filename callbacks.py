@@ -10,6 +10,7 @@ run_logging.py (loggers), collectives.py (cross-rank reductions).
 
 from __future__ import annotations
 
+import dataclasses
 import logging as _logging
 import math
 import os
@@ -519,6 +520,10 @@ class ProgressWatchdog(_pl.Callback):
         threading.Thread(target=self._watch, args=(main,), name="watchdog", daemon=True).start()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.alive(trainer)
+
+    def alive(self, trainer) -> None:
+        """The rank made progress: a micro-batch, or a batch of a validation between two steps."""
         self._last, self._last_wall = time.monotonic(), time.time()
         self._step = trainer.global_step
 
@@ -700,16 +705,19 @@ class EpochBoundarySyncCallback(_pl.Callback):
 
 
 class PerLanguageWERCallback(_pl.Callback):
-    """Every ``every_n_steps`` optimizer steps (EVAL_EVERY_STEPS; 0 = off): greedy WER and CER per language
-    on ``samples_per_lang`` (EVAL_SAMPLES_PER_LANG) utterances per language of VAL_MANIFEST_PATH.
+    """Validation every ``every_n_steps`` optimizer steps (EVAL_EVERY_STEPS, default CHECKPOINT_EVERY;
+    0 = off): greedy WER and CER per language and the TDT loss on VAL_MANIFEST_PATH, all of it
+    (EVAL_SAMPLES_PER_LANG = 0) or ``samples_per_lang`` utterances per language.
 
-    The chosen utterances are split across ranks (rank r decodes every world_size-th, longest and
-    shortest spread evenly), hypotheses are gathered with all_gather_object, and rank 0 logs
-    ``val/wer/<lang>``, ``val/cer/<lang>``, ``val/wer/all``, ``val/cer/all`` (corpus-level, language
-    tags stripped from both sides) and a table ``val/examples`` (lang, reference, hypothesis; up to
-    ``examples_per_lang`` per language). Decoding uses ``evaluation.greedy_transcribe`` (our dataset and
-    collate, the model's forward and greedy decoding) rather than NeMo's transcribe(), which would
-    need temporary JSON manifests, its own audio loading and a cfg.validation_ds.
+    The utterances are split across ranks (rank r decodes every world_size-th by duration, longest and
+    shortest spread evenly); hypotheses and loss sums are gathered with all_gather_object, and rank 0
+    logs ``val/wer/<lang>``, ``val/cer/<lang>``, ``val/wer_sub|del|ins/<lang>``, ``val/loss`` (the
+    training loss's reduction, averaged over utterances; comparable with ``train/loss``) and a table
+    ``val/examples`` (lang, reference, hypothesis; up to ``examples_per_lang`` per language). W&B keeps
+    the best (lowest) ``val/wer/*``, ``val/cer/*`` and ``val/loss`` as the run's summary. The result
+    goes to ``pl_module.last_evaluation`` (every checkpoint and the model card carry it). Decoding
+    uses ``evaluation.decode`` (our dataset and collate, one encoder forward for text and loss) and
+    tells the ProgressWatchdog after each batch that the rank is alive.
     """
 
     def __init__(
@@ -719,6 +727,7 @@ class PerLanguageWERCallback(_pl.Callback):
         manifest_path: str | os.PathLike | None = None,
         max_batch_seconds: float | None = None,
         examples_per_lang: int = 3,
+        with_loss: bool = True,
     ):
         self.every_n_steps = int(
             _config.EVAL_EVERY_STEPS if every_n_steps is None else every_n_steps
@@ -726,11 +735,13 @@ class PerLanguageWERCallback(_pl.Callback):
         self.samples_per_lang = int(
             _config.EVAL_SAMPLES_PER_LANG if samples_per_lang is None else samples_per_lang
         )
-        self.manifest_path = Path(manifest_path or _config.VAL_MANIFEST_PATH)
+        # None: training_step.validation_manifest() decides at train start
+        self.manifest_path = Path(manifest_path) if manifest_path is not None else None
         self.max_batch_seconds = float(
             _config.MAX_BATCH_DURATION if max_batch_seconds is None else max_batch_seconds
         )
         self.examples_per_lang = examples_per_lang
+        self.with_loss = with_loss
         self.dataset = None
         self.indices = np.zeros(0, dtype=np.int64)
         self.references: dict[int, str] = {}
@@ -742,20 +753,44 @@ class PerLanguageWERCallback(_pl.Callback):
         if self.every_n_steps <= 0:
             return
         from dataset import LocalShardDataset
+        from training_step import ValidationError, validation_manifest
 
+        if self.manifest_path is None:
+            self.manifest_path = validation_manifest()
+            if self.manifest_path is None:
+                self.every_n_steps = 0  # warned: the run goes on without validation
+                return
         if not self.manifest_path.is_file():
-            raise FileNotFoundError(
+            raise ValidationError(
                 f"EVAL_EVERY_STEPS={self.every_n_steps} but VAL_MANIFEST_PATH={self.manifest_path} "
                 "does not exist; build it with scripts/make_train_val.py or set EVAL_EVERY_STEPS=0"
             )
         self.dataset = LocalShardDataset(
             self.manifest_path, pl_module.model.tokenizer, progress=False
         )
-        self.indices = evaluation.select_eval_indices(
-            self.dataset.lang_codes, self.samples_per_lang, seed=_config.SEED
-        )
+        if self.samples_per_lang > 0:
+            self.indices = evaluation.select_eval_indices(
+                self.dataset.lang_codes, self.samples_per_lang, seed=_config.SEED
+            )
+        else:
+            self.indices = np.arange(len(self.dataset))
         texts = evaluation.manifest_texts(self.dataset)
         self.references = {int(i): texts[int(i)] for i in self.indices}
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                define_metric = getattr(getattr(logger, "experiment", None), "define_metric", None)
+                if callable(define_metric):
+                    for pattern in ("val/wer/*", "val/cer/*", "val/loss"):
+                        define_metric(pattern, summary="min")
+            _log.info(
+                "validation every %d optimizer steps on %d utterances of %s (%s)",
+                self.every_n_steps,
+                len(self.indices),
+                self.manifest_path,
+                "all of it"
+                if self.samples_per_lang <= 0
+                else f"up to {self.samples_per_lang} per language",
+            )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -771,17 +806,22 @@ class PerLanguageWERCallback(_pl.Callback):
         mine = evaluation.rank_share(
             self.indices, self.dataset.durations, trainer.global_rank, trainer.world_size
         )
-        hyps = evaluation.greedy_transcribe(
+        watchdogs = [cb for cb in getattr(trainer, "callbacks", []) if hasattr(cb, "alive")]
+        decoded = evaluation.decode(
             pl_module.model,
             self.dataset,
             mine,
             max_batch_seconds=self.max_batch_seconds,
             device=pl_module.device,
             autocast=trainer.precision_plugin.forward_context,
+            with_loss=self.with_loss,
+            after_batch=lambda: [w.alive(trainer) for w in watchdogs],
         )
         gathered: dict[int, str | None] = {}
-        for part in all_gather_objects(hyps):
-            gathered.update(part)
+        loss_sum, loss_utterances = 0.0, 0
+        for part in all_gather_objects((decoded.texts, decoded.loss_sum, decoded.loss_utterances)):
+            gathered.update(part[0])
+            loss_sum, loss_utterances = loss_sum + part[1], loss_utterances + part[2]
         names = self.dataset.lang_names
         codes = self.dataset.lang_codes
         done = [i for i in sorted(gathered) if gathered[i] is not None]
@@ -790,9 +830,17 @@ class PerLanguageWERCallback(_pl.Callback):
         outs = [gathered[i] for i in done]
         results = evaluation.corpus_error_rates(refs, outs, langs)
         self.last_results = results
+        loss = loss_sum / loss_utterances if loss_utterances else None
+        pl_module.last_evaluation = {
+            "step": int(trainer.global_step),
+            "loss": loss,
+            "results": {lang: dataclasses.asdict(c) for lang, c in results.items()},
+        }
         if trainer.is_global_zero:
             seconds = time.perf_counter() - started
             metrics = training_metrics.evaluation_metrics(results, len(done), seconds)
+            if loss is not None:
+                metrics["val/loss"] = loss
             log_to_loggers(trainer, metrics, step=trainer.global_step)
             rows = evaluation.examples_by_language(langs, refs, outs, self.examples_per_lang)
             for logger in trainer.loggers:
@@ -806,10 +854,11 @@ class PerLanguageWERCallback(_pl.Callback):
                         step=trainer.global_step,
                     )
             _log.info(
-                "step %d: greedy WER on %d utterances in %.1f s: %s",
+                "step %d: validation on %d utterances in %.1f s: loss %s; greedy WER %s",
                 trainer.global_step,
                 len(done),
-                time.perf_counter() - started,
+                seconds,
+                "n/a" if loss is None else f"{loss:.4f}",
                 ", ".join(f"{lang} {c.wer:.3f}" for lang, c in results.items()),
             )
         return results

@@ -447,7 +447,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob("NUM_WORKERS", 12, _int, "DataLoader workers per rank", _non_negative, steps=("train",))
     knob("GRAD_ACCUM", 4, _int, "Micro-batches per optimizer step", _positive, steps=("train",))
     knob("MAX_STEPS", 600000, _int, "Optimizer steps of the whole run", _positive, steps=("train",))
-    knob(
+    checkpoint_every = knob(
         "CHECKPOINT_EVERY",
         5000,
         _int,
@@ -551,18 +551,21 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob("GRAD_CLIP", 1.0, _float, "Gradient norm clip (0 = off)", _non_negative, steps=("train",))
     knob(
         "EVAL_EVERY_STEPS",
-        0,
+        checkpoint_every,
         _int,
-        "Per-language WER every N optimizer steps (0 = off)",
+        "Validation (per-language WER/CER and loss on VAL_MANIFEST_PATH) every N optimizer steps; "
+        "default CHECKPOINT_EVERY, so every checkpoint has its scores; 0 = off",
         _non_negative,
+        derived=True,
         steps=("train",),
     )
     knob(
         "EVAL_SAMPLES_PER_LANG",
-        10,
+        0,
         _int,
-        "Validation utterances per language for that WER",
-        _positive,
+        "Validation utterances per language (a seeded choice); 0 = the whole validation manifest, "
+        "split across ranks",
+        _non_negative,
         steps=("train",),
     )
     knob(

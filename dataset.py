@@ -43,6 +43,7 @@ import collections
 import logging
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -411,3 +412,69 @@ def collate_asr_batch(items: list[dict | None]) -> AsrBatch:
         durations=[float(item["duration"]) for item in good],
         bad_audio=bad_audio,
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Audio files outside a training manifest (transcription, NeMo JSON manifests)
+# --------------------------------------------------------------------------------------------------
+
+
+class AudioFileDataset(torch.utils.data.Dataset):
+    """Audio files by path, for decoding only: ``ds[i]`` -> dict(signal, tokens, duration, lang,
+    index) like LocalShardDataset's items (``tokens`` a single 0: there is no transcript to train
+    on), or None for bad audio (logged and counted as in training).
+
+    ``durations``: the given ones, or each file's from its header (``soundfile.info``, no decoding);
+    an unreadable header gives 0.0 and the item is bad audio when read. ``durations`` with
+    ``duration_tolerance`` check the decoded length as training does; without them nothing is checked.
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str | os.PathLike],
+        durations: Sequence[float] | None = None,
+        langs: Sequence[str] | None = None,
+        sample_rate: int | None = None,
+        duration_tolerance: float | None = None,
+    ):
+        self.paths = [os.fspath(p) for p in paths]
+        self.sample_rate = int(config.TARGET_SAMPLE_RATE if sample_rate is None else sample_rate)
+        self._check_duration = durations is not None
+        self.duration_tolerance = duration_tolerance
+        if durations is None:
+            durations = [_header_seconds(p) for p in self.paths]
+        self.durations = np.asarray(durations, dtype=np.float64)
+        self.langs = list(langs) if langs is not None else [""] * len(self.paths)
+        if not len(self.durations) == len(self.langs) == len(self.paths):
+            raise ValueError("AudioFileDataset: one duration and one language per path")
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> dict | None:
+        path = self.paths[i]
+        try:
+            signal = load_audio(
+                path,
+                expected_duration=float(self.durations[i]) if self._check_duration else None,
+                sample_rate=self.sample_rate,
+                duration_tolerance=self.duration_tolerance,
+            )
+        except BadAudio as bad:
+            _record_bad_audio(bad.reason, os.path.dirname(path), path, bad.detail)
+            return None
+        return {
+            "signal": torch.from_numpy(signal),
+            "tokens": torch.zeros(1, dtype=torch.int64),
+            "duration": float(self.durations[i]),
+            "lang": self.langs[i],
+            "index": i,
+        }
+
+
+def _header_seconds(path: str) -> float:
+    try:
+        info = sf.info(path)
+    except Exception:  # reported as bad audio when the item is read
+        return 0.0
+    return info.frames / info.samplerate if info.samplerate else 0.0

@@ -117,7 +117,22 @@ def pack_by_duration(
     return batches
 
 
-def greedy_transcribe(
+@dataclasses.dataclass
+class Decoded:
+    """What ``decode`` returns: {dataset index: greedy text, or None for bad audio}, and with the
+    loss asked for, the sum over batches of (batch loss x utterances) and those utterances."""
+
+    texts: dict[int, str | None]
+    loss_sum: float = 0.0
+    loss_utterances: int = 0
+
+    @property
+    def loss(self) -> float:
+        """Mean loss per utterance (each batch's loss has the training loss's reduction)."""
+        return self.loss_sum / self.loss_utterances if self.loss_utterances else math.nan
+
+
+def decode(
     model,
     dataset,
     indices: Sequence[int],
@@ -126,20 +141,24 @@ def greedy_transcribe(
     device: torch.device | str | None = None,
     autocast: Callable[[], Any] | None = None,
     progress: bool = False,
-) -> dict[int, str | None]:
-    """Greedy hypotheses of ``dataset[i]`` for each ``i`` in ``indices``: {index: text, or None for bad audio}.
+    with_loss: bool = False,
+    after_batch: Callable[[], None] | None = None,
+) -> Decoded:
+    """Greedy hypotheses of ``dataset[i]`` for each ``i`` in ``indices`` (and with ``with_loss`` the
+    TDT loss of the same batches, from the same encoder forward).
 
     Audio goes through the training pipeline's own loading and collate (soundfile + soxr, the same
-    resampling and padding) and ``asr_model.greedy_texts``: no temporary manifests, no NeMo
+    resampling and padding) and ``asr_model``'s greedy decoding: no temporary manifests, no NeMo
     dataloader, and so no dependence on ``cfg.validation_ds``. Every module's train/eval mode is
-    restored afterwards (a frozen encoder stays in eval mode).
+    restored afterwards (a frozen encoder stays in eval mode). ``after_batch`` is called after each
+    batch (a watchdog's sign of life).
     """
     from dataset import collate_asr_batch
 
     device = torch.device(device) if device is not None else next(model.parameters()).device
     modes = {m: m.training for m in model.modules()}
     model.eval()
-    out: dict[int, str | None] = {}
+    out = Decoded({})
     batches = pack_by_duration(indices, dataset.durations, max_batch_seconds)
     if progress:
         from tqdm import tqdm
@@ -149,19 +168,37 @@ def greedy_transcribe(
         for batch_indices in batches:
             items = [dataset[i] for i in batch_indices]
             good = [i for i, item in zip(batch_indices, items) if item is not None]
-            out.update({i: None for i, item in zip(batch_indices, items) if item is None})
-            if not good:
-                continue
-            batch = collate_asr_batch([item for item in items if item is not None])
-            with autocast() if autocast is not None else contextlib.nullcontext():
-                texts = asr_model.greedy_texts(
-                    model, batch.signal.to(device), batch.signal_len.to(device)
+            out.texts.update({i: None for i, item in zip(batch_indices, items) if item is None})
+            if good:
+                batch = collate_asr_batch([item for item in items if item is not None])
+                batch = batch._replace(
+                    signal=batch.signal.to(device),
+                    signal_len=batch.signal_len.to(device),
+                    tokens=batch.tokens.to(device),
+                    token_len=batch.token_len.to(device),
                 )
-            out.update(zip(good, texts))
+                with autocast() if autocast is not None else contextlib.nullcontext():
+                    if with_loss:
+                        texts, loss = asr_model.greedy_texts_and_loss(model, batch)
+                        if math.isfinite(loss):
+                            out.loss_sum += loss * len(good)
+                            out.loss_utterances += len(good)
+                    else:
+                        texts = asr_model.greedy_texts(model, batch.signal, batch.signal_len)
+                out.texts.update(zip(good, texts))
+            if after_batch is not None:
+                after_batch()
     finally:
         for module, training in modes.items():
             module.train(training)
     return out
+
+
+def greedy_transcribe(
+    model, dataset, indices: Sequence[int], **kwargs: Any
+) -> dict[int, str | None]:
+    """``decode(...).texts``: {index: greedy text, or None for bad audio}."""
+    return decode(model, dataset, indices, **kwargs).texts
 
 
 def rank_share(

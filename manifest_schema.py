@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -95,6 +96,16 @@ def tagged_text_expr(transcript: str | pl.Expr, lang_col: str | pl.Expr = "lang"
     import polars as pl
 
     return pl.concat_str(pl.lit(_OPEN), lang_col, pl.lit(_CLOSE + _SEPARATOR), transcript)
+
+
+_FIRST_TAG = re.compile(rf"\s*{re.escape(_OPEN)}({_TAG_BODY}){re.escape(_CLOSE)}")
+
+
+def leading_lang(text: str) -> str | None:
+    """The language of the tag ``text`` starts with (leading spaces aside), or None:
+    ``leading_lang("<|hi|> नमस्ते") == "hi"``."""
+    match = _FIRST_TAG.match(text)
+    return match.group(1) or None if match else None
 
 
 def strip_lang_tag(text: str) -> str:
@@ -197,3 +208,82 @@ def counts_by(frame: pl.DataFrame, *keys: str) -> dict:
             node = node.setdefault(k, {})
         node[path[-1]] = int(n)
     return out
+
+
+# --- NeMo JSON manifests ---------------------------------------------------------------------------
+# One JSON object per line, as NeMo's ASR datasets, transcribe_speech.py and speech_to_text_eval.py
+# read them: audio_filepath, duration, text (here without the language tag) and lang.
+NEMO_JSON_SUFFIXES = (".json", ".jsonl")
+
+
+@dataclass(frozen=True)
+class NemoManifestRow:
+    audio_filepath: str  # absolute, or as given when relative paths are resolved by the caller
+    duration: float | None
+    text: str | None
+    lang: str | None
+
+
+def is_nemo_json(path: str | Path) -> bool:
+    """Whether ``path`` names a NeMo JSON manifest (by its suffix) rather than a parquet one."""
+    return Path(path).suffix.lower() in NEMO_JSON_SUFFIXES
+
+
+def read_nemo_manifest(path: str | Path) -> list[NemoManifestRow]:
+    """The rows of a NeMo JSON manifest. A relative ``audio_filepath`` is resolved against the
+    manifest's directory (as NeMo does); ``text`` loses a leading language tag. ManifestError names
+    the file and line of a row that is not a JSON object with an ``audio_filepath``, or a ``duration``
+    that is not a number."""
+    path = Path(path)
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                raise ManifestError(f"{path}:{number}: not JSON ({exc})") from None
+            if not isinstance(row, dict) or not row.get("audio_filepath"):
+                raise ManifestError(f"{path}:{number}: expected a JSON object with audio_filepath")
+            audio = Path(str(row["audio_filepath"]))
+            if not audio.is_absolute():
+                audio = path.parent / audio
+            duration = row.get("duration")
+            if duration is not None and not isinstance(duration, (int, float)):
+                raise ManifestError(f"{path}:{number}: duration {duration!r} is not a number")
+            text = row.get("text")
+            lang = row.get("lang") or None
+            rows.append(
+                NemoManifestRow(
+                    str(audio),
+                    None if duration is None else float(duration),
+                    None if text is None else strip_lang_tag(str(text)),
+                    None if lang is None else str(lang),
+                )
+            )
+    if not rows:
+        raise ManifestError(f"{path}: no rows")
+    return rows
+
+
+def nemo_json_path(manifest: str | Path) -> Path:
+    """The NeMo JSON manifest written beside a parquet one: ``<stem>.json``."""
+    manifest = Path(manifest)
+    return manifest.with_name(manifest.name.removesuffix(".parquet") + ".json")
+
+
+def nemo_json_frame(frame: pl.DataFrame) -> pl.DataFrame:
+    """A manifest's rows in NeMo's columns, for ``write_ndjson``: ``audio_filepath`` (the extracted
+    FLAC: the tar's directory joined with the member name), ``duration``, ``text`` without the tag,
+    ``lang``. Vectorized: a 70M-row manifest is a few polars passes."""
+    import polars as pl
+
+    return frame.select(
+        pl.concat_str(
+            pl.col("tar_path").str.replace(r"/[^/]*$", ""), pl.lit("/"), pl.col("tar_member_name")
+        ).alias("audio_filepath"),
+        pl.col("duration").cast(pl.Float64),
+        pl.col("text").str.replace(rf"^{TAG_PATTERN} ?", "").alias("text"),
+        pl.col("lang"),
+    )

@@ -201,13 +201,15 @@ STEP_METRICS: tuple[Metric, ...] = (
 )  # fmt: skip
 
 EVALUATION_METRICS: tuple[Metric, ...] = (
-    Metric("val/wer/<lang>", "gathered", "greedy WER on the validation sample, corpus-level, tags stripped; "
+    Metric("val/wer/<lang>", "gathered", "greedy WER on the validation set, corpus-level, tags stripped; "
            "<lang> = all pools every language"),
     Metric("val/cer/<lang>", "gathered", "the same for CER (characters, single spaces included)"),
     Metric("val/wer_sub/<lang>", "gathered", "substituted words per reference word (the WER is "
            "wer_sub + wer_del + wer_ins)"),
     Metric("val/wer_del/<lang>", "gathered", "deleted words per reference word"),
     Metric("val/wer_ins/<lang>", "gathered", "inserted words per reference word"),
+    Metric("val/loss", "gathered", "TDT loss on the validation utterances (the training loss's "
+           "reduction per batch, averaged over utterances: comparable with train/loss)"),
     Metric("val/utterances", "gathered", "validation utterances decoded (bad audio excluded)"),
     Metric("val/seconds", "rank 0", "wall time of the evaluation"),
 )  # fmt: skip

@@ -466,6 +466,42 @@ class TrainingModule(pl.LightningModule):
 # ---- data ---------------------------------------------------------------------------------------
 
 
+class ValidationError(process_control.UserError):
+    """Validation was asked for and has nothing to run on."""
+
+
+def validation_manifest() -> Path | None:
+    """The manifest validation runs on, or None when it is off (EVAL_EVERY_STEPS=0).
+
+    A missing VAL_MANIFEST_PATH is a ValidationError when the user set it or EVAL_EVERY_STEPS; when
+    both are defaults (a run pointed at another TRAIN_MANIFEST_PATH only) it is a warning and the run
+    goes on without validation."""
+    if config.EVAL_EVERY_STEPS <= 0:
+        return None
+    path = Path(config.VAL_MANIFEST_PATH)
+    if path.is_file():
+        return path
+    asked = [
+        name
+        for name in ("VAL_MANIFEST_PATH", "EVAL_EVERY_STEPS")
+        if config.KNOBS[name].source == "env"
+    ]
+    if asked:
+        raise ValidationError(
+            f"EVAL_EVERY_STEPS={config.EVAL_EVERY_STEPS} but VAL_MANIFEST_PATH={path} does not exist "
+            f"(set: {', '.join(asked)}); build it with scripts/make_train_val.py or set "
+            f"EVAL_EVERY_STEPS=0"
+        )
+    if int(os.environ.get("RANK", 0)) == 0:
+        log.warning(
+            "no validation in this run: VAL_MANIFEST_PATH=%s does not exist (scripts/make_train_val.py "
+            "writes it beside the train manifest); set VAL_MANIFEST_PATH, or EVAL_EVERY_STEPS=0 to "
+            "say so",
+            path,
+        )
+    return None
+
+
 def prepare_training_caches(tokenizer) -> None:
     """Build the training caches train.py maps (TRAIN_MANIFEST_PATH; VAL_MANIFEST_PATH when
     evaluation is on) unless scripts/build_training_cache.py already did.
@@ -476,10 +512,11 @@ def prepare_training_caches(tokenizer) -> None:
     import training_cache
 
     manifests = [train_manifest_path()]
-    if config.EVAL_EVERY_STEPS > 0 and Path(config.VAL_MANIFEST_PATH).is_file():
+    val = validation_manifest()
+    if val is not None:
         from manifest_schema import check_same_split
 
-        manifests.append(Path(config.VAL_MANIFEST_PATH))
+        manifests.append(val)
         check_same_split(*manifests)
     for path in manifests:
         info = training_cache.ensure(

@@ -33,6 +33,21 @@ def loss_curve(metrics_path: Path) -> list[tuple[int, float]]:
     return sorted(by_step.items())
 
 
+def validation_curve(metrics_path: Path) -> list[tuple[int, float, float | None]]:
+    """(step, val/wer/all, val/loss or None) of every validation in ``metrics_path``, in step order
+    (the last record of a step winning)."""
+    by_step: dict[int, tuple[float, float | None]] = {}
+    with open(metrics_path, encoding="utf-8") as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("val/wer/all") is not None and record.get("step") is not None:
+                by_step[int(record["step"])] = (
+                    float(record["val/wer/all"]),
+                    record.get("val/loss"),
+                )
+    return [(step, wer, loss) for step, (wer, loss) in sorted(by_step.items())]
+
+
 def loss_drop(curve: list[tuple[int, float]], window: int) -> tuple[float, float, int]:
     """(mean loss of the first steps, mean of the last steps, steps in each mean): ``window`` steps
     at each end, fewer for a run shorter than two windows."""
@@ -112,6 +127,18 @@ def main(argv: list[str] | None = None) -> int:
         f"\nTraining loss: start {start:.3f} (mean of first {window} steps), end {end:.3f} "
         f"(last {window}); end/start = {ratio:.2f} ({verdict})"
     )
+
+    curve = validation_curve(run_dir / "metrics.jsonl")
+    if curve:
+        print(
+            f"\nValidation during training (every {config.EVAL_EVERY_STEPS} steps on "
+            f"{config.VAL_MANIFEST_PATH}):"
+        )
+        print(f"{'step':>6} {'WER %':>7} {'loss':>8}")
+        for step, wer, loss in curve:
+            print(f"{step:>6} {100 * wer:>7.1f} {'n/a' if loss is None else f'{loss:.3f}':>8}")
+    else:
+        print("\nValidation during training: none logged (EVAL_EVERY_STEPS=0?)")
 
     with open(wer_csv, encoding="utf-8", newline="") as f:
         rows = list(csv.DictReader(f))

@@ -5,15 +5,20 @@ Usage:
     python scripts/evaluate.py data/checkpoints/step_00005000.ckpt --manifest data/val_manifest_v2.parquet
     python scripts/evaluate.py model.nemo --per-lang 200 --device cuda --out results/wer.csv
     python scripts/evaluate.py last                     # the newest step checkpoint in CHECKPOINT_DIR
+    python scripts/evaluate.py model.nemo --manifest test.json --lang hi   # a NeMo JSON manifest
 
 Rates are corpus-level per language: total word edits / total reference words (not a mean of
 per-utterance WERs), CER likewise over characters (single spaces between words included), with the
 ``<|lang|>`` tag stripped from reference and hypothesis. The row ``all`` pools every utterance.
 
-A ``.nemo`` file is restored as is. A ``.ckpt`` (train.py's step checkpoint) is rebuilt the way
-train.py builds the model (``asr_model.build_model``: INIT_MODEL or MODEL_CONFIG, and TOKENIZER_DIR, as
-in training), then its weights are loaded. Audio is loaded and padded by the training pipeline's own
-dataset and collate; decoding is the model's greedy decoding (evaluation.greedy_transcribe).
+A ``.nemo`` file is restored as is. A ``.ckpt`` (train.py's step checkpoint) rebuilds its model from
+the description it carries (older checkpoints: the way train.py builds it, from INIT_MODEL or
+MODEL_CONFIG and TOKENIZER_DIR), then its weights are loaded. Audio is loaded and padded by the
+training pipeline's own loading and collate; decoding is the model's greedy decoding.
+
+The manifest is a parquet manifest of this pipeline, or a NeMo JSON manifest (one object per line:
+``audio_filepath`` (relative paths resolved against the manifest's directory), ``duration``,
+``text``, and optionally ``lang``; rows without ``lang`` count as ``--lang``, default ``und``).
 
 The CSV (default: ``<model stem>.<manifest stem>.wer.csv`` beside the model) has one row per language
 plus ``all``: lang, utterances, words, word_edits (= substitutions + deletions + insertions, also
@@ -55,6 +60,39 @@ class NothingToScore(UserError):
     """The manifest has no utterance the model can be scored on (empty, or all of its audio bad)."""
 
 
+def scoring_set(manifest: Path, tokenizer, *, lang: str | None = None, progress: bool = True):
+    """(dataset, reference text per item, language per item, a note on what was read) of a parquet
+    manifest (through the training cache) or a NeMo JSON manifest (its audio files as listed; the
+    language is each row's ``lang``, else ``lang``, else "und")."""
+    import evaluation
+    from dataset import AudioFileDataset, LocalShardDataset
+    from manifest_schema import ManifestError, is_nemo_json, read_nemo_manifest
+
+    if not is_nemo_json(manifest):
+        dataset = LocalShardDataset(manifest, tokenizer, progress=progress)
+        names, codes = dataset.lang_names, dataset.lang_codes
+        note = (
+            f"{dataset.load_summary['dropped']} dropped as unusable of "
+            f"{dataset.load_summary['rows_read']} rows"
+        )
+        return dataset, evaluation.manifest_texts(dataset), [names[c] for c in codes], note
+    rows = read_nemo_manifest(manifest)
+    untranscribed = [i for i, r in enumerate(rows) if r.text is None]
+    if untranscribed:
+        raise ManifestError(
+            f"{manifest}: {len(untranscribed)} row(s) without a text (first: line "
+            f"{untranscribed[0] + 1}); scoring needs a reference for every row "
+            f"(scripts/transcribe.py transcribes audio without one)"
+        )
+    durations = [r.duration for r in rows]
+    dataset = AudioFileDataset(
+        [r.audio_filepath for r in rows],
+        durations=None if any(d is None for d in durations) else durations,
+        langs=[r.lang or lang or "und" for r in rows],
+    )
+    return dataset, [r.text for r in rows], dataset.langs, f"{len(rows)} rows read"
+
+
 def evaluate(
     model,
     manifest: Path,
@@ -64,21 +102,24 @@ def evaluate(
     seed: int = 0,
     device: str = "cpu",
     progress: bool = True,
+    lang: str | None = None,
 ) -> tuple[dict, dict[str, int]]:
-    """(ErrorCounts per language + 'all', bad-audio count per language) of ``model`` on ``manifest``."""
+    """(ErrorCounts per language + 'all', bad-audio count per language) of ``model`` on ``manifest``
+    (parquet, or NeMo JSON: see ``scoring_set``)."""
     import numpy as np
 
     import evaluation
-    from dataset import LocalShardDataset
 
-    dataset = LocalShardDataset(manifest, model.tokenizer, progress=progress)
-    codes, names = dataset.lang_codes, dataset.lang_names
+    dataset, texts, langs, note = scoring_set(
+        manifest, model.tokenizer, lang=lang, progress=progress
+    )
+    names = sorted(set(langs))
+    codes = np.array([names.index(x) for x in langs], dtype=np.int64)
     indices = (
         evaluation.select_eval_indices(codes, per_lang, seed=seed)
         if per_lang > 0
         else np.arange(len(dataset))
     )
-    texts = evaluation.manifest_texts(dataset)
     hyps = evaluation.greedy_transcribe(
         model, dataset, indices, max_batch_seconds=batch_seconds, device=device, progress=progress
     )
@@ -86,17 +127,15 @@ def evaluate(
     if not done:
         raise NothingToScore(
             f"no utterance of {manifest} could be scored: {len(indices)} selected, "
-            f"{len(indices) - len(done)} of them bad audio, {dataset.load_summary['dropped']} dropped "
-            f"as unusable of {dataset.load_summary['rows_read']} rows; check the manifest and that "
+            f"{len(indices) - len(done)} of them bad audio ({note}); check the manifest and that "
             f"its audio exists (DATA_DIR / SHARDS_DIR, scripts/extract_audio.py)"
         )
     bad: dict[str, int] = {}
     for i in sorted(hyps):
         if hyps[i] is None:
-            lang = names[codes[i]]
-            bad[lang] = bad.get(lang, 0) + 1
+            bad[langs[i]] = bad.get(langs[i], 0) + 1
     results = evaluation.corpus_error_rates(
-        [texts[i] for i in done], [hyps[i] for i in done], [names[codes[i]] for i in done]
+        [texts[i] for i in done], [hyps[i] for i in done], [langs[i] for i in done]
     )
     bad["all"] = sum(bad.values())
     return results, bad
@@ -161,7 +200,13 @@ def main(argv: list[str] | None = None) -> int:
         "--manifest",
         type=Path,
         default=None,
-        help=f"manifest to evaluate on (default VAL_MANIFEST_PATH={config.VAL_MANIFEST_PATH})",
+        help="manifest to evaluate on: parquet, or NeMo JSON (.json/.jsonl: audio_filepath, duration, "
+        f"text, optional lang) (default VAL_MANIFEST_PATH={config.VAL_MANIFEST_PATH})",
+    )
+    parser.add_argument(
+        "--lang",
+        default=None,
+        help="the language of NeMo JSON rows without a 'lang' (default: und, scored under 'und')",
     )
     parser.add_argument(
         "--out",
@@ -208,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             batch_seconds=args.batch_seconds,
             seed=args.seed,
             device=device,
+            lang=args.lang,
         )
     except UserError as exc:
         print(f"evaluate: error: {exc}", file=sys.stderr)

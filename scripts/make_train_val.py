@@ -60,6 +60,8 @@ from manifest_schema import (
     ManifestError,
     counts_by,
     json_text,
+    nemo_json_frame,
+    nemo_json_path,
     summary_path,
     tag_prefix_expr,
     tagged_text_expr,
@@ -365,8 +367,11 @@ def make_train_val(
     max_val_fraction: float | None = None,
     languages: Sequence[str] | None = None,
     allow_short_val: bool = False,
+    nemo_json: bool = False,
 ) -> dict[str, Any]:
     """Write the train and validation manifests and the summary, as one set; return the summary.
+    With ``nemo_json``, a NeMo JSON manifest beside each (``<stem>.json``: audio_filepath, duration,
+    text without the tag, lang) joins the set.
 
     The three files are written under temporary names first and renamed only when all three are
     complete, and all carry one ``split_id`` (the parquet files in their metadata), so a failure
@@ -582,27 +587,33 @@ def make_train_val(
         digest.update(b"|")
     split_id = digest.hexdigest()[:32]
     summary["split_id"] = split_id
-    write_split(
-        {
-            train_path: train.sort(order).select(columns),
-            val_path: val.sort(order).select(columns),
-        },
-        summary,
-        summary_path(train_path),
-        split_id,
-    )
+    halves = {
+        train_path: train.sort(order).select(columns),
+        val_path: val.sort(order).select(columns),
+    }
+    if nemo_json:
+        summary["nemo_json"] = [str(nemo_json_path(path)) for path in halves]
+    write_split(halves, summary, summary_path(train_path), split_id, nemo_json=nemo_json)
     summary["seconds"] = round(time.perf_counter() - started, 3)
     return summary
 
 
 def write_split(
-    manifests: dict[Path, pl.DataFrame], summary: dict, summary_file: Path, split_id: str
+    manifests: dict[Path, pl.DataFrame],
+    summary: dict,
+    summary_file: Path,
+    split_id: str,
+    nemo_json: bool = False,
 ) -> None:
-    """Write the manifests (``split_id`` in each parquet's metadata) and the summary as one set
-    (``atomic_files.write_together``, the summary last): a failure leaves the previous set whole."""
+    """Write the manifests (``split_id`` in each parquet's metadata; with ``nemo_json`` a NeMo JSON
+    manifest beside each) and the summary as one set (``atomic_files.write_together``, the summary
+    last): a failure leaves the previous set whole."""
     writers = {
         path: functools.partial(_write_half, frame, split_id) for path, frame in manifests.items()
     }
+    if nemo_json:
+        for path, frame in manifests.items():
+            writers[nemo_json_path(path)] = functools.partial(_write_nemo_json, frame)
     writers[summary_file] = lambda tmp: Path(tmp).write_text(json_text(summary), encoding="utf-8")
     try:
         write_together(writers, split_id[:8])
@@ -617,6 +628,10 @@ def write_split(
 
 def _write_half(frame: pl.DataFrame, split_id: str, path: str) -> None:
     write_manifest_file(frame, path, metadata={SPLIT_ID_KEY: split_id})
+
+
+def _write_nemo_json(frame: pl.DataFrame, path: str) -> None:
+    nemo_json_frame(frame).write_ndjson(path)
 
 
 def counts_pairs(changed: pl.DataFrame) -> dict[str, int]:
@@ -682,6 +697,8 @@ def format_summary(summary: dict[str, Any], train_path: Path, val_path: Path) ->
         f"{summary['split']['train_groups']:,} train groups"
     )
     lines.append(f"wrote {train_path}, {val_path} and {summary_path(train_path).name}")
+    if summary.get("nemo_json"):
+        lines.append(f"wrote NeMo JSON manifests {', '.join(summary['nemo_json'])}")
     return "\n".join(lines)
 
 
@@ -741,6 +758,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="write the split even when a language with a quota gets no validation row",
     )
     parser.add_argument(
+        "--nemo-json",
+        action="store_true",
+        help="also write a NeMo JSON manifest beside each split (<stem>.json: audio_filepath, "
+        "duration, text without the tag, lang) for NeMo's own scripts",
+    )
+    parser.add_argument(
         "--script-threshold",
         type=float,
         default=None,
@@ -762,6 +785,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             threshold=args.script_threshold,
             max_val_fraction=args.max_val_fraction,
             allow_short_val=args.allow_short_val,
+            nemo_json=args.nemo_json,
         )
     except ManifestError as exc:
         print(f"make_train_val: error: {exc}", file=sys.stderr)

@@ -31,9 +31,15 @@ def test_defaults_match_the_documented_values():
     assert values["UNFREEZE_STEP"] == 40000
     assert values["WARMUP_STEPS"] == 5000
     assert values["PHASE2_WARMUP"] == 3000
-    assert values["EVAL_EVERY_STEPS"] == 0
-    assert values["EVAL_SAMPLES_PER_LANG"] == 10
+    assert values["EVAL_EVERY_STEPS"] == 5000  # = CHECKPOINT_EVERY: every checkpoint is scored
+    assert values["EVAL_SAMPLES_PER_LANG"] == 0  # the whole validation manifest
     assert values["PRECISION"] == "bf16-mixed"
+
+
+def test_validation_follows_the_checkpoint_interval_unless_set():
+    assert config.read_config({"CHECKPOINT_EVERY": "300"})["EVAL_EVERY_STEPS"].value == 300
+    knobs = config.read_config({"CHECKPOINT_EVERY": "300", "EVAL_EVERY_STEPS": "0"})
+    assert knobs["EVAL_EVERY_STEPS"].value == 0 and knobs["EVAL_EVERY_STEPS"].source == "env"
 
 
 def test_every_knob_the_pipeline_documents_exists():

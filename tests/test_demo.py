@@ -44,7 +44,6 @@ def run_demo(demo_dir: Path) -> subprocess.CompletedProcess:
             "WARMUP_STEPS": "1",
             "PHASE2_WARMUP": "1",
             "CHECKPOINT_EVERY": "3",
-            "EVAL_EVERY_STEPS": "3",
             "NUM_WORKERS": "0",
             "DEMO_MAX_LOSS_RATIO": "2.0",
         }
@@ -89,6 +88,7 @@ def test_every_artifact_is_where_the_closing_page_says(demo):
         "train_manifest_v2.*.training-cache/meta.json",
         "checkpoints/step_00000003.ckpt",
         "checkpoints/step_00000006.nemo",
+        "checkpoints/step_00000006.model-card.md",
         "eval/wer_by_language.csv",
         "report/report.md",
         "report/language_mix.png",
@@ -111,6 +111,22 @@ def test_training_ran_both_phases_and_logged_every_step(demo):
     phases = {r["step"]: r["train/phase"] for r in records if "train/phase" in r}
     assert sorted(phases) == list(range(1, 7)) or sorted(phases) == list(range(0, 6))
     assert set(phases.values()) == {1.0, 2.0}
+
+
+@pytest.mark.slow
+def test_validation_runs_by_default_at_every_checkpoint_on_the_whole_val_set(demo):
+    demo_dir, first, _, _ = demo
+    records = [
+        json.loads(line)
+        for line in (demo_dir / "wandb_logs/demo/metrics.jsonl").read_text().splitlines()
+    ]
+    validations = [r for r in records if "val/wer/all" in r]
+    assert [r["step"] for r in validations] == [3, 6]  # CHECKPOINT_EVERY=3, EVAL_EVERY_STEPS unset
+    val_rows = len((demo_dir / "eval/wer_by_language.csv").read_text().splitlines()) - 1
+    assert val_rows >= 3
+    assert all(r["val/loss"] > 0 for r in validations)
+    curve = first.stdout.split("Validation during training", 1)[1]
+    assert "\n     3 " in curve and "\n     6 " in curve
 
 
 @pytest.mark.slow

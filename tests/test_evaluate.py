@@ -346,14 +346,14 @@ def test_wer_callback_splits_utterances_across_ranks_and_gathers_them_on_rank_ze
         model = EchoModel(tokenizer, lookup)
         module = SimpleNamespace(model=model, device=torch.device("cpu"))
         cb = callbacks.PerLanguageWERCallback(
-            every_n_steps=10, samples_per_lang=3, manifest_path=tiny.manifest
+            every_n_steps=10, samples_per_lang=3, manifest_path=tiny.manifest, with_loss=False
         )
         trainer = fake_trainer(rank, [logger])
         cb.on_train_start(trainer, module)
 
         def gather(obj, rank=rank):
-            shares[rank] = obj
-            return [shares.get(0, {}), shares.get(1, {})]
+            shares[rank] = obj[0]
+            return [(shares.get(r, {}), 0.0, 0) for r in (0, 1)]
 
         monkeypatch.setattr(callbacks, "all_gather_objects", gather)
         results[rank] = cb.evaluate(trainer, module)
@@ -375,10 +375,60 @@ def test_wer_callback_fails_at_train_start_when_the_val_manifest_is_missing(tiny
     cb = callbacks.PerLanguageWERCallback(
         every_n_steps=5, manifest_path=tiny.root / "missing.parquet"
     )
-    with pytest.raises(FileNotFoundError, match="VAL_MANIFEST_PATH=.*missing.parquet"):
+    with pytest.raises(training_step.ValidationError, match="VAL_MANIFEST_PATH=.*missing.parquet"):
         cb.on_train_start(
             fake_trainer(0, []), SimpleNamespace(model=tiny.model, device=torch.device("cpu"))
         )
+
+
+class DefineMetricRecorder:
+    """A logger whose experiment records W&B's define_metric calls."""
+
+    def __init__(self):
+        self.defined = []
+        self.experiment = SimpleNamespace(
+            define_metric=lambda name, **kw: self.defined.append((name, kw))
+        )
+
+    def log_metrics(self, metrics, step):
+        pass
+
+
+def test_validation_scores_the_whole_manifest_with_its_loss_by_default(tiny, monkeypatch):
+    """One process, the real tiny model: every utterance decoded, the loss the training loss's
+    reduction averaged over utterances, W&B told to keep the lowest, the result on the module."""
+    import asr_model
+    from dataset import LocalShardDataset, collate_asr_batch
+
+    monkeypatch.setattr(callbacks, "all_gather_objects", lambda obj: [obj])
+    recorder = DefineMetricRecorder()
+    jsonl = run_logging.JsonlMetricsLogger(tiny.root / "val-loss" / "metrics.jsonl")
+    module = SimpleNamespace(model=tiny.model, device=torch.device("cpu"), last_evaluation=None)
+    cb = callbacks.PerLanguageWERCallback(every_n_steps=5, manifest_path=tiny.manifest)
+    trainer = fake_trainer(0, [recorder, jsonl])
+    trainer.world_size = 1
+    cb.on_train_start(trainer, module)
+    results = cb.evaluate(trainer, module)
+    ds = LocalShardDataset(tiny.manifest, tiny.model.tokenizer, progress=False)
+    assert results["all"].utterances == len(ds) == len(cb.indices)  # all of it
+    assert ("val/wer/*", {"summary": "min"}) in recorder.defined
+    assert ("val/loss", {"summary": "min"}) in recorder.defined
+    # the same loss computed directly, batch by batch, weighted by the batches' utterances
+    total = count = 0.0
+    for batch_indices in evaluation.pack_by_duration(
+        evaluation.rank_share(cb.indices, ds.durations, 0, 1), ds.durations, cb.max_batch_seconds
+    ):
+        batch = collate_asr_batch([ds[i] for i in batch_indices])
+        with torch.no_grad():
+            tiny.model.eval()
+            loss = float(asr_model.transducer_loss(tiny.model, batch, encoder_frozen=True))
+        total, count = total + loss * batch.batch_size, count + batch.batch_size
+    assert module.last_evaluation["loss"] == pytest.approx(total / count, rel=1e-5)
+    assert module.last_evaluation["step"] == 20
+    assert module.last_evaluation["results"]["all"]["utterances"] == len(ds)
+    line = json.loads((tiny.root / "val-loss" / "metrics.jsonl").read_text().splitlines()[0])
+    assert line["val/loss"] == pytest.approx(total / count, rel=1e-5)
+    assert {"val/wer_sub/all", "val/wer_del/hi", "val/wer_ins/en"} <= line.keys()
 
 
 def test_greedy_decoding_restores_each_modules_train_or_eval_mode(tiny):
@@ -391,3 +441,90 @@ def test_greedy_decoding_restores_each_modules_train_or_eval_mode(tiny):
     hyps = evaluation.greedy_transcribe(model, ds, [0, 1, 2], max_batch_seconds=5.0)
     assert sorted(hyps) == [0, 1, 2] and all(isinstance(h, str) for h in hyps.values())
     assert model.training and model.decoder.training and not model.encoder.training
+
+
+# ---------------------------------------------------------------------------------------------------
+# NeMo JSON manifests and transcription
+# ---------------------------------------------------------------------------------------------------
+
+
+def write_nemo_json(tiny, path: Path, *, with_lang: bool = True) -> Path:
+    """The tiny manifest as a NeMo JSON manifest (audio paths relative to it when possible)."""
+    import polars as pl
+
+    from manifest_schema import nemo_json_frame
+
+    frame = nemo_json_frame(pl.read_parquet(tiny.manifest))
+    if not with_lang:
+        frame = frame.drop("lang")
+    frame.write_ndjson(path)
+    return path
+
+
+def test_evaluate_scores_a_nemo_json_manifest_like_its_parquet(tiny):
+    json_manifest = write_nemo_json(tiny, tiny.root / "test.json")
+    a, b = tiny.root / "parquet.csv", tiny.root / "json.csv"
+    assert evaluate.main([str(tiny.nemo), "--manifest", str(tiny.manifest), "--out", str(a)]) == 0
+    assert evaluate.main([str(tiny.nemo), "--manifest", str(json_manifest), "--out", str(b)]) == 0
+    from_parquet = {r["lang"]: r for r in read_csv(a)}
+    from_json = {r["lang"]: r for r in read_csv(b)}
+    assert from_json["all"]["utterances"] == "12"  # every row: the JSON is scored as listed
+    # the same audio gives the same hypotheses: a language the training cache kept whole agrees
+    # (the cache drops rows with more tokens than encoder frames, which the JSON path keeps)
+    whole = [lang for lang in ("hi", "en") if from_parquet[lang]["utterances"] == "6"]
+    assert whole and all(from_parquet[lang] == from_json[lang] for lang in whole)
+
+
+def test_a_nemo_json_manifest_without_lang_is_scored_under_the_given_language(tiny):
+    json_manifest = write_nemo_json(tiny, tiny.root / "nolang.json", with_lang=False)
+    out = tiny.root / "nolang.csv"
+    assert evaluate.main([str(tiny.nemo), "--manifest", str(json_manifest), "--out", str(out)]) == 0
+    assert [r["lang"] for r in read_csv(out)] == ["und", "all"]
+    args = [str(tiny.nemo), "--manifest", str(json_manifest), "--out", str(out), "--lang", "hi"]
+    assert evaluate.main(args) == 0
+    rows = read_csv(out)
+    assert [r["lang"] for r in rows] == ["hi", "all"] and rows[0]["utterances"] == "12"
+
+
+def test_a_nemo_json_row_that_is_not_json_is_named_with_its_line(tiny, capsys):
+    bad = tiny.root / "bad.json"
+    bad.write_text('{"audio_filepath": "a.flac", "text": "x"}\nnot json\n', encoding="utf-8")
+    assert evaluate.main([str(tiny.nemo), "--manifest", str(bad)]) == 2
+    assert f"{bad}:2: not JSON" in capsys.readouterr().err
+
+
+def test_transcribe_writes_the_language_and_the_text_without_the_tag(tiny, monkeypatch):
+    import polars as pl
+
+    import asr_model
+    from manifest_schema import nemo_json_frame
+    from scripts import transcribe
+
+    paths = nemo_json_frame(pl.read_parquet(tiny.manifest)).get_column("audio_filepath")
+    files = [paths[0], paths[1], str(tiny.root / "missing.flac")]
+    monkeypatch.setattr(
+        asr_model,
+        "greedy_texts",
+        lambda model, signal, lens: ["<|hi|> नमस्ते  दुनिया", "no tag"][: len(lens)],
+    )
+    rows = transcribe.transcribe(tiny.model, files, batch_seconds=1.0)  # one file per batch
+    assert [r["audio_filepath"] for r in rows] == files  # input order
+    assert rows[0]["lang"] == rows[1]["lang"] == "hi" and rows[0]["text"] == "नमस्ते दुनिया"
+    assert rows[2] == {"audio_filepath": files[2], "error": "unreadable or empty audio"}
+
+
+def test_transcribe_script_runs_a_model_over_a_manifest_into_jsonl(tiny, capsys):
+    from scripts import transcribe
+
+    json_manifest = write_nemo_json(tiny, tiny.root / "to-transcribe.json")
+    out = tiny.root / "hyps.jsonl"
+    assert (
+        transcribe.main([str(tiny.ckpt), "--manifest", str(json_manifest), "--out", str(out)]) == 0
+    )
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert len(rows) == 12 and all(
+        {"audio_filepath", "lang", "text", "duration"} <= r.keys() for r in rows
+    )
+    assert all("<|" not in r["text"] for r in rows)
+    assert transcribe.main([str(tiny.nemo), str(tiny.root / "nope.flac")]) == 1
+    assert "cannot read" in capsys.readouterr().err

@@ -444,6 +444,29 @@ def test_a_failed_validation_write_leaves_the_previous_split_whole(tmp_path, mon
     assert after == before  # same files, same bytes, no temporary left
 
 
+def test_nemo_json_manifests_are_written_beside_each_split_in_the_same_set(tmp_path):
+    from manifest_schema import read_nemo_manifest
+
+    rows = [row(f"h{k}", f"नमस्ते {k}", "hi", speaker=f"s{k}") for k in range(10)]
+    rows += [row(f"e{k}", f"hello {k}", "en", speaker=f"t{k}") for k in range(10)]
+    train, val, summary = run(tmp_path, rows, val_per_lang=2, nemo_json=True)
+    lines = (tmp_path / "val.json").read_text(encoding="utf-8").splitlines()
+    first = json.loads(lines[0])
+    assert set(first) == {"audio_filepath", "duration", "text", "lang"}
+    assert len(lines) == val.height and len((tmp_path / "train.json").read_text().splitlines()) == (
+        train.height
+    )
+    expected = val.row(0, named=True)
+    assert first == {
+        "audio_filepath": f"/data/{expected['shard_id']}/{expected['tar_member_name']}",
+        "duration": expected["duration"],
+        "text": expected["text"].split(" ", 1)[1],  # the tag is not part of NeMo's text
+        "lang": expected["lang"],
+    }
+    assert [r.text for r in read_nemo_manifest(tmp_path / "val.json")][0] == first["text"]
+    assert summary["nemo_json"] == [str(tmp_path / "train.json"), str(tmp_path / "val.json")]
+
+
 def test_train_and_validation_of_different_runs_are_refused(tmp_path):
     from manifest_schema import ManifestError, check_same_split, split_id
 

@@ -157,3 +157,33 @@ def test_importing_the_module_loads_neither_polars_nor_pyarrow():
     code = "import sys, manifest_schema; print(sorted({'polars', 'pyarrow'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_leading_lang_reads_the_tag_a_hypothesis_starts_with():
+    from manifest_schema import leading_lang
+
+    assert leading_lang("<|hi|> नमस्ते") == "hi" and leading_lang("  <|en|>") == "en"
+    assert leading_lang("hello <|hi|>") is None and leading_lang("") is None
+
+
+def test_a_nemo_json_manifest_resolves_relative_audio_and_drops_a_leading_tag(tmp_path):
+    from manifest_schema import ManifestError, read_nemo_manifest
+
+    path = tmp_path / "sub" / "m.json"
+    path.parent.mkdir()
+    path.write_text(
+        '{"audio_filepath": "a/x.flac", "duration": 1.5, "text": "<|hi|> नमस्ते"}\n\n'
+        '{"audio_filepath": "/abs/y.wav", "text": "hello", "lang": "en"}\n',
+        encoding="utf-8",
+    )
+    a, b = read_nemo_manifest(path)
+    assert (a.audio_filepath, a.duration, a.text, a.lang) == (
+        str(path.parent / "a" / "x.flac"),
+        1.5,
+        "नमस्ते",
+        None,
+    )
+    assert (b.audio_filepath, b.duration, b.lang) == ("/abs/y.wav", None, "en")
+    path.write_text('{"audio_filepath": "x.flac", "duration": "long"}\n', encoding="utf-8")
+    with pytest.raises(ManifestError, match=r"m.json:1: duration 'long' is not a number"):
+        read_nemo_manifest(path)

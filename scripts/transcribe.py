@@ -1,0 +1,140 @@
+"""Transcribe audio files with a trained model: the language it heard and the text, as JSONL.
+
+Usage:
+    python scripts/transcribe.py model.nemo a.flac b.wav              # prints lang + text per file
+    python scripts/transcribe.py last --manifest test.json --out hyps.jsonl
+    python scripts/transcribe.py step_00600000.ckpt --manifest data/val_manifest_v2.parquet
+
+The model is a .nemo file, a train.py step checkpoint (.ckpt, rebuilt from the description it
+carries) or 'last' (the newest step checkpoint in CHECKPOINT_DIR). Inputs are audio files (any format
+libsndfile reads; resampled to the model's rate, downmixed to mono) or a manifest: NeMo JSON
+(``audio_filepath`` per line) or this pipeline's parquet (the extracted FLAC of each row).
+
+The model writes ``<|lang|>`` first: each output row holds that language (``lang``; null when the
+hypothesis starts with no tag) and the text without it. Files are decoded longest-first in batches
+of ``--batch-seconds`` of audio, on the GPU when there is one. An unreadable file gets a row with
+``"error"`` instead of a text and is named on stderr; the exit status is 1 when any file failed.
+
+Output: JSONL to ``--out`` (written whole under a temporary name, then renamed) or to stdout; without
+``--out``, stdout shows ``lang<TAB>text<TAB>file`` lines instead when it is a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from process_control import UserError
+
+
+def inputs_of(files: list[Path], manifest: Path | None) -> list[str]:
+    """The audio paths to transcribe: the files given, or the manifest's."""
+    import os
+
+    from manifest_schema import ManifestError, is_nemo_json, read_nemo_manifest
+
+    if manifest is None:
+        if not files:
+            raise ManifestError("give audio files or --manifest")
+        return [str(f) for f in files]
+    if files:
+        raise ManifestError("give audio files or --manifest, not both")
+    if not manifest.is_file():
+        raise ManifestError(f"--manifest {manifest} does not exist")
+    if is_nemo_json(manifest):
+        return [r.audio_filepath for r in read_nemo_manifest(manifest)]
+    import polars as pl
+
+    frame = pl.read_parquet(manifest, columns=["tar_path", "tar_member_name"])
+    return [os.path.join(os.path.dirname(tar), member) for tar, member in frame.iter_rows()]
+
+
+def transcribe(
+    model, paths: list[str], *, batch_seconds: float = 120.0, device: str = "cpu"
+) -> list[dict]:
+    """One row per path, in input order: {"audio_filepath", "duration", "lang", "text"}, or
+    {"audio_filepath", "error"} for a file that could not be read."""
+    import evaluation
+    from dataset import AudioFileDataset
+    from manifest_schema import leading_lang, strip_lang_tag
+
+    dataset = AudioFileDataset(paths)
+    texts = evaluation.greedy_transcribe(
+        model,
+        dataset,
+        range(len(dataset)),
+        max_batch_seconds=batch_seconds,
+        device=device,
+        progress=len(paths) > 1 and sys.stderr.isatty(),
+    )
+    rows = []
+    for i, path in enumerate(paths):
+        hypothesis = texts.get(i)
+        if hypothesis is None:
+            rows.append({"audio_filepath": path, "error": "unreadable or empty audio"})
+            continue
+        rows.append(
+            {
+                "audio_filepath": path,
+                "duration": round(float(dataset.durations[i]), 3),
+                "lang": leading_lang(hypothesis),
+                "text": strip_lang_tag(hypothesis),
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("model", help="a .nemo file, a train.py step checkpoint (.ckpt), or 'last'")
+    parser.add_argument("files", nargs="*", type=Path, help="audio files to transcribe")
+    parser.add_argument(
+        "--manifest", type=Path, default=None, help="NeMo JSON or parquet manifest of audio"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="JSONL path (default stdout)")
+    parser.add_argument(
+        "--batch-seconds", type=float, default=120.0, help="seconds of audio per decoding batch"
+    )
+    parser.add_argument("--device", default=None, help="cpu or cuda (default cuda when available)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+    import torch
+
+    import asr_model
+    import checkpoints
+    from atomic_files import atomic_write
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        paths = inputs_of(args.files, args.manifest)
+        model = asr_model.load_trained_model(checkpoints.resolve_model_path(args.model), device)
+    except (UserError, FileNotFoundError, ValueError) as exc:
+        print(f"transcribe: error: {exc}", file=sys.stderr)
+        return 2
+    rows = transcribe(model, paths, batch_seconds=args.batch_seconds, device=device)
+    failed = [r for r in rows if "error" in r]
+    for r in failed:
+        print(f"transcribe: cannot read {r['audio_filepath']}: {r['error']}", file=sys.stderr)
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    if args.out is not None:
+        atomic_write(args.out, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+        print(f"wrote {len(rows)} transcript(s) to {args.out}", file=sys.stderr)
+    elif sys.stdout.isatty():
+        for r in rows:
+            if "error" not in r:
+                print(f"{r['lang'] or '?'}\t{r['text']}\t{r['audio_filepath']}")
+    else:
+        sys.stdout.write(text)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
