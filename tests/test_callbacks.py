@@ -359,21 +359,33 @@ def test_resume_from_last_without_any_checkpoint_starts_fresh_and_a_missing_path
         checkpoints.resolve_resume_from(str(tmp_path / "nope.ckpt"), tmp_path)
 
 
-def test_nemo_export_is_atomic(tmp_path):
-    class Model:
+def test_nemo_export_is_atomic_and_comes_with_its_model_card(tmp_path):
+    from types import SimpleNamespace
+
+    class Model(torch.nn.Module):
         def __init__(self, fail):
+            super().__init__()
             self.fail = fail
+            self.layer = torch.nn.Linear(2, 2)
+            self.tokenizer = SimpleNamespace(vocab_size=10)
 
         def save_to(self, path):
             Path(path).write_bytes(b"partial")
             if self.fail:
                 raise RuntimeError("killed")
 
-    with pytest.raises(RuntimeError):
+    with pytest.raises(OSError, match="killed") as failed:
         checkpoints.export_nemo(Model(fail=True), tmp_path / "step_00000010.nemo")
+    assert failed.value.filename == str(tmp_path / "step_00000010.nemo")
     assert list(tmp_path.iterdir()) == []
-    checkpoints.export_nemo(Model(fail=False), tmp_path / "step_00000010.nemo")
-    assert [p.name for p in tmp_path.iterdir()] == ["step_00000010.nemo"]
+    checkpoints.export_nemo(Model(fail=False), tmp_path / "step_00000010.nemo", {"step": 10})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_00000010.model-card.md",
+        "step_00000010.nemo",
+    ]
+    assert (
+        "trained for 10 optimizer steps" in (tmp_path / "step_00000010.model-card.md").read_text()
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
