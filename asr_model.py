@@ -18,6 +18,7 @@ import logging
 import math
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,50 @@ import config
 import tdt_loss
 
 log = logging.getLogger("asr_model")
+
+
+class _DropMessages(logging.Filter):
+    """Drops the records whose message contains one of ``parts``."""
+
+    def __init__(self, parts: tuple[str, ...]):
+        super().__init__()
+        self.parts = parts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(part in message for part in self.parts)
+
+
+def quiet_harmless_messages() -> None:
+    """Silence, each by its message, what NeMo and its telemetry print that does not apply here, so
+    a run shows stages, progress, real warnings and results. Idempotent; called on import."""
+    harmless = (
+        # NeMo's model builds its own dataloaders from cfg.train_ds / validation_ds; this app feeds
+        # the model from dataset.py instead, so those sections have no manifest, on purpose.
+        "Could not load dataset as `manifest_filepath`",
+        # Printed each time NeMo rebuilds the loss (a vocabulary change, tdt_loss.attach_tdt_loss);
+        # describe() states the loss that runs, once.
+        "Using RNNT Loss :",
+    )
+    if not torch.cuda.is_available():
+        # CUDA graphs for greedy decoding cannot apply without CUDA; on a GPU the note stays (it
+        # says decoding will be slower when cuda-python is missing).
+        harmless += ("No conditional node support for Cuda",)
+    nemo_logger = logging.getLogger("nemo_logger")
+    if not any(isinstance(f, _DropMessages) for f in nemo_logger.filters):
+        nemo_logger.addFilter(_DropMessages(harmless))
+    # NeMo's OneLogger telemetry is off in this app: its "no exporters" notes are not warnings.
+    logging.getLogger("nv_one_logger").setLevel(logging.ERROR)
+    # NeMo's prediction network is a 1-layer LSTM built with its dropout argument; PyTorch warns
+    # that the LSTM's inter-layer dropout then does nothing, while NeMo applies dropout itself.
+    warnings.filterwarnings(
+        "ignore",
+        message="dropout option adds dropout after all but last recurrent layer",
+        category=UserWarning,
+    )
+
+
+quiet_harmless_messages()
 
 
 def _spm_pieces(model_file: Path) -> list[str]:

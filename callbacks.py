@@ -15,6 +15,7 @@ import logging as _logging
 import math
 import os
 import time
+import warnings
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -341,6 +342,12 @@ class OptimizerStepProgressBar(TQDMProgressBar):
             refresh=False,
         )
         self._set_n(trainer.global_step)
+
+
+# CHECKPOINT_DIR holds this run's own step checkpoints when it resumes, and those of earlier runs:
+# StepOnlyModelCheckpoint names files by step and never deletes what it did not write (outside
+# KEEP_CHECKPOINTS), so Lightning's note that the directory is not empty is no warning here.
+warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 
 
 class StepOnlyModelCheckpoint(ModelCheckpoint):

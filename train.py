@@ -56,6 +56,7 @@ import datetime
 import logging
 import os
 import sys
+import warnings
 
 import process_control
 
@@ -130,6 +131,12 @@ def build_trainer(
         # Phase 2 switches it off (callbacks.stop_searching_unused_parameters).
         # broadcast_buffers=False: BatchNorm statistics are averaged once per step instead
         # (TrainingModule.average_batchnorm_statistics).
+        # DDP warns on every rank when a backward finds no unused parameter, which phase 2 is until
+        # stop_searching_unused_parameters re-wraps DDP: expected with this design; the search's
+        # cost is measured by scripts/bench_ddp_unused.py.
+        warnings.filterwarnings(
+            "ignore", message=r"find_unused_parameters=True was specified in DDP constructor"
+        )
         strategy = DDPStrategy(
             find_unused_parameters=True,
             gradient_as_bucket_view=True,

@@ -352,3 +352,28 @@ def test_optimizer_steps_with_no_utterance_stop_the_run_after_max_empty_steps(fr
     with pytest.raises(NoTrainingData, match=r"3 optimizer steps in a row had no utterance"):
         fit(module, [None] * 20, max_steps=10, unfreeze_step=0)
     assert module.skipped_steps == 2  # the third empty step raised before it was counted
+
+
+def test_harmless_nemo_messages_are_dropped_by_their_text_and_the_rest_kept():
+    import logging
+    import warnings
+
+    import asr_model
+
+    asr_model.quiet_harmless_messages()  # idempotent: a second call adds no second filter
+    nemo = logging.getLogger("nemo_logger")
+
+    def passes(message: str) -> bool:
+        record = logging.LogRecord("nemo_logger", logging.WARNING, __file__, 1, message, None, None)
+        return bool(nemo.filter(record))
+
+    assert not passes("Could not load dataset as `manifest_filepath` was None. Provided config : {}")
+    assert not passes("Using RNNT Loss : tdt")
+    assert passes("Could not load the tokenizer from /data/tok")  # a real problem stays
+    assert logging.getLogger("nv_one_logger.api.config").getEffectiveLevel() == logging.ERROR
+    with warnings.catch_warnings(record=True) as caught:
+        torch.nn.LSTM(4, 4, num_layers=1, dropout=0.2)
+    assert not [w for w in caught if "dropout option" in str(w.message)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.warn("a warning nobody silenced", UserWarning)
+    assert caught
