@@ -722,7 +722,8 @@ class PerLanguageWERCallback(_pl.Callback):
     training loss's reduction, averaged over utterances; comparable with ``train/loss``) and a table
     ``val/examples`` (lang, reference, hypothesis; up to ``examples_per_lang`` per language). W&B keeps
     the best (lowest) ``val/wer/*``, ``val/cer/*`` and ``val/loss`` as the run's summary. The result
-    goes to ``pl_module.last_evaluation`` (every checkpoint and the model card carry it). Decoding
+    goes to ``pl_module.last_evaluation`` (every checkpoint and the model card carry it); a run whose
+    last step is not a multiple of ``every_n_steps`` is validated once more at its end. Decoding
     uses ``evaluation.decode`` (our dataset and collate, one encoder forward for text and loss) and
     tells the ProgressWatchdog after each batch that the rank is alive.
     """
@@ -805,6 +806,19 @@ class PerLanguageWERCallback(_pl.Callback):
             return
         self._seen_step = step
         if self.every_n_steps > 0 and step % self.every_n_steps == 0:
+            self.evaluate(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        # The final model's card and the run's last point: a run whose last step is no multiple of
+        # EVAL_EVERY_STEPS is validated once more at its end (not when a stop signal ended it: the
+        # job is being preempted and its time is short).
+        if (
+            self.every_n_steps > 0
+            and self.dataset is not None
+            and trainer.global_step > 0
+            and trainer.global_step % self.every_n_steps != 0
+            and not getattr(pl_module, "stop_agreed", False)
+        ):
             self.evaluate(trainer, pl_module)
 
     def evaluate(self, trainer, pl_module) -> dict[str, evaluation.ErrorCounts]:

@@ -528,3 +528,18 @@ def test_transcribe_script_runs_a_model_over_a_manifest_into_jsonl(tiny, capsys)
     assert all("<|" not in r["text"] for r in rows)
     assert transcribe.main([str(tiny.nemo), str(tiny.root / "nope.flac")]) == 1
     assert "cannot read" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("step", "stop_agreed", "validated"),
+    [(7, False, True), (10, False, False), (7, True, False)],
+)
+def test_a_run_ending_between_validations_is_validated_once_more(step, stop_agreed, validated):
+    cb = callbacks.PerLanguageWERCallback(every_n_steps=5, manifest_path="unused.parquet")
+    cb.dataset = object()  # on_train_start ran
+    calls = []
+    cb.evaluate = lambda trainer, module: calls.append(trainer.global_step)
+    trainer = fake_trainer(0, [])
+    trainer.global_step = step
+    cb.on_train_end(trainer, SimpleNamespace(stop_agreed=stop_agreed))
+    assert calls == ([step] if validated else [])
