@@ -367,7 +367,9 @@ def test_harmless_nemo_messages_are_dropped_by_their_text_and_the_rest_kept():
         record = logging.LogRecord("nemo_logger", logging.WARNING, __file__, 1, message, None, None)
         return bool(nemo.filter(record))
 
-    assert not passes("Could not load dataset as `manifest_filepath` was None. Provided config : {}")
+    assert not passes(
+        "Could not load dataset as `manifest_filepath` was None. Provided config : {}"
+    )
     assert not passes("Using RNNT Loss : tdt")
     assert passes("Could not load the tokenizer from /data/tok")  # a real problem stays
     assert logging.getLogger("nv_one_logger.api.config").getEffectiveLevel() == logging.ERROR

@@ -28,9 +28,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from asr_model import PORTABLE_KEY
 from checkpoints import checkpoint_name
 from tests.tiny_training_data import make_training_data
 from tests.torchrun_jobs import tiny_train_env, torchrun_command
+from training_step import RUN_RECORD_KEY
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -207,6 +209,14 @@ def test_resumed_run_ends_with_the_straight_runs_weights_and_optimizer_state(run
     straight = torch.load(root / "straight_data" / "checkpoints" / name, weights_only=False)
     resumed = torch.load(root / "killed_data" / "checkpoints" / name, weights_only=False)
     assert straight["state_dict"].keys() == resumed["state_dict"].keys()
+    # every step checkpoint rebuilds its model alone and carries the run record of its step
+    for checkpoint in (straight, resumed):
+        assert {"class", "config", "tokenizer"} <= checkpoint[PORTABLE_KEY].keys()
+        record = checkpoint[RUN_RECORD_KEY]
+        assert record["step"] == MAX_STEPS and record["world_size"] == 2
+        assert record["evaluation"]["step"] == MAX_STEPS  # validated before it was saved
+        assert record["settings"]["MAX_STEPS"] == MAX_STEPS
+        assert set(record["training_hours"]) == {"hi", "en"}
     for key, value in straight["state_dict"].items():
         torch.testing.assert_close(resumed["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)
     for a, b in zip(
