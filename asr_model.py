@@ -384,7 +384,9 @@ def load_trained_model(path: str | Path, device: str = "cpu", weights: dict | No
                 f"not a NeMo model: export it again (scripts/export_nemo.py) or use its .ckpt"
             ) from exc
         return model.to(device).eval()
-    checkpoint = read_checkpoint(path)
+    checkpoint = read_checkpoint(
+        path, mmap=True
+    )  # the weights only: the optimizer state stays on disk
     if "state_dict" not in checkpoint:
         raise CheckpointError(
             f"{path} has no 'state_dict': expected a Lightning checkpoint written by train.py"

@@ -96,16 +96,19 @@ def read_checkpoint(
     path: Path,
     load: Callable[[], dict[str, Any]] | None = None,
     advice: str = "use an older step_*.ckpt or delete it",
+    *,
+    mmap: bool = False,
 ) -> dict[str, Any]:
     """``load()`` (default: torch.load on the CPU) of the step checkpoint at ``path``, after the
     cheap ``checkpoint_problem`` check; any failure is a CheckpointError naming the path, the cause
-    and ``advice``."""
+    and ``advice``. ``mmap``: the default load maps the file instead of reading it, so tensors that
+    are never touched (a reader of the weights leaves AdamW's moments alone) cost no memory."""
     problem = checkpoint_problem(path)
     if problem is not None:
         raise CheckpointError(f"cannot load checkpoint {path}: {problem}; {advice}")
     try:
         if load is None:
-            return torch.load(path, map_location="cpu", weights_only=False)
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
         return load()
     except Exception as exc:
         raise CheckpointError(

@@ -470,6 +470,9 @@ class ValidationError(process_control.UserError):
     """Validation was asked for and has nothing to run on."""
 
 
+_warned_without_validation: set[Path] = set()
+
+
 def validation_manifest() -> Path | None:
     """The manifest validation runs on, or None when it is off (EVAL_EVERY_STEPS=0).
 
@@ -492,7 +495,8 @@ def validation_manifest() -> Path | None:
             f"(set: {', '.join(asked)}); build it with scripts/make_train_val.py or set "
             f"EVAL_EVERY_STEPS=0"
         )
-    if int(os.environ.get("RANK", 0)) == 0:
+    if int(os.environ.get("RANK", 0)) == 0 and path not in _warned_without_validation:
+        _warned_without_validation.add(path)  # the caches and the callback both ask
         log.warning(
             "no validation in this run: VAL_MANIFEST_PATH=%s does not exist (scripts/make_train_val.py "
             "writes it beside the train manifest); set VAL_MANIFEST_PATH, or EVAL_EVERY_STEPS=0 to "

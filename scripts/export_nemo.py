@@ -75,10 +75,7 @@ def average_weights(paths: list[Path]) -> dict:
     total: dict[str, torch.Tensor] = {}
     newest: dict[str, torch.Tensor] = {}
     for n, path in enumerate(paths):
-        checkpoint = checkpoints.read_checkpoint(
-            path,
-            load=lambda p=path: torch.load(p, map_location="cpu", weights_only=False, mmap=True),
-        )
+        checkpoint = checkpoints.read_checkpoint(path, mmap=True)
         weights = asr_model.model_weights(checkpoint)
         if n and weights.keys() != total.keys():
             raise AveragingError(
@@ -132,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
 
-    import torch
 
     import asr_model
     import checkpoints
@@ -147,10 +143,9 @@ def main(argv: list[str] | None = None) -> int:
             raise AveragingError(f"--out {out}: expected a path ending in .nemo")
         weights = average_weights(paths) if len(paths) > 1 else None
         model = asr_model.load_trained_model(newest, "cpu", weights=weights)
-        record = checkpoints.read_checkpoint(
-            newest,
-            load=lambda: torch.load(newest, map_location="cpu", weights_only=False, mmap=True),
-        ).get(training_step.RUN_RECORD_KEY, {})
+        record = checkpoints.read_checkpoint(newest, mmap=True).get(
+            training_step.RUN_RECORD_KEY, {}
+        )
     except UserError as exc:
         print(f"export_nemo: error: {exc}", file=sys.stderr)
         return 2

@@ -543,3 +543,25 @@ def test_a_run_ending_between_validations_is_validated_once_more(step, stop_agre
     trainer.global_step = step
     cb.on_train_end(trainer, SimpleNamespace(stop_agreed=stop_agreed))
     assert calls == ([step] if validated else [])
+
+
+def test_a_missing_validation_manifest_warns_at_its_default_path_and_fails_when_asked_for(
+    tmp_path, monkeypatch, caplog
+):
+    import dataclasses
+
+    missing = tmp_path / "val_manifest_v2.parquet"
+    monkeypatch.setattr(config, "VAL_MANIFEST_PATH", missing)
+    monkeypatch.setattr(config, "EVAL_EVERY_STEPS", 100)
+    monkeypatch.delenv("RANK", raising=False)
+    with caplog.at_level("WARNING"):
+        assert training_step.validation_manifest() is None
+        assert training_step.validation_manifest() is None
+    warnings = [r for r in caplog.records if "no validation in this run" in r.getMessage()]
+    assert len(warnings) == 1 and str(missing) in warnings[0].getMessage()
+    knob = config.KNOBS["VAL_MANIFEST_PATH"]
+    monkeypatch.setitem(config.KNOBS, "VAL_MANIFEST_PATH", dataclasses.replace(knob, source="env"))
+    with pytest.raises(training_step.ValidationError, match=r"set: VAL_MANIFEST_PATH"):
+        training_step.validation_manifest()
+    monkeypatch.setattr(config, "EVAL_EVERY_STEPS", 0)
+    assert training_step.validation_manifest() is None  # off: nothing to check
