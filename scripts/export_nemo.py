@@ -129,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
 
-
     import asr_model
     import checkpoints
     import training_step
