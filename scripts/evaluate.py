@@ -80,7 +80,7 @@ def scoring_set(manifest: Path, tokenizer, *, lang: str | None = None, progress:
     untranscribed = [i for i, r in enumerate(rows) if r.text is None]
     if untranscribed:
         raise ManifestError(
-            f"{manifest}: {len(untranscribed)} row(s) without a text (first: line "
+            f"{manifest}: {len(untranscribed)} row(s) without a text (first: row "
             f"{untranscribed[0] + 1}); scoring needs a reference for every row "
             f"(scripts/transcribe.py transcribes audio without one)"
         )
