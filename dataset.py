@@ -390,6 +390,16 @@ class AsrBatch(NamedTuple):
     def batch_size(self) -> int:
         return self.signal.shape[0]
 
+    def on_device(self, device: torch.device | str) -> AsrBatch:
+        """The batch with its tensors on ``device``, for code outside Lightning (which moves them
+        itself, non-blocking; a method named ``to`` would make Lightning call it instead)."""
+        return self._replace(
+            signal=self.signal.to(device),
+            signal_len=self.signal_len.to(device),
+            tokens=self.tokens.to(device),
+            token_len=self.token_len.to(device),
+        )
+
 
 def collate_asr_batch(items: list[dict | None]) -> AsrBatch:
     """Pad the good items of ``items`` into an AsrBatch; drop the Nones; drain the bad-audio counts."""

@@ -170,12 +170,8 @@ def decode(
             good = [i for i, item in zip(batch_indices, items) if item is not None]
             out.texts.update({i: None for i, item in zip(batch_indices, items) if item is None})
             if good:
-                batch = collate_asr_batch([item for item in items if item is not None])
-                batch = batch._replace(
-                    signal=batch.signal.to(device),
-                    signal_len=batch.signal_len.to(device),
-                    tokens=batch.tokens.to(device),
-                    token_len=batch.token_len.to(device),
+                batch = collate_asr_batch([item for item in items if item is not None]).on_device(
+                    device
                 )
                 with autocast() if autocast is not None else contextlib.nullcontext():
                     if with_loss:

@@ -107,13 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
     shape = bts.heaviest_batch_shape(config.MAX_BATCH_DURATION, args.tokens_per_second)
-    batch = bts.make_batch(shape, model.tokenizer)
-    batch = batch._replace(
-        signal=batch.signal.to(device),
-        signal_len=batch.signal_len.to(device),
-        tokens=batch.tokens.to(device),
-        token_len=batch.token_len.to(device),
-    )
+    batch = bts.make_batch(shape, model.tokenizer).on_device(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
 
     def train_micro_batch():
