@@ -9,7 +9,6 @@ continues the same run).
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -28,7 +27,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 import config
-from atomic_files import atomic_write, write_together
+from atomic_files import atomic_write, disk_full, write_together
 from process_control import UserError
 
 log = logging.getLogger("checkpoints")
@@ -76,7 +75,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         except (OSError, RuntimeError) as exc:
             # torch.save reports a full disk as "unexpected pos N vs M" from its zip writer.
             free = free_bytes(Path(path).parent)
-            full = getattr(exc, "errno", None) == errno.ENOSPC or "unexpected pos" in str(exc)
+            full = disk_full(exc) or "unexpected pos" in str(exc)
             raise CheckpointError(
                 f"cannot save checkpoint {path}: {'disk full: ' if full else ''}{exc}; "
                 f"{free / 2**30:.1f} GiB free on that file system. Free space, set KEEP_CHECKPOINTS "

@@ -45,7 +45,6 @@ listed with their size in ``CacheInfo.kept_others``.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import gc
 import hashlib
@@ -67,7 +66,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 import process_control
-from atomic_files import atomic_write, check_writable
+from atomic_files import atomic_write, check_writable, disk_full
 from manifest_schema import lang_tag, split_lang_tags
 
 log = logging.getLogger("training_cache")
@@ -892,7 +891,7 @@ def ensure(
                 identity={"content_sha256": content},
             )
         except OSError as exc:
-            if exc.errno == errno.ENOSPC:
+            if disk_full(exc):
                 raise CacheError(
                     f"no space left in {directory} while building the training cache of "
                     f"{manifest_path} ({shutil.disk_usage(directory).free / 2**30:.1f} GiB free now); "

@@ -42,7 +42,6 @@ shards, no room).
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import multiprocessing
 import os
@@ -61,7 +60,7 @@ import polars as pl
 from tqdm import tqdm
 
 import config
-from atomic_files import check_writable
+from atomic_files import check_writable, disk_full
 from manifest_schema import INDEX_FILE, METADATA_FILE, TAR_FILE, write_json_atomically
 
 DONE_MARKER = ".extract_done.json"
@@ -300,7 +299,7 @@ def extract_shard(shard_dir: Path, delete_tar: bool = False, force: bool = False
                     try:
                         _write_member(tar, member, target)
                     except OSError as exc:
-                        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                        if disk_full(exc):
                             raise DiskFull(exc.errno, exc.strerror, str(target)) from None
                         # e.g. a directory already sits at the target
                         _refuse(report, member.name, f"cannot write: {exc.strerror or exc}")
@@ -448,7 +447,7 @@ def extract_all(
     try:
         write_json_atomically(summary, path)
     except OSError as exc:
-        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        full = disk_full(exc)
         summary["summary_write_error"] = (
             f"cannot write {path}: {'disk full: ' if full else ''}{exc.strerror or exc}; the report "
             f"above is complete"
