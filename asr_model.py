@@ -81,13 +81,18 @@ def _spm_pieces(model_file: Path) -> list[str]:
     return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
 
 
-def tokenizer_matches(model, tokenizer_dir: Path) -> bool:
-    """True when the model's SentencePiece pieces are exactly those of ``tokenizer_dir/tokenizer.model``."""
+def model_pieces(model) -> list[str] | None:
+    """The pieces of the model's SentencePiece tokenizer in id order, or None for another kind."""
     inner = getattr(model.tokenizer, "tokenizer", None)
     if inner is None or not hasattr(inner, "id_to_piece"):
-        return False
-    ours = [inner.id_to_piece(i) for i in range(inner.get_piece_size())]
-    return ours == _spm_pieces(tokenizer_dir / "tokenizer.model")
+        return None
+    return [inner.id_to_piece(i) for i in range(inner.get_piece_size())]
+
+
+def tokenizer_matches(model, tokenizer_dir: Path) -> bool:
+    """True when the model's SentencePiece pieces are exactly those of ``tokenizer_dir/tokenizer.model``."""
+    ours = model_pieces(model)
+    return ours is not None and ours == _spm_pieces(tokenizer_dir / "tokenizer.model")
 
 
 def ensure_validation_ds(model) -> None:

@@ -14,6 +14,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import asr_model
+
 # The settings a reader needs to judge or repeat the training, in this order.
 TRAINING_SETTINGS = (
     "MAX_STEPS",
@@ -82,7 +84,9 @@ def render(record: dict[str, Any], model, nemo_name: str) -> str:
         else f"trained from scratch (`{settings.get('MODEL_CONFIG')}`)"
     )
     n_params = sum(p.numel() for p in model.parameters())
-    tags = [t for t in _pieces(model) if t.startswith("<|") and t.endswith("|>")]
+    tags = [
+        t for t in asr_model.model_pieces(model) or [] if t.startswith("<|") and t.endswith("|>")
+    ]
     lines = [
         f"# {nemo_name}",
         "",
@@ -151,10 +155,3 @@ def render(record: dict[str, Any], model, nemo_name: str) -> str:
         "",
     ]
     return "\n".join(lines)
-
-
-def _pieces(model) -> list[str]:
-    inner = getattr(model.tokenizer, "tokenizer", None)
-    if inner is None or not hasattr(inner, "id_to_piece"):
-        return []
-    return [inner.id_to_piece(i) for i in range(inner.get_piece_size())]
