@@ -273,6 +273,16 @@ def nemo_json_path(manifest: str | Path) -> Path:
     return manifest.with_name(manifest.name.removesuffix(".parquet") + ".json")
 
 
+def audio_path_expr() -> pl.Expr:
+    """Each manifest row's extracted FLAC, ``dirname(tar_path)/tar_member_name``, as a polars
+    expression named ``audio_filepath``."""
+    import polars as pl
+
+    return pl.concat_str(
+        pl.col("tar_path").str.replace(r"/[^/]*$", ""), pl.lit("/"), pl.col("tar_member_name")
+    ).alias("audio_filepath")
+
+
 def nemo_json_frame(frame: pl.DataFrame) -> pl.DataFrame:
     """A manifest's rows in NeMo's columns, for ``write_ndjson``: ``audio_filepath`` (the extracted
     FLAC: the tar's directory joined with the member name), ``duration``, ``text`` without the tag,
@@ -280,9 +290,7 @@ def nemo_json_frame(frame: pl.DataFrame) -> pl.DataFrame:
     import polars as pl
 
     return frame.select(
-        pl.concat_str(
-            pl.col("tar_path").str.replace(r"/[^/]*$", ""), pl.lit("/"), pl.col("tar_member_name")
-        ).alias("audio_filepath"),
+        audio_path_expr(),
         pl.col("duration").cast(pl.Float64),
         pl.col("text").str.replace(rf"^{TAG_PATTERN} ?", "").alias("text"),
         pl.col("lang"),

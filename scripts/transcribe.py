@@ -32,9 +32,7 @@ from process_control import UserError
 
 def inputs_of(files: list[Path], manifest: Path | None) -> list[str]:
     """The audio paths to transcribe: the files given, or the manifest's."""
-    import os
-
-    from manifest_schema import ManifestError, is_nemo_json, read_nemo_manifest
+    from manifest_schema import ManifestError, audio_path_expr, is_nemo_json, read_nemo_manifest
 
     if manifest is None:
         if not files:
@@ -49,7 +47,7 @@ def inputs_of(files: list[Path], manifest: Path | None) -> list[str]:
     import polars as pl
 
     frame = pl.read_parquet(manifest, columns=["tar_path", "tar_member_name"])
-    return [os.path.join(os.path.dirname(tar), member) for tar, member in frame.iter_rows()]
+    return frame.select(audio_path_expr()).to_series().to_list()
 
 
 def transcribe(

@@ -569,3 +569,12 @@ def test_a_missing_validation_manifest_warns_at_its_default_path_and_fails_when_
         training_step.validation_manifest()
     monkeypatch.setattr(config, "EVAL_EVERY_STEPS", 0)
     assert training_step.validation_manifest() is None  # off: nothing to check
+
+
+def test_transcribe_reads_the_audio_of_a_parquet_manifest_like_its_nemo_json(tiny):
+    from scripts import transcribe
+
+    json_manifest = write_nemo_json(tiny, tiny.root / "same-audio.json")
+    from_parquet = transcribe.inputs_of([], tiny.manifest)
+    assert from_parquet == transcribe.inputs_of([], json_manifest)
+    assert len(from_parquet) == 12 and all(Path(p).is_file() for p in from_parquet)
