@@ -81,6 +81,7 @@ from manifest_schema import (
     METADATA_FILE,
     TAR_FILE,
     ManifestError,
+    check_language_selection,
     counts_by,
     json_text,
     summary_path,
@@ -1111,6 +1112,12 @@ def build_manifest(
         )
     # batches hold consecutive shards in shard order, so their rows concatenate in manifest order
     kept, drops = pl.concat(kept_parts), pl.concat(drop_parts)
+    languages_seen = sorted(
+        set(kept.get_column("lang").drop_nulls()) | set(drops.get_column("lang").drop_nulls())
+    )
+    languages_without_rows = check_language_selection(
+        filters.languages, languages_seen, "build_manifest.py"
+    )
     dropped = counts_by(drops, "reason")
     assert rows_in == kept.height + sum(dropped.values()), "row accounting broke"
     # The master is written on a thread while the summary is counted; both become visible together.
@@ -1136,6 +1143,8 @@ def build_manifest(
                 "audio_index_without_metadata": orphans,
                 "duplicate_segment_ids": duplicate_segment_ids(kept),
                 "shared_audio": shared_audio_report(pl.concat(shared_parts)),
+                "languages_without_rows": languages_without_rows,
+                "languages_seen": languages_seen,
                 "settings": {
                     "shards_dir": str(shards_dir),
                     "languages": list(filters.languages),
@@ -1203,6 +1212,11 @@ def format_summary(summary: dict[str, Any], output: Path) -> str:
             )
     for b in summary["bad_shards"]:
         lines.append(f"UNREADABLE {b['path']}: {b['reason']}")
+    if summary.get("languages_without_rows"):
+        lines.append(
+            f"WARNING: LANGUAGES lists {', '.join(summary['languages_without_rows'])}, which no "
+            f"row has (the data's languages: {', '.join(summary['languages_seen'])})"
+        )
     lines.append(f"wrote {output} and {summary_path(output).name}")
     return "\n".join(lines)
 
@@ -1211,7 +1225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  SHARDS_DIR=/nvme/shards python build_manifest.py --output /nvme/master.parquet",
+        epilog=config.help_epilog(
+            "build_manifest",
+            "example:\n  SHARDS_DIR=/nvme/shards python build_manifest.py --output /nvme/master.parquet",
+        ),
     )
     parser.add_argument(
         "--shards-dir",

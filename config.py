@@ -11,11 +11,15 @@ test can monkeypatch one value. Derived paths (manifests, tokenizer, checkpoints
 ``DATA_DIR`` unless they are set themselves.
 
 A bad value fails at import with one ``ConfigError`` that names each bad variable, the value given
-and what is expected, for example ``GRAD_ACCUM='four': expected an integer``.
+and what is expected, for example ``GRAD_ACCUM='four': expected an integer``; any entry point that
+imports this module reports it as one line, ``error: ...``, and exits with code 2. So does a variable
+that looks like a knob but is none (``unknown_variables``): ``MAX_STEP is not a setting; did you mean
+MAX_STEPS?``, since a silently ignored typo starts a run with the wrong settings.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from process_control import UserError
+from process_control import UserError, exit_on_user_errors
 
 REPO_DIR = Path(__file__).resolve().parent
 
@@ -38,6 +42,7 @@ class ConfigError(UserError, ValueError):
 
 # The pipeline's steps, in the order they run; each knob names the steps that read it.
 STEPS = (
+    "demo_corpus",
     "extract_audio",
     "build_manifest",
     "make_train_val",
@@ -45,6 +50,8 @@ STEPS = (
     "build_cache",
     "train",
     "evaluate",
+    "export_nemo",
+    "transcribe",
     "manifest_report",
 )
 
@@ -90,7 +97,8 @@ def _path(raw: str) -> Path:
 
 
 def _languages(raw: str) -> tuple[str, ...]:
-    codes = tuple(c.strip() for c in raw.split(",") if c.strip())
+    # The data's codes are lower case ('hi', 'en'); 'EN' means the same language.
+    codes = tuple(dict.fromkeys(c.strip().lower() for c in raw.split(",") if c.strip()))
     bad = [c for c in codes if not c.replace("-", "").replace("_", "").isalnum()]
     if bad:
         raise ValueError(f"expected comma-separated language codes such as 'hi,en' (bad: {bad})")
@@ -136,6 +144,213 @@ def _positive(v: float) -> str | None:
 
 def _non_negative(v: float) -> str | None:
     return None if v >= 0 else "expected a value >= 0"
+
+
+# --- variables that are not knobs --------------------------------------------------------------
+
+# What the shell entry points read besides the knobs (each script's header documents its own).
+SCRIPT_VARIABLES = {
+    "PY": "demo.sh, slurm_train.sh",
+    "DEMO_DIR": "demo.sh",
+    "DEMO_CLEAN": "demo.sh",
+    "DEMO_UTTERANCES": "demo.sh",
+    "DEMO_MAX_LOSS_RATIO": "demo.sh",
+    "NNODES": "slurm_train.sh",
+    "NODE_RANK": "slurm_train.sh",
+    "NPROC_PER_NODE": "slurm_train.sh",
+    "RDZV_ID": "slurm_train.sh",
+    "RDZV_TIMEOUT": "slurm_train.sh",
+    "RDZV_READ_TIMEOUT": "slurm_train.sh",
+    "MAX_RESTARTS": "slurm_train.sh",
+    "TRAIN_SCRIPT": "slurm_train.sh",
+    "REPO_DIR": "slurm_train.sh",
+    "SHARED_DIR_TIMEOUT": "slurm_train.sh",
+    "PREEMPT_SAVE_SECONDS": "slurm_train.sh",
+}
+
+# Other tools' variables, by prefix (``NAME`` or ``NAME_...``) or whole name: never a misspelt knob.
+FOREIGN_PREFIXES = (
+    "CUDA",
+    "CUDNN",
+    "CUBLAS",
+    "NCCL",
+    "GLOO",
+    "UCX",
+    "NVIDIA",
+    "NV",
+    "NVTE",
+    "TORCH",
+    "PYTORCH",
+    "TORCHELASTIC",
+    "TORCHINDUCTOR",
+    "TORCHDYNAMO",
+    "TRITON",
+    "NUMBA",
+    "OMP",
+    "KMP",
+    "MKL",
+    "OPENBLAS",
+    "GOTO",
+    "SLURM",
+    "SBATCH",
+    "SRUN",
+    "SALLOC",
+    "PMI",
+    "PMIX",
+    "OMPI",
+    "MPI",
+    "I_MPI",
+    "HF",
+    "HUGGINGFACE",
+    "TRANSFORMERS",
+    "TOKENIZERS",
+    "NEMO",
+    "LHOTSE",
+    "LIGHTNING",
+    "PL",
+    "PT",
+    "PYTHON",
+    "PYTEST",
+    "PIP",
+    "UV",
+    "CONDA",
+    "VIRTUAL_ENV",
+    "PYENV",
+    "LC",
+    "XDG",
+    "SSH",
+    "GIT",
+    "GITHUB",
+    "RUNNER",
+    "ACTIONS",
+    "CI",
+    "DOCKER",
+    "KUBERNETES",
+    "AWS",
+    "GOOGLE",
+    "GCP",
+    "AZURE",
+    "CLOUDSDK",
+    "TF",
+    "JAX",
+    "XLA",
+    "LD",
+    "DYLD",
+    "MALLOC",
+    "POLARS",
+    "ARROW",
+    "NUMPY",
+    "SSL",
+    "REQUESTS",
+    "CURL",
+    "HTTP",
+    "HTTPS",
+    "NO_PROXY",
+    "GRPC",
+    "RUST",
+    "RUSTUP",
+    "CARGO",
+    "JAVA",
+    "NODE_EXTRA",
+    "NPM",
+    "TERM",
+    "COMP",
+    "LSB",
+    "MPLCONFIGDIR",
+    "HYDRA",
+    "OC",
+    "TQDM",
+    "SKLEARN",
+)
+FOREIGN_NAMES = frozenset(
+    """PATH HOME LANG LANGUAGE SHELL USER USERNAME LOGNAME PWD OLDPWD SHLVL TMPDIR TMP TEMP HOSTNAME
+    DISPLAY EDITOR VISUAL PAGER LESS MAIL TZ COLUMNS LINES COLORTERM NO_COLOR FORCE_COLOR
+    MASTER_ADDR MASTER_PORT WORLD_SIZE RANK LOCAL_RANK GROUP_RANK ROLE_RANK LOCAL_WORLD_SIZE
+    GROUP_WORLD_SIZE ROLE_WORLD_SIZE ROLE_NAME DEBIAN_FRONTEND CONTAINER_NAME IS_SANDBOX
+    HTTP_PROXY HTTPS_PROXY ALL_PROXY SCRIPT_NAME SERVER_NAME""".split()
+)
+# Names of this project's tests' own probes.
+FOREIGN_PREFIXES += ("PROBE",)
+
+
+def _edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance with adjacent transpositions (optimal string alignment)."""
+    prev2, prev = None, list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        row = [i] + [0] * len(b)
+        for j, cb in enumerate(b, 1):
+            row[j] = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (ca != cb))
+            if prev2 is not None and i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                row[j] = min(row[j], prev2[j - 2] + 1)
+        prev2, prev = prev, row
+    return prev[-1]
+
+
+def _closest(name: str, candidates) -> tuple[str, int]:
+    return min(((c, _edit_distance(name, c)) for c in candidates), key=lambda t: (t[1], t[0]))
+
+
+def _wandb_variables() -> frozenset[str]:
+    """Every WANDB_* variable W&B itself reads (its env module and its settings' fields)."""
+    try:
+        import wandb.env
+        from wandb.sdk.wandb_settings import Settings
+    except Exception:  # W&B missing or broken: treat every WANDB_ variable as W&B's
+        return frozenset({"*"})
+    names = {v for v in vars(wandb.env).values() if isinstance(v, str) and v.startswith("WANDB_")}
+    names |= {"WANDB_" + f.upper() for f in Settings.model_fields}
+    return frozenset(names)
+
+
+def unknown_variables(env: Mapping[str, str], knob_names) -> list[str]:
+    """One message per variable of ``env`` that looks like one of ours but is no knob.
+
+    A variable is ours when it is within a typo of a knob (edit distance 1, or 2 for names of 8
+    characters or more; any case) or written in our words (two or more ``_``-separated words, each a
+    word of some knob's name, such as ``EVAL_EVERY`` or ``TRAIN_MANIFEST``). Never flagged: the
+    knobs, the shell entry points' own variables (SCRIPT_VARIABLES), other tools' variables by prefix
+    or name (FOREIGN_PREFIXES, FOREIGN_NAMES, and every WANDB_ variable W&B reads), and the names
+    listed in IGNORE_UNKNOWN_ENV (comma-separated; ``*`` turns the check off).
+    """
+    knob_names = set(knob_names)
+    ignore = {n.strip() for n in env.get("IGNORE_UNKNOWN_ENV", "").split(",") if n.strip()}
+    if "*" in ignore:
+        return []
+    words = {w for k in knob_names for w in k.split("_")}
+    wandb_names: frozenset[str] | None = None
+    problems = []
+    for name in sorted(env):
+        if name in knob_names or name in SCRIPT_VARIABLES or name in ignore:
+            continue
+        upper = name.upper()
+        if upper in FOREIGN_NAMES or any(
+            upper == p or upper.startswith(p + "_") for p in FOREIGN_PREFIXES
+        ):
+            continue
+        if not upper.replace("_", "").isalnum():
+            continue
+        closest, distance = _closest(upper, knob_names)
+        typo = distance <= (2 if len(closest) >= 8 else 1)
+        parts = [w for w in upper.split("_") if w]
+        in_our_words = len(parts) >= 2 and all(w in words for w in parts)
+        if not (typo or in_our_words):
+            continue
+        if upper.startswith("WANDB_"):
+            # W&B reads many WANDB_ variables: only a typo of one of our WANDB_ knobs is ours.
+            closest, distance = _closest(upper, [k for k in knob_names if k.startswith("WANDB_")])
+            if distance > 2:
+                continue
+            wandb_names = _wandb_variables() if wandb_names is None else wandb_names
+            if "*" in wandb_names or upper in wandb_names:
+                continue
+        if not typo:  # written in our words: the knob that reads most alike
+            closest = difflib.get_close_matches(upper, knob_names, n=1, cutoff=0.0)[0]
+        hint = f"did you mean {closest}?" if name != closest else "names are upper case"
+        problems.append(
+            f"{name} is not a setting; {hint} (`python config.py` lists them; "
+            f"IGNORE_UNKNOWN_ENV={name} silences this)"
+        )
+    return problems
 
 
 def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
@@ -186,7 +401,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _path,
         "Input shards: <source>/<lang>/<shard>/{metadata,audio_index}.parquet + audio.tar",
         derived=True,
-        steps=("extract_audio", "build_manifest"),
+        steps=("extract_audio", "build_manifest", "demo_corpus"),
     )
     knob(
         "MASTER_MANIFEST_PATH",
@@ -218,7 +433,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _path,
         "SentencePiece tokenizer directory (train_tokenizer.py output)",
         derived=True,
-        steps=("train_tokenizer", "build_cache", "train", "evaluate"),
+        steps=("train_tokenizer", "build_cache", "train", "evaluate", "export_nemo", "transcribe"),
     )
     knob(
         "CHECKPOINT_DIR",
@@ -226,7 +441,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _path,
         "Step checkpoints and the final .nemo",
         derived=True,
-        steps=("train", "evaluate"),
+        steps=("train", "evaluate", "export_nemo", "transcribe"),
     )
     knob(
         "WANDB_LOG_DIR",
@@ -254,14 +469,14 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         "",
         _str,
         "A .nemo path or a pretrained name (e.g. nvidia/parakeet-tdt-0.6b-v2); empty = fresh model from MODEL_CONFIG",
-        steps=("train", "evaluate"),
+        steps=("train", "evaluate", "export_nemo", "transcribe"),
     )
     knob(
         "MODEL_CONFIG",
         REPO_DIR / "configs" / "tiny_tdt.yaml",
         _path,
         "YAML of a fresh model, used when INIT_MODEL is empty",
-        steps=("train", "evaluate"),
+        steps=("train", "evaluate", "export_nemo", "transcribe"),
     )
     knob(
         "RESUME_FROM",
@@ -309,7 +524,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _int,
         "Audio is resampled to this rate (Hz)",
         _positive,
-        steps=("train", "evaluate"),
+        steps=("train", "evaluate", "transcribe"),
     )
     knob(
         "MIN_DURATION",
@@ -325,7 +540,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _float,
         "Longest utterance kept, seconds",
         _positive,
-        steps=("build_manifest", "manifest_report"),
+        steps=("build_manifest", "manifest_report", "demo_corpus"),
     )
     knob("MIN_QUALITY", 0.0, _float, "Lowest tx_quality_score kept", steps=("build_manifest",))
     knob(
@@ -342,7 +557,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _float,
         "Decoded audio whose length differs from the manifest by more (seconds) is bad audio",
         _non_negative,
-        steps=("train", "evaluate"),
+        steps=("train", "evaluate", "transcribe"),
     )
     knob(
         "VAL_PER_LANG",
@@ -495,7 +710,17 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         "KEEP_CHECKPOINTS",
         0,
         _int,
-        "Step checkpoints kept in CHECKPOINT_DIR: the newest N; 0 keeps all",
+        "Step checkpoints kept in CHECKPOINT_DIR: the newest N (and the best, KEEP_BEST_CHECKPOINTS); "
+        "0 keeps all",
+        _non_negative,
+        steps=("train",),
+    )
+    knob(
+        "KEEP_BEST_CHECKPOINTS",
+        1,
+        _int,
+        "Step checkpoints with the lowest validation WER (val/wer/all) kept whatever "
+        "KEEP_CHECKPOINTS says; 'best' in evaluate.py, export_nemo.py and transcribe.py names them",
         _non_negative,
         steps=("train",),
     )
@@ -573,7 +798,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         1234,
         _int,
         "Seed of the sampler plan, model init and workers",
-        steps=("make_train_val", "train_tokenizer", "train"),
+        steps=("make_train_val", "train_tokenizer", "train", "demo_corpus"),
     )
     knob("PRECISION", "bf16-mixed", _choice(*PRECISIONS), "Lightning precision", steps=("train",))
     knob(
@@ -583,6 +808,17 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         "Lightning accelerator",
         steps=("train",),
     )
+
+    knob(
+        "IGNORE_UNKNOWN_ENV",
+        "",
+        _str,
+        "Comma-separated variables that look like knobs but are not, to let pass (every entry point "
+        "refuses them otherwise, as likely typos); '*' turns the check off",
+        steps=STEPS,
+    )
+
+    errors += unknown_variables(env, knobs)
 
     # Cross-checks, reported with the values that clash.
     v = {k: kn.value for k, kn in knobs.items()}
@@ -594,7 +830,9 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     if v["MIN_LR"] > min(v["PHASE1_LR"], v["PHASE2_LR"]):
         errors.append(f"MIN_LR={v['MIN_LR']!r}: expected at most PHASE1_LR and PHASE2_LR")
     if errors:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+        # One problem is one line; several are listed under it.
+        sep = " " if len(errors) == 1 else "\n  "
+        raise ConfigError("invalid configuration:" + sep + sep.join(errors))
     return knobs
 
 
@@ -654,6 +892,16 @@ def describe_for_help(step: str, knobs: Mapping[str, Knob] | None = None) -> str
     )
 
 
+def help_epilog(step: str, examples: str = "") -> str:
+    """The epilog of a step's --help: ``examples``, then every knob ``step`` reads with its
+    effective value now."""
+    head = f"{examples.rstrip()}\n\n" if examples else ""
+    return (
+        f"{head}Environment variables read (config.py; `python config.py` lists every knob), "
+        f"effective values now:\n{describe_for_help(step)}"
+    )
+
+
 README_TABLE_START = "<!-- config-table:start (generated by `python config.py --update-readme`) -->"
 README_TABLE_END = "<!-- config-table:end -->"
 
@@ -670,6 +918,9 @@ def update_readme(readme: Path) -> bool:
         raise ConfigError(str(exc)) from None
 
 
+# Every entry point imports this module: a bad knob (or any UserError that escapes to the top) is
+# one line and exit code 2 there, as in train.py.
+exit_on_user_errors()
 KNOBS = read_config(os.environ)
 globals().update({name: kn.value for name, kn in KNOBS.items()})
 
@@ -715,6 +966,7 @@ GRAD_ACCUM: int
 MAX_STEPS: int
 CHECKPOINT_EVERY: int
 KEEP_CHECKPOINTS: int
+KEEP_BEST_CHECKPOINTS: int
 MAX_EMPTY_STEPS: int
 COLLECTIVE_TIMEOUT_MINUTES: float
 WATCHDOG_SECONDS: int
@@ -732,6 +984,7 @@ EVAL_SAMPLES_PER_LANG: int
 SEED: int
 PRECISION: str
 ACCELERATOR: str
+IGNORE_UNKNOWN_ENV: str
 
 
 def wandb_mode() -> str:
@@ -742,11 +995,33 @@ def wandb_mode() -> str:
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
-if __name__ == "__main__":
-    if "--markdown" in sys.argv[1:]:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="Every knob of the pipeline (environment variables): with no option, each "
+        "effective value and where it came from (default, derived or env).",
+        epilog="Examples:\n  python config.py\n  TEMPERATURE=0.5 python config.py\n"
+        "  python config.py --update-readme",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--markdown", action="store_true", help="print the README's knob table")
+    what.add_argument(
+        "--update-readme",
+        action="store_true",
+        help="rewrite that table in README.md between its markers",
+    )
+    args = parser.parse_args(argv)
+    if args.markdown:
         print(markdown_table(read_config({})))
-    elif "--update-readme" in sys.argv[1:]:
+    elif args.update_readme:
         changed = update_readme(REPO_DIR / "README.md")
         print("README.md table " + ("updated" if changed else "already up to date"))
     else:
         print(describe(KNOBS))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -181,6 +181,24 @@ def check_same_split(train: str | Path, val: str | Path) -> None:
         )
 
 
+def check_language_selection(selected, seen, step: str) -> list[str]:
+    """LANGUAGES (``selected``, lower-cased codes) against the languages the data has (``seen``):
+    ManifestError naming the codes seen when no selected code has a row (nothing would be kept);
+    else the selected codes no row has, which ``step`` should warn about."""
+    if not selected:
+        return []
+    seen = sorted(str(code) for code in seen if code is not None)
+    missing = [code for code in selected if code not in seen]
+    if len(missing) == len(selected):
+        raise ManifestError(
+            f"LANGUAGES={','.join(selected)} keeps nothing: no row has "
+            f"{'that language' if len(selected) == 1 else 'any of these languages'}. The data's "
+            f"languages are {', '.join(seen) or '(none)'}; set LANGUAGES to some of them (or leave "
+            f"it empty for all) and rerun {step}"
+        )
+    return missing
+
+
 def json_text(data: dict) -> str:
     """``data`` as the pipeline writes every JSON summary: indented, keys sorted, UTF-8 as is."""
     return json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"

@@ -82,7 +82,7 @@ def format_summary(manifest: Path, info: training_cache.CacheInfo) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    epilog = "Environment variables read (config.py):\n" + config.describe_for_help("build_cache")
+    epilog = config.help_epilog("build_cache")
     parser = argparse.ArgumentParser(
         description=__doc__, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
     )

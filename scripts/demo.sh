@@ -9,6 +9,17 @@
 # torchrun train.py (2 CPU processes, both phases, checkpoints, offline W&B) -> evaluate -> data report.
 # Every knob below is an ordinary config.py variable; export one to override it.
 set -euo pipefail
+if [[ $# -gt 0 ]]; then
+    if [[ "$1" == -h || "$1" == --help ]]; then
+        sed -n '2,/^set -euo pipefail/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"
+        echo
+        echo "Knobs it sets unless exported (every other config.py knob passes through as is):"
+        sed -n 's/^export \([A-Z_0-9]*\)=\${[A-Z_0-9]*:-\(.*\)}$/  \1=\2/p' "$0"
+        exit 0
+    fi
+    echo "demo.sh: unknown argument '$1'; it takes no arguments (--help: what it runs and its knobs)" >&2
+    exit 2
+fi
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 DEMO_DIR=$(realpath -m "${DEMO_DIR:-demo_data}")

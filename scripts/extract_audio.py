@@ -499,7 +499,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  SHARDS_DIR=/nvme/shards python scripts/extract_audio.py --workers 16 --delete-tars",
+        epilog=config.help_epilog(
+            "extract_audio",
+            "example:\n  SHARDS_DIR=/nvme/shards python scripts/extract_audio.py --workers 16 --delete-tars",
+        ),
     )
     parser.add_argument(
         "--shards-dir",

@@ -915,8 +915,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Example:\n  python scripts/make_demo_corpus.py --out demo_data/shards "
-        "--sizes hi=300,en=150,ta=80,te=60,kn=40,ml=40,bn=30",
+        epilog=config.help_epilog(
+            "demo_corpus",
+            "Example:\n  python scripts/make_demo_corpus.py --out demo_data/shards "
+            "--sizes hi=300,en=150,ta=80,te=60,kn=40,ml=40,bn=30",
+        ),
     )
     parser.add_argument(
         "--out", type=Path, default=None, help="shards directory to create (default: SHARDS_DIR)"

@@ -58,6 +58,7 @@ from manifest_schema import (
     OUTPUT_COLUMNS,
     SPLIT_ID_KEY,
     ManifestError,
+    check_language_selection,
     counts_by,
     json_text,
     nemo_json_frame,
@@ -450,6 +451,15 @@ def make_train_val(
 
     # 2.-3. filters and dedup, each row getting the first reason that drops it
     frame = frame.with_columns(pl.lit(None, dtype=pl.String).alias("reason"))
+    languages_without_rows = check_language_selection(
+        languages, frame.get_column("lang").drop_nulls().unique(), "make_train_val.py"
+    )
+    if languages_without_rows:
+        print(
+            f"make_train_val: warning: LANGUAGES lists {', '.join(languages_without_rows)}, which "
+            f"no row of {master} has (after tag correction)",
+            file=sys.stderr,
+        )
     if languages:
         frame = frame.with_columns(
             pl.when(~pl.col("lang").is_in(list(languages)))
@@ -706,7 +716,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  python scripts/make_train_val.py --val-per-lang 500 --lang-fixes fixes.csv",
+        epilog=config.help_epilog(
+            "make_train_val",
+            "example:\n  python scripts/make_train_val.py --val-per-lang 500 --lang-fixes fixes.csv",
+        ),
     )
     parser.add_argument(
         "--master",

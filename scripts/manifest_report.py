@@ -564,8 +564,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Example:\n  python scripts/manifest_report.py data/train_manifest_v2.parquet "
-        "--out data/report",
+        epilog=config.help_epilog(
+            "manifest_report",
+            "Example:\n  python scripts/manifest_report.py data/train_manifest_v2.parquet "
+            "--out data/report",
+        ),
     )
     parser.add_argument(
         "manifest",

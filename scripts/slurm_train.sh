@@ -52,6 +52,17 @@
 #SBATCH --signal=B:USR1@300
 #SBATCH --output=slurm-%x-%j.out
 set -euo pipefail
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
+    sed -n '2,/^#SBATCH/{/^#SBATCH/d;s/^# \{0,1\}//;p}' "$0"
+    echo
+    echo "#SBATCH defaults:"; grep '^#SBATCH' "$0" | sed 's/^/  /'
+    here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    py=${PY:-$here/.venv/bin/python}; [[ -x "$py" ]] || py=python3
+    echo
+    (cd "$here" && "$py" -c 'import config; print(config.help_epilog("train"))' 2>/dev/null) \
+        || echo "(train.py --help lists the knobs train.py reads)"
+    exit 0
+fi
 
 log() { echo "[slurm_train node ${NODE_RANK:-?}/${NNODES:-?} $(hostname)] $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }

@@ -305,7 +305,9 @@ def print_summary(summary: dict, output_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        epilog=config.help_epilog("train_tokenizer"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--manifest", type=Path, default=None, help="train manifest (default TRAIN_MANIFEST_PATH)"

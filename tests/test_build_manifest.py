@@ -465,6 +465,39 @@ def test_languages_setting_keeps_only_the_listed_languages(tmp_path):
     assert drops_of(summary) == {"language_not_selected": 1}
 
 
+def test_languages_that_no_row_has_are_an_error_naming_the_languages_seen(tmp_path):
+    write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a"}])
+    write_shard(tmp_path / "shards", "src", "en", "s1", [{"segment_id": "b"}])
+    with pytest.raises(ManifestError, match=r"LANGUAGES=hindi,english keeps nothing.* are en, hi"):
+        build(tmp_path / "shards", tmp_path, languages=("hindi", "english"))
+    assert not (tmp_path / "master_manifest.parquet").exists()
+
+
+def test_a_language_no_row_has_is_named_in_the_summary_and_the_rest_is_built(tmp_path):
+    write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a"}])
+    write_shard(tmp_path / "shards", "src", "en", "s1", [{"segment_id": "b"}])
+    manifest, summary = build(tmp_path / "shards", tmp_path, languages=("hi", "xx"))
+    assert manifest.get_column("lang").to_list() == ["hi"]
+    assert summary["languages_without_rows"] == ["xx"]
+    text = bm.format_summary(summary, tmp_path / "master_manifest.parquet")
+    assert "WARNING: LANGUAGES lists xx, which no row has (the data's languages: en, hi)" in text
+
+
+def test_languages_from_the_environment_are_matched_in_lower_case(tmp_path):
+    write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a"}])
+    write_shard(tmp_path / "shards", "src", "en", "s1", [{"segment_id": "b"}])
+    env = {k: v for k, v in os.environ.items() if k not in ("LANGUAGES", "DATA_DIR")}
+    env.update(LANGUAGES="hi, EN", DATA_DIR=str(tmp_path), SHARDS_DIR=str(tmp_path / "shards"))
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "build_manifest.py"), "--no-progress"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(pl.read_parquet(tmp_path / "master_manifest.parquet")["lang"]) == ["en", "hi"]
+
+
 def test_language_codes_that_would_break_the_tag_are_dropped(tmp_path):
     write_shard(
         tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a", "segment_language": "hi|>en"}]

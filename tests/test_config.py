@@ -133,10 +133,108 @@ def _run_config(env_extra, *args):
     )
 
 
-def test_a_bad_value_fails_at_import():
+def test_a_bad_value_fails_at_import_as_one_line_and_exit_code_2():
     proc = _run_config({"GRAD_ACCUM": "four"})
-    assert proc.returncode != 0
-    assert "ConfigError" in proc.stderr and "GRAD_ACCUM='four': expected an integer" in proc.stderr
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip()
+        == "error: invalid configuration: GRAD_ACCUM='four': expected an integer"
+    )
+
+
+def test_help_prints_usage_and_runs_nothing():
+    proc = _run_config({}, "--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: config.py")
+    assert "--update-readme" in proc.stdout and "DATA_DIR" not in proc.stdout
+
+
+# ---- variables that look like knobs but are none ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, closest",
+    [
+        ("MAX_STEP", "MAX_STEPS"),  # a letter missing
+        ("GRAD_ACUM", "GRAD_ACCUM"),
+        ("TEMPRATURE", "TEMPERATURE"),
+        ("PHASE3_LR", "PHASE1_LR"),
+        ("max_steps", "MAX_STEPS"),  # lower case
+        ("WANDB_PROJCT", "WANDB_PROJECT"),
+        ("EVAL_EVERY", "EVAL_EVERY_STEPS"),  # our words, no such knob
+        ("TRAIN_MANIFEST", "TRAIN_MANIFEST_PATH"),
+        ("RUN_NAME", "WANDB_RUN_NAME"),
+    ],
+)
+def test_a_variable_that_looks_like_a_knob_is_refused_with_the_closest_knob(name, closest):
+    with pytest.raises(config.ConfigError) as err:
+        config.read_config({name: "10"})
+    assert f"{name} is not a setting; did you mean {closest}?" in str(err.value)
+    assert f"IGNORE_UNKNOWN_ENV={name}" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "LANGUAGE",  # gettext's, one letter from LANGUAGES
+        "CUDA_VISIBLE_DEVICES",
+        "NCCL_SOCKET_IFNAME",
+        "SLURM_JOB_ID",
+        "OMP_NUM_THREADS",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "WANDB_API_KEY",  # W&B reads it
+        "WANDB_NAME",
+        "WANDB_CONFIG",
+        "WANDB_ENTITY",
+        "MASTER_ADDR",
+        "LOCAL_WORLD_SIZE",
+        "HF_HOME",
+        "PYTHONHASHSEED",
+        "UV_CACHE_DIR",
+        "MAX_JOBS",
+        "NODE_RANK",  # slurm_train.sh's
+        "PREEMPT_SAVE_SECONDS",
+        "DEMO_CLEAN",  # demo.sh's
+        "PATH",
+        "HOME",
+    ],
+)
+def test_other_tools_variables_and_our_scripts_own_are_never_flagged(name):
+    config.read_config({name: "1"})
+
+
+def test_every_variable_other_libraries_read_passes():
+    # Every os.environ name read by torch, Lightning, NeMo, W&B and the rest of the installed
+    # packages (scanned from their sources) must pass, or a real job's environment would be refused.
+    import re
+    import site
+
+    names: set[str] = set()
+    pattern = re.compile(r"environ(?:\.get)?[\[(]\s*[\"']([A-Z][A-Z0-9_]*)[\"']")
+    for root in site.getsitepackages():
+        for package in (
+            "torch",
+            "lightning",
+            "nemo",
+            "wandb",
+            "numba",
+            "huggingface_hub",
+            "lhotse",
+        ):
+            for path in Path(root, package).rglob("*.py"):
+                names.update(pattern.findall(path.read_text(errors="ignore")))
+    assert len(names) > 300
+    assert config.unknown_variables({n: "1" for n in names}, config.KNOBS) == []
+
+
+def test_ignore_unknown_env_lets_a_named_variable_pass_and_star_turns_the_check_off():
+    config.read_config({"MAX_STEP": "10", "IGNORE_UNKNOWN_ENV": "MAX_STEP"})
+    config.read_config({"MAX_STEP": "10", "EVAL_EVERY": "3", "IGNORE_UNKNOWN_ENV": "*"})
+    with pytest.raises(config.ConfigError, match="EVAL_EVERY is not a setting"):
+        config.read_config({"MAX_STEP": "10", "EVAL_EVERY": "3", "IGNORE_UNKNOWN_ENV": "MAX_STEP"})
+
+
+def test_languages_are_lower_cased_and_deduplicated():
+    assert config.read_config({"LANGUAGES": "hi, EN,en"})["LANGUAGES"].value == ("hi", "en")
 
 
 def test_printing_shows_values_and_their_source():

@@ -64,8 +64,8 @@ def test_a_bad_knob_is_one_line_from_rank_0_and_the_root_cause_of_torchruns_summ
     rc, out = finish(start(env, log, GRAD_ACCUM="four"), log)
     assert rc != 0
     errors = [line for line in out.splitlines() if line.startswith("error: ")]
-    assert errors == ["error: invalid configuration:"], out[-3000:]
-    assert "GRAD_ACCUM='four': expected an integer" in out
+    expected = "error: invalid configuration: GRAD_ACCUM='four': expected an integer"
+    assert errors == [expected], out[-3000:]
     ranks_output = out.split("ChildFailedError")[0].split("Traceback")[0]  # torchrun's own follow
     assert "error: invalid configuration:" in ranks_output
     root_cause = out.split("Root Cause")[1]

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from manifest_schema import TAG_PATTERN, tag_prefix, tagged_text
+from manifest_schema import TAG_PATTERN, ManifestError, tag_prefix, tagged_text
 from scripts import make_train_val as mtv
 
 REPO = Path(__file__).resolve().parents[1]
@@ -397,11 +397,18 @@ def test_an_empty_master_is_an_error_not_a_traceback(tmp_path):
         run(tmp_path, [])
 
 
-def test_every_row_dropped_is_an_error_naming_the_reason(tmp_path):
-    with pytest.raises(
-        mtv.SplitError, match=r"language_not_selected.*nothing to train on.*LANGUAGES=xx"
-    ):
-        run(tmp_path, [row("a", "hello", "en"), row("b", "नमस्ते", "hi")], languages=("xx",))
+def test_languages_that_no_row_has_are_an_error_naming_the_languages_of_the_data(tmp_path):
+    rows = [row("a", "hello", "en"), row("b", "नमस्ते", "hi")]
+    with pytest.raises(ManifestError, match=r"LANGUAGES=hindi,english keeps nothing.*are en, hi"):
+        run(tmp_path, rows, languages=("hindi", "english"))
+
+
+def test_a_language_no_row_has_is_warned_about_and_the_rest_is_kept(tmp_path, capsys):
+    train, _, _ = run(
+        tmp_path, [row("a", "hello", "en"), row("b", "नमस्ते", "hi")], languages=("hi", "xx")
+    )
+    assert train.get_column("lang").to_list() == ["hi"]
+    assert "LANGUAGES lists xx, which no row" in capsys.readouterr().err
 
 
 def test_a_language_with_one_speaker_gets_no_validation_and_that_is_an_error(tmp_path):
