@@ -40,6 +40,7 @@ it and hands the counts on in ``AsrBatch.bad_audio``.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import math
 import os
@@ -53,6 +54,7 @@ import soxr
 import torch
 
 import config
+import process_control
 import training_cache
 
 log = logging.getLogger("dataset")
@@ -369,9 +371,10 @@ class AsrBatch(NamedTuple):
     """A padded micro-batch in the layout NeMo's transducer models take, plus what metrics need.
 
     ``signal`` [B, T] float32 (zero-padded), ``signal_len`` [B] int64, ``tokens`` [B, U] int64
-    (zero-padded), ``token_len`` [B] int64, ``langs`` and ``durations`` per utterance, ``bad_audio``:
-    per-reason counts of bad items this worker saw since its previous batch. B == 0 when every item of
-    the micro-batch was bad audio (``is_empty``); there is never a dummy utterance.
+    (zero-padded), ``token_len`` [B] int64, ``langs``, ``durations`` and dataset ``indices`` per
+    utterance, ``bad_audio``: per-reason counts of bad items this worker saw since its previous batch.
+    B == 0 when every item of the micro-batch was bad audio (``is_empty``); there is never a dummy
+    utterance.
     """
 
     signal: torch.Tensor
@@ -381,6 +384,7 @@ class AsrBatch(NamedTuple):
     langs: list[str]
     durations: list[float]
     bad_audio: dict[str, int]
+    indices: list[int] = []
 
     @property
     def is_empty(self) -> bool:
@@ -421,7 +425,42 @@ def collate_asr_batch(items: list[dict | None]) -> AsrBatch:
         langs=[item["lang"] for item in good],
         durations=[float(item["duration"]) for item in good],
         bad_audio=bad_audio,
+        indices=[int(item["index"]) for item in good],
     )
+
+
+class SignalSafeDataLoader(torch.utils.data.DataLoader):
+    """A DataLoader whose worker processes leave stop signals to the process that iterates it
+    (``process_control``): torchrun's SIGTERM reaches a rank's whole process group and SLURM's every
+    process of the job, and a worker that died of it would end the rank with "DataLoader worker is
+    killed by signal" before it could save. Workers are forked with the stop signals blocked and
+    ignore them from their first instruction on; they still die with their rank.
+
+    ``worker_init_fn`` runs after that; without one, Lightning's worker seeding applies as it would
+    to a plain DataLoader (``seed_everything(workers=True)``).
+    """
+
+    def __init__(self, *args, worker_init_fn=None, **kwargs):
+        super().__init__(
+            *args,
+            worker_init_fn=functools.partial(_init_worker, os.getpid(), worker_init_fn),
+            **kwargs,
+        )
+
+    def _get_iterator(self):
+        # Workers are forked here (once, with persistent_workers).
+        with process_control.stop_signals_blocked():
+            return super()._get_iterator()
+
+
+def _init_worker(parent: int, then, worker_id: int) -> None:
+    process_control.leave_stop_signals_to_parent(parent)
+    if then is not None:
+        then(worker_id)
+    elif os.environ.get("PL_SEED_WORKERS") == "1":
+        from lightning.fabric.utilities.seed import pl_worker_init_function
+
+        pl_worker_init_function(worker_id, rank=int(os.environ.get("RANK", 0)))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -120,11 +120,13 @@ def pack_by_duration(
 @dataclasses.dataclass
 class Decoded:
     """What ``decode`` returns: {dataset index: greedy text, or None for bad audio}, and with the
-    loss asked for, the sum over batches of (batch loss x utterances) and those utterances."""
+    loss asked for, the sum over batches of (batch loss x utterances) and those utterances;
+    ``stopped``: ``should_stop`` ended the decoding before every index was decoded."""
 
     texts: dict[int, str | None]
     loss_sum: float = 0.0
     loss_utterances: int = 0
+    stopped: bool = False
 
     @property
     def loss(self) -> float:
@@ -143,6 +145,7 @@ def decode(
     progress: bool = False,
     with_loss: bool = False,
     after_batch: Callable[[], None] | None = None,
+    should_stop: Callable[[], Any] | None = None,
 ) -> Decoded:
     """Greedy hypotheses of ``dataset[i]`` for each ``i`` in ``indices`` (and with ``with_loss`` the
     TDT loss of the same batches, from the same encoder forward).
@@ -151,7 +154,8 @@ def decode(
     resampling and padding) and ``asr_model``'s greedy decoding: no temporary manifests, no NeMo
     dataloader, and so no dependence on ``cfg.validation_ds``. Every module's train/eval mode is
     restored afterwards (a frozen encoder stays in eval mode). ``after_batch`` is called after each
-    batch (a watchdog's sign of life).
+    batch (a watchdog's sign of life); when ``should_stop()`` is true after a batch, decoding ends
+    there (``Decoded.stopped``).
     """
     from dataset import collate_asr_batch
 
@@ -184,6 +188,9 @@ def decode(
                 out.texts.update(zip(good, texts))
             if after_batch is not None:
                 after_batch()
+            if should_stop is not None and should_stop():
+                out.stopped = True
+                break
     finally:
         for module, training in modes.items():
             module.train(training)

@@ -1,14 +1,20 @@
 """The signals a training job answers, and the lifetime of its processes.
 
-- ``install_stop_handlers``: SIGTERM and SIGUSR1 (what SLURM sends before a preemption or the time
-  limit; torchrun forwards SIGTERM, and SIGUSR1 when TORCHELASTIC_SIGNALS_TO_HANDLE lists it) ask the
-  run to stop. While training runs, the request is only recorded (``stop_requested``): the ranks agree
-  on it at the next optimizer-step boundary, save an exact checkpoint and exit with
-  ``PREEMPTED_EXIT_CODE``. Before training starts there is nothing to save, and the process exits at
-  once with that code.
+- ``install_stop_handlers``: SIGTERM, SIGUSR1 and SIGINT (what SLURM sends before a preemption or the
+  time limit, scancel, Ctrl-C; torchrun forwards SIGTERM and SIGINT, and SIGUSR1 when
+  TORCHELASTIC_SIGNALS_TO_HANDLE lists it) ask the run to stop. While training runs, the request is
+  only recorded (``stop_requested``): the ranks agree on it at the next optimizer-step boundary, save
+  an exact checkpoint and exit with ``PREEMPTED_EXIT_CODE``. Before training starts there is nothing
+  to save, and the process exits at once with that code.
+- Helper processes (DataLoader workers, the training cache's builders) leave stop signals to the
+  process that started them: torchrun signals each rank's whole process group and SLURM every process
+  of the job, and a helper that died of the signal would take its rank down before the save. The
+  parent forks them inside ``stop_signals_blocked`` and each calls ``leave_stop_signals_to_parent``
+  first thing, so no window is left in which a signal kills a helper; they still die with their
+  parent (``die_with_parent``).
 - ``die_with_parent``: the kernel kills this process when its parent dies, however the parent dies
   (even SIGKILL). Ranks call it with torchrun's agent as the parent, so no orphan trains on after its
-  launcher is gone; the training cache's workers call it with their builder.
+  launcher is gone; helper processes call it with the process that started them.
 - ``UserError`` and ``report_user_error``: an error the user causes and can fix (a bad knob, a
   missing manifest, unreadable audio, a checkpoint that cannot be saved) ends the job with one line on
   rank 0 (``error: <what is wrong, which variable or path, what to do>``), nothing from the other
@@ -24,28 +30,38 @@ import logging
 import os
 import signal
 import sys
+import time
 
 log = logging.getLogger("process_control")
 
 # EX_TEMPFAIL (sysexits.h): the run saved its state and stopped on request; run it again to continue.
 PREEMPTED_EXIT_CODE = 75
 USER_ERROR_EXIT_CODE = 2
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 _requested: str | None = None
 _training = False
+_owner: int | None = None  # the process that installed the handlers
 
 
 def install_stop_handlers() -> None:
-    """Route SIGTERM and SIGUSR1 to ``_on_stop_signal`` (call from the main thread)."""
+    """Route SIGTERM, SIGUSR1 and SIGINT to ``_on_stop_signal`` (call from the main thread)."""
+    global _owner
+    _owner = os.getpid()
     for sig in STOP_SIGNALS:
         signal.signal(sig, _on_stop_signal)
 
 
 def _on_stop_signal(signum, frame) -> None:
     global _requested
+    if os.getpid() != _owner:
+        return  # a forked helper that inherited the handler: its parent decides
     name = signal.Signals(signum).name
     if not _training:
+        if _requested is not None:
+            return  # exiting already: a second signal (torchrun's forward of the same stop, say)
+            # must not interrupt the clean-up the first one started
+        _requested = name
         log.warning("%s received before training started: exiting (nothing to save)", name)
         raise SystemExit(PREEMPTED_EXIT_CODE)
     if _requested is None:
@@ -67,6 +83,29 @@ def set_training(active: bool) -> None:
 def stop_requested() -> str | None:
     """The name of the stop signal this process received, or None."""
     return _requested
+
+
+@contextlib.contextmanager
+def stop_signals_blocked():
+    """Hold the stop signals of the calling thread while helper processes are forked in this block:
+    a child starts with them blocked until ``leave_stop_signals_to_parent``, and a signal that
+    reaches this process meanwhile is delivered when the block ends."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def leave_stop_signals_to_parent(parent: int | None = None, but: tuple = ()) -> None:
+    """In a helper process: ignore the stop signals (its parent saves and ends the job, and ends it
+    with it), those in ``but`` excepted (they keep their default action), and die when ``parent``
+    (default: the current parent) dies."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL if sig in but else signal.SIG_IGN)
+    # A stop signal sent to this helper since the fork was held (the mask is inherited): discarded now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    die_with_parent(parent)
 
 
 def die_with_parent(parent: int | None = None) -> None:
@@ -99,6 +138,10 @@ def report_user_error(exc: BaseException) -> int:
     _record_for_torchrun(exc)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {exc}", file=sys.stderr, flush=True)
+    elif "TORCHELASTIC_RUN_ID" in os.environ:
+        # Every rank meets the same error at the same moment; the first to exit makes torchrun
+        # SIGTERM the others, so rank 0's line (and its place as the root cause) must come first.
+        time.sleep(2.0)
     return USER_ERROR_EXIT_CODE
 
 
@@ -133,6 +176,8 @@ def exit_on_user_errors() -> None:
     """Report a UserError (or FileNotFoundError) that escapes to the top as one line and exit with
     USER_ERROR_EXIT_CODE; any other exception keeps its traceback."""
     default = sys.excepthook
+    if getattr(default, "reports_user_errors", False):
+        return  # installed already
 
     def hook(exc_type, exc, tb):
         if issubclass(exc_type, USER_ERRORS):
@@ -142,4 +187,5 @@ def exit_on_user_errors() -> None:
         _record_for_torchrun(exc)
         default(exc_type, exc, tb)
 
+    hook.reports_user_errors = True
     sys.excepthook = hook

@@ -3,25 +3,40 @@
 ``build_loggers`` gives the Lightning loggers of one run (W&B online, offline or disabled, and
 ``JsonlMetricsLogger``); ``run_directory`` says where a run's files live; ``log_to_loggers`` sends
 scalars from global rank 0. The run's name and W&B id survive a resume (``checkpoints.run_identity``).
+
+W&B never ends a run (``ResilientWandbLogger``): a server that cannot be reached at start-up turns
+the run into an offline one within a bounded wait (``WANDB_PROBE_SECONDS`` for the probe, then
+``WANDB_INIT_SECONDS`` for wandb.init), and a W&B that fails later (its service process killed by the
+signal that preempts the job, a lost connection) is a warning: metrics.jsonl keeps every value.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from lightning.pytorch.loggers import Logger
+from lightning.pytorch.loggers import Logger, WandbLogger
+from lightning.pytorch.loggers.logger import DummyExperiment, rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
 
 import checkpoints
 import config
 from atomic_files import atomic_write
+
+log = logging.getLogger("run_logging")
+
+# How long a job waits for W&B before it logs offline: the reachability probe, then wandb.init.
+WANDB_PROBE_SECONDS = 10.0
+WANDB_INIT_SECONDS = 60.0
 
 
 def _json_setting(value: Any) -> Any:
@@ -111,6 +126,143 @@ class JsonlMetricsLogger(Logger):
         )
 
 
+def wandb_base_url() -> str:
+    """The W&B server this process would talk to: WANDB_BASE_URL, else W&B's default."""
+    return os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+
+
+def wandb_reachable(url: str | None = None, timeout: float = WANDB_PROBE_SECONDS) -> str | None:
+    """None when the W&B server answers an HTTP request within ``timeout`` seconds (any status),
+    else why not (connection refused, no route, DNS, timeout)."""
+    url = url or wandb_base_url()
+    try:
+        with urllib.request.urlopen(url, timeout=timeout):
+            return None
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return f"{url}: {type(reason).__name__}: {reason}"
+
+
+class ResilientWandbLogger(WandbLogger):
+    """Lightning's WandbLogger that never ends the run it logs.
+
+    - Start: in online mode the server is probed first (``wandb_reachable``); unreachable, or a
+      wandb.init that fails or exceeds WANDB_INIT_SECONDS, gives one warning and an offline run in
+      the same directory with the same id, so ``wandb sync`` uploads it into the same run later.
+      This holds for an explicit WANDB_MODE=online too: the GPUs are worth more than a live chart,
+      and nothing is lost (the offline run and metrics.jsonl hold every value).
+    - Later: an exception while logging (W&B's service process killed by the signal that preempts
+      the job, a lost connection) is one warning; W&B is left alone for the rest of the process
+      and the run, its checkpoint save included, goes on.
+    """
+
+    def __init__(self, *args: Any, mode: str = "offline", **kwargs: Any):
+        settings = kwargs.pop("settings", None)
+        if settings is None:
+            import wandb
+
+            settings = wandb.Settings(init_timeout=WANDB_INIT_SECONDS)
+        super().__init__(*args, mode=mode, settings=settings, **kwargs)
+        if self._wandb_init.get("anonymous") is None:
+            self._wandb_init.pop("anonymous", None)  # W&B warns that the setting does nothing
+        self.failed: str | None = None
+
+    @property
+    @rank_zero_experiment
+    def experiment(self):
+        if self.failed is not None:
+            return DummyExperiment()
+        if self._experiment is not None:
+            return self._experiment
+        if self._wandb_init.get("mode") == "online":
+            problem = wandb_reachable()
+            if problem is not None:
+                self._go_offline(f"cannot reach the W&B server ({problem})")
+        try:
+            return WandbLogger.experiment.fget(self)
+        except Exception as exc:  # wandb raises its own CommError / UsageError / timeouts
+            if self._wandb_init.get("mode") != "online":
+                self._give_up(exc)
+                return DummyExperiment()
+            self._go_offline(f"wandb.init failed ({_first_line(exc)})")
+            try:  # the failed online attempt keeps the run id registered in this process
+                import wandb
+
+                wandb.teardown()
+            except Exception:
+                pass
+        try:
+            return WandbLogger.experiment.fget(self)
+        except Exception as exc:
+            self._give_up(exc)
+            return DummyExperiment()
+
+    def _go_offline(self, why: str) -> None:
+        self._wandb_init["mode"] = "offline"
+        log.warning(
+            "%s: this run logs to W&B offline under %s and trains on; upload it later with "
+            "`wandb sync %s/wandb/offline-run-*`",
+            why,
+            self._wandb_init.get("dir"),
+            self._wandb_init.get("dir"),
+        )
+
+    def _give_up(self, exc: BaseException) -> None:
+        if self.failed is None:
+            self.failed = _first_line(exc)
+            log.warning(
+                "W&B stopped working (%s); the run goes on without it, every metric is in "
+                "metrics.jsonl beside it",
+                self.failed,
+            )
+            _forget_wandb_service()
+
+    def _guarded(self, call, *args: Any, **kwargs: Any) -> None:
+        if self.failed is not None:
+            return
+        try:
+            call(*args, **kwargs)
+        except Exception as exc:
+            self._give_up(exc)
+
+    @rank_zero_only
+    def log_metrics(self, metrics, step=None) -> None:
+        self._guarded(super().log_metrics, metrics, step)
+
+    @rank_zero_only
+    def log_hyperparams(self, params, *args: Any, **kwargs: Any) -> None:
+        self._guarded(super().log_hyperparams, params, *args, **kwargs)
+
+    @rank_zero_only
+    def log_table(self, *args: Any, **kwargs: Any) -> None:
+        self._guarded(super().log_table, *args, **kwargs)
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        self._guarded(super().finalize, status)
+
+
+def _first_line(exc: BaseException, limit: int = 200) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text[:limit]}"
+
+
+def _forget_wandb_service() -> None:
+    """Unregister W&B's exit hook when its service process is gone: at exit it would only print
+    the lost connection's traceback (wandb 0.31 internals; nothing happens where they differ)."""
+    try:
+        from wandb.sdk import wandb_setup
+
+        connection = getattr(wandb_setup._singleton, "_connection", None)
+        cleanup = getattr(connection, "_cleanup", None)
+        if callable(cleanup):
+            cleanup()
+    except Exception:
+        pass
+
+
 def run_directory(run_name: str | None = None, log_dir: Path | None = None) -> Path:
     """WANDB_LOG_DIR/<run name>: the W&B files (wandb/offline-run-*) and metrics.jsonl of one run.
 
@@ -121,25 +273,24 @@ def run_directory(run_name: str | None = None, log_dir: Path | None = None) -> P
     return log_dir / name
 
 
-def build_loggers(run_dir: Path | None = None, resuming: bool = False) -> list[Logger]:
-    """[WandbLogger (unless WANDB_MODE resolves to disabled), JsonlMetricsLogger] for one run.
+def build_loggers(run_dir: Path | None = None, resume_path: str | None = None) -> list[Logger]:
+    """[ResilientWandbLogger (unless WANDB_MODE resolves to disabled), JsonlMetricsLogger] for one run.
 
     W&B mode: config.wandb_mode() (WANDB_MODE, else online with WANDB_API_KEY, else offline). An
     offline run lives in <run dir>/wandb/offline-run-*/ and is uploaded later with
-    ``wandb sync <that dir>``. Name and W&B id come from ``run_identity``: a resumed job continues
-    its run.
+    ``wandb sync <that dir>``. Name and W&B id come from ``run_identity``: a job resuming
+    ``resume_path`` continues its run.
     """
-    name, run_id = checkpoints.run_identity(resuming)
+    resuming = resume_path is not None
+    name, run_id = checkpoints.run_identity(resuming, resume_path=resume_path)
     run_dir = Path(run_dir or run_directory(name))
     loggers: list[Logger] = []
     mode = config.wandb_mode()
     if mode != "disabled":
-        from lightning.pytorch.loggers import WandbLogger
-
         if int(os.environ.get("RANK", "0")) == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
         loggers.append(
-            WandbLogger(
+            ResilientWandbLogger(
                 project=config.WANDB_PROJECT,
                 name=name,
                 id=run_id,

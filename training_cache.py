@@ -55,6 +55,7 @@ import multiprocessing
 import os
 import resource
 import shutil
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -357,8 +358,10 @@ def _init_worker(proto: bytes | None, tokenizer, parent: int | None = None) -> N
     global _worker_encoder
     _worker_encoder = _Encoder(proto, tokenizer) if proto is not None or tokenizer else None
     if parent is not None:
-        # A killed builder must leave no worker tokenizing on.
-        process_control.die_with_parent(parent)
+        # A stop signal is the builder's to act on (it reaches every process of the job at once),
+        # except SIGTERM, by which Pool.terminate ends its workers: a worker that dies of it loses
+        # nothing the builder, signalled too, still wants. A killed builder leaves no worker behind.
+        process_control.leave_stop_signals_to_parent(parent, but=(signal.SIGTERM,))
 
 
 def _return_memory() -> None:
@@ -679,9 +682,10 @@ def build(
             # the workers' garbage collector off the parent's objects, whose pages it would
             # otherwise copy into every worker.
             gc.freeze()
-            pool = multiprocessing.get_context("fork").Pool(
-                workers, initializer=_init_worker, initargs=(proto, None, os.getpid())
-            )
+            with process_control.stop_signals_blocked():
+                pool = multiprocessing.get_context("fork").Pool(
+                    workers, initializer=_init_worker, initargs=(proto, None, os.getpid())
+                )
             gc.unfreeze()
             results = pool.imap(_build_part, tasks)
         with tqdm(

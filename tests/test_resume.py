@@ -10,9 +10,9 @@ epoch boundary and the unfreezing:
 4. preempted: the same job, sent SIGTERM (torchrun's own pid, as a scheduler would) while held inside
    step 4: the ranks finish that optimizer step, save step_00000005.ckpt and exit;
 5. requeued: RESUME_FROM=last in the preempted job's CHECKPOINT_DIR, steps 5..6.
-A probe logs every micro-batch the sampler hands out, per rank (NUM_WORKERS=0 and a sized loader, so
-what is handed out is what trains). Both runs must consume the same batches in the same order and end
-with the same weights and optimizer state.
+Every job runs with a DataLoader worker per rank, as real jobs do. A probe logs every micro-batch
+that trains (its dataset indices), per rank. Both runs must train on the same batches in the same
+order and end with the same weights and optimizer state.
 """
 
 from __future__ import annotations
@@ -40,25 +40,22 @@ TIMEOUT_S = 200
 MAX_STEPS, HALF = 6, 3
 
 PROBE = textwrap.dedent('''
-    """train.main() that logs each micro-batch the sampler hands out and can hold inside a step."""
+    """train.main() that logs each micro-batch it trains, per rank, and can hold inside a step."""
     import json, os, sys, time
     from pathlib import Path
     import lightning.pytorch as pl
-    import sampler
     import train
 
     LOG = Path(os.environ["PROBE_OUT"]) / f"rank{os.environ['RANK']}_batches.jsonl"
     HOLD_AT = int(os.environ.get("PROBE_HOLD_AT_STEP", "-1"))
     HOLD_UNTIL_STOP = os.environ.get("PROBE_HOLD_UNTIL_STOP") == "1"
 
-    iterate = sampler.DurationBucketBatchSampler.__iter__
-    def logged(self):
-        for batch in iterate(self):
+    class Trained(pl.Callback):
+        """What trains, whatever the DataLoader workers prefetched."""
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             with open(LOG, "a") as f:
-                f.write(json.dumps({"epoch": self.state_dict()["epoch"], "position": self._position - 1,
-                                    "indices": batch}) + "\\n")
-            yield batch
-    sampler.DurationBucketBatchSampler.__iter__ = logged
+                f.write(json.dumps({"epoch": trainer.current_epoch, "position": batch_idx,
+                                    "indices": batch.indices}) + "\\n")
 
     class Hold(pl.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
@@ -72,7 +69,7 @@ PROBE = textwrap.dedent('''
             elif trainer.global_step == HOLD_AT:
                 time.sleep(600)  # the test kills the job here
     callbacks = train.build_callbacks
-    train.build_callbacks = lambda: callbacks() + [Hold()]
+    train.build_callbacks = lambda: callbacks() + [Trained(), Hold()]
     sys.exit(train.main([]))
 ''')
 

@@ -136,6 +136,7 @@ def probed_run(run_env):
     script.write_text(PROBE)
     env = dict(
         env,
+        DATA_DIR=str(root / "probe_data"),  # its own run, its own CHECKPOINT_DIR
         PROBE_OUT=str(out),
         EMPTY_AT="{}:{}".format(*EMPTY_AT),
         NAN_AT="{}:{}".format(*NAN_AT),

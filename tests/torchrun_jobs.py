@@ -1,12 +1,17 @@
 """Launching the multi-process tests' jobs: a free loopback port, the torchrun command line, the
-environment of a tiny CPU train.py run, and the state of the processes a job started."""
+environment of a tiny CPU train.py run (with a DataLoader worker per rank, as real jobs have), the
+state of the processes a job started, and signalling every process of a job as SLURM does."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
+
+_jobs = itertools.count()
 
 
 def free_port() -> int:
@@ -34,13 +39,15 @@ def torchrun_command(script: Path, nproc: int = 2) -> list[str]:
 
 def tiny_train_env(data: dict, **knobs: str) -> dict:
     """The environment of a tiny train.py run on CPU over ``make_training_data``'s manifest and
-    tokenizer, without W&B, plus ``knobs``; the caller's W&B, RESUME_FROM and PROBE_ variables are
-    left out so the shell that runs the tests cannot change the job."""
+    tokenizer, one DataLoader worker per rank, without W&B, plus ``knobs``; the caller's W&B,
+    RESUME_FROM and PROBE_ variables are left out so the shell that runs the tests cannot change the
+    job. Every process of the job carries PROBE_JOB (``job_processes`` finds them by it)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB", "RESUME", "PROBE"))}
     env.update(
+        PROBE_JOB=f"job-{os.getpid()}-{next(_jobs)}",
         ACCELERATOR="cpu",
         PRECISION="32-true",
-        NUM_WORKERS="0",
+        NUM_WORKERS="1",
         OMP_NUM_THREADS="1",
         INIT_MODEL="",
         TRAIN_MANIFEST_PATH=str(data["manifest"]),
@@ -70,3 +77,31 @@ def is_running(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def job_processes(env: dict) -> list[int]:
+    """Every live process of the job started with ``env`` (torchrun, ranks, DataLoader and cache
+    workers, W&B's service): those whose environment holds its PROBE_JOB, as SLURM's cgroup holds a
+    job's processes whatever their process group."""
+    mark = f"PROBE_JOB={env['PROBE_JOB']}\0".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                if mark in (proc / "environ").read_bytes() and is_running(int(proc.name)):
+                    found.append(int(proc.name))
+            except OSError:
+                pass
+    return found
+
+
+def signal_every_process(env: dict, sig: int = signal.SIGTERM) -> list[int]:
+    """Send ``sig`` to every process of the job at once, as SLURM does on scancel, preemption or the
+    time limit; the pids signalled."""
+    pids = job_processes(env)
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    return pids
