@@ -112,6 +112,40 @@ def ensure_validation_ds(model) -> None:
             }
 
 
+class ModelNotFetched(config.ConfigError):
+    """INIT_MODEL names a pretrained model that cannot be downloaded here."""
+
+
+def is_local_model(init_model: str) -> bool:
+    """Whether INIT_MODEL names a file (a .nemo path) rather than a pretrained model's name."""
+    return init_model.endswith(".nemo") or Path(init_model).exists()
+
+
+def check_model_inputs(
+    init_model: str | None = None,
+    model_config: Path | None = None,
+    tokenizer_dir: Path | None = None,
+) -> None:
+    """FileNotFoundError naming the variable when a file ``build_model`` needs is missing:
+    TOKENIZER_DIR's tokenizer.model, an INIT_MODEL path, or MODEL_CONFIG when INIT_MODEL is empty.
+    Cheap: train.py calls it before anything is built or downloaded."""
+    init_model = config.INIT_MODEL if init_model is None else init_model
+    model_config = Path(model_config or config.MODEL_CONFIG)
+    tokenizer_dir = Path(tokenizer_dir or config.TOKENIZER_DIR)
+    if not (tokenizer_dir / "tokenizer.model").exists():
+        raise FileNotFoundError(
+            f"TOKENIZER_DIR={tokenizer_dir} has no tokenizer.model; "
+            "run scripts/train_tokenizer.py or point TOKENIZER_DIR at one"
+        )
+    if init_model and is_local_model(init_model) and not Path(init_model).is_file():
+        raise FileNotFoundError(
+            f"INIT_MODEL={init_model} does not exist; give a .nemo file or a pretrained name "
+            f"such as nvidia/parakeet-tdt-0.6b-v2"
+        )
+    if not init_model and not model_config.is_file():
+        raise FileNotFoundError(f"MODEL_CONFIG={model_config} does not exist (INIT_MODEL is empty)")
+
+
 def build_model(
     init_model: str | None = None,
     model_config: Path | None = None,
@@ -129,26 +163,24 @@ def build_model(
     init_model = config.INIT_MODEL if init_model is None else init_model
     model_config = Path(model_config or config.MODEL_CONFIG)
     tokenizer_dir = Path(tokenizer_dir or config.TOKENIZER_DIR)
-    if not (tokenizer_dir / "tokenizer.model").exists():
-        raise FileNotFoundError(
-            f"TOKENIZER_DIR={tokenizer_dir} has no tokenizer.model; "
-            "run scripts/train_tokenizer.py or point TOKENIZER_DIR at one"
-        )
+    check_model_inputs(init_model, model_config, tokenizer_dir)
 
     if init_model:
-        if init_model.endswith(".nemo") or Path(init_model).exists():
-            if not Path(init_model).exists():
-                raise FileNotFoundError(f"INIT_MODEL={init_model} does not exist")
+        if is_local_model(init_model):
             log.info("restoring %s", init_model)
             model = ASRModel.restore_from(init_model, map_location="cpu")
         else:
             log.info("downloading pretrained %s (needs network access)", init_model)
-            model = ASRModel.from_pretrained(init_model, map_location="cpu")
+            try:
+                model = ASRModel.from_pretrained(init_model, map_location="cpu")
+            except Exception as exc:  # NeMo and huggingface_hub raise many kinds, never naming it
+                raise ModelNotFetched(
+                    f"INIT_MODEL={init_model} cannot be fetched ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0][:200] if str(exc) else ''}). On a node without "
+                    f"internet, download the .nemo where there is (huggingface.co/{init_model}) and "
+                    f"set INIT_MODEL=/path/to/model.nemo"
+                ) from None
     else:
-        if not model_config.exists():
-            raise FileNotFoundError(
-                f"MODEL_CONFIG={model_config} does not exist (INIT_MODEL is empty)"
-            )
         cfg = OmegaConf.load(model_config)
         cfg = cfg.model if "model" in cfg else cfg
         with open_dict(cfg):

@@ -353,9 +353,11 @@ warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and i
 class StepOnlyModelCheckpoint(ModelCheckpoint):
     """A checkpoint every ``every_n_steps`` optimizer steps (CHECKPOINT_EVERY) as
     ``<dirpath>/step_<step:08d>.ckpt`` (dirpath: CHECKPOINT_DIR), the newest KEEP_CHECKPOINTS kept
-    (0: all), nothing else: no epoch-end, validation or metric-based saves. At the end of training,
-    ``step_<step>.nemo`` (the NeMo model). At set-up, rank 0 logs a checkpoint's estimated size and
-    warns when the file system cannot hold the next few.
+    (0: all) and, whatever that says, the KEEP_BEST_CHECKPOINTS with the lowest validation WER
+    (scored in CHECKPOINT_DIR/run.json when the checkpoint's step was validated); nothing else: no
+    epoch-end, validation or metric-based saves. At the end of training, ``step_<step>.nemo`` (the
+    NeMo model). At set-up, rank 0 logs a checkpoint's estimated size and warns when the file system
+    cannot hold the next few.
 
     - Saved right after the optimizer step, so a resume starts at a gradient-accumulation boundary.
     - Preemption: when the ranks agreed on a stop signal in this optimizer step
@@ -373,6 +375,7 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
         every_n_steps: int | None = None,
         export_nemo_at_end: bool = True,
         keep: int | None = None,
+        keep_best: int | None = None,
     ):
         every = int(_config.CHECKPOINT_EVERY if every_n_steps is None else every_n_steps)
         if every < 1:
@@ -389,6 +392,7 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
         )
         self.every_n_steps = every
         self.keep = int(_config.KEEP_CHECKPOINTS if keep is None else keep)
+        self.keep_best = int(_config.KEEP_BEST_CHECKPOINTS if keep_best is None else keep_best)
         self.export_nemo_at_end = export_nemo_at_end
         self._seen_step = 0
         self.last_save_ended = -math.inf  # perf_counter() when the last save finished
@@ -456,8 +460,17 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
             self.last_save_ended = time.perf_counter()
             self.last_save_seconds = self.last_save_ended - started
             if trainer.is_global_zero:
-                for old in checkpoints.prune_checkpoints(self.keep, Path(self.dirpath)):
-                    _log.info("removed %s (KEEP_CHECKPOINTS=%d)", old.name, self.keep)
+                evaluation = getattr(pl_module, "last_evaluation", None)
+                checkpoints.record_validation(step, evaluation, Path(self.dirpath))
+                for old in checkpoints.prune_checkpoints(
+                    self.keep, Path(self.dirpath), keep_best=self.keep_best
+                ):
+                    _log.info(
+                        "removed %s (KEEP_CHECKPOINTS=%d, KEEP_BEST_CHECKPOINTS=%d)",
+                        old.name,
+                        self.keep,
+                        self.keep_best,
+                    )
             if stop:
                 self.preempted = True
                 trainer.should_stop = True
@@ -837,12 +850,28 @@ class PerLanguageWERCallback(_pl.Callback):
             autocast=trainer.precision_plugin.forward_context,
             with_loss=self.with_loss,
             after_batch=lambda: [w.alive(trainer) for w in watchdogs],
+            should_stop=process_control.stop_requested,
         )
         gathered: dict[int, str | None] = {}
-        loss_sum, loss_utterances = 0.0, 0
-        for part in all_gather_objects((decoded.texts, decoded.loss_sum, decoded.loss_utterances)):
+        loss_sum, loss_utterances, stopped = 0.0, 0, False
+        for part in all_gather_objects(
+            (decoded.texts, decoded.loss_sum, decoded.loss_utterances, decoded.stopped)
+        ):
             gathered.update(part[0])
             loss_sum, loss_utterances = loss_sum + part[1], loss_utterances + part[2]
+            stopped = stopped or part[3]
+        if stopped:
+            # A stop signal reached a rank during the pass: what was decoded is a partial set, and
+            # the job's time is short. Every rank saw the same gathered flag: they save this step
+            # (StepOnlyModelCheckpoint runs next) and stop; the next validation runs at its step.
+            pl_module.stop_agreed = True
+            if trainer.is_global_zero:
+                _log.warning(
+                    "step %d: validation cut short by a stop signal after %.1f s; not logged",
+                    trainer.global_step,
+                    time.perf_counter() - started,
+                )
+            return {}
         names = self.dataset.lang_names
         codes = self.dataset.lang_codes
         done = [i for i in sorted(gathered) if gathered[i] is not None]

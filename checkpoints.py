@@ -2,9 +2,14 @@
 
 Step checkpoints (``checkpoint_name``, written whole or not at all by ``AtomicCheckpointIO``),
 ``find_last_checkpoint`` and ``resolve_resume_from`` (RESUME_FROM), ``resolve_model_path`` (the model
-argument of the scripts), ``export_nemo``, the RNG states an exact resume restores, and the run's
-identity (``run_identity``: its name and W&B id, recorded in CHECKPOINT_DIR/run.json so a resumed job
-continues the same run).
+argument of the scripts: a path, ``last`` or ``best``), ``export_nemo``, the RNG states an exact
+resume restores, and the run's ledger, CHECKPOINT_DIR/run.json: its identity (``run_identity``: name
+and W&B id, so a resumed job continues the same run) and the validation WER of each checkpoint
+(``record_validation``, ``best_checkpoints``), which keeps the best checkpoint through pruning.
+
+One directory, one run: a fresh run refuses a CHECKPOINT_DIR that holds another run's step files,
+and so does a resume of a checkpoint from elsewhere (``check_directory_for_run``), so ``last`` and
+``best`` always mean the checkpoints of the run that directory belongs to.
 """
 
 from __future__ import annotations
@@ -38,6 +43,11 @@ CHECKPOINT_PATTERN = re.compile(r"^step_(\d+)\.ckpt$")
 
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}.ckpt"
+
+
+def checkpoint_number(path: Path) -> int:
+    """The step in a step checkpoint's name (``step_00005000.ckpt`` -> 5000)."""
+    return int(CHECKPOINT_PATTERN.match(Path(path).name).group(1))
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -144,11 +154,15 @@ def step_checkpoints(checkpoint_dir: Path | None = None) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def prune_checkpoints(keep: int, checkpoint_dir: Path | None = None) -> list[Path]:
-    """Delete all but the newest ``keep`` step checkpoints (keep <= 0: delete none); the deleted."""
+def prune_checkpoints(
+    keep: int, checkpoint_dir: Path | None = None, keep_best: int = 0
+) -> list[Path]:
+    """Delete all but the newest ``keep`` step checkpoints (keep <= 0: delete none), sparing the
+    ``keep_best`` with the lowest validation WER (``best_checkpoints``); the deleted."""
     if keep <= 0:
         return []
-    old = step_checkpoints(checkpoint_dir)[:-keep]
+    spared = set(best_checkpoints(keep_best, checkpoint_dir)) if keep_best > 0 else set()
+    old = [p for p in step_checkpoints(checkpoint_dir)[:-keep] if p not in spared]
     for path in old:
         path.unlink(missing_ok=True)
     return old
@@ -160,6 +174,11 @@ def estimated_checkpoint_bytes(module: torch.nn.Module) -> int:
     weights = sum(t.numel() * t.element_size() for t in module.state_dict().values())
     moments = sum(2 * p.numel() * 4 for p in module.parameters())
     return int((weights + moments) * 1.01)
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The optimizer step a step checkpoint was saved at (its file is mapped, not read)."""
+    return int(read_checkpoint(Path(path), mmap=True).get("global_step", 0))
 
 
 def find_last_checkpoint(checkpoint_dir: Path | None = None) -> Path | None:
@@ -178,6 +197,12 @@ def resolve_resume_from(
     resume_from = config.RESUME_FROM if resume_from is None else resume_from
     if not resume_from:
         return None
+    if resume_from == "best":
+        raise CheckpointError(
+            "RESUME_FROM=best: a resume continues a run from its newest state (RESUME_FROM=last). "
+            "To train on from the best checkpoint, give its path (`python scripts/evaluate.py best` "
+            "names it) with an empty CHECKPOINT_DIR: that starts a new run from it"
+        )
     if resume_from == "last":
         directory = Path(checkpoint_dir or config.CHECKPOINT_DIR)
         candidates = step_checkpoints(directory)[::-1]
@@ -235,7 +260,9 @@ def export_nemo(model, path: str | os.PathLike, record: dict[str, Any] | None = 
 
 def resolve_model_path(model: str) -> Path:
     """``model`` as a path to a .nemo file or a step checkpoint; 'last' = the newest step checkpoint
-    in CHECKPOINT_DIR."""
+    in CHECKPOINT_DIR, 'best' = the one with the lowest validation WER (``best_checkpoints``)."""
+    if model == "best":
+        return best_checkpoints(1, strict=True)[0]
     if model == "last":
         found = find_last_checkpoint()
         if found is None:
@@ -246,7 +273,7 @@ def resolve_model_path(model: str) -> Path:
     path = Path(model)
     if not path.is_file():
         raise FileNotFoundError(
-            f"model {path} does not exist; give a .nemo file, a step_*.ckpt or 'last'"
+            f"model {path} does not exist; give a .nemo file, a step_*.ckpt, 'last' or 'best'"
         )
     if path.suffix not in (".nemo", ".ckpt"):
         raise ValueError(f"model {path}: expected a .nemo file or a .ckpt step checkpoint")
@@ -299,24 +326,123 @@ def new_run_name() -> str:
 RUN_RECORD = "run.json"
 
 
-def run_identity(resuming: bool, checkpoint_dir: Path | None = None) -> tuple[str, str]:
+def read_run_record(checkpoint_dir: Path | None = None) -> dict[str, Any]:
+    """CHECKPOINT_DIR/run.json ({} when there is none or it cannot be read)."""
+    record = Path(checkpoint_dir or config.CHECKPOINT_DIR) / RUN_RECORD
+    try:
+        return json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_run_record(data: dict[str, Any], checkpoint_dir: Path | None = None) -> None:
+    record = Path(checkpoint_dir or config.CHECKPOINT_DIR) / RUN_RECORD
+    record.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(data, indent=1)
+    atomic_write(record, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def run_identity(
+    resuming: bool, checkpoint_dir: Path | None = None, resume_path: str | Path | None = None
+) -> tuple[str, str]:
     """(run name, W&B run id) of this job.
 
-    A job that resumes from a checkpoint reuses the pair recorded in CHECKPOINT_DIR/run.json by the
-    job that wrote it, so W&B continues the same run (Lightning's WandbLogger passes resume="allow")
-    and metrics.jsonl stays one file across crashes and requeues; an explicit WANDB_RUN_NAME that
-    differs from the record starts a new run under that name. A fresh job takes WANDB_RUN_NAME (else
-    run-<UTC time>) and a new id, and global rank 0 records them.
+    A job that resumes a checkpoint of CHECKPOINT_DIR reuses the pair recorded in CHECKPOINT_DIR/
+    run.json by the job that wrote it, so W&B continues the same run (Lightning's WandbLogger passes
+    resume="allow") and metrics.jsonl stays one file across crashes and requeues; an explicit
+    WANDB_RUN_NAME that differs from the record starts a new run under that name, and so does a
+    checkpoint resumed from another directory (a branch of its run). A fresh job takes
+    WANDB_RUN_NAME (else run-<UTC time>) and a new id, and global rank 0 records them.
     """
-    record = Path(checkpoint_dir or config.CHECKPOINT_DIR) / RUN_RECORD
-    if resuming and record.is_file():
-        saved = json.loads(record.read_text(encoding="utf-8"))
+    directory = Path(checkpoint_dir or config.CHECKPOINT_DIR)
+    saved = read_run_record(directory)
+    inside = resume_path is None or Path(resume_path).resolve().parent == directory.resolve()
+    if resuming and inside and {"name", "wandb_id"} <= saved.keys():
         if not config.WANDB_RUN_NAME or config.WANDB_RUN_NAME == saved["name"]:
             return saved["name"], saved["wandb_id"]
     name = new_run_name()
     identity = (name, secrets.token_hex(6))
     if int(os.environ.get("RANK", "0")) == 0:
-        record.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps({"name": identity[0], "wandb_id": identity[1]})
-        atomic_write(record, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+        record = {"name": identity[0], "wandb_id": identity[1]}
+        if resuming and inside and "validation" in saved:
+            record["validation"] = saved["validation"]  # the scores of the checkpoints still here
+        _write_run_record(record, directory)
     return identity
+
+
+def run_files(checkpoint_dir: Path | None = None) -> list[Path]:
+    """What a run leaves in CHECKPOINT_DIR under names another run would reuse: its step
+    checkpoints and step_*.nemo exports, oldest checkpoint first."""
+    directory = Path(checkpoint_dir or config.CHECKPOINT_DIR)
+    if not directory.is_dir():
+        return []
+    return step_checkpoints(directory) + sorted(directory.glob("step_*.nemo"))
+
+
+def check_directory_for_run(
+    resume_path: str | Path | None, checkpoint_dir: Path | None = None
+) -> None:
+    """CheckpointError when this job would write into another run's CHECKPOINT_DIR: a fresh run
+    (``resume_path`` None) where step files exist, or a resume of a checkpoint from another directory
+    into one that holds step files. Its overwritten and mixed checkpoints would make ``last`` and
+    ``best`` name another run's files."""
+    directory = Path(checkpoint_dir or config.CHECKPOINT_DIR)
+    if resume_path is not None and Path(resume_path).resolve().parent == directory.resolve():
+        return
+    files = run_files(directory)
+    if not files:
+        return
+    name = read_run_record(directory).get("name")
+    owner = f"run {name!r}" if name else "another run"
+    newest = step_checkpoints(directory)[-1:] or files[-1:]
+    what = (
+        f"a resume of {resume_path} (a checkpoint of another directory) there"
+        if resume_path is not None
+        else "a fresh run there"
+    )
+    raise CheckpointError(
+        f"CHECKPOINT_DIR={directory} holds {owner} ({len(files)} step files, newest "
+        f"{newest[0].name}): {what} would overwrite and mix with its checkpoints. Continue that run "
+        f"with RESUME_FROM=last, or give this run its own CHECKPOINT_DIR (or DATA_DIR)"
+    )
+
+
+def record_validation(step: int, evaluation: dict[str, Any] | None, checkpoint_dir=None) -> bool:
+    """Note in run.json the validation of the checkpoint of ``step`` (an evaluation of that very
+    step: ``TrainingModule.last_evaluation``); False when there is none for this step."""
+    if not evaluation or evaluation.get("step") != step:
+        return False
+    overall = (evaluation.get("results") or {}).get("all")
+    if not overall or not overall.get("words"):
+        return False
+    data = read_run_record(checkpoint_dir)
+    data.setdefault("validation", {})[str(step)] = {
+        "wer": overall["word_edits"] / overall["words"],
+        "cer": overall["char_edits"] / overall["chars"] if overall.get("chars") else None,
+        "loss": evaluation.get("loss"),
+    }
+    _write_run_record(data, checkpoint_dir)
+    return True
+
+
+def best_checkpoints(
+    n: int, checkpoint_dir: Path | None = None, *, strict: bool = False
+) -> list[Path]:
+    """The ``n`` step checkpoints of CHECKPOINT_DIR with the lowest validation WER (val/wer/all, as
+    run.json records it; ties go to the later step), best first. ``strict``: a CheckpointError when
+    fewer than ``n`` exist (else: as many as there are)."""
+    directory = Path(checkpoint_dir or config.CHECKPOINT_DIR)
+    scores = read_run_record(directory).get("validation", {})
+    scored = [
+        (scores[str(step)]["wer"], -step, path)
+        for path in step_checkpoints(directory)
+        if str(step := checkpoint_number(path)) in scores
+    ]
+    best = [path for _, _, path in sorted(scored)[: max(0, n)]]
+    if strict and len(best) < n:
+        raise CheckpointError(
+            f"'best': {len(best)} step checkpoint(s) in CHECKPOINT_DIR={directory} have a validation "
+            f"score in {RUN_RECORD}, {n} asked for. Only checkpoints saved at a validation step are "
+            f"scored (EVAL_EVERY_STEPS, default CHECKPOINT_EVERY); use 'last' or a path"
+        )
+    return best

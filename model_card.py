@@ -102,6 +102,7 @@ def render(record: dict[str, Any], model, nemo_name: str) -> str:
         f"- sample rate: {settings.get('TARGET_SAMPLE_RATE')} Hz, mono",
         f"- trained for {record.get('step')} optimizer steps on {record.get('world_size')} "
         f"process(es)",
+        *([f"- run: `{record['run']['name']}`"] if (record.get("run") or {}).get("name") else []),
         *(
             [
                 f"- weights: the mean of {len(record['averaged'])} step checkpoints "
@@ -110,6 +111,7 @@ def render(record: dict[str, Any], model, nemo_name: str) -> str:
             if record.get("averaged")
             else []
         ),
+        *([f"- chosen as: {record['selected']}"] if record.get("selected") else []),
         "",
         "## Training data",
         "",

@@ -77,6 +77,8 @@ from training_step import (  # noqa: E402
     build_dataset,
     check_audio_sample,
     prepare_training_caches,
+    train_manifest_path,
+    validation_manifest,
 )
 
 log = logging.getLogger("train")
@@ -118,7 +120,7 @@ def build_callbacks() -> list[pl.Callback]:
 
 
 def build_trainer(
-    callback_list: list[pl.Callback], env: dict, resuming: bool = False
+    callback_list: list[pl.Callback], env: dict, ckpt_path: str | None = None
 ) -> pl.Trainer:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import DDPStrategy
@@ -160,7 +162,7 @@ def build_trainer(
         limit_val_batches=0,
         enable_checkpointing=any(isinstance(cb, ModelCheckpoint) for cb in callback_list),
         callbacks=callback_list,
-        logger=run_logging.build_loggers(resuming=resuming),
+        logger=run_logging.build_loggers(resume_path=ckpt_path),
         log_every_n_steps=1,
         benchmark=False,
         enable_model_summary=False,
@@ -218,14 +220,44 @@ def log_startup(trainer: pl.Trainer, env: dict, model) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    epilog = (
-        "Environment variables read (config.py; `python config.py` lists every knob), "
-        "effective values now:\n" + config.describe_for_help("train")
-    )
     parser = argparse.ArgumentParser(
-        description=__doc__, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        epilog=config.help_epilog("train"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     return parser.parse_args(argv)
+
+
+def check_inputs() -> str | None:
+    """Everything the run needs that can be checked before a model is built or downloaded (minutes
+    at full size): the manifests and their split, the tokenizer, INIT_MODEL or MODEL_CONFIG, and
+    RESUME_FROM with the CHECKPOINT_DIR it writes into. Returns the checkpoint to resume (None:
+    fresh); a problem is a UserError naming the variable."""
+    from manifest_schema import check_same_split
+
+    train = train_manifest_path()
+    val = validation_manifest()
+    if val is not None:
+        check_same_split(train, val)
+    asr_model.check_model_inputs()
+    ckpt_path = checkpoints.resolve_resume_from()
+    checkpoints.check_directory_for_run(ckpt_path)
+    return ckpt_path
+
+
+def steps_left(ckpt_path: str | None) -> int:
+    """Optimizer steps this job has to do: MAX_STEPS minus the resumed checkpoint's step. A
+    checkpoint past MAX_STEPS is a UserError (MAX_STEPS lowered by mistake)."""
+    if ckpt_path is None:
+        return config.MAX_STEPS
+    step = checkpoints.checkpoint_step(ckpt_path)
+    if step > config.MAX_STEPS:
+        raise checkpoints.CheckpointError(
+            f"RESUME_FROM={config.RESUME_FROM} resolves to {ckpt_path}, at optimizer step {step}, "
+            f"past MAX_STEPS={config.MAX_STEPS}: nothing would be trained. Raise MAX_STEPS above "
+            f"{step} to continue this run, or start a new one in another CHECKPOINT_DIR"
+        )
+    return config.MAX_STEPS - step
 
 
 @record  # any other failure: its traceback becomes the root cause of torchrun's summary
@@ -248,6 +280,16 @@ def run(argv: list[str] | None = None) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:
         process_control.die_with_parent()  # torchrun's agent: no rank outlives its launcher
     process_control.install_stop_handlers()
+    ckpt_path = check_inputs()
+    if steps_left(ckpt_path) == 0:
+        if env["rank"] == 0:
+            log.info(
+                "nothing to train: %s is at optimizer step %d = MAX_STEPS, the run is complete "
+                "(raise MAX_STEPS to train on; scripts/export_nemo.py exports any checkpoint)",
+                ckpt_path,
+                config.MAX_STEPS,
+            )
+        return 0
     # Same seed everywhere for the model's initial weights (DDP also broadcasts rank 0's).
     pl.seed_everything(config.SEED, workers=True)
     model = asr_model.build_model()
@@ -266,8 +308,7 @@ def run(argv: list[str] | None = None) -> int:
         manifest=config.TRAIN_MANIFEST_PATH,
     )
     callback_list = build_callbacks()
-    ckpt_path = checkpoints.resolve_resume_from()
-    trainer = build_trainer(callback_list, env, resuming=ckpt_path is not None)
+    trainer = build_trainer(callback_list, env, ckpt_path)
     log_startup(trainer, env, model)
     trainer.fit(module, ckpt_path=ckpt_path)
     process_control.set_training(False)

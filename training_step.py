@@ -200,14 +200,18 @@ class TrainingModule(pl.LightningModule):
         self.last_evaluation = checkpoint.get(RUN_RECORD_KEY, {}).get("evaluation")
 
     def run_record(self) -> dict:
-        """The run as a model card tells it: settings (numbers as numbers), hours of training audio
-        per language, the step, the world size and the newest validation."""
+        """The run as a model card tells it: its name and W&B id, settings (numbers as numbers), hours
+        of training audio per language, the step, the world size and the newest validation."""
         if self._training_hours is None and self.dataset is not None:
             names, codes = self.dataset.lang_names, self.dataset.lang_codes
             seconds = np.bincount(codes, weights=self.dataset.durations, minlength=len(names))
             self._training_hours = {n: float(s) / 3600 for n, s in zip(names, seconds) if s > 0}
         trainer = self._trainer
+        from checkpoints import read_run_record
+
+        identity = read_run_record()
         return {
+            "run": {k: identity[k] for k in ("name", "wandb_id") if k in identity},
             "settings": config.run_settings(),
             "training_hours": self._training_hours or {},
             "step": int(trainer.global_step) if trainer is not None else None,
@@ -566,8 +570,9 @@ def build_dataset(tokenizer):
 
 
 def build_dataloader(dataset, *, world_size: int, rank: int, pin_memory: bool):
-    """(DataLoader, sampler) for this rank: one batch_sampler micro-batch per step, NUM_WORKERS workers."""
-    from dataset import collate_asr_batch
+    """(DataLoader, sampler) for this rank: one batch_sampler micro-batch per step, NUM_WORKERS workers
+    that leave stop signals to the rank (``dataset.SignalSafeDataLoader``)."""
+    from dataset import SignalSafeDataLoader, collate_asr_batch
     from sampler import DurationBucketBatchSampler
 
     sampler = DurationBucketBatchSampler(
@@ -578,7 +583,7 @@ def build_dataloader(dataset, *, world_size: int, rank: int, pin_memory: bool):
         rank=rank,
     )
     workers = config.NUM_WORKERS
-    loader = torch.utils.data.DataLoader(
+    loader = SignalSafeDataLoader(
         dataset,
         batch_sampler=sampler,
         collate_fn=collate_asr_batch,

@@ -193,9 +193,15 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        epilog=config.help_epilog("evaluate"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model", help="a .nemo file, a train.py step checkpoint (.ckpt), or 'last'")
+    parser.add_argument(
+        "model",
+        help="a .nemo file, a train.py step checkpoint (.ckpt), 'last' (the newest in "
+        "CHECKPOINT_DIR) or 'best' (the lowest validation WER)",
+    )
     parser.add_argument(
         "--manifest",
         type=Path,

@@ -5,7 +5,9 @@ Usage:
     python scripts/export_nemo.py data/checkpoints/step_00005000.ckpt        # -> step_00005000.nemo beside it
     python scripts/export_nemo.py data/checkpoints/step_00005000.ckpt --out parakeet-hi-en.nemo
     python scripts/export_nemo.py last                   # the newest step checkpoint in CHECKPOINT_DIR
+    python scripts/export_nemo.py best                   # the one with the lowest validation WER
     python scripts/export_nemo.py last --average 3       # the mean of the newest 3 -> step_<newest>.avg3.nemo
+    python scripts/export_nemo.py best --average 3       # the mean of the 3 with the lowest WER
     python scripts/export_nemo.py a.ckpt b.ckpt c.ckpt --out averaged.nemo    # the mean of these
 
 A step checkpoint carries its model's description (class, config, tokenizer), so the model is
@@ -16,6 +18,11 @@ Averaging (``--average N``, or several checkpoints given): every floating-point 
 mean of the checkpoints' weights (computed in float64); integer buffers (BatchNorm's
 ``num_batches_tracked``) come from the newest. The checkpoints must hold the same model. Only the
 weights are read (the checkpoints are memory-mapped, so their optimizer states are not loaded).
+``last --average N`` takes the newest N (icefall's and NeMo's usual last step); ``best --average N``
+the N with the lowest validation WER (ESPnet's ``valid.acc.ave_Nbest``): with a cosine schedule the
+newest are usually the best, and where validation is noisy or the run overfits late, the N best
+leave out a worse checkpoint that "newest" would average in. Training keeps the
+KEEP_BEST_CHECKPOINTS best whatever KEEP_CHECKPOINTS prunes: set it to N to average N.
 
 The model card (``<name>.model-card.md``: base model, hours per language, tokenizer, settings, the
 newest validation WER/CER) comes from the newest checkpoint's run record; it names the averaged
@@ -37,10 +44,13 @@ class AveragingError(UserError):
 
 
 def checkpoints_to_average(given: list[str], average: int) -> list[Path]:
-    """The checkpoints to export, oldest first: ``given`` (paths or 'last'), or with ``average`` N
-    and one given checkpoint, the newest N step checkpoints up to and including it."""
+    """The checkpoints to export, oldest first: ``given`` (paths, 'last' or 'best'), or with
+    ``average`` N and one given checkpoint, the newest N step checkpoints up to and including it;
+    'best' with ``average`` N: the N with the lowest validation WER."""
     import checkpoints
 
+    if given == ["best"] and average > 1:
+        return sorted(checkpoints.best_checkpoints(average, strict=True))
     paths = [checkpoints.resolve_model_path(g) for g in given]
     for path in paths:
         if path.suffix != ".ckpt":
@@ -62,6 +72,23 @@ def checkpoints_to_average(given: list[str], average: int) -> list[Path]:
             f"{newest.parent}"
         )
     return steps[-average:]
+
+
+def selection(given: list[str], paths: list[Path]) -> str:
+    """How the exported checkpoint(s) were chosen, for the model card."""
+    import checkpoints
+
+    n = len(paths)
+    if given == ["best"]:
+        scores = checkpoints.read_run_record(paths[0].parent).get("validation", {})
+        wers = ", ".join(
+            f"{p.name}: {scores[str(checkpoints.checkpoint_number(p))]['wer']:.4f}" for p in paths
+        )
+        which = "the step checkpoint" if n == 1 else f"the {n} step checkpoints"
+        return f"{which} with the lowest validation WER of the run (val/wer/all {wers})"
+    if given == ["last"]:
+        return "the newest step checkpoint" if n == 1 else f"the newest {n} step checkpoints"
+    return "the step checkpoint(s) given by path"
 
 
 def average_weights(paths: list[Path]) -> dict:
@@ -103,20 +130,26 @@ def average_weights(paths: list[Path]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import config
+
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        epilog=config.help_epilog("export_nemo"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "checkpoint",
         nargs="+",
-        help="step_*.ckpt written by train.py, or 'last'; several: export their average",
+        help="step_*.ckpt written by train.py, 'last' (newest) or 'best' (lowest validation WER); "
+        "several: export their average",
     )
     parser.add_argument(
         "--average",
         type=int,
         default=1,
         metavar="N",
-        help="average the newest N step checkpoints up to the one given (default 1: no averaging)",
+        help="average the newest N step checkpoints up to the one given, or with 'best' the N "
+        "with the lowest validation WER (default 1: no averaging)",
     )
     parser.add_argument(
         "--out",
@@ -150,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if len(paths) > 1:
         record = {**record, "averaged": [p.name for p in paths]}
+    record = {**record, "selected": selection(args.checkpoint, paths)}
     checkpoints.export_nemo(model, out, record)
     what = f"the mean of {', '.join(p.name for p in paths)}" if len(paths) > 1 else str(newest)
     print(f"exported {what} -> {out} (and {out.name.removesuffix('.nemo')}.model-card.md)")

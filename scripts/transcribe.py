@@ -6,7 +6,8 @@ Usage:
     python scripts/transcribe.py step_00600000.ckpt --manifest data/val_manifest_v2.parquet
 
 The model is a .nemo file, a train.py step checkpoint (.ckpt, rebuilt from the description it
-carries) or 'last' (the newest step checkpoint in CHECKPOINT_DIR). Inputs are audio files (any format
+carries), 'last' (the newest step checkpoint in CHECKPOINT_DIR) or 'best' (the one with the lowest
+validation WER). Inputs are audio files (any format
 libsndfile reads; resampled to the model's rate, downmixed to mono) or a manifest: NeMo JSON
 (``audio_filepath`` per line) or this pipeline's parquet (the extracted FLAC of each row).
 
@@ -86,10 +87,18 @@ def transcribe(
 
 
 def main(argv: list[str] | None = None) -> int:
+    import config
+
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        epilog=config.help_epilog("transcribe"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model", help="a .nemo file, a train.py step checkpoint (.ckpt), or 'last'")
+    parser.add_argument(
+        "model",
+        help="a .nemo file, a train.py step checkpoint (.ckpt), 'last' (the newest in "
+        "CHECKPOINT_DIR) or 'best' (the lowest validation WER)",
+    )
     parser.add_argument("files", nargs="*", type=Path, help="audio files to transcribe")
     parser.add_argument(
         "--manifest", type=Path, default=None, help="NeMo JSON or parquet manifest of audio"

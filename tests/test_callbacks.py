@@ -908,6 +908,76 @@ def test_keep_checkpoints_keeps_only_the_newest(tmp_path, monkeypatch):
     ]
 
 
+class FakeValidation(pl.Callback):
+    """Sets ``last_evaluation`` of every step as PerLanguageWERCallback would, with a given WER."""
+
+    def __init__(self, wer_at: dict[int, float]):
+        self.wer_at = wer_at
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        if step in self.wer_at:
+            words = 1000
+            all_ = {"word_edits": int(self.wer_at[step] * words), "words": words, "char_edits": 1}
+            module.last_evaluation = {
+                "step": step,
+                "loss": 1.0,
+                "results": {"all": {**all_, "chars": 10}},
+            }
+
+
+def test_the_checkpoint_with_the_lowest_validation_wer_is_kept_whatever_keep_checkpoints_says(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(config, "KEEP_CHECKPOINTS", 2)
+    monkeypatch.setattr(config, "KEEP_BEST_CHECKPOINTS", 1)
+    wer = {1: 0.5, 2: 0.3, 3: 0.4, 4: 0.6, 5: 0.7}
+    fit(tmp_path, max_steps=5, every=1, extra=[FakeValidation(wer)])
+    kept = sorted(p.name for p in (tmp_path / "ckpt").glob("step_*.ckpt"))
+    assert kept == ["step_00000002.ckpt", "step_00000004.ckpt", "step_00000005.ckpt"]
+    scores = json.loads((tmp_path / "ckpt" / "run.json").read_text())["validation"]
+    assert {int(k): round(v["wer"], 3) for k, v in scores.items()} == wer
+    assert checkpoints.best_checkpoints(1, tmp_path / "ckpt") == [tmp_path / "ckpt" / kept[0]]
+
+
+def test_best_names_the_lowest_wer_checkpoints_on_disk_ties_to_the_later_step(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(config, "CHECKPOINT_DIR", tmp_path)
+    for step in (1, 2, 3, 4):
+        torch.save({"global_step": step}, tmp_path / checkpoints.checkpoint_name(step))
+    scores = {"1": 0.2, "2": 0.4, "3": 0.2, "4": 0.3, "9": 0.0}  # step 9 was pruned
+    (tmp_path / "run.json").write_text(
+        json.dumps(
+            {"name": "r", "wandb_id": "x", "validation": {k: {"wer": v} for k, v in scores.items()}}
+        )
+    )
+    names = [p.name for p in checkpoints.best_checkpoints(3)]
+    assert names == ["step_00000003.ckpt", "step_00000001.ckpt", "step_00000004.ckpt"]
+    assert checkpoints.resolve_model_path("best").name == "step_00000003.ckpt"
+    with pytest.raises(
+        checkpoints.CheckpointError, match="4 step checkpoint\\(s\\) .* 5 asked for"
+    ):
+        checkpoints.best_checkpoints(5, strict=True)
+
+
+def test_best_without_any_validation_score_says_why(tmp_path, monkeypatch):
+    monkeypatch.setattr(config, "CHECKPOINT_DIR", tmp_path)
+    torch.save({"global_step": 1}, tmp_path / checkpoints.checkpoint_name(1))
+    with pytest.raises(checkpoints.CheckpointError, match="EVAL_EVERY_STEPS"):
+        checkpoints.resolve_model_path("best")
+
+
+def test_a_validation_of_an_earlier_step_does_not_score_a_checkpoint(tmp_path):
+    evaluation = {
+        "step": 4,
+        "results": {"all": {"word_edits": 1, "words": 10, "char_edits": 1, "chars": 9}},
+    }
+    assert not checkpoints.record_validation(5, evaluation, tmp_path)
+    assert checkpoints.record_validation(4, evaluation, tmp_path)
+    assert json.loads((tmp_path / "run.json").read_text())["validation"]["4"]["wer"] == 0.1
+
+
 def test_a_file_system_without_room_for_the_next_checkpoints_is_warned_about(
     tmp_path, monkeypatch, caplog
 ):
@@ -929,7 +999,7 @@ def test_a_resumed_run_does_not_log_again_the_steps_its_crashed_job_logged(tmp_p
         max_steps=5,
         every=3,
         extra=[callbacks.TrainingMetricsCallback()],
-        loggers=run_logging.build_loggers(resuming=False),
+        loggers=run_logging.build_loggers(),
     )
     first = metrics.read_text()
     trainer, _ = fit(
@@ -937,7 +1007,9 @@ def test_a_resumed_run_does_not_log_again_the_steps_its_crashed_job_logged(tmp_p
         max_steps=7,
         every=3,
         extra=[callbacks.TrainingMetricsCallback()],
-        loggers=run_logging.build_loggers(resuming=True),
+        loggers=run_logging.build_loggers(
+            resume_path=str(tmp_path / "ckpt" / "step_00000003.ckpt")
+        ),
         ckpt_path=str(tmp_path / "ckpt" / "step_00000003.ckpt"),
     )
     assert trainer.global_step == 7

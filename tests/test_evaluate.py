@@ -231,6 +231,38 @@ def test_export_average_3_writes_the_mean_of_the_newest_three(tiny, monkeypatch,
     torch.testing.assert_close(restored[key], tiny.model.state_dict()[key] + 3.0, rtol=0, atol=1e-5)
 
 
+def test_export_best_takes_the_lowest_wer_checkpoints_and_its_card_says_so(tiny, monkeypatch):
+    from nemo.collections.asr.models import ASRModel
+
+    directory = tiny.root / "best"
+    directory.mkdir()
+    wer = {100: 0.30, 200: 0.10, 300: 0.20, 400: 0.50}
+    for step, shift in ((100, 5.0), (200, 1.0), (300, 2.0), (400, 6.0)):
+        _step_checkpoint(tiny, directory, step, shift)
+    (directory / "run.json").write_text(
+        json.dumps(
+            {
+                "name": "r",
+                "wandb_id": "x",
+                "validation": {str(k): {"wer": v} for k, v in wer.items()},
+            }
+        )
+    )
+    monkeypatch.setattr(config, "CHECKPOINT_DIR", directory)
+    assert export_nemo.main(["best"]) == 0
+    card = (directory / "step_00000200.model-card.md").read_text(encoding="utf-8")
+    assert "chosen as: the step checkpoint with the lowest validation WER of the run" in card
+    assert "step_00000200.ckpt: 0.1000" in card
+    assert export_nemo.main(["best", "--average", "2"]) == 0  # the 2 best: steps 200 and 300
+    restored = ASRModel.restore_from(
+        str(directory / "step_00000300.avg2.nemo"), map_location="cpu"
+    ).state_dict()
+    key = next(k for k, v in tiny.model.state_dict().items() if v.is_floating_point())
+    torch.testing.assert_close(restored[key], tiny.model.state_dict()[key] + 1.5, rtol=0, atol=1e-5)
+    card = (directory / "step_00000300.avg2.model-card.md").read_text(encoding="utf-8")
+    assert "the 2 step checkpoints with the lowest validation WER" in card
+
+
 def test_averaging_more_checkpoints_than_there_are_is_one_line(tiny, monkeypatch, capsys):
     directory = tiny.root / "too-few"
     directory.mkdir()
@@ -353,7 +385,7 @@ def test_wer_callback_splits_utterances_across_ranks_and_gathers_them_on_rank_ze
 
         def gather(obj, rank=rank):
             shares[rank] = obj[0]
-            return [(shares.get(r, {}), 0.0, 0) for r in (0, 1)]
+            return [(shares.get(r, {}), 0.0, 0, False) for r in (0, 1)]
 
         monkeypatch.setattr(callbacks, "all_gather_objects", gather)
         results[rank] = cb.evaluate(trainer, module)
