@@ -117,8 +117,8 @@ class ModelNotFetched(config.ConfigError):
 
 
 def is_local_model(init_model: str) -> bool:
-    """Whether INIT_MODEL names a file (a .nemo path) rather than a pretrained model's name."""
-    return init_model.endswith(".nemo") or Path(init_model).exists()
+    """Whether INIT_MODEL names a file (a .nemo or .ckpt path) rather than a pretrained model's name."""
+    return init_model.endswith((".nemo", ".ckpt")) or Path(init_model).exists()
 
 
 def check_model_inputs(
@@ -139,8 +139,8 @@ def check_model_inputs(
         )
     if init_model and is_local_model(init_model) and not Path(init_model).is_file():
         raise FileNotFoundError(
-            f"INIT_MODEL={init_model} does not exist; give a .nemo file or a pretrained name "
-            f"such as nvidia/parakeet-tdt-0.6b-v2"
+            f"INIT_MODEL={init_model} does not exist; give a .nemo file, a step_*.ckpt or a "
+            f"pretrained name such as nvidia/parakeet-tdt-0.6b-v2"
         )
     if not init_model and not model_config.is_file():
         raise FileNotFoundError(f"MODEL_CONFIG={model_config} does not exist (INIT_MODEL is empty)")
@@ -150,12 +150,15 @@ def build_model(
     init_model: str | None = None,
     model_config: Path | None = None,
     tokenizer_dir: Path | None = None,
+    decoder_init: str | None = None,
 ):
     """The NeMo TDT model to train, on CPU, with TOKENIZER_DIR's vocabulary and a device-dispatching TDT loss.
 
-    ``init_model``: a .nemo path (restore_from) or a pretrained name (from_pretrained); empty means a
-    fresh model from the ``model_config`` YAML (its ``model:`` section) with ``tokenizer.dir`` set to
-    ``tokenizer_dir``. Defaults come from INIT_MODEL, MODEL_CONFIG and TOKENIZER_DIR.
+    ``init_model``: a .nemo path (restore_from), a train.py step checkpoint (the model it describes,
+    with its weights) or a pretrained name (from_pretrained); empty means a fresh model from the
+    ``model_config`` YAML (its ``model:`` section) with ``tokenizer.dir`` set to ``tokenizer_dir``.
+    Defaults come from INIT_MODEL, MODEL_CONFIG, TOKENIZER_DIR and DECODER_INIT.
+    ``model.vocabulary_change`` holds what ``use_tokenizer`` did to its decoder and joint.
     """
     from nemo.collections.asr.models import ASRModel, EncDecRNNTBPEModel
     from omegaconf import OmegaConf, open_dict
@@ -166,7 +169,10 @@ def build_model(
     check_model_inputs(init_model, model_config, tokenizer_dir)
 
     if init_model:
-        if is_local_model(init_model):
+        if init_model.endswith(".ckpt"):
+            log.info("restoring the model of the step checkpoint %s", init_model)
+            model = load_trained_model(init_model).train()
+        elif is_local_model(init_model):
             log.info("restoring %s", init_model)
             model = ASRModel.restore_from(init_model, map_location="cpu")
         else:
@@ -189,32 +195,117 @@ def build_model(
         log.info("building a fresh model from %s", model_config)
         model = EncDecRNNTBPEModel(cfg=cfg)
 
-    use_tokenizer(model, tokenizer_dir)
+    # What the model card says of the vocabulary change (None: the base's vocabulary as it was).
+    model.vocabulary_change = use_tokenizer(model, tokenizer_dir, decoder_init)
     ensure_validation_ds(model)
     make_encoder_forward_rank_local(model)
     check_frontend(model)
     return model
 
 
-def use_tokenizer(model, tokenizer_dir: Path) -> None:
+def use_tokenizer(model, tokenizer_dir: Path, decoder_init: str | None = None) -> dict | None:
     """Give ``model`` the vocabulary of ``tokenizer_dir`` and a TDT loss whose blank matches its joint.
 
     A model whose pieces already are those of ``tokenizer_dir`` keeps its decoder and joint; any
-    other gets NeMo's ``change_vocabulary`` (new decoder and joint). Either way the loss is rebuilt
-    by ``tdt_loss.attach_tdt_loss`` (TDT_LOSS chooses what runs on CUDA).
+    other gets NeMo's ``change_vocabulary`` (new decoder and joint), and then, with ``decoder_init``
+    (DECODER_INIT) "carry", the base model's weights in them (``carry_decoder_and_joint``). Either
+    way the loss is rebuilt by ``tdt_loss.attach_tdt_loss`` (TDT_LOSS chooses what runs on CUDA).
+    Returns the counts of the carried, new and dropped rows, or None when nothing changed.
     """
+    decoder_init = config.DECODER_INIT if decoder_init is None else decoder_init
+    counts = None
     if not tokenizer_matches(model, tokenizer_dir):
-        old = model.tokenizer.vocab_size
+        old_size, old_pieces = model.tokenizer.vocab_size, model_pieces(model)
+        old_decoder, old_joint = model.decoder, model.joint
         # NeMo 3.0 replaces the TDT loss here with an RNN-T loss whose blank counts the durations:
         # attach_tdt_loss below rebuilds it from cfg.loss.
         model.change_vocabulary(new_tokenizer_dir=str(tokenizer_dir), new_tokenizer_type="bpe")
-        log.info(
-            "vocabulary changed from %d to %d pieces (TOKENIZER_DIR=%s): decoder and joint are new",
-            old,
-            model.tokenizer.vocab_size,
-            tokenizer_dir,
-        )
+        if decoder_init == "carry" and old_pieces is not None:
+            counts = carry_decoder_and_joint(
+                old_decoder, old_joint, old_pieces, model.decoder, model.joint, model_pieces(model)
+            )
+            log.info(
+                "vocabulary changed from %d to %d pieces (TOKENIZER_DIR=%s): the base model's "
+                "decoder and joint are kept, %d piece rows carried, %d new, %d dropped",
+                old_size,
+                model.tokenizer.vocab_size,
+                tokenizer_dir,
+                counts["carried"],
+                counts["new"],
+                counts["dropped"],
+            )
+        else:
+            counts = {"carried": 0, "new": model.tokenizer.vocab_size, "dropped": old_size}
+            log.info(
+                "vocabulary changed from %d to %d pieces (TOKENIZER_DIR=%s): decoder and joint "
+                "are new (DECODER_INIT=%s)",
+                old_size,
+                model.tokenizer.vocab_size,
+                tokenizer_dir,
+                decoder_init,
+            )
+        counts["decoder_init"] = decoder_init
+        del old_decoder, old_joint
     tdt_loss.attach_tdt_loss(model)
+    return counts
+
+
+@torch.no_grad()
+def carry_decoder_and_joint(
+    old_decoder, old_joint, old_pieces: list[str], decoder, joint, pieces: list[str]
+) -> dict[str, int]:
+    """Copy the base model's prediction network and joint into the ones ``change_vocabulary`` built.
+
+    - Every weight whose shape does not depend on the vocabulary (the prediction LSTM, the joint's
+      encoder and prediction projections, any other tensor of equal name and shape) is copied.
+    - Rows of pieces both vocabularies hold (matched by piece string): the embedding row of the
+      prediction network, the joint's output row and bias. Blank (the last embedding row, the
+      output after the pieces) and the TDT duration outputs move to their new positions.
+    - A new piece starts as the average base piece, pushed down by log(N) for N new pieces: its
+      embedding row is the mean of the base's piece embeddings (an average context for the LSTM,
+      not a random direction it never saw), its output row the mean of the base's piece output
+      rows and its bias their mean bias minus log(N). Its logit is then the mean of the base's
+      piece logits minus log(N), below the largest of them for every input: at step 0 no new piece
+      wins, and the model decodes exactly as the base does. By Jensen's inequality all N new
+      pieces together hold at most 1/V of the base pieces' probability (V base pieces), so the loss
+      of the base's own text barely moves either. And every new row starts where the others are,
+      not tens of nats below them, so the optimizer (whose steps are about the LR whatever the
+      gradient) needs no thousands of steps to bring a new piece into play; none starts as a random
+      direction that could burst into insertions.
+    Returns {"carried", "new", "dropped"} piece counts.
+    """
+    old_index = {piece: i for i, piece in enumerate(old_pieces)}
+    shared = [(i, old_index[p]) for i, p in enumerate(pieces) if p in old_index]
+    new_ids = [i for i, p in enumerate(pieces) if p not in old_index]
+    v_old, v_new = len(old_pieces), len(pieces)
+    dst_rows = torch.tensor([i for i, _ in shared], dtype=torch.long)
+    src_rows = torch.tensor([j for _, j in shared], dtype=torch.long)
+
+    for new_module, old_module in ((decoder, old_decoder), (joint, old_joint)):
+        old_state = old_module.state_dict()
+        for name, tensor in new_module.state_dict().items():
+            if name in old_state and old_state[name].shape == tensor.shape:
+                tensor.copy_(old_state[name])
+
+    embed, old_embed = decoder.prediction["embed"].weight, old_decoder.prediction["embed"].weight
+    embed[dst_rows] = old_embed[src_rows]
+    if embed.shape[0] > v_new and old_embed.shape[0] > v_old:
+        embed[v_new] = old_embed[v_old]  # blank (NeMo's blank_as_pad: the padding row)
+    if new_ids:
+        embed[new_ids] = old_embed[:v_old].mean(dim=0)
+
+    out, old_out = joint.joint_net[-1], old_joint.joint_net[-1]
+    extra = joint.num_extra_outputs  # TDT durations after blank
+    for new_param, old_param in ((out.weight, old_out.weight), (out.bias, old_out.bias)):
+        if new_param is None:
+            continue
+        new_param[dst_rows] = old_param[src_rows]
+        new_param[v_new : v_new + 1 + extra] = old_param[v_old : v_old + 1 + extra]
+    if new_ids:
+        out.weight[new_ids] = old_out.weight[:v_old].mean(dim=0)
+        if out.bias is not None:
+            out.bias[new_ids] = old_out.bias[:v_old].mean() - math.log(len(new_ids))
+    return {"carried": len(shared), "new": len(new_ids), "dropped": v_old - len(shared)}
 
 
 def make_encoder_forward_rank_local(model) -> None:

@@ -469,7 +469,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         "",
         _str,
         "A .nemo path or a pretrained name (e.g. nvidia/parakeet-tdt-0.6b-v2); empty = fresh model from MODEL_CONFIG",
-        steps=("train", "evaluate", "export_nemo", "transcribe"),
+        steps=("train_tokenizer", "train", "evaluate", "export_nemo", "transcribe"),
     )
     knob(
         "MODEL_CONFIG",
@@ -492,6 +492,25 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         "SentencePiece vocabulary size for train_tokenizer.py",
         _positive,
         steps=("train_tokenizer",),
+    )
+    knob(
+        "TOKENIZER_MODE",
+        "auto",
+        _choice("auto", "new", "extend", "tags"),
+        "train_tokenizer.py: new = learned from the manifest; extend = the base model's (INIT_MODEL) "
+        "with pieces for what it does not cover and the tags appended, every base piece keeping its "
+        "id; tags = the base's plus the tags only; auto = extend when INIT_MODEL is set, else new",
+        steps=("train_tokenizer",),
+    )
+    knob(
+        "DECODER_INIT",
+        "carry",
+        _choice("carry", "fresh"),
+        "When TOKENIZER_DIR's vocabulary differs from the base model's: carry = keep the base's "
+        "decoder and joint, with the rows of pieces both vocabularies share, blank and durations "
+        "moved to their new ids and new pieces started below every base piece; fresh = NeMo's "
+        "change_vocabulary (a new decoder and joint)",
+        steps=("train",),
     )
     knob(
         "TDT_LOSS",
@@ -942,6 +961,8 @@ INIT_MODEL: str
 MODEL_CONFIG: Path
 RESUME_FROM: str
 VOCAB_SIZE: int
+TOKENIZER_MODE: str
+DECODER_INIT: str
 TDT_LOSS: str
 ENCODER_FRAME_SECONDS: float
 LANGUAGES: tuple[str, ...]

@@ -71,6 +71,34 @@ def _evaluation_rows(results: dict[str, dict[str, int]]) -> list[str]:
     return rows
 
 
+def _vocabulary_lines(record: dict[str, Any]) -> list[str]:
+    """How the tokenizer and the decoder/joint relate to the base model's, when a record says."""
+    lines = []
+    tokenizer = record.get("tokenizer") or {}
+    extension = tokenizer.get("extension")
+    if tokenizer.get("mode") == "extend" and extension:
+        lines.append(
+            f"- tokenizer mode: extend ({extension['base_pieces']:,} base pieces kept with their "
+            f"ids, {extension['appended_pieces']:,} pieces and {extension['appended_tags']} tags "
+            f"appended)"
+        )
+    elif tokenizer.get("mode") == "tags" and extension:
+        lines.append(
+            f"- tokenizer mode: tags (the base's, {extension['appended_tags']} tags added)"
+        )
+    elif tokenizer.get("mode"):
+        lines.append(f"- tokenizer mode: {tokenizer['mode']} (learned from the training manifest)")
+    change = record.get("vocabulary_change")
+    if change and change.get("decoder_init") == "carry":
+        lines.append(
+            f"- decoder and joint: the base model's, {change['carried']:,} piece rows carried, "
+            f"{change['new']:,} new, {change['dropped']:,} dropped"
+        )
+    elif change:
+        lines.append("- decoder and joint: new (DECODER_INIT=fresh), trained from random")
+    return lines
+
+
 def render(record: dict[str, Any], model, nemo_name: str) -> str:
     """The card's Markdown. ``record``: a run record (settings, training_hours, step, world_size,
     evaluation); ``model``: the exported NeMo model (its size and tokenizer are read from it)."""
@@ -97,6 +125,7 @@ def render(record: dict[str, Any], model, nemo_name: str) -> str:
         "## Model",
         "",
         f"- base model: {base}",
+        *_vocabulary_lines(record),
         f"- tokenizer: SentencePiece, {model.tokenizer.vocab_size:,} pieces, "
         f"{len(tags)} language tags ({', '.join(tags)}); from `{settings.get('TOKENIZER_DIR')}`",
         f"- sample rate: {settings.get('TARGET_SAMPLE_RATE')} Hz, mono",

@@ -80,6 +80,21 @@ def lr_schedule_from_config():
     return lambda step: lr_at_step(step, **kwargs)
 
 
+def tokenizer_summary() -> dict:
+    """How TOKENIZER_DIR was made (train_tokenizer.py's summary.json: mode, base and counts), or {}."""
+    import json
+
+    try:
+        summary = json.loads((Path(config.TOKENIZER_DIR) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {
+        "mode": summary.get("mode", "new"),
+        "vocab_size": summary.get("vocab_size"),
+        **({"extension": summary["extension"]} if "extension" in summary else {}),
+    }
+
+
 class NoTrainingData(process_control.UserError, RuntimeError):
     """The run cannot learn: no audio of its manifest can be read (at start-up, or for
     MAX_EMPTY_STEPS optimizer steps in a row)."""
@@ -200,8 +215,9 @@ class TrainingModule(pl.LightningModule):
         self.last_evaluation = checkpoint.get(RUN_RECORD_KEY, {}).get("evaluation")
 
     def run_record(self) -> dict:
-        """The run as a model card tells it: its name and W&B id, settings (numbers as numbers), hours
-        of training audio per language, the step, the world size and the newest validation."""
+        """The run as a model card tells it: its name and W&B id, how the vocabulary changed from the
+        base model's (the tokenizer's mode, the carried and new rows), settings (numbers as numbers),
+        hours of training audio per language, the step, the world size and the newest validation."""
         if self._training_hours is None and self.dataset is not None:
             names, codes = self.dataset.lang_names, self.dataset.lang_codes
             seconds = np.bincount(codes, weights=self.dataset.durations, minlength=len(names))
@@ -212,6 +228,8 @@ class TrainingModule(pl.LightningModule):
         identity = read_run_record()
         return {
             "run": {k: identity[k] for k in ("name", "wandb_id") if k in identity},
+            "vocabulary_change": getattr(self.model, "vocabulary_change", None),
+            "tokenizer": tokenizer_summary(),
             "settings": config.run_settings(),
             "training_hours": self._training_hours or {},
             "step": int(trainer.global_step) if trainer is not None else None,

@@ -1,10 +1,28 @@
-"""Train the SentencePiece BPE tokenizer of the run on the train manifest's texts.
+"""Train the SentencePiece tokenizer of the run on the train manifest's texts, or extend a base model's.
 
 Usage:
     python scripts/train_tokenizer.py --help
     python scripts/train_tokenizer.py                         # TRAIN_MANIFEST_PATH -> TOKENIZER_DIR
     VOCAB_SIZE=4000 python scripts/train_tokenizer.py --manifest data/train_manifest_v2.parquet \\
         --output data/tokenizer_4k --sample-sentences 500000
+    INIT_MODEL=parakeet-tdt-0.6b-v2.nemo TOKENIZER_MODE=extend python scripts/train_tokenizer.py
+
+Modes (TOKENIZER_MODE; auto = extend when INIT_MODEL names a base model, else new):
+- new: a BPE model learned from the manifest alone (below).
+- extend: the base model's SentencePiece model (INIT_MODEL or --base: a .nemo, a train.py step
+  checkpoint, a tokenizer directory, or a pretrained name, downloaded) with pieces appended: every
+  base piece keeps its id, score and type, and the normalizer, the special pieces and the byte
+  fallback setting stay the base's. The appended pieces are learned from the manifest's sentences
+  that hold a character the base has no piece for (temperature-sampled, as below), by a model of
+  the base's type (BPE or unigram) over text normalized as the base normalizes it; only pieces with
+  at least one such character are kept (all new characters first, then merges in learned order, up
+  to VOCAB_SIZE pieces in all with the tags). So text the base covers cannot contain an appended
+  piece and is segmented exactly as before: checked on the manifest's covered sentences before the
+  tokenizer is written. BPE pieces are appended with scores below every base piece, so every base
+  merge still comes first; unigram pieces keep their learned log-probabilities.
+- tags: the base tokenizer as it is, plus the ``<|lang|>`` tags: for a base that covers the languages.
+A WordPiece or aggregate (one tokenizer per language) base, or a word or character SentencePiece
+model, is refused with one line: extending one would change how the base segments its own text.
 
 What it guarantees:
 - Every ``<|lang|>`` tag found at the start of a manifest text is a user-defined symbol: one piece,
@@ -21,8 +39,10 @@ What it guarantees:
 - When the corpus cannot fill VOCAB_SIZE pieces (tiny corpora), the vocabulary is capped to what
   SentencePiece can learn and a warning says so.
 
-Reads: TRAIN_MANIFEST_PATH, TOKENIZER_DIR, VOCAB_SIZE, TEMPERATURE, LANG_WEIGHTING, SEED (config.py).
-Reports per language: the unknown-piece rate and tokens per second of audio.
+Reads: TRAIN_MANIFEST_PATH, TOKENIZER_DIR, VOCAB_SIZE, TEMPERATURE, LANG_WEIGHTING, SEED,
+TOKENIZER_MODE, INIT_MODEL (config.py).
+Reports per language: the unknown-piece rate, tokens per second of audio and, when extending, the
+share of tokens that are base pieces and appended pieces.
 """
 
 from __future__ import annotations
@@ -44,6 +64,7 @@ from tqdm import tqdm
 
 import config
 from manifest_schema import lang_tag, split_lang_tags
+from process_control import UserError
 
 log = logging.getLogger("train_tokenizer")
 
@@ -113,12 +134,21 @@ def nemo_vocab_lines(vocab_file: Path, user_symbols: list[str]) -> list[str]:
     return lines
 
 
-def _train_spm(sentence_file: Path, prefix: Path, vocab_size: int, user_symbols: list[str]) -> None:
-    spm.SentencePieceTrainer.train(
+def _train_spm(
+    sentence_file: Path,
+    prefix: Path,
+    vocab_size: int,
+    user_symbols: list[str],
+    *,
+    model_type: str = "bpe",
+    cap: bool = False,
+    **options,
+) -> None:
+    settings = dict(
         input=str(sentence_file),
         model_prefix=str(prefix),
         vocab_size=vocab_size,
-        model_type="bpe",
+        model_type=model_type,
         character_coverage=1.0,
         user_defined_symbols=user_symbols,
         bos_id=-1,
@@ -129,6 +159,15 @@ def _train_spm(sentence_file: Path, prefix: Path, vocab_size: int, user_symbols:
         train_extremely_large_corpus=False,
         minloglevel=2,
     )
+    settings.update(options)
+    try:
+        spm.SentencePieceTrainer.train(**settings)
+    except RuntimeError as exc:
+        marker = "value <= "
+        if not cap or marker not in str(exc):
+            raise
+        settings["vocab_size"] = int(str(exc).split(marker, 1)[1].split(".")[0].strip())
+        spm.SentencePieceTrainer.train(**settings)
 
 
 class VocabularyTooSmall(ValueError):
@@ -173,14 +212,233 @@ def train_with_cap(
         return cap
 
 
+class TokenizerError(UserError, ValueError):
+    """A base tokenizer that cannot be read or extended; the message says which and what to do."""
+
+
+# ModelProto.TrainerSpec.ModelType and ModelProto.SentencePiece.Type values (sentencepiece_model.proto)
+UNIGRAM, BPE = 1, 2
+NORMAL, USER_DEFINED = 1, 4
+STANDARD_NORMALIZERS = ("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity")
+
+
+def base_tokenizer_model(source: str) -> tuple[bytes, str]:
+    """The serialized SentencePiece model of ``source`` and a description of where it came from.
+
+    ``source``: a tokenizer directory (tokenizer.model), a .nemo file, a train.py step checkpoint
+    (.ckpt, which carries its tokenizer) or a pretrained model name (its .nemo is downloaded)."""
+    path = Path(source)
+    if path.is_dir():
+        model = path / "tokenizer.model"
+        if not model.is_file():
+            raise TokenizerError(f"base tokenizer {path} has no tokenizer.model")
+        return model.read_bytes(), f"the tokenizer directory {path}"
+    if path.is_file() and path.suffix == ".nemo":
+        return _nemo_tokenizer_model(path), f"the tokenizer of {path}"
+    if path.is_file() and path.suffix == ".ckpt":
+        import asr_model
+        from checkpoints import read_checkpoint
+
+        portable = read_checkpoint(path, mmap=True).get(asr_model.PORTABLE_KEY)
+        if not portable or "tokenizer.model" not in portable.get("tokenizer", {}):
+            raise TokenizerError(f"{path} carries no tokenizer (a checkpoint of an older train.py)")
+        return portable["tokenizer"]["tokenizer.model"], f"the tokenizer of {path}"
+    if path.exists() or source.endswith((".nemo", ".ckpt")):
+        raise TokenizerError(
+            f"base {source}: expected a .nemo file, a step_*.ckpt, a tokenizer directory or a "
+            f"pretrained name"
+        )
+    try:
+        from huggingface_hub import hf_hub_download
+
+        downloaded = hf_hub_download(source, f"{source.rsplit('/', 1)[-1]}.nemo")
+    except Exception as exc:  # huggingface_hub raises many kinds
+        raise TokenizerError(
+            f"base {source} cannot be fetched ({type(exc).__name__}); on a node without internet "
+            f"download the .nemo where there is and pass its path (INIT_MODEL or --base)"
+        ) from None
+    return _nemo_tokenizer_model(Path(downloaded)), f"the tokenizer of {source}"
+
+
+def _nemo_tokenizer_model(path: Path) -> bytes:
+    """tokenizer.model inside a .nemo archive; TokenizerError for a kind that cannot be extended."""
+    import tarfile
+
+    import yaml
+
+    try:
+        with tarfile.open(path) as archive:
+            members = {Path(m.name).name: m for m in archive.getmembers() if m.isfile()}
+            cfg = yaml.safe_load(archive.extractfile(members["model_config.yaml"]))
+            tokenizer = (cfg or {}).get("tokenizer") or {}
+            kind = tokenizer.get("type")
+            if kind == "agg":
+                raise TokenizerError(
+                    f"{path} has an aggregate tokenizer (one per language): it cannot be extended "
+                    f"as one SentencePiece model; use TOKENIZER_MODE=new"
+                )
+            if kind != "bpe":
+                raise TokenizerError(
+                    f"{path} has a {kind!r} tokenizer, not SentencePiece ('bpe'): a WordPiece "
+                    f"vocabulary cannot be extended here; use TOKENIZER_MODE=new"
+                )
+            name = str(tokenizer.get("model_path", "")).rsplit(":", 1)[-1]
+            name = Path(name).name if name else ""
+            member = members.get(name) or next(
+                (m for n, m in members.items() if n.endswith("tokenizer.model")), None
+            )
+            if member is None:
+                raise TokenizerError(f"{path} holds no SentencePiece tokenizer.model")
+            return archive.extractfile(member).read()
+    except (tarfile.TarError, KeyError, OSError) as exc:
+        raise TokenizerError(f"cannot read the tokenizer of {path}: {type(exc).__name__}: {exc}")
+
+
+def _proto(data: bytes):
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    proto.ParseFromString(data)
+    return proto
+
+
+def covered_characters(proto) -> set[str]:
+    """Every character that occurs in a normal piece of ``proto``: text made of these alone can be
+    segmented by the model without its byte fallback or <unk>."""
+    return {c for p in proto.pieces if p.type == NORMAL for c in p.piece}
+
+
+def extend_model(
+    base: bytes,
+    sentences: list[str],
+    vocab_size: int,
+    tags: list[str],
+    work: Path,
+    *,
+    tags_only: bool = False,
+) -> tuple[bytes, dict]:
+    """The base SentencePiece model with ``tags`` and, unless ``tags_only``, pieces learned from
+    ``sentences`` appended (module doc, TOKENIZER_MODE=extend); returns (model, counts)."""
+    proto = _proto(base)
+    model_type = proto.trainer_spec.model_type
+    if model_type not in (UNIGRAM, BPE):
+        raise TokenizerError(
+            "the base is a word or character SentencePiece model: pieces appended to it would "
+            "change how it segments its own text; use TOKENIZER_MODE=new"
+        )
+    base_size = len(proto.pieces)
+    existing = {p.piece for p in proto.pieces}
+    new_tags = [t for t in tags if t not in existing]
+    appended: list[tuple[str, float]] = []
+    if not tags_only:
+        budget = vocab_size - base_size - len(new_tags)
+        if budget <= 0:
+            raise TokenizerError(
+                f"VOCAB_SIZE={vocab_size} leaves no room for new pieces: the base has {base_size} "
+                f"and there are {len(new_tags)} new tags; raise VOCAB_SIZE, or use "
+                f"TOKENIZER_MODE=tags to keep the base as it is"
+            )
+        appended = _learn_new_pieces(proto, sentences, budget, work)
+    for piece, score in appended:
+        entry = proto.pieces.add()
+        entry.piece, entry.score, entry.type = piece, score, NORMAL
+    for tag in new_tags:
+        entry = proto.pieces.add()
+        entry.piece, entry.score, entry.type = tag, 0.0, USER_DEFINED
+    proto.trainer_spec.vocab_size = len(proto.pieces)
+    counts = {
+        "base_pieces": base_size,
+        "appended_pieces": len(appended),
+        "appended_characters": sum(1 for piece, _ in appended if len(piece) == 1),
+        "appended_tags": len(new_tags),
+    }
+    return proto.SerializeToString(), counts
+
+
+def _learn_new_pieces(
+    proto, sentences: list[str], budget: int, work: Path
+) -> list[tuple[str, float]]:
+    """Up to ``budget`` (piece, score) pairs, each holding a character ``proto`` has no piece for:
+    every such character, then merges in learned order."""
+    covered = covered_characters(proto)
+    existing = {p.piece for p in proto.pieces}
+    base_sp = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+    rule = proto.normalizer_spec.name
+    if rule not in STANDARD_NORMALIZERS:
+        # A custom normalizer: normalize as the base does, then learn from that text as it is.
+        sentences = [s.replace("\u2581", " ").strip() for s in base_sp.normalize(sentences)]
+        rule = "identity"
+    new_text = [s for s in sentences if any(c not in covered for c in s)]
+    if not new_text:
+        return []
+    sentence_file = work / "new_sentences.txt"
+    sentence_file.write_text("\n".join(new_text) + "\n", encoding="utf-8")
+    target = budget + 64
+    for _ in range(4):  # pieces of covered characters alone are learned too: grow until enough
+        _train_spm(
+            sentence_file,
+            work / "appended",
+            target,
+            [],
+            model_type="unigram" if proto.trainer_spec.model_type == UNIGRAM else "bpe",
+            normalization_rule_name=rule,
+            add_dummy_prefix=proto.normalizer_spec.add_dummy_prefix,
+            remove_extra_whitespaces=proto.normalizer_spec.remove_extra_whitespaces,
+            cap=True,
+        )
+        learned = _proto((work / "appended.model").read_bytes())
+        usable = [
+            p
+            for p in learned.pieces
+            if p.type == NORMAL
+            and p.piece not in existing
+            and any(c not in covered for c in p.piece)
+        ]
+        if len(usable) >= budget or len(learned.pieces) < target:  # enough, or all the text has
+            break
+        target = int(target * budget / max(len(usable), 1) * 1.1) + 64
+    chars = [p for p in usable if len(p.piece) == 1]
+    merges = [p for p in usable if len(p.piece) > 1]
+    if len(chars) > budget:
+        raise TokenizerError(
+            f"VOCAB_SIZE leaves {budget} pieces for new text, fewer than its {len(chars)} new "
+            f"characters; raise VOCAB_SIZE above {proto.trainer_spec.vocab_size + len(chars) + 64}"
+        )
+    merges = merges[: budget - len(chars)]
+    if proto.trainer_spec.model_type == UNIGRAM:
+        return [(p.piece, p.score) for p in merges + chars]
+    # BPE merges by score: every appended piece after every base piece, in learned order.
+    lowest = min((p.score for p in proto.pieces if p.type == NORMAL), default=0.0)
+    return [(p.piece, lowest - 1.0 - i) for i, p in enumerate(merges + chars)]
+
+
+def check_extension(base: bytes, extended: bytes, sentences: list[str], limit: int = 2000) -> int:
+    """ValueError unless every base piece keeps its id and the base's covered sentences (up to
+    ``limit``) are segmented exactly as the base segments them; returns how many were compared."""
+    base_proto = _proto(base)
+    base_sp = spm.SentencePieceProcessor(model_proto=base)
+    new_sp = spm.SentencePieceProcessor(model_proto=extended)
+    for i, piece in enumerate(base_proto.pieces):
+        if new_sp.id_to_piece(i) != piece.piece:
+            raise ValueError(f"base piece {i} {piece.piece!r} moved in the extended tokenizer")
+    covered = covered_characters(base_proto) | {" "}
+    same = [s for s in sentences if all(c in covered for c in s)][:limit]
+    if base_sp.encode(same) != new_sp.encode(same):
+        raise ValueError("the extended tokenizer segments text the base covers differently")
+    return len(same)
+
+
 def report(
     model_file: Path,
     tags: np.ndarray,
     rests: np.ndarray,
     durations: np.ndarray,
     rng: np.random.Generator,
+    base_pieces: int | None = None,
 ) -> dict[str, dict[str, float]]:
-    """Per language: unknown-piece rate and tokens (tag + text, as dataset.py emits) per audio second."""
+    """Per language: unknown-piece rate and tokens (tag + text, as dataset.py emits) per audio
+    second; with ``base_pieces`` (an extended tokenizer) also the share of the text's tokens that
+    are base pieces (ids below it) and appended ones."""
     sp = spm.SentencePieceProcessor(model_file=str(model_file))
     unk = sp.unk_id()
     out = {}
@@ -197,7 +455,41 @@ def report(
             "unk_rate": n_unk / max(n_pieces, 1),
             "tokens_per_second": (n_pieces + len(rows)) / seconds if seconds > 0 else float("nan"),
         }
+        if base_pieces is not None:
+            n_base = sum(1 for e in encoded for i in e if i < base_pieces)
+            out[lang]["base_piece_share"] = n_base / max(n_pieces, 1)
+            out[lang]["appended_piece_share"] = (n_pieces - n_base) / max(n_pieces, 1)
     return out
+
+
+def write_model_files(model: bytes, directory: Path) -> list[str]:
+    """tokenizer.model, tokenizer.vocab and NeMo's vocab.txt of a SentencePiece model; returns its
+    user-defined pieces (vocab.txt leaves them out, as NeMo's create_spt_model does)."""
+    proto = _proto(model)
+    (directory / "tokenizer.model").write_bytes(model)
+    (directory / "tokenizer.vocab").write_text(
+        "".join(f"{p.piece}\t{p.score:g}\n" for p in proto.pieces), encoding="utf-8"
+    )
+    user_symbols = [p.piece for p in proto.pieces if p.type == USER_DEFINED]
+    (directory / "vocab.txt").write_text(
+        "\n".join(nemo_vocab_lines(directory / "tokenizer.vocab", user_symbols)) + "\n",
+        encoding="utf-8",
+    )
+    return user_symbols
+
+
+def resolve_mode(mode: str | None, base: str | None) -> tuple[str, str | None]:
+    """(mode, base): TOKENIZER_MODE and INIT_MODEL unless given; auto = extend with a base."""
+    mode = config.TOKENIZER_MODE if mode is None else mode
+    base = config.INIT_MODEL if base is None else base
+    if mode == "auto":
+        mode = "extend" if base else "new"
+    if mode != "new" and not base:
+        raise TokenizerError(
+            f"TOKENIZER_MODE={mode} extends a base model's tokenizer: set INIT_MODEL (or --base) "
+            f"to its .nemo, step checkpoint, tokenizer directory or pretrained name"
+        )
+    return mode, base or None
 
 
 def replace_dir(new: Path, target: Path) -> None:
@@ -220,14 +512,19 @@ def train_tokenizer(
     lang_weighting: str | None = None,
     sample_sentences: int = 2_000_000,
     seed: int | None = None,
+    mode: str | None = None,
+    base: str | None = None,
 ) -> dict:
-    """Train the tokenizer and write ``output_dir`` atomically; return the summary dict."""
+    """Train (``mode`` new) or extend (extend, tags) the tokenizer and write ``output_dir``
+    atomically; return the summary dict. ``mode``, ``base``: TOKENIZER_MODE, INIT_MODEL."""
     manifest_path = Path(manifest_path or config.TRAIN_MANIFEST_PATH)
     output_dir = Path(output_dir or config.TOKENIZER_DIR)
     vocab_size = vocab_size or config.VOCAB_SIZE
     temperature = config.TEMPERATURE if temperature is None else temperature
     lang_weighting = lang_weighting or config.LANG_WEIGHTING
     rng = np.random.default_rng(config.SEED if seed is None else seed)
+    mode, base = resolve_mode(mode, base)
+    base_model, base_from = base_tokenizer_model(base) if base and mode != "new" else (None, None)
     if not manifest_path.exists():
         raise FileNotFoundError(
             f"TRAIN_MANIFEST_PATH={manifest_path} does not exist; "
@@ -254,21 +551,59 @@ def train_tokenizer(
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
     try:
-        sentence_file = work / "sentences.txt"
-        with open(sentence_file, "w", encoding="utf-8") as f:
-            for start in tqdm(
-                range(0, len(chosen), 100_000), desc="writing sampled sentences", unit="100k"
-            ):
-                f.write("\n".join(rests[chosen[start : start + 100_000]].tolist()))
-                f.write("\n")
-        trained_size = train_with_cap(sentence_file, work / "tokenizer", vocab_size, user_symbols)
-        sentence_file.unlink()
-        (work / "vocab.txt").write_text(
-            "\n".join(nemo_vocab_lines(work / "tokenizer.vocab", user_symbols)) + "\n",
-            encoding="utf-8",
+        extension: dict = {}
+        if base_model is None:
+            sentence_file = work / "sentences.txt"
+            with open(sentence_file, "w", encoding="utf-8") as f:
+                for start in tqdm(
+                    range(0, len(chosen), 100_000), desc="writing sampled sentences", unit="100k"
+                ):
+                    f.write("\n".join(rests[chosen[start : start + 100_000]].tolist()))
+                    f.write("\n")
+            trained_size = train_with_cap(
+                sentence_file, work / "tokenizer", vocab_size, user_symbols
+            )
+            sentence_file.unlink()
+            (work / "vocab.txt").write_text(
+                "\n".join(nemo_vocab_lines(work / "tokenizer.vocab", user_symbols)) + "\n",
+                encoding="utf-8",
+            )
+        else:
+            extended, extension = extend_model(
+                base_model,
+                rests[chosen].tolist(),
+                vocab_size,
+                user_symbols,
+                work,
+                tags_only=mode == "tags",
+            )
+            for leftover in work.iterdir():  # the appended pieces' own model and sentences
+                leftover.unlink()
+            write_model_files(extended, work)
+            extension["covered_sentences_checked"] = check_extension(
+                base_model, extended, rests.tolist()
+            )
+            extension["base"] = base_from
+            trained_size = len(_proto(extended).pieces)
+            if trained_size < vocab_size and mode == "extend":
+                log.warning(
+                    "VOCAB_SIZE=%d is more than this corpus can fill: %d pieces (%d base, %d appended)",
+                    vocab_size,
+                    trained_size,
+                    extension["base_pieces"],
+                    extension["appended_pieces"],
+                )
+        per_lang = report(
+            work / "tokenizer.model",
+            tags,
+            rests,
+            durations,
+            rng,
+            base_pieces=extension.get("base_pieces"),
         )
-        per_lang = report(work / "tokenizer.model", tags, rests, durations, rng)
         summary = {
+            "mode": mode,
+            **({"extension": extension} if extension else {}),
             "manifest": str(manifest_path),
             "rows_in": int(table.num_rows),
             "sampled_sentences": int(len(chosen)),
@@ -291,16 +626,29 @@ def train_tokenizer(
 
 
 def print_summary(summary: dict, output_dir: Path) -> None:
+    extension = summary.get("extension")
     print(
-        f"tokenizer: {summary['vocab_size']} pieces (requested {summary['vocab_size_requested']}) "
-        f"from {summary['sampled_sentences']} sampled sentences -> {output_dir}"
+        f"tokenizer ({summary.get('mode', 'new')}): {summary['vocab_size']} pieces (requested "
+        f"{summary['vocab_size_requested']}) from {summary['sampled_sentences']} sampled sentences "
+        f"-> {output_dir}"
     )
-    print(f"{'lang':<8} {'share':>7} {'unk rate':>9} {'tokens/s':>9}")
-    for lang, row in summary["per_language"].items():
+    if extension:
         print(
+            f"  base: {extension['base']}: {extension['base_pieces']} pieces kept with their ids; "
+            f"appended {extension['appended_pieces']} pieces ({extension['appended_characters']} "
+            f"new characters) and {extension['appended_tags']} tags; "
+            f"{extension['covered_sentences_checked']} sentences the base covers segment as before"
+        )
+    head = f"{'lang':<8} {'share':>7} {'unk rate':>9} {'tokens/s':>9}"
+    print(head + (f" {'base pieces':>12} {'new pieces':>11}" if extension else ""))
+    for lang, row in summary["per_language"].items():
+        line = (
             f"{lang:<8} {summary['target_share'][lang]:>7.3f} {row['unk_rate']:>9.5f} "
             f"{row['tokens_per_second']:>9.2f}"
         )
+        if extension:
+            line += f" {row['base_piece_share']:>12.1%} {row['appended_piece_share']:>11.1%}"
+        print(line)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,6 +665,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--vocab-size", type=int, default=None, help="pieces (default VOCAB_SIZE)")
     parser.add_argument(
+        "--mode",
+        choices=("auto", "new", "extend", "tags"),
+        default=None,
+        help="new, extend or tags (default TOKENIZER_MODE; auto = extend when a base is given)",
+    )
+    parser.add_argument(
+        "--base",
+        default=None,
+        help="the base model whose tokenizer extend and tags start from: a .nemo, a step_*.ckpt, "
+        "a tokenizer directory or a pretrained name (default INIT_MODEL)",
+    )
+    parser.add_argument(
         "--sample-sentences",
         type=int,
         default=2_000_000,
@@ -331,8 +691,10 @@ def main(argv: list[str] | None = None) -> int:
             output_dir,
             vocab_size=args.vocab_size,
             sample_sentences=args.sample_sentences,
+            mode=args.mode,
+            base=args.base,
         )
-    except VocabularyTooSmall as exc:
+    except (VocabularyTooSmall, TokenizerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print_summary(summary, output_dir)

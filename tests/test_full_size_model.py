@@ -1,10 +1,12 @@
 """The full-size Parakeet-TDT 0.6B architecture (configs/parakeet_tdt_0.6b.yaml) trains on CPU.
 
-One module-scoped run keeps it within CI (about 11 GB of memory, under a minute on one thread):
-build the model from the config, switch it to a tokenizer with other language tags (NeMo's
-change_vocabulary, then the rebuilt TDT loss), then one phase-1 and one phase-2 optimizer step on a
-2-utterance batch through Lightning, fingerprinting the encoder between the steps (per-tensor
-BLAKE2 digests instead of copies: two copies of a 0.6B encoder would double the memory).
+One module-scoped run keeps it within CI (about 11 GB of memory, a few minutes on one thread):
+build the model from the config with a 1,024-piece English tokenizer (the size of
+parakeet-tdt-0.6b-v2's), switch it to that tokenizer extended to 12,000 pieces for Hindi and Tamil
+(NeMo's change_vocabulary with the base's decoder and joint carried, then the rebuilt TDT loss),
+then one phase-1 and one phase-2 optimizer step on a 2-utterance batch through Lightning,
+fingerprinting the encoder between the steps (per-tensor BLAKE2 digests instead of copies: two
+copies of a 0.6B encoder would double the memory).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import asr_model
 import callbacks
 import config
 from tests.test_model import loader, synthetic_items
-from tests.tiny_training_data import make_training_data
 from training_step import TrainingModule
 
 FULL = config.REPO_DIR / "configs" / "parakeet_tdt_0.6b.yaml"
@@ -63,24 +64,73 @@ class Probe(pl.Callback):
         self._snapshot(pl_module)
 
 
+def synthetic_rows(lang: str, letters: str, n: int, rng) -> list[tuple[str, str]]:
+    """``n`` sentences of random words over ``letters`` (syllables for the Indic scripts)."""
+    words = ["".join(rng.choice(list(letters), size=rng.integers(2, 5))) for _ in range(4000)]
+    return [(lang, " ".join(rng.choice(words, size=8))) for _ in range(n)]
+
+
+def full_size_tokenizers(root) -> dict:
+    """A 1,024-piece English base tokenizer and its extension to 12,000 pieces for hi and ta."""
+    import numpy as np
+
+    from scripts import train_tokenizer as tt
+    from tests.test_train_tokenizer import write_manifest
+
+    rng = np.random.default_rng(0)
+    english = synthetic_rows("en", "abcdefghijklmnopqrstuvwxyz", 6000, rng)
+    devanagari = [
+        c + v for c in "कखगघचछजझटठडढतथदधनपफबभमयरलवशसह" for v in ["", "ा", "ि", "ी", "ु", "े", "ो"]
+    ]
+    tamil = [c + v for c in "கஙசஞடணதநபமயரலவழளறன" for v in ["", "ா", "ி", "ீ", "ு", "ெ", "ோ"]]
+    mix = (
+        english[:2000]
+        + synthetic_rows("hi", devanagari, 20000, rng)
+        + synthetic_rows("ta", tamil, 20000, rng)
+    )
+    common = dict(temperature=1.0, lang_weighting="count", seed=0)
+    base = write_manifest(root / "en.parquet", english)
+    tt.train_tokenizer(base, root / "base", vocab_size=1024, mode="new", **common)
+    target = write_manifest(root / "mix.parquet", mix)
+    tt.train_tokenizer(
+        target,
+        root / "extended",
+        vocab_size=12000,
+        mode="extend",
+        base=str(root / "base"),
+        **common,
+    )
+    return {"base": root / "base", "extended": root / "extended"}
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    first = make_training_data(
-        tmp_path_factory.mktemp("first"), per_lang=4, langs=("hi", "en"), vocab_size=64
-    )
-    second = make_training_data(
-        tmp_path_factory.mktemp("second"), per_lang=4, langs=("hi", "en", "ta"), vocab_size=90
-    )
+    tokenizers = full_size_tokenizers(tmp_path_factory.mktemp("tokenizers"))
+    second = {"tokenizer": tokenizers["extended"]}
     torch.manual_seed(0)
     model = asr_model.build_model(
-        init_model="", model_config=FULL, tokenizer_dir=first["tokenizer"]
+        init_model="", model_config=FULL, tokenizer_dir=tokenizers["base"]
     )
     built = {
         "params": sum(p.numel() for p in model.parameters()),
         "vocab": model.tokenizer.vocab_size,
     }
     print(f"parakeet_tdt_0.6b.yaml: {built['params']:,} parameters ({built['params'] / 1e9:.3f} B)")
-    asr_model.use_tokenizer(model, second["tokenizer"])
+    base_rows = {
+        "embed": model.decoder.prediction["embed"].weight.detach().clone(),
+        "out_weight": model.joint.joint_net[-1].weight.detach().clone(),
+        "out_bias": model.joint.joint_net[-1].bias.detach().clone(),
+        "lstm": model.decoder.state_dict()["prediction.dec_rnn.lstm.weight_ih_l0"].clone(),
+        "enc": model.joint.enc.weight.detach().clone(),
+    }
+    vocabulary_change = asr_model.use_tokenizer(model, tokenizers["extended"], decoder_init="carry")
+    carried_rows = {
+        "embed": model.decoder.prediction["embed"].weight.detach().clone(),
+        "out_weight": model.joint.joint_net[-1].weight.detach().clone(),
+        "out_bias": model.joint.joint_net[-1].bias.detach().clone(),
+        "lstm": model.decoder.state_dict()["prediction.dec_rnn.lstm.weight_ih_l0"].clone(),
+        "enc": model.joint.enc.weight.detach().clone(),
+    }
 
     probe = Probe()
     with pytest.MonkeyPatch.context() as mp:
@@ -113,6 +163,9 @@ def run(tmp_path_factory):
         "probe": probe,
         "second": second,
         "steps": trainer.global_step,
+        "base_rows": base_rows,
+        "vocabulary_change": vocabulary_change,
+        "carried_rows": carried_rows,
     }
     yield result
     result.clear()
@@ -138,6 +191,23 @@ def test_change_vocabulary_gives_the_language_tags_and_a_tdt_loss_with_the_new_b
     assert inner.blank == tokenizer.vocab_size
     assert inner.durations == [0, 1, 2, 3, 4]
     assert model.joint.fuse_loss_wer and model.joint._loss is model.loss
+
+
+def test_a_1024_piece_base_extended_to_12k_carries_its_decoder_and_joint_at_full_size(run):
+    base, carried, change = run["base_rows"], run["carried_rows"], run["vocabulary_change"]
+    assert run["built"]["vocab"] == 1024 and run["model"].tokenizer.vocab_size == 12000
+    assert change["carried"] == 1024 and change["new"] == 12000 - 1024 and change["dropped"] == 0
+    assert carried["embed"].shape[0] == 12001 and carried["out_weight"].shape[0] == 12000 + 1 + 5
+    assert torch.equal(carried["lstm"], base["lstm"]) and torch.equal(carried["enc"], base["enc"])
+    assert torch.equal(carried["embed"][:1024], base["embed"][:1024])  # every base piece, same id
+    assert torch.equal(carried["embed"][12000], base["embed"][1024])  # blank
+    assert torch.equal(carried["out_weight"][:1024], base["out_weight"][:1024])
+    assert torch.equal(carried["out_weight"][12000:], base["out_weight"][1024:])  # blank, durations
+    assert torch.equal(carried["out_bias"][12000:], base["out_bias"][1024:])
+    mean_row = base["out_weight"][:1024].mean(dim=0)
+    assert torch.allclose(carried["out_weight"][1024:12000], mean_row.expand(12000 - 1024, -1))
+    expected = float(base["out_bias"][:1024].mean()) - math.log(12000 - 1024)
+    assert torch.allclose(carried["out_bias"][1024:12000], torch.full((12000 - 1024,), expected))
 
 
 def test_one_optimizer_step_in_each_phase_with_a_finite_loss(run):

@@ -1,0 +1,233 @@
+"""asr_model.use_tokenizer with DECODER_INIT=carry: a finetune keeps the base model's decoder and
+joint through a vocabulary change, row by row, and decodes as the base does before any update."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import asr_model
+import config
+import model_card
+from scripts import train_tokenizer as tt
+from tests.tiny_training_data import make_training_data, write_manifest
+from tests.torchrun_jobs import tiny_train_env, torchrun_command
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny_tdt.yaml"
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    """An English base tokenizer, its extension to Hindi and Tamil, and a replacement for it."""
+    root = tmp_path_factory.mktemp("vocab")
+    en = write_manifest(root / "en", 40, langs=("en",), name="en.parquet")
+    mix = write_manifest(root / "mix", 30, langs=("hi", "en", "ta"), name="mix.parquet")
+    common = dict(temperature=0.5, lang_weighting="count", seed=0)
+    tt.train_tokenizer(en, root / "base", vocab_size=40, mode="new", **common)
+    tt.train_tokenizer(
+        mix, root / "extended", vocab_size=120, mode="extend", base=str(root / "base"), **common
+    )
+    tt.train_tokenizer(mix, root / "replaced", vocab_size=100, mode="new", **common)
+    return {name: root / name for name in ("base", "extended", "replaced")}
+
+
+def base_model(tokenizers):
+    """A tiny base model with the English tokenizer, whose output favours some pieces (a random
+    model would only ever decode blank)."""
+    torch.manual_seed(0)
+    model = asr_model.build_model("", TINY, tokenizers["base"])
+    with torch.no_grad():
+        model.joint.joint_net[-1].bias[5:15] += 3.0
+    return model.eval()
+
+
+def state(module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def carried(tokenizers):
+    base = base_model(tokenizers)
+    before = {"decoder": state(base.decoder), "joint": state(base.joint)}
+    old_pieces = asr_model.model_pieces(base)
+    counts = asr_model.use_tokenizer(base, tokenizers["extended"], decoder_init="carry")
+    return base, before, old_pieces, counts
+
+
+def test_shape_independent_weights_are_the_base_models(carried):
+    model, before, _, _ = carried
+    for part in ("decoder", "joint"):
+        now = getattr(model, part).state_dict()
+        for name, tensor in before[part].items():
+            if now[name].shape == tensor.shape:
+                assert torch.equal(now[name], tensor), f"{part}.{name}"
+    assert any("lstm" in name for name in before["decoder"])  # the prediction LSTM is among them
+
+
+def test_shared_pieces_blank_and_durations_carry_their_rows(carried):
+    model, before, old_pieces, counts = carried
+    new_pieces = asr_model.model_pieces(model)
+    v_old, v_new = len(old_pieces), len(new_pieces)
+    assert counts == {"carried": v_old, "new": v_new - v_old, "dropped": 0, "decoder_init": "carry"}
+    embed, old_embed = (
+        model.decoder.state_dict()["prediction.embed.weight"],
+        before["decoder"]["prediction.embed.weight"],
+    )
+    out_w, out_b = model.joint.joint_net[-1].weight, model.joint.joint_net[-1].bias
+    old_w, old_b = before["joint"]["joint_net.2.weight"], before["joint"]["joint_net.2.bias"]
+    for i, piece in enumerate(old_pieces):
+        j = new_pieces.index(piece)
+        assert j == i  # an extension keeps every base id
+        assert torch.equal(embed[j], old_embed[i]) and torch.equal(out_w[j], old_w[i])
+        assert out_b[j] == old_b[i]
+    durations = model.joint.num_extra_outputs
+    assert torch.equal(out_w[v_new : v_new + 1 + durations], old_w[v_old : v_old + 1 + durations])
+    assert torch.equal(out_b[v_new : v_new + 1 + durations], old_b[v_old : v_old + 1 + durations])
+    assert torch.equal(embed[v_new], old_embed[v_old])  # blank
+
+
+def test_new_pieces_start_as_the_average_base_piece_pushed_down_by_log_n(carried):
+    model, before, old_pieces, counts = carried
+    v_old, n_new = len(old_pieces), counts["new"]
+    new_ids = list(range(v_old, v_old + n_new))
+    embed = model.decoder.state_dict()["prediction.embed.weight"]
+    mean = before["decoder"]["prediction.embed.weight"][:v_old].mean(dim=0)
+    assert torch.allclose(embed[new_ids], mean.expand(n_new, -1))
+    out = model.joint.joint_net[-1]
+    old_w, old_b = before["joint"]["joint_net.2.weight"], before["joint"]["joint_net.2.bias"]
+    assert torch.allclose(out.weight[new_ids], old_w[:v_old].mean(dim=0).expand(n_new, -1))
+    expected = float(old_b[:v_old].mean()) - math.log(n_new)
+    assert torch.allclose(out.bias[new_ids], torch.full((n_new,), expected))
+
+
+def test_no_new_piece_outvotes_the_base_and_all_hold_at_most_1_over_v_of_its_mass(carried):
+    model, _, old_pieces, counts = carried
+    v_old, n_new = len(old_pieces), counts["new"]
+    torch.manual_seed(3)
+    hidden = torch.relu(torch.randn(2000, model.joint.joint_net[-1].in_features) * 3)
+    logits = model.joint.joint_net[-1](hidden)
+    base, new = logits[:, :v_old], logits[:, v_old : v_old + n_new]
+    assert bool((new.max(dim=1).values < base.max(dim=1).values).all())
+    new_mass = torch.logsumexp(new, dim=1) - torch.logsumexp(base, dim=1)
+    assert float(new_mass.max()) <= -math.log(v_old) + 1e-5
+
+
+def test_the_extended_model_decodes_as_the_base_before_any_update(tokenizers, carried):
+    model = carried[0].eval()
+    base = base_model(tokenizers)
+    torch.manual_seed(1)
+    signal_ = 0.1 * torch.randn(3, 32000)
+    lengths = torch.tensor([32000, 24000, 16000])
+    before = asr_model.greedy_texts(base, signal_, lengths)
+    assert any(before), "the base must emit something for this test to mean anything"
+    assert asr_model.greedy_texts(model, signal_, lengths) == before
+
+
+def test_a_replaced_tokenizer_carries_the_pieces_it_shares_by_their_string(tokenizers):
+    base = base_model(tokenizers)
+    old_pieces = asr_model.model_pieces(base)
+    old_embed = base.decoder.state_dict()["prediction.embed.weight"].clone()
+    counts = asr_model.use_tokenizer(base, tokenizers["replaced"], decoder_init="carry")
+    new_pieces = asr_model.model_pieces(base)
+    shared = [p for p in new_pieces if p in old_pieces]
+    assert counts["carried"] == len(shared) > 0
+    assert counts["dropped"] == len(old_pieces) - len(shared)
+    embed = base.decoder.state_dict()["prediction.embed.weight"]
+    moved = [p for p in shared if new_pieces.index(p) != old_pieces.index(p)]
+    assert moved, "the replacement must move some shared pieces for this test to mean anything"
+    for p in shared:
+        assert torch.equal(embed[new_pieces.index(p)], old_embed[old_pieces.index(p)])
+
+
+def test_decoder_init_fresh_keeps_nemos_new_decoder_and_joint(tokenizers):
+    base = base_model(tokenizers)
+    lstm = base.decoder.state_dict()["prediction.dec_rnn.lstm.weight_hh_l0"].clone()
+    counts = asr_model.use_tokenizer(base, tokenizers["extended"], decoder_init="fresh")
+    assert counts["carried"] == 0 and counts["decoder_init"] == "fresh"
+    assert not torch.equal(base.decoder.state_dict()["prediction.dec_rnn.lstm.weight_hh_l0"], lstm)
+
+
+def test_the_model_card_names_the_tokenizer_mode_and_the_carried_rows(
+    carried, tokenizers, monkeypatch
+):
+    import training_step
+
+    monkeypatch.setattr(config, "TOKENIZER_DIR", tokenizers["extended"])
+    record = {
+        "settings": {"INIT_MODEL": "base.nemo"},
+        "tokenizer": training_step.tokenizer_summary(),
+        "vocabulary_change": carried[3],
+    }
+    card = model_card.render(record, carried[0], "m.nemo")
+    assert "- base model: `base.nemo` (fine-tuned)" in card
+    assert "- tokenizer mode: extend (40 base pieces kept with their ids" in card
+    assert (
+        f"- decoder and joint: the base model's, 40 piece rows carried, {carried[3]['new']} new, 0 dropped"
+        in card
+    )
+
+
+PROBE = textwrap.dedent('''
+    """train.main() that saves each rank's decoder and joint when training starts."""
+    import os, sys
+    import lightning.pytorch as pl
+    import torch
+    import train
+
+    class Dump(pl.Callback):
+        def on_train_start(self, trainer, module):
+            parts = {"decoder": module.model.decoder.state_dict(), "joint": module.model.joint.state_dict()}
+            torch.save({p: {k: v.clone() for k, v in s.items()} for p, s in parts.items()},
+                       os.path.join(os.environ["PROBE_OUT"], f"rank{trainer.global_rank}.pt"))
+    callbacks = train.build_callbacks
+    train.build_callbacks = lambda: callbacks() + [Dump()]
+    sys.exit(train.main([]))
+''')
+
+
+@pytest.mark.slow
+def test_every_rank_starts_from_the_same_carried_weights_under_torchrun(tokenizers, tmp_path):
+    data = make_training_data(tmp_path, per_lang=8, langs=("hi", "en", "ta"), vocab_size=120)
+    base = base_model(tokenizers)
+    base.save_to(str(tmp_path / "base.nemo"))
+    expected = base_model(tokenizers)
+    asr_model.use_tokenizer(expected, tokenizers["extended"], decoder_init="carry")
+    (tmp_path / "probe.py").write_text(PROBE)
+    env = tiny_train_env(
+        {**data, "tokenizer": tokenizers["extended"]},
+        DATA_DIR=str(tmp_path / "run"),
+        INIT_MODEL=str(tmp_path / "base.nemo"),
+        PROBE_OUT=str(tmp_path),
+        MAX_STEPS="1",
+        EVAL_EVERY_STEPS="0",
+    )
+    proc = subprocess.Popen(
+        torchrun_command(tmp_path / "probe.py"),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("no exit in 240 s")
+    assert proc.returncode == 0, out[-3000:]
+    assert "piece rows carried" in out
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    for part in ("decoder", "joint"):
+        want = getattr(expected, part).state_dict()
+        for name, tensor in want.items():
+            assert torch.equal(ranks[0][part][name], ranks[1][part][name]), f"{part}.{name}"
+            assert torch.equal(ranks[0][part][name], tensor), f"{part}.{name} is not the transfer"
