@@ -375,6 +375,11 @@ def attach_tdt_loss(model, cuda_backend: str | None = None) -> torch.nn.Module:
     return wrapper
 
 
+# NeMo's TDT loss runs one of two kernel families per call: the TDT kernels, and with probability
+# omega the plain RNN-T ones (gpu_rnnt.GPUTDT.cost_and_grad). Each omega below forces one family.
+KERNEL_FAMILIES = (("TDT", 0.0), ("RNN-T (omega)", 1.0))
+
+
 def check_cuda_loss(
     loss: DeviceDispatchTDTLoss,
     device: torch.device | str,
@@ -382,56 +387,76 @@ def check_cuda_loss(
     rtol: float = 1e-4,
     atol: float = 1e-3,
 ) -> float:
-    """Run ``loss``'s CUDA path once on a small random problem; compare with ``tdt_loss`` in float64 on CPU.
+    """Run ``loss``'s CUDA path once per kernel family on a small random problem; compare each with
+    ``tdt_loss`` in float64 on CPU.
 
-    The problem (2 utterances, 12 frames, up to 4 labels, 8 tokens, the loss's durations and sigma,
-    omega 0 so both sides compute the TDT loss) is solved on ``device`` by what ``loss`` would run
-    there (NeMo's numba kernel for TDT_LOSS=numba) and by ``tdt_loss``; per-utterance losses and
-    the gradients with respect to the logits must agree within ``rtol``/``atol``. Returns the
-    largest absolute difference. Any failure (numba missing, no libNVVM, a driver too old for the
-    CUDA bindings, wrong numbers) raises TDTLossCheckFailed naming the install line and TDT_LOSS=torch.
+    The problem (2 utterances, 8 frames, up to 3 labels, 160 tokens, the loss's durations and sigma)
+    is solved on ``device`` by what ``loss`` would run there (NeMo's numba kernels for
+    TDT_LOSS=numba) and by ``tdt_loss``, twice: with omega 0 (the TDT kernels) and omega 1 (the plain
+    RNN-T kernels, which training with the model's omega > 0 runs on a share of its calls, so they
+    compile here rather than minutes into the run). Per-utterance losses and the gradients with
+    respect to the logits must agree within ``rtol``/``atol``. Returns the largest absolute
+    difference. Any failure (numba missing, no libNVVM, a driver too old for the CUDA bindings, a
+    kernel that does not compile, wrong numbers) raises TDTLossCheckFailed naming the kernel family,
+    the install line and TDT_LOSS=torch.
     """
     device = torch.device(device)
     g = torch.Generator().manual_seed(0)
-    V, T, U = 8, 12, 4
+    # More tokens than a CUDA block of NeMo's log-softmax reduction has threads (128), as every
+    # real vocabulary: its loop over a column's later chunks runs too, and no thread is idle.
+    V, T, U = 160, 8, 3
     acts = torch.randn(2, T, U + 1, V + 1 + len(loss.durations), generator=g, dtype=torch.float64)
     labels = torch.randint(0, V, (2, U), generator=g)
     act_lens, label_lens = torch.tensor([T, T - 3]), torch.tensor([U, U - 1])
-
-    ref_acts = acts.clone().requires_grad_(True)
-    ref = tdt_loss(
-        ref_acts, labels, act_lens, label_lens, blank=V, durations=loss.durations, sigma=loss.sigma
-    )
-    ref.sum().backward()
-
-    probe = DeviceDispatchTDTLoss(
-        V, loss.durations, sigma=loss.sigma, cuda_backend=loss.cuda_backend
-    )
-    numba = probe.uses_numba(device)
-    what = "NeMo's numba TDT loss" if numba else "tdt_loss"
-    try:
-        if numba:
-            probe.cuda_loss = _numba_tdt_loss(
-                V, {"durations": loss.durations, "sigma": loss.sigma, "omega": 0.0}, "none"
-            )._loss
-        got_acts = acts.float().to(device).requires_grad_(True)
-        got = probe(got_acts, labels.to(device), act_lens.to(device), label_lens.to(device))
-        got.sum().backward()
-        got, grad = got.detach().double().cpu(), got_acts.grad.double().cpu()
-    except Exception as exc:  # noqa: BLE001  (any failure here means the install is broken)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise TDTLossCheckFailed(
-            f"{what} failed on {device} ({type(exc).__name__}: {first}); install the CUDA loss with: "
-            f"{GPU_INSTALL_LINE}, or set TDT_LOSS=torch to train with tdt_loss.py on CUDA"
-        ) from exc
-    diff = max(float((got - ref.detach()).abs().max()), float((grad - ref_acts.grad).abs().max()))
-    if not (
-        torch.allclose(got, ref.detach(), rtol=rtol, atol=atol)
-        and torch.allclose(grad, ref_acts.grad, rtol=rtol, atol=atol)
-    ):
-        raise TDTLossCheckFailed(
-            f"{what} on {device} disagrees with tdt_loss on a known problem (losses {got.tolist()} vs "
-            f"{ref.detach().tolist()}, largest difference {diff:.3g}); reinstall with: {GPU_INSTALL_LINE}, "
-            "or set TDT_LOSS=torch"
+    largest = 0.0
+    for family, omega in KERNEL_FAMILIES:
+        ref_acts = acts.clone().requires_grad_(True)
+        ref = tdt_loss(
+            ref_acts,
+            labels,
+            act_lens,
+            label_lens,
+            blank=V,
+            durations=loss.durations,
+            sigma=loss.sigma,
+            omega=omega,
         )
-    return diff
+        ref.sum().backward()
+        probe = DeviceDispatchTDTLoss(
+            V, loss.durations, sigma=loss.sigma, omega=omega, cuda_backend=loss.cuda_backend
+        )
+        numba = probe.uses_numba(device)
+        what = f"NeMo's numba {family} loss kernels" if numba else f"tdt_loss ({family})"
+        try:
+            if numba:
+                # The wrapper reduces, not its inner loss (DeviceDispatchTDTLoss sets that to
+                # None); NeMo's RNNTLoss refuses to be built with reduction "none".
+                probe.cuda_loss = _numba_tdt_loss(
+                    V,
+                    {"durations": loss.durations, "sigma": loss.sigma, "omega": omega},
+                    "mean_batch",
+                )._loss
+            got_acts = acts.float().to(device).requires_grad_(True)
+            got = probe(got_acts, labels.to(device), act_lens.to(device), label_lens.to(device))
+            got.sum().backward()
+            got, grad = got.detach().double().cpu(), got_acts.grad.double().cpu()
+        except Exception as exc:  # noqa: BLE001  (any failure here means the install is broken)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise TDTLossCheckFailed(
+                f"{what} failed on {device} ({type(exc).__name__}: {first}); install the CUDA loss "
+                f"with: {GPU_INSTALL_LINE}, or set TDT_LOSS=torch to train with tdt_loss.py on CUDA"
+            ) from exc
+        diff = max(
+            float((got - ref.detach()).abs().max()), float((grad - ref_acts.grad).abs().max())
+        )
+        if not (
+            torch.allclose(got, ref.detach(), rtol=rtol, atol=atol)
+            and torch.allclose(grad, ref_acts.grad, rtol=rtol, atol=atol)
+        ):
+            raise TDTLossCheckFailed(
+                f"{what} on {device} disagree with tdt_loss on a known problem (losses "
+                f"{got.tolist()} vs {ref.detach().tolist()}, largest difference {diff:.3g}); "
+                f"reinstall with: {GPU_INSTALL_LINE}, or set TDT_LOSS=torch"
+            )
+        largest = max(largest, diff)
+    return largest

@@ -218,7 +218,8 @@ def test_start_up_check_names_the_install_line_when_numba_cannot_be_built(monkey
     with pytest.raises(tdt_loss.TDTLossCheckFailed) as err:
         tdt_loss.check_cuda_loss(_dispatch(), "cpu")
     message = str(err.value)
-    assert "NeMo's numba TDT loss failed" in message and "numba-cuda is not installed" in message
+    assert "NeMo's numba TDT loss kernels failed" in message
+    assert "numba-cuda is not installed" in message
     assert tdt_loss.GPU_INSTALL_LINE in message and "TDT_LOSS=torch" in message
     assert "\n" not in message
 
@@ -235,8 +236,61 @@ def test_start_up_check_refuses_a_loss_that_computes_wrong_numbers(monkeypatch):
 
     monkeypatch.setattr(tdt_loss.DeviceDispatchTDTLoss, "uses_numba", lambda self, device: True)
     monkeypatch.setattr(tdt_loss, "_numba_tdt_loss", lambda *args, **kwargs: Wrapper())
-    with pytest.raises(tdt_loss.TDTLossCheckFailed, match="disagrees with tdt_loss"):
+    with pytest.raises(tdt_loss.TDTLossCheckFailed, match="TDT loss kernels .* disagree with"):
         tdt_loss.check_cuda_loss(_dispatch(), "cpu")
+
+
+def test_start_up_check_runs_the_rnnt_kernels_too_and_names_them_when_they_fail(monkeypatch):
+    built = []
+
+    def numba_loss(blank, kwargs, reduction):
+        built.append(kwargs["omega"])
+        if kwargs["omega"] == 1.0:
+            raise RuntimeError("NVVM: UNSUPPORTED_PTX_VERSION")  # the RNN-T kernels fail to JIT
+
+        class Right(torch.nn.Module):  # the TDT kernels work: tdt_loss itself stands in for them
+            reduction = "none"
+
+            def forward(self, acts, labels, act_lens, label_lens):
+                return tdt_loss.tdt_loss(
+                    acts, labels, act_lens, label_lens, blank=blank, durations=DURATIONS, sigma=0.02
+                )
+
+        class Wrapper:
+            _loss = Right()
+
+        return Wrapper()
+
+    monkeypatch.setattr(tdt_loss.DeviceDispatchTDTLoss, "uses_numba", lambda self, device: True)
+    monkeypatch.setattr(tdt_loss, "_numba_tdt_loss", numba_loss)
+    with pytest.raises(
+        tdt_loss.TDTLossCheckFailed, match=r"numba RNN-T \(omega\) loss kernels failed"
+    ):
+        tdt_loss.check_cuda_loss(_dispatch(), "cpu")
+    assert built == [0.0, 1.0]
+
+
+def test_omega_1_is_the_plain_rnnt_loss_on_the_token_logits():
+    g = torch.Generator().manual_seed(3)
+    acts = torch.randn(1, 6, 3, 8 + 1 + len(DURATIONS), generator=g, dtype=torch.float64)
+    labels = torch.tensor([[1, 2]])
+    args = (acts, labels, torch.tensor([6]), torch.tensor([2]))
+    rnnt = tdt_loss.tdt_loss(*args, blank=8, durations=DURATIONS, sigma=0.02, omega=1.0)
+    tdt = tdt_loss.tdt_loss(*args, blank=8, durations=DURATIONS, sigma=0.02, omega=0.0)
+    assert not torch.allclose(rnnt, tdt)
+    # the duration logits play no part in the RNN-T loss
+    shifted = acts.clone()
+    shifted[..., 9:] += torch.randn(shifted[..., 9:].shape, generator=g, dtype=torch.float64)
+    again = tdt_loss.tdt_loss(
+        shifted,
+        labels,
+        torch.tensor([6]),
+        torch.tensor([2]),
+        blank=8,
+        durations=DURATIONS,
+        omega=1.0,
+    )
+    assert torch.allclose(again, rnnt)
 
 
 def test_tdt_loss_torch_never_builds_the_numba_loss():
