@@ -63,6 +63,7 @@ class Knob:
     source: str  # "default", "derived" or "env"
     help: str
     steps: tuple[str, ...] = ()  # the pipeline steps (STEPS) that read it
+    shown: str | None = None  # the default as the README's table shows it, when it is machine-made
 
 
 # --- parsers: each turns the raw string into a typed value or raises ValueError("expected ...") ---
@@ -353,6 +354,21 @@ def unknown_variables(env: Mapping[str, str], knob_names) -> list[str]:
     return problems
 
 
+def default_workers(env: Mapping[str, str]) -> int:
+    """DataLoader workers per rank when NUM_WORKERS is unset: this process's usable cores divided
+    among the node's ranks (LOCAL_WORLD_SIZE, which torchrun sets), one of them left to the rank,
+    at least 1 and at most 4."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        local_ranks = max(1, int(env.get("LOCAL_WORLD_SIZE") or 1))
+    except ValueError:
+        local_ranks = 1
+    return max(1, min(4, cores // local_ranks - 1))
+
+
 def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     """Resolve every knob from ``env`` (normally ``os.environ``); raise ConfigError listing all bad values."""
     knobs: dict[str, Knob] = {}
@@ -367,6 +383,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         derived: bool = False,
         *,
         steps: tuple[str, ...],
+        shown: str | None = None,
     ) -> Any:
         unknown = set(steps) - set(STEPS)
         assert not unknown, f"knob {name}: unknown steps {sorted(unknown)}"
@@ -384,7 +401,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
                 problem = check(value) if check else None
                 if problem:
                     errors.append(f"{name}={raw!r}: {problem}")
-        knobs[name] = Knob(name, value, source, help, tuple(steps))
+        knobs[name] = Knob(name, value, source, help, tuple(steps), shown)
         return value
 
     # Paths
@@ -651,6 +668,26 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         steps=("train",),
     )
     knob(
+        "MAX_BATCH_JOINT_CELLS",
+        0.0,
+        _float,
+        "Most transducer-joint cells (utterances x encoder frames x (tokens + 1), padded) in a "
+        "micro-batch; a batch over it is cut. 0 = those of the heaviest batch the max-batch finder "
+        "tests (MAX_BATCH_DURATION of the longest utterances at the manifest's p99.9 tokens per "
+        "second); below 0 = no cap",
+        steps=("train",),
+    )
+    knob(
+        "BATCH_COST_JOINT",
+        0.001,
+        _float,
+        "Seconds of audio one joint cell costs in the batch cost model (ordering and rank balance); "
+        "0.001 for parakeet-tdt-0.6b at 12k pieces (2 x 640 x 12k FLOPs per cell against its "
+        "encoder's per second of audio)",
+        _non_negative,
+        steps=("train",),
+    )
+    knob(
         "BUCKET_SORT_JITTER",
         0.05,
         _float,
@@ -678,7 +715,18 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     )
 
     # Training
-    knob("NUM_WORKERS", 12, _int, "DataLoader workers per rank", _non_negative, steps=("train",))
+    knob(
+        "NUM_WORKERS",
+        default_workers(env),
+        _int,
+        "DataLoader workers per rank; default: the node's usable cores / local ranks - 1 (a core "
+        "for the rank itself), at least 1, at most 4 (decoding costs ~0.16 ms of a core per second "
+        "of audio: 1-2 workers feed a GPU rank, 4 leave room for cold storage)",
+        _non_negative,
+        derived=True,
+        steps=("train",),
+        shown="cores/ranks-1, 1..4",
+    )
     knob("GRAD_ACCUM", 4, _int, "Micro-batches per optimizer step", _positive, steps=("train",))
     knob("MAX_STEPS", 600000, _int, "Optimizer steps of the whole run", _positive, steps=("train",))
     checkpoint_every = knob(
@@ -887,7 +935,7 @@ def markdown_table(knobs: Mapping[str, Knob]) -> str:
     """The README's table, generated from the declarations so it cannot drift."""
     rows = ["| variable | default | read by | meaning |", "|---|---|---|---|"]
     for k in knobs.values():
-        default = _format_value(k.value)
+        default = k.shown or _format_value(k.value)
         if isinstance(k.value, Path):
             try:
                 default = str(Path(k.value).relative_to(REPO_DIR))
@@ -982,6 +1030,8 @@ LANG_WEIGHTING: str
 EPOCH_SIZE: int
 BATCH_COST_QUADRATIC: float
 BUCKET_SORT_JITTER: float
+MAX_BATCH_JOINT_CELLS: float
+BATCH_COST_JOINT: float
 NUM_WORKERS: int
 GRAD_ACCUM: int
 MAX_STEPS: int

@@ -54,8 +54,19 @@ class _Plan:
 class DurationBucketBatchSampler(Sampler[list[int]]):
     """Yields lists of manifest row indices: duration-bucketed, language-rebalanced, rank-balanced.
 
-    Cost model: a micro-batch of n utterances whose longest lasts m seconds costs
-    n x m + cost_quadratic x n x m^2 (padded frames, plus an attention-like term when asked for).
+    Cost model: a micro-batch of n utterances whose longest lasts m seconds and holds at most u
+    tokens costs n x m + cost_quadratic x n x m^2 + cost_joint x n x T x (u + 1) (padded frames, an
+    attention-like term when asked for, and the transducer joint: T = ceil(m / frame_seconds)
+    encoder frames by u + 1 label positions, padded as the batch will be).
+
+    Joint cap. With ``token_lengths``, no micro-batch holds more than ``max_joint_cells`` joint cells
+    n x T x (u + 1) (the joint's logits, and its fp32 gradient NeMo keeps until backward, grow with
+    them, not with the seconds of audio): a batch packed by seconds that exceeds it is cut into
+    consecutive parts that fit (its utterances stay, in their order, so padding and the language
+    mix barely move). The default cap (``joint_cell_cap``) is the cells of the heaviest batch the
+    max-batch finder (scripts/bench_train_step.py) tests: MAX_BATCH_DURATION seconds of the longest
+    utterances at the manifest's 99.9th-percentile tokens per second. A lone utterance over the cap
+    is a batch of its own (``epoch_stats()["over_joint_cap_batches"]``).
 
     Guarantees (each has a test in tests/test_sampler.py):
 
@@ -128,6 +139,10 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         cost_quadratic: float | None = None,
         sort_jitter: float | None = None,
         language_names: Sequence[str] | None = None,
+        token_lengths: Any = None,
+        frame_seconds: float | None = None,
+        max_joint_cells: float | None = None,
+        cost_joint: float | None = None,
     ) -> None:
         self.max_batch_duration = float(_default(max_batch_duration, "MAX_BATCH_DURATION"))
         self.temperature = float(_default(temperature, "TEMPERATURE"))
@@ -155,6 +170,24 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         self.boundaries = _resolve_boundaries(
             _default(boundaries, "BUCKET_BOUNDARIES"), self.durations
         )
+        self.frame_seconds = float(_default(frame_seconds, "ENCODER_FRAME_SECONDS"))
+        self.cost_joint = float(_default(cost_joint, "BATCH_COST_JOINT"))
+        self.token_lengths = None
+        self.max_joint_cells = 0.0
+        if token_lengths is not None:
+            self.token_lengths = np.asarray(token_lengths)
+            if len(self.token_lengths) != n or (n and int(self.token_lengths.min()) < 1):
+                raise ValueError(
+                    f"token_lengths: expected one count >= 1 per utterance ({n}), got "
+                    f"{len(self.token_lengths)} values, smallest "
+                    f"{int(self.token_lengths.min()) if len(self.token_lengths) else None}"
+                )
+            cap = float(_default(max_joint_cells, "MAX_BATCH_JOINT_CELLS"))
+            if cap == 0:
+                cap = joint_cell_cap(
+                    self.durations, self.token_lengths, self.max_batch_duration, self.frame_seconds
+                )
+            self.max_joint_cells = cap
 
         # Per-language totals slice by slice: a whole-array bincount would make an int64 copy.
         self._codes = codes
@@ -268,6 +301,8 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
             "boundaries": list(self.boundaries),
             "max_batch_duration": self.max_batch_duration,
             "cost_quadratic": self.cost_quadratic,
+            "max_joint_cells": self.max_joint_cells,
+            "cost_joint": self.cost_joint,
             "sort_jitter": self.sort_jitter,
             "languages": list(self.languages),
         }
@@ -389,9 +424,20 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         starts, audio, max_dur = _greedy_pack(
             self.durations, flat, bucket_starts, self.max_batch_duration
         )
+        cells = np.zeros(len(starts))
+        if self.token_lengths is not None:
+            starts, cells = _cap_joint(
+                self.durations,
+                self.token_lengths,
+                flat,
+                starts,
+                self.frame_seconds,
+                self.max_joint_cells,
+            )
+            audio, max_dur = _batch_audio(self.durations, flat, starts)
         offsets = np.append(starts, size)
         counts = np.diff(offsets)
-        cost = counts * max_dur * (1.0 + self.cost_quadratic * max_dur)
+        cost = counts * max_dur * (1.0 + self.cost_quadratic * max_dur) + self.cost_joint * cells
         batch_bucket = np.searchsorted(bucket_starts, starts, side="right").astype(np.int16)
 
         steps, dropped = _deal(cost, self.world_size, self.grad_accum, self._rng(3, epoch))
@@ -410,6 +456,14 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
             rank_batches,
             extra,
         )
+        stats["max_joint_cells"] = float(self.max_joint_cells)
+        stats["largest_joint_cells"] = float(cells.max()) if len(cells) else 0.0
+        stats["over_joint_cap_batches"] = (
+            int(np.count_nonzero((counts == 1) & (cells > self.max_joint_cells)))
+            if self.max_joint_cells > 0
+            else 0
+        )
+        stats["first_step"]["joint_cells"] = float(cells[int(rank_batches[0])])
         return _Plan(flat=flat, offsets=offsets, rank_batches=rank_batches, stats=stats)
 
     def _stats(
@@ -838,6 +892,71 @@ def _greedy_pack(
         longest[b:e] = np.maximum.reduceat(durations[flat[lo:hi]], bounds[b:e] - lo)
         b = e
     return starts, seconds, longest
+
+
+def batch_joint_cells(
+    batch_durations: Sequence[float], batch_tokens: Sequence[int], frame_seconds: float
+) -> float:
+    """Joint cells of one micro-batch, padded as collated: n x ceil(longest / frame) x (most tokens + 1)."""
+    frames = math.ceil(max(batch_durations) / frame_seconds)
+    return float(len(batch_durations) * frames * (max(batch_tokens) + 1))
+
+
+def heaviest_batch(
+    durations: np.ndarray,
+    token_lengths: np.ndarray,
+    max_batch_duration: float,
+    quantile: float = 0.999,
+) -> tuple[list[float], list[int]]:
+    """The heaviest micro-batch the sampler can draw from these utterances, as (durations, tokens):
+    the longest utterance repeated to fill ``max_batch_duration`` seconds (at least once), each with
+    the tokens of the ``quantile`` tokens-per-second of the manifest. The max-batch finder and the
+    step benchmark test this batch; ``joint_cell_cap`` is its joint cells."""
+    longest = float(np.max(durations))
+    density = float(np.quantile(np.asarray(token_lengths) / np.maximum(durations, 1e-3), quantile))
+    n = max(1, int(max_batch_duration // longest))
+    tokens = max(1, int(math.ceil(density * longest)))
+    return [longest] * n, [tokens] * n
+
+
+def joint_cell_cap(
+    durations: np.ndarray,
+    token_lengths: np.ndarray,
+    max_batch_duration: float,
+    frame_seconds: float,
+    quantile: float = 0.999,
+) -> float:
+    """The joint cells of ``heaviest_batch``: the default MAX_BATCH_JOINT_CELLS."""
+    batch = heaviest_batch(durations, token_lengths, max_batch_duration, quantile)
+    return batch_joint_cells(*batch, frame_seconds)
+
+
+def _batch_audio(durations, flat, starts) -> tuple[np.ndarray, np.ndarray]:
+    """(seconds of audio, longest duration) per batch of ``flat`` cut at ``starts``."""
+    d = durations[flat]
+    return np.add.reduceat(d, starts), np.maximum.reduceat(d, starts)
+
+
+def _cap_joint(durations, token_lengths, flat, starts, frame_seconds, cap):
+    """``starts`` with every batch over ``cap`` joint cells cut into consecutive parts that fit
+    (as few as its largest rows allow), and the joint cells of every resulting batch."""
+    d, u = durations[flat], np.asarray(token_lengths)[flat]
+    frames = np.ceil(np.maximum.reduceat(d, starts) / frame_seconds)
+    most = np.maximum.reduceat(u, starts)
+    counts = np.diff(np.append(starts, len(flat)))
+    cells = counts * frames * (most + 1)
+    if cap > 0 and np.any(cells > cap):
+        # Rows per part: as many as the batch's widest shape fits under the cap (at least one).
+        per_part = np.maximum(1, np.floor(cap / (frames * (most + 1)))).astype(np.int64)
+        parts = np.where(cells > cap, -(-counts // per_part), 1)
+        first = np.repeat(starts, parts)
+        within = np.arange(len(first)) - np.repeat(np.cumsum(parts) - parts, parts)
+        starts = first + within * np.repeat(np.where(cells > cap, per_part, 0), parts)
+        frames = np.ceil(np.maximum.reduceat(d, starts) / frame_seconds)
+        most = np.maximum.reduceat(u, starts)
+        counts = np.diff(np.append(starts, len(flat)))
+        cells = counts * frames * (most + 1)
+    return starts, cells
 
 
 def _deal(

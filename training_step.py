@@ -285,6 +285,8 @@ class TrainingModule(pl.LightningModule):
 
     def on_train_start(self):
         apply_current_lr_schedule(self.trainer)
+        # Training holds no decoding CUDA graphs (validation builds and releases its own).
+        asr_model.release_decoding_graphs(self.model)
         # From here a stop signal waits for the next step boundary, where the ranks save and stop.
         # Lightning installed its own SIGTERM handler at fit start, which ends the run after the
         # current micro-batch (mid-accumulation, with nothing saved): ours replaces it for the run.
@@ -599,6 +601,8 @@ def build_dataloader(dataset, *, world_size: int, rank: int, pin_memory: bool):
         language_names=dataset.lang_names,
         world_size=world_size,
         rank=rank,
+        token_lengths=dataset.token_lengths,
+        frame_seconds=dataset.frame_seconds,
     )
     workers = config.NUM_WORKERS
     loader = SignalSafeDataLoader(

@@ -179,6 +179,27 @@ def heaviest_batch_shape(
     return BatchShape(chosen, tokens)
 
 
+def manifest_token_density(manifest: Path, tokenizer, quantile: float = 0.999) -> float:
+    """Tokens per second of audio (the tag included) at ``quantile`` of ``manifest``'s utterances,
+    through its training cache: the density the sampler's joint cap assumes. 5.0 when there is no
+    manifest (a synthetic run)."""
+    if not manifest.is_file():
+        print(
+            f"no manifest at {manifest}: tokens per second 5.0 (pass --manifest for real densities)"
+        )
+        return 5.0
+    from dataset import LocalShardDataset
+
+    dataset = LocalShardDataset(manifest, tokenizer, progress=False)
+    density = dataset.token_lengths / np.maximum(dataset.durations, 1e-3)
+    value = float(np.quantile(density, quantile))
+    print(
+        f"token density of {manifest.name}: p50 {np.quantile(density, 0.5):.1f}, "
+        f"p99.9 {value:.1f} tokens per second (the heaviest batch takes p99.9)"
+    )
+    return value
+
+
 def estimated_host_bytes(model, shape: BatchShape) -> int:
     """A rough peak of a phase-2 CPU step: 16 bytes per parameter (weights, gradients, AdamW's two
     moments) plus 8 float32 copies of the joint tensor of one fused sub-batch (logits, their log-softmax,
@@ -501,9 +522,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--tokens-per-second",
         type=float,
-        default=5.0,
-        help="transcript tokens per second of audio (about 2.5-3 words/s x 1.7 pieces/word "
-        "for a 12k multilingual BPE)",
+        default=None,
+        help="transcript tokens per second of audio of the heaviest batch (default: the 99.9th "
+        "percentile of the train manifest, tokenized with TOKENIZER_DIR, as the sampler's joint cap "
+        "takes it; 5.0 without a manifest: about 2.5-3 words/s x 1.7 pieces/word for a 12k BPE)",
+    )
+    parser.add_argument(
+        "--manifest",
+        type=Path,
+        default=None,
+        help="the manifest whose token densities shape the batch (default TRAIN_MANIFEST_PATH)",
     )
     parser.add_argument(
         "--vocab-size",
@@ -578,6 +606,11 @@ def main(argv: list[str] | None = None) -> int:
         + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
         + f", precision {precision}, threads {torch.get_num_threads()}"
     )
+
+    if args.tokens_per_second is None:
+        args.tokens_per_second = manifest_token_density(
+            args.manifest or Path(config.TRAIN_MANIFEST_PATH), model.tokenizer
+        )
 
     if args.find_max_batch_duration:
         print(

@@ -676,6 +676,7 @@ def test_epoch_stats_describe_the_plan_this_rank_runs():
             "audio_seconds": durations[first].sum(),
             "max_duration": durations[first].max(),
             "cost": batch_cost(first, durations),
+            "joint_cells": 0.0,  # no token lengths given: no joint term
         }
     )
     assert (
@@ -771,3 +772,67 @@ def test_works_as_a_dataloader_batch_sampler():
     loader = torch.utils.data.DataLoader(torch.arange(len(durations)), batch_sampler=s)
     batches = [b.tolist() for b in loader]
     assert len(batches) == len(s) and batches == list(s)
+
+
+# ---- the transducer joint's cap ------------------------------------------------------------------
+
+
+def token_dense_corpus(seed: int = 0):
+    """SKEWED languages whose token densities differ (hi 5/s, ta twice that) with a few long
+    transcripts (30/s): the token-dense batches a duration-only packer would make too large."""
+    durations, langs = corpus(SKEWED, seed)
+    rng = np.random.default_rng(seed + 5)
+    per_second = np.where(langs == "ta", 10.0, 5.0) * rng.uniform(0.8, 1.2, len(langs))
+    per_second[rng.random(len(langs)) < 0.0005] = 30.0
+    return durations, langs, np.maximum(1, np.round(per_second * durations)).astype(np.int32)
+
+
+def joint_cells(batch, durations, tokens, frame=0.08) -> float:
+    return sampler_module.batch_joint_cells(durations[batch], tokens[batch], frame)
+
+
+def test_no_batch_of_an_epoch_exceeds_the_joint_cap_but_a_lone_utterance():
+    durations, langs, tokens = token_dense_corpus()
+    s = make(durations, langs, token_lengths=tokens, frame_seconds=0.08, max_joint_cells=0)
+    cap = s.max_joint_cells
+    assert cap == sampler_module.joint_cell_cap(durations, tokens, 90.0, 0.08)
+    uncapped = make(durations, langs, token_lengths=tokens, frame_seconds=0.08, max_joint_cells=-1)
+    over = [b for b in uncapped if joint_cells(b, durations, tokens) > cap]
+    assert over, "the corpus must hold token-dense batches for this test to mean anything"
+    for batch in s:
+        assert joint_cells(batch, durations, tokens) <= cap or len(batch) == 1
+    assert s.epoch_stats()["largest_joint_cells"] <= cap
+
+
+def test_the_cap_keeps_padding_and_language_mix_within_a_point():
+    durations, langs, tokens = token_dense_corpus(1)
+    capped = make(durations, langs, token_lengths=tokens, frame_seconds=0.08, max_joint_cells=0)
+    free = make(durations, langs, token_lengths=tokens, frame_seconds=0.08, max_joint_cells=-1)
+    a, b = capped.epoch_stats(), free.epoch_stats()
+    assert abs(a["padding_efficiency"] - b["padding_efficiency"]) < 0.01
+    for lang in SKEWED:
+        assert abs(a["realized_share"][lang] - b["realized_share"][lang]) < 0.01
+
+
+def test_the_default_cap_is_the_heaviest_batch_the_max_batch_finder_tests():
+    durations, _, tokens = token_dense_corpus()
+    batch_durations, batch_tokens = sampler_module.heaviest_batch(durations, tokens, 90.0)
+    assert batch_durations == [durations.max()] * int(90.0 // durations.max())
+    density = np.quantile(tokens / durations, 0.999)
+    assert batch_tokens[0] == int(np.ceil(density * durations.max()))
+    expected = len(batch_durations) * np.ceil(durations.max() / 0.08) * (batch_tokens[0] + 1)
+    assert sampler_module.joint_cell_cap(durations, tokens, 90.0, 0.08) == expected
+
+
+def test_the_first_step_holds_the_batch_dearest_with_its_joint():
+    durations, langs, tokens = token_dense_corpus(2)
+    s = make(
+        durations,
+        langs,
+        token_lengths=tokens,
+        frame_seconds=0.08,
+        max_joint_cells=-1,
+        cost_joint=0.01,
+    )
+    costs = [len(b) * durations[b].max() + 0.01 * joint_cells(b, durations, tokens) for b in s]
+    assert costs[0] == pytest.approx(max(costs))
