@@ -52,6 +52,10 @@ def quiet_harmless_messages() -> None:
         # Printed each time NeMo rebuilds the loss (a vocabulary change, tdt_loss.attach_tdt_loss);
         # describe() states the loss that runs, once.
         "Using RNNT Loss :",
+        # decoding_graphs rebuilds and releases the decoder's CUDA graphs around every
+        # validation: two lines each time, by design.
+        "CUDA graphs enabled for",
+        "CUDA graphs disabled for",
     )
     if not torch.cuda.is_available():
         # CUDA graphs for greedy decoding cannot apply without CUDA; on a GPU the note stays (it
@@ -419,12 +423,66 @@ def _greedy_of_encoded(model, encoded, encoded_len) -> list[str]:
     return [hyp.text for hyp in hyps]
 
 
+@contextlib.contextmanager
+def decoding_graphs(model):
+    """Greedy decoding with NeMo's CUDA graphs for as long as the block lasts.
+
+    NeMo's own model hooks rebuild the decoder's CUDA graphs before each validation (a graph
+    captured under another precision or batch layout decodes wrong: NeMo's fix for erratic
+    validation WER) and release them after (they hold their memory otherwise, for the rest of the
+    run). Lightning calls the hooks of our TrainingModule, not NeMo's, so validation and
+    evaluation do it here. A model without these methods (or a CPU, where there are no graphs)
+    is left as it is."""
+    enable = getattr(model, "maybe_enable_cuda_graphs", None)
+    disable = getattr(model, "disable_cuda_graphs", None)
+    if callable(enable):
+        enable(force_reinit=True)
+    try:
+        yield model
+    finally:
+        if callable(disable):
+            disable()
+
+
+def release_decoding_graphs(model) -> None:
+    """Drop the decoder's CUDA graphs (training holds none: NeMo's on_train_epoch_start does the same)."""
+    disable = getattr(model, "disable_cuda_graphs", None)
+    if callable(disable):
+        disable()
+
+
 def check_loss_on_device(model, device: torch.device) -> float:
     """Run the model's CUDA TDT loss once on a known problem (``tdt_loss.check_cuda_loss``).
 
     Returns the largest difference to ``tdt_loss.tdt_loss``; raises TDTLossCheckFailed with the
     install line when the GPU install cannot run it."""
     return tdt_loss.check_cuda_loss(model.loss._loss, device)
+
+
+def joint_memory_bytes(
+    batch_durations,
+    batch_tokens,
+    *,
+    outputs: int,
+    frame_seconds: float,
+    fused_batch_size: int = 4,
+    half_precision: bool = True,
+) -> tuple[float, float]:
+    """(held, peak) bytes of the transducer joint of one micro-batch, NeMo's fused joint and numba
+    TDT loss as they run on a GPU (padded as collated: T frames of the longest utterance, U + 1
+    label positions of the longest transcript, ``outputs`` = vocabulary + blank + durations).
+
+    held: the fp32 gradient of every sub-batch's logits, kept until backward (4 bytes a cell of all
+    n utterances). peak: held, plus one sub-batch of ``fused_batch_size`` utterances in flight: its
+    logits (2 bytes a cell under bf16-mixed, 4 in fp32), their fp32 cast for the loss (4, none in
+    fp32) and the loss's contiguous copy of the token logits (4). An estimate read from NeMo's
+    code (modules/rnnt.py, losses/rnnt.py, numba rnnt_loss), not a GPU measurement."""
+    n = len(batch_durations)
+    cells = math.ceil(max(batch_durations) / frame_seconds) * (max(batch_tokens) + 1)
+    held = n * cells * outputs * 4
+    per_cell_peak = (2 + 4 + 4) if half_precision else (4 + 4)
+    peak = min(n, fused_batch_size) * cells * outputs * per_cell_peak
+    return float(held), float(held + peak)
 
 
 def describe(model) -> str:

@@ -11,6 +11,7 @@ run_logging.py (loggers), collectives.py (cross-rank reductions).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging as _logging
 import math
 import os
@@ -120,10 +121,37 @@ def stop_searching_unused_parameters(trainer) -> bool:
     module = wrapper.module
     module.zero_grad(set_to_none=True)
     wrapper.reducer._remove_autograd_hooks()
+    before = memory_in_use(module)
+    # The old wrapper's gradient buckets (as large as the trainable parameters: 2.5 GB at full size)
+    # go before the new ones are allocated, at the step where AdamW's encoder moments appear too.
+    strategy.model = None
+    del wrapper
+    gc.collect()
+    released = memory_in_use(module)
     strategy._ddp_kwargs["find_unused_parameters"] = False
     strategy.model = strategy._setup_model(module)
     strategy._register_ddp_hooks()
+    if trainer.global_rank == 0:
+        _unfreeze_log.info(
+            "re-wrap memory: %s before, %s with the old buckets freed, %s with the new ones",
+            before,
+            released,
+            memory_in_use(module),
+        )
     return True
+
+
+def memory_in_use(module) -> str:
+    """What the device of ``module`` holds now: CUDA allocated and reserved, else this process's RSS."""
+    device = next(module.parameters()).device
+    if device.type == "cuda":
+        return (
+            f"{torch.cuda.memory_allocated(device) / 2**30:.2f} GiB allocated, "
+            f"{torch.cuda.memory_reserved(device) / 2**30:.2f} GiB reserved"
+        )
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return f"{pages * os.sysconf('SC_PAGE_SIZE') / 2**30:.2f} GiB RSS"
 
 
 # ---- TrainingMetricsCallback ----------------------------------------------------------------------
@@ -225,6 +253,7 @@ class TrainingMetricsCallback(_pl.Callback):
         w.set("wait_fraction_max", w.values["wait_seconds"] / step_s if step_s > 0 else 0.0)
         if cuda:
             w.set("peak_memory_gib", torch.cuda.max_memory_allocated(device) / 2**30)
+            w.set("peak_reserved_gib", torch.cuda.max_memory_reserved(device) / 2**30)
         # The module's fault counters are per rank and restart at 0 in a resumed process: their
         # growth since the last step is what the ranks combine.
         for name in training_metrics.MODULE_COUNTERS:

@@ -93,11 +93,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             ) from exc
 
     def load_checkpoint(self, path, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The checkpoint, memory-mapped (``read_checkpoint(mmap=True)``): its tensors are pages of
+        the file, read as Lightning copies them into the model and the optimizer, and shared by the
+        ranks of a node through the page cache (copy-on-write: nothing is written back). Every rank
+        loading its own copy would hold ranks x the checkpoint (about 7.6 GB at full size with
+        AdamW's moments) at once."""
         return read_checkpoint(
             Path(path),
-            lambda: super(AtomicCheckpointIO, self).load_checkpoint(path, *args, **kwargs),
             advice="resume from an older one (RESUME_FROM=<path>, or RESUME_FROM=last skips "
             "unreadable ones) or delete it",
+            mmap=True,
         )
 
 

@@ -153,12 +153,11 @@ def decode(
     Audio goes through the training pipeline's own loading and collate (soundfile + soxr, the same
     resampling and padding) and ``asr_model``'s greedy decoding: no temporary manifests, no NeMo
     dataloader, and so no dependence on ``cfg.validation_ds``. Every module's train/eval mode is
-    restored afterwards (a frozen encoder stays in eval mode). ``after_batch`` is called after each
+    restored afterwards (a frozen encoder stays in eval mode), and the decoder's CUDA graphs are
+    rebuilt before and released after (``asr_model.decoding_graphs``). ``after_batch`` is called after each
     batch (a watchdog's sign of life); when ``should_stop()`` is true after a batch, decoding ends
     there (``Decoded.stopped``).
     """
-    from dataset import collate_asr_batch
-
     device = torch.device(device) if device is not None else next(model.parameters()).device
     modes = {m: m.training for m in model.modules()}
     model.eval()
@@ -169,32 +168,39 @@ def decode(
 
         batches = tqdm(batches, desc="decoding", unit="batch")
     try:
-        for batch_indices in batches:
-            items = [dataset[i] for i in batch_indices]
-            good = [i for i, item in zip(batch_indices, items) if item is not None]
-            out.texts.update({i: None for i, item in zip(batch_indices, items) if item is None})
-            if good:
-                batch = collate_asr_batch([item for item in items if item is not None]).on_device(
-                    device
-                )
-                with autocast() if autocast is not None else contextlib.nullcontext():
-                    if with_loss:
-                        texts, loss = asr_model.greedy_texts_and_loss(model, batch)
-                        if math.isfinite(loss):
-                            out.loss_sum += loss * len(good)
-                            out.loss_utterances += len(good)
-                    else:
-                        texts = asr_model.greedy_texts(model, batch.signal, batch.signal_len)
-                out.texts.update(zip(good, texts))
-            if after_batch is not None:
-                after_batch()
-            if should_stop is not None and should_stop():
-                out.stopped = True
-                break
+        with asr_model.decoding_graphs(model):
+            for batch_indices in batches:
+                _decode_batch(model, dataset, batch_indices, out, device, autocast, with_loss)
+                if after_batch is not None:
+                    after_batch()
+                if should_stop is not None and should_stop():
+                    out.stopped = True
+                    break
     finally:
         for module, training in modes.items():
             module.train(training)
     return out
+
+
+def _decode_batch(model, dataset, batch_indices, out: Decoded, device, autocast, with_loss) -> None:
+    """Decode one batch of ``dataset`` into ``out`` (its texts, and its loss with ``with_loss``)."""
+    from dataset import collate_asr_batch
+
+    items = [dataset[i] for i in batch_indices]
+    good = [i for i, item in zip(batch_indices, items) if item is not None]
+    out.texts.update({i: None for i, item in zip(batch_indices, items) if item is None})
+    if not good:
+        return
+    batch = collate_asr_batch([item for item in items if item is not None]).on_device(device)
+    with autocast() if autocast is not None else contextlib.nullcontext():
+        if with_loss:
+            texts, loss = asr_model.greedy_texts_and_loss(model, batch)
+            if math.isfinite(loss):
+                out.loss_sum += loss * len(good)
+                out.loss_utterances += len(good)
+        else:
+            texts = asr_model.greedy_texts(model, batch.signal, batch.signal_len)
+    out.texts.update(zip(good, texts))
 
 
 def greedy_transcribe(

@@ -62,6 +62,11 @@ import process_control
 
 # Before config.py is imported: a bad knob is found right then, and must read as one line too.
 process_control.exit_on_user_errors()
+# Before torch touches CUDA: batch shapes vary with every duration bucket and token count, and the
+# caching allocator's fixed-size segments fragment under that (memory reserved but unusable, an
+# out-of-memory with gigabytes free). Expandable segments grow in place instead. A value the user
+# set wins.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402

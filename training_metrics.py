@@ -83,6 +83,7 @@ MEASURES: tuple[Measure, ...] = (
     Measure("wait_fraction_max", "max"),
     Measure("checkpoint_seconds", "max"),
     Measure("peak_memory_gib", "max"),
+    Measure("peak_reserved_gib", "max"),
     Measure("empty_micro_batches", "sum", cumulative=True, module_counter=True),
     Measure("nonfinite_losses", "sum", cumulative=True, module_counter=True),
     # A skip is decided on every rank alike: the ranks' counts are equal, not to be summed.
@@ -198,6 +199,9 @@ STEP_METRICS: tuple[Metric, ...] = (
            lambda s: {lang: s.target_share.get(lang, math.nan) for lang in s.recent_langs}),
     Metric("gpu/peak_memory_gib", "max", "peak GPU memory allocated in this step, largest rank",
            lambda s: s.m["peak_memory_gib"], cuda_only=True),
+    Metric("gpu/peak_reserved_gib", "max", "peak GPU memory the caching allocator held in this "
+           "step (allocated + cached, what the device really gave), largest rank",
+           lambda s: s.m["peak_reserved_gib"], cuda_only=True),
 )  # fmt: skip
 
 EVALUATION_METRICS: tuple[Metric, ...] = (

@@ -1061,3 +1061,42 @@ def test_an_agreed_stop_saves_that_step_and_stops_unless_it_is_the_last(
         assert saved == [f"step_{stop_at:08d}.ckpt"]
     else:  # the last step: a normal end, no preemption
         assert not saver.preempted and trainer.global_step == max_steps and saved == []
+
+
+def test_the_phase_2_rewrap_frees_the_old_ddp_buckets_before_allocating_new_ones():
+    import weakref
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tests.torchrun_jobs import free_port
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        module = torch.nn.Linear(64, 64)
+        seen = []
+
+        class Strategy:
+            _ddp_kwargs = {"find_unused_parameters": True}
+            model = DistributedDataParallel(module, find_unused_parameters=True)
+
+            def _setup_model(self, m):
+                seen.append(old_wrapper() is None)  # the old wrapper and its buckets are gone
+                return DistributedDataParallel(m, **self._ddp_kwargs)
+
+            def _register_ddp_hooks(self):
+                pass
+
+        strategy = Strategy()
+        strategy.model = Strategy.model
+        del Strategy.model
+        old_wrapper = weakref.ref(strategy.model)
+        trainer = SimpleNamespace(strategy=strategy, global_rank=1)
+        assert callbacks.stop_searching_unused_parameters(trainer)
+        assert seen == [True]
+        assert strategy.model.find_unused_parameters is False
+    finally:
+        dist.destroy_process_group()

@@ -22,7 +22,7 @@ def test_defaults_match_the_documented_values():
     assert values["BUCKET_BOUNDARIES"] == (3.0, 5.0, 8.0, 12.0, 16.0)
     assert values["MAX_BATCH_DURATION"] == 90.0
     assert values["TEMPERATURE"] == 0.3
-    assert values["NUM_WORKERS"] == 12
+    assert values["NUM_WORKERS"] == config.default_workers({})
     assert values["GRAD_ACCUM"] == 4
     assert values["MAX_STEPS"] == 600000
     assert values["CHECKPOINT_EVERY"] == 5000
@@ -338,3 +338,16 @@ def test_help_of_a_step_lists_exactly_its_knobs():
 def test_the_typed_names_are_exactly_the_knobs():
     annotated = {n for n in config.__annotations__ if n.isupper()}
     assert annotated == set(config.KNOBS)
+
+
+@pytest.mark.parametrize(
+    "cores, local_ranks, workers", [(64, 8, 4), (16, 8, 1), (2, 2, 1), (96, 8, 4), (24, 8, 2)]
+)
+def test_default_workers_share_the_nodes_cores_among_its_ranks(
+    monkeypatch, cores, local_ranks, workers
+):
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert config.default_workers({"LOCAL_WORLD_SIZE": str(local_ranks)}) == workers
+    knobs = config.read_config({"LOCAL_WORLD_SIZE": str(local_ranks)})
+    assert knobs["NUM_WORKERS"].value == workers and knobs["NUM_WORKERS"].source == "derived"
+    assert config.read_config({"NUM_WORKERS": "6"})["NUM_WORKERS"].value == 6

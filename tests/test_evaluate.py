@@ -346,6 +346,65 @@ class EchoModel(torch.nn.Module):
         ]
 
 
+class GraphRecordingModel(EchoModel):
+    """EchoModel with NeMo's CUDA-graph switches, recording every call in order."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.calls: list[str] = []
+
+    def maybe_enable_cuda_graphs(self, force_reinit=False):
+        self.calls.append(f"enable(force_reinit={force_reinit})")
+
+    def disable_cuda_graphs(self):
+        self.calls.append("disable")
+
+    def decode(self, encoder_output, encoded_lengths):
+        self.calls.append("decode")
+        return super().decode(encoder_output, encoded_lengths)
+
+
+def test_validation_rebuilds_the_decoding_graphs_before_and_releases_them_after(tiny):
+    from nemo.collections.common.tokenizers import SentencePieceTokenizer
+
+    from dataset import LocalShardDataset
+
+    tokenizer = SentencePieceTokenizer(str(tiny.tokenizer / "tokenizer.model"))
+    ds = LocalShardDataset(tiny.manifest, tokenizer, progress=False)
+    texts = evaluation.manifest_texts(ds)
+    model = GraphRecordingModel(
+        tokenizer, {EchoModel.fingerprint(ds[i]["signal"]): texts[i] for i in range(len(ds))}
+    )
+    evaluation.decode(model, ds, list(range(4)), max_batch_seconds=4.0)
+    assert model.calls[0] == "enable(force_reinit=True)" and model.calls[-1] == "disable"
+    assert model.calls.count("decode") >= 2 and model.calls.count("disable") == 1
+    # an error inside decoding still releases them
+    model.calls.clear()
+    model.texts_by_signal = {}
+    with pytest.raises(KeyError):
+        evaluation.decode(model, ds, list(range(2)))
+    assert model.calls[-1] == "disable"
+
+
+def test_training_starts_without_decoding_graphs(monkeypatch):
+    import process_control
+    import training_step
+
+    class Model(torch.nn.Module):
+        released = 0
+
+        def disable_cuda_graphs(self):
+            self.released += 1
+
+    for name in ("install_stop_handlers", "set_training"):
+        monkeypatch.setattr(process_control, name, lambda *args: None)
+    monkeypatch.setattr(training_step, "apply_current_lr_schedule", lambda trainer: None)
+    monkeypatch.setattr(training_step.TrainingModule, "trainer", property(lambda self: None))
+    module = training_step.TrainingModule(Model())
+    module.on_train_start()
+    assert module.model.released == 1
+
+
 def fake_trainer(rank: int, loggers: list) -> SimpleNamespace:
     import contextlib
 
