@@ -1100,3 +1100,18 @@ def test_the_phase_2_rewrap_frees_the_old_ddp_buckets_before_allocating_new_ones
         assert strategy.model.find_unused_parameters is False
     finally:
         dist.destroy_process_group()
+
+
+def test_a_resume_maps_the_checkpoint_instead_of_copying_it_into_private_memory(tmp_path):
+    def private_mib() -> float:
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+        return 0.0
+
+    path = tmp_path / "step_00000001.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(16_000_000)}}, path)  # 61 MiB
+    before = private_mib()
+    loaded = checkpoints.AtomicCheckpointIO().load_checkpoint(path)
+    assert float(loaded["state_dict"]["w"].sum()) == 16_000_000  # every page read
+    assert private_mib() - before < 16, "the checkpoint was copied into this process's memory"
