@@ -385,6 +385,10 @@ class AsrBatch(NamedTuple):
     durations: list[float]
     bad_audio: dict[str, int]
     indices: list[int] = []
+    # Sums of token_len and signal_len, known on the host when the batch is made: the metrics read
+    # these instead of the tensors (whose values live on the GPU once Lightning moved the batch).
+    token_count: int = 0
+    sample_count: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -426,6 +430,8 @@ def collate_asr_batch(items: list[dict | None]) -> AsrBatch:
         durations=[float(item["duration"]) for item in good],
         bad_audio=bad_audio,
         indices=[int(item["index"]) for item in good],
+        token_count=sum(int(item["tokens"].shape[0]) for item in good),
+        sample_count=sum(int(item["signal"].shape[0]) for item in good),
     )
 
 

@@ -53,20 +53,30 @@ def _non_empty(batch) -> bool:
     return batch.signal.shape[0] > 0
 
 
-def _finite_loss(batch, module) -> float:
+def _loss_sum(batch, module):
+    """The micro-batch's loss where finite, else 0: a 0-d tensor left on its device (the window
+    sums it there and reads it once per optimizer step)."""
     loss = module.last_loss
-    return float(loss) if _non_empty(batch) and loss is not None else math.nan
+    if not _non_empty(batch) or loss is None:
+        return 0.0
+    loss = loss.detach().to(torch.float64)
+    return torch.where(torch.isfinite(loss), loss, torch.zeros_like(loss))
+
+
+def _loss_count(batch, module):
+    loss = module.last_loss
+    if not _non_empty(batch) or loss is None:
+        return 0.0
+    return torch.isfinite(loss.detach()).to(torch.float64)
 
 
 MEASURES: tuple[Measure, ...] = (
-    Measure("loss_sum", "sum", of_micro_batch=lambda b, m: _nan_to_zero(_finite_loss(b, m))),
-    Measure(
-        "loss_count", "sum", of_micro_batch=lambda b, m: float(math.isfinite(_finite_loss(b, m)))
-    ),
+    Measure("loss_sum", "sum", of_micro_batch=_loss_sum),
+    Measure("loss_count", "sum", of_micro_batch=_loss_count),
     Measure("utterances", "sum", of_micro_batch=lambda b, m: float(b.signal.shape[0])),
     Measure("audio_seconds", "sum", of_micro_batch=lambda b, m: float(sum(b.durations))),
-    Measure("tokens", "sum", of_micro_batch=lambda b, m: float(b.token_len.sum())),
-    Measure("real_samples", "sum", of_micro_batch=lambda b, m: float(b.signal_len.sum())),
+    Measure("tokens", "sum", of_micro_batch=lambda b, m: float(b.token_count)),
+    Measure("real_samples", "sum", of_micro_batch=lambda b, m: float(b.sample_count)),
     Measure("padded_samples", "sum", of_micro_batch=lambda b, m: float(b.signal.numel())),
     Measure("lang_utterances", "sum", per="lang", of_micro_batch=lambda b, m: _count(b.langs)),
     Measure(
@@ -90,10 +100,6 @@ MEASURES: tuple[Measure, ...] = (
     Measure("skipped_steps", "max", cumulative=True, module_counter=True),
 )
 MODULE_COUNTERS = tuple(m.name for m in MEASURES if m.module_counter)
-
-
-def _nan_to_zero(v: float) -> float:
-    return v if math.isfinite(v) else 0.0
 
 
 def _count(keys: Sequence[str]) -> dict[str, float]:
@@ -267,6 +273,9 @@ class Window:
             )
 
     def add_micro_batch(self, batch, module) -> None:
+        """Add one micro-batch's measures. None of them reads a value from the device: host numbers
+        come from what the host knew when it made the batch, device ones (the loss) are summed as
+        tensors and read with the step's reduction."""
         for measure in MEASURES:
             if measure.of_micro_batch is None:
                 continue
@@ -276,6 +285,8 @@ class Window:
                 for key, v in value.items():
                     if key in known:
                         known[key] += float(v)
+            elif isinstance(value, torch.Tensor):
+                self.values[measure.name] = self.values[measure.name] + value
             else:
                 self.values[measure.name] += float(value)
 
@@ -290,11 +301,20 @@ class Window:
         out: dict[str, Any] = {}
         for op in ("sum", "max"):
             names = [m for m in MEASURES if m.reduce == op]
-            flat: list[float] = []
+            flat: list = []
             for m in names:
                 v = self.values[m.name]
                 flat.extend(v.values() if m.per else [v])
-            combined = all_reduce_tensor(torch.tensor(flat, dtype=torch.float64, device=device), op)
+            on_device = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+            packed = torch.tensor(
+                [0.0 if isinstance(v, torch.Tensor) else float(v) for v in flat],
+                dtype=torch.float64,
+            ).to(device)
+            if on_device:
+                packed[on_device] = torch.stack(
+                    [flat[i].to(device, torch.float64).reshape(()) for i in on_device]
+                )
+            combined = all_reduce_tensor(packed, op)
             combined = combined.cpu().tolist()
             i = 0
             for m in names:

@@ -182,7 +182,9 @@ class TrainingModule(pl.LightningModule):
         self.last_grad_norm: float | None = None
         # The gradient norm of this optimizer step, for configure_gradient_clipping.
         self._grad_norm: torch.Tensor | None = None
-        self._window_bad = 0  # non-finite losses of this rank since the last optimizer step
+        # (loss on the device, micro-batch, langs, durations) of this rank's micro-batches since the
+        # last optimizer step: their finiteness is read once, at the step boundary.
+        self._window_losses: list[tuple] = []
         self._window_utterances = 0  # real utterances of this rank since the last optimizer step
         # BatchNorm buffers when the window began, restored when the step is skipped.
         self._window_buffers: dict[str, torch.Tensor] | None = None
@@ -329,44 +331,65 @@ class TrainingModule(pl.LightningModule):
             loss = self.compute_loss(batch)
             # What this micro-batch computed, non-finite included (the metrics leave it out of the mean).
             self.last_loss = loss.detach()
-            if not torch.isfinite(loss).item():
-                self.nonfinite_losses += 1
-                self._window_bad += 1
-                log.warning(
-                    "rank %d micro-batch %d: loss %s (langs %s, durations %s); this optimizer step "
-                    "is skipped on every rank",
-                    self.global_rank,
-                    batch_idx,
-                    loss.item(),
-                    sorted(set(batch.langs)),
-                    [round(d, 2) for d in batch.durations],
-                )
-                loss = self.zero_loss()
+            # Whether it is finite stays on the device until the step boundary reads the window's
+            # flags in one go (a read here would stall the GPU's queue every micro-batch). A
+            # non-finite loss trains as it is: its gradients are non-finite, and the step it is in
+            # is skipped on every rank (on_before_optimizer_step) before they touch a weight.
+            self._window_losses.append(
+                (self.last_loss, batch_idx, sorted(set(batch.langs)), list(batch.durations))
+            )
         return loss
 
     def on_before_optimizer_step(self, optimizer):
         # Every rank reaches this point once per optimizer step, so the all-reduce cannot hang.
         # A stop signal (preemption) rides on the same all-reduce: every rank learns at this step
         # whether any rank got one, so they all save after this step and stop together.
-        flags = torch.tensor(
-            [
-                float(self._window_bad),
-                float(self._window_utterances),
-                float(process_control.stop_requested() is not None),
-            ],
+        window, self._window_losses = self._window_losses, []
+        bad = (
+            torch.stack([~torch.isfinite(loss) for loss, *_ in window]).to(torch.float64)
+            if window
+            else torch.zeros(0, dtype=torch.float64, device=self.device)
+        )
+        local = torch.tensor(
+            [float(self._window_utterances), float(process_control.stop_requested() is not None)],
+            dtype=torch.float64,
             device=self.device,
         )
+        flags = torch.cat([bad.sum().reshape(1).to(self.device), local])
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(flags)
-        self.stop_agreed = bool(flags[2] > 0)
-        self._window_bad = self._window_utterances = 0
-        window_buffers, self._window_buffers = self._window_buffers, None
         params = [p for p in self.parameters() if p.grad is not None]
         grad_norm = (
-            torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+            torch.nn.utils.get_total_norm([p.grad for p in params])
+            if params
+            else torch.zeros((), device=self.device)
         )
-        self.last_grad_norm = float(grad_norm)
         self._grad_norm = grad_norm
+        # The one read by the host of this step's values: the agreed flags, the gradient norm and
+        # this rank's per-micro-batch finiteness.
+        read = torch.cat(
+            [
+                flags,
+                grad_norm.detach().to(self.device, torch.float64).reshape(1),
+                bad.to(self.device),
+            ]
+        ).tolist()
+        flags, self.last_grad_norm, mine = read[:3], read[3], read[4:]
+        self.stop_agreed = flags[2] > 0
+        self._window_utterances = 0
+        for (loss, batch_idx, langs, durations), is_bad in zip(window, mine):
+            if is_bad:
+                self.nonfinite_losses += 1
+                log.warning(
+                    "rank %d micro-batch %d: loss %s (langs %s, durations %s); this optimizer step "
+                    "is skipped on every rank",
+                    self.global_rank,
+                    batch_idx,
+                    float(loss),
+                    langs,
+                    [round(d, 2) for d in durations],
+                )
+        window_buffers, self._window_buffers = self._window_buffers, None
         reason = None
         if flags[0] > 0:
             reason = f"non-finite loss on {int(flags[0])} micro-batch(es)"
@@ -382,7 +405,7 @@ class TrainingModule(pl.LightningModule):
                 f"unreadable. Check DATA_DIR / SHARDS_DIR on every node and run "
                 f"scripts/extract_audio.py (MAX_EMPTY_STEPS={limit})"
             )
-        elif not math.isfinite(self.last_grad_norm):
+        elif reason is None and not math.isfinite(self.last_grad_norm):
             reason = f"gradient norm {self.last_grad_norm}"
         if reason is not None:
             # No gradient at all: AdamW leaves every parameter and its moments untouched.

@@ -22,7 +22,8 @@ def batch(langs, durations, bad=None, loss=1.0):
     signal = torch.zeros(n, 100)
     lens = torch.tensor([50 + 10 * i for i in range(n)])
     b = SimpleNamespace(signal=signal, signal_len=lens, langs=list(langs), durations=list(durations),
-                        token_len=torch.full((n,), 4), bad_audio=dict(bad or {}))  # fmt: skip
+                        token_len=torch.full((n,), 4), bad_audio=dict(bad or {}),
+                        token_count=4 * n, sample_count=int(lens.sum()))  # fmt: skip
     return b, SimpleNamespace(last_loss=torch.tensor(loss))
 
 
