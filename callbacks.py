@@ -449,9 +449,7 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
 
     def _warn_when_space_runs_short(self, pl_module) -> None:
         size = checkpoints.estimated_checkpoint_bytes(pl_module)
-        free = checkpoints.free_bytes(Path(self.dirpath))
-        room = int(free // size) if size else 0
-        wanted = 3 if self.keep == 0 else self.keep + 1
+        room, wanted, free = checkpoints.checkpoint_room(size, Path(self.dirpath), self.keep)
         _log.info(
             "a step checkpoint takes about %.2f GiB; %s has %.1f GiB free (room for %d)",
             size / 2**30,

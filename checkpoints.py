@@ -181,6 +181,16 @@ def estimated_checkpoint_bytes(module: torch.nn.Module) -> int:
     return int((weights + moments) * 1.01)
 
 
+def checkpoint_room(size: int, directory: Path, keep: int) -> tuple[int, int, int]:
+    """(checkpoints of ``size`` bytes that ``directory``'s file system has room for, how many it
+    should have room for, free bytes). Wanted: the KEEP_CHECKPOINTS newest plus the one being
+    written (its temporary file exists until the oldest is pruned); with every checkpoint kept
+    (``keep`` 0), the next 3."""
+    free = free_bytes(directory)
+    room = int(free // size) if size else 0
+    return room, 3 if keep == 0 else keep + 1, free
+
+
 def checkpoint_step(path: str | Path) -> int:
     """The optimizer step a step checkpoint was saved at (its file is mapped, not read)."""
     return int(read_checkpoint(Path(path), mmap=True).get("global_step", 0))

@@ -53,7 +53,10 @@ STEPS = (
     "export_nemo",
     "transcribe",
     "manifest_report",
+    "preflight",
 )
+# A step that reads exactly what another reads: scripts/preflight.py checks a node for train.py.
+STEP_READS_AS = {"preflight": "train"}
 
 
 @dataclass(frozen=True)
@@ -952,6 +955,7 @@ def describe_for_help(step: str, knobs: Mapping[str, Knob] | None = None) -> str
     if step not in STEPS:
         raise ValueError(f"unknown step {step!r}; expected one of {', '.join(STEPS)}")
     knobs = KNOBS if knobs is None else knobs
+    step = STEP_READS_AS.get(step, step)
     return "\n".join(
         f"  {k.name}={_format_value(k.value)}  ({k.help})"
         for k in knobs.values()

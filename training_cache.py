@@ -834,6 +834,25 @@ def _handle_superseded(directory: Path, manifest_path: Path, content: str, key: 
     return removed, kept
 
 
+def lookup(
+    manifest_path,
+    tokenizer,
+    *,
+    frame_seconds: float,
+    max_token_len: int,
+    cache_dir=None,
+) -> Path | None:
+    """The complete cache ``ensure`` would map for these inputs, or None where it would build one
+    (nothing is built; the manifest is hashed once, as ``ensure`` remembers it)."""
+    manifest_path = Path(manifest_path)
+    directory = cache_directory(manifest_path, cache_dir)
+    if not manifest_path.is_file() or not directory.is_dir():
+        return None
+    content = content_sha256(manifest_path, directory)
+    key = cache_key(content, tokenizer_fingerprint(tokenizer), frame_seconds, max_token_len)
+    return find_cache(directory, key)
+
+
 def ensure(
     manifest_path,
     tokenizer,

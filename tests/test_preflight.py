@@ -1,0 +1,173 @@
+"""scripts/preflight.py: each check's verdicts, run as a user runs it (one process and torchrun on
+CPU over a tiny corpus with its training cache), and its pure parts (driver rule, rank merge,
+checkpoint space) directly."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+import asr_model
+import config
+from scripts import preflight
+from tests.tiny_training_data import make_training_data
+from tests.torchrun_jobs import tiny_train_env, torchrun_command
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "preflight.py"
+TINY = REPO / "configs" / "tiny_tdt.yaml"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("preflight")
+    data = make_training_data(root, per_lang=16, vocab_size=64)
+    env = tiny_train_env(data, DATA_DIR=str(root / "data"), MODEL_CONFIG=str(TINY))
+    built = subprocess.run(
+        [sys.executable, "scripts/build_training_cache.py"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    return root, data, env
+
+
+def preflight_run(env: dict, *args: str, torchrun: bool = False) -> tuple[int, dict[str, str], str]:
+    """(exit code, {check: its line}, output) of scripts/preflight.py."""
+    cmd = torchrun_command(SCRIPT) if torchrun else [sys.executable, str(SCRIPT)]
+    result = subprocess.run(
+        [*cmd, "--data-seconds", "10", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = result.stdout + result.stderr
+    lines = {}
+    for line in result.stdout.splitlines():
+        found = re.match(r"^(ok|warn|fail|skip)\s+(\S+)\s", line)
+        if found:
+            lines[found.group(2)] = line
+    return result.returncode, lines, out
+
+
+def verdict(line: str) -> str:
+    return line.split()[0]
+
+
+def test_a_cpu_node_with_its_data_in_place_passes_and_says_what_it_skipped(corpus):
+    _, _, env = corpus
+    code, lines, out = preflight_run(env, "--consume-audio-per-second", "0.01")
+    assert code == 0, out[-3000:]
+    assert {name: verdict(line) for name, line in lines.items()} == {
+        "gpu": "skip",
+        "tdt-loss": "skip",
+        "caches": "ok",
+        "step": "ok",
+        "max-batch": "skip",
+        "all-reduce": "skip",
+        "data": "ok",
+        "checkpoints": "ok",
+        "wandb": "ok",
+    }, out[-3000:]
+    assert re.search(r"phase 1 [\d.]+ s, phase 2 [\d.]+ s a micro-batch", lines["step"])
+    assert re.search(r"\d+ audio s/s per rank \(NUM_WORKERS=1, cold", lines["data"])
+    assert "4 skipped (gpu, tdt-loss, max-batch, all-reduce)" in out
+
+
+def test_slow_data_and_an_unreachable_wandb_warn_without_failing(corpus):
+    _, _, env = corpus
+    env = dict(env, NUM_WORKERS="0", WANDB_MODE="online", WANDB_BASE_URL="http://127.0.0.1:9")
+    code, lines, out = preflight_run(env, "--consume-audio-per-second", "1e9")
+    assert code == 0, out[-3000:]
+    assert verdict(lines["data"]) == "warn" and "raise NUM_WORKERS" in lines["data"], lines["data"]
+    assert verdict(lines["wandb"]) == "warn" and "log offline" in lines["wandb"], lines["wandb"]
+
+
+def test_unreadable_audio_fails_the_data_check_and_the_exit_code(corpus, tmp_path):
+    root, data, env = corpus
+    moved = tmp_path / "shards"
+    shutil.move(root / "shards", moved)
+    try:
+        code, lines, out = preflight_run(env, "--consume-audio-per-second", "0.01")
+    finally:
+        shutil.move(moved, root / "shards")
+    assert code == 1, out[-3000:]
+    assert verdict(lines["data"]) == "fail" and "DATA_DIR" in lines["data"], lines["data"]
+    assert "1 failed (data)" in out
+
+
+def test_without_a_training_cache_the_data_check_is_skipped_and_caches_warn(corpus, tmp_path):
+    _, data, env = corpus
+    manifest = tmp_path / "other.parquet"
+    shutil.copy(data["manifest"], manifest)
+    code, lines, out = preflight_run(dict(env, TRAIN_MANIFEST_PATH=str(manifest)))
+    assert code == 0, out[-3000:]
+    assert verdict(lines["caches"]) == "warn" and "build_training_cache.py" in lines["caches"]
+    assert verdict(lines["data"]) == "skip"
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_all_reduce_is_measured_and_every_rank_reports(corpus):
+    _, _, env = corpus
+    code, lines, out = preflight_run(
+        env, "--consume-audio-per-second", "0.01", "--data-files", "16", torchrun=True
+    )
+    assert code == 0, out[-3000:]
+    assert verdict(lines["all-reduce"]) == "ok", out[-3000:]
+    assert re.search(r"gloo over 2 ranks: [\d.]+ GB/s bus bandwidth", lines["all-reduce"])
+    assert "[2 ok]" in lines["step"]
+
+
+def test_driver_rule_follows_torchs_cuda_major():
+    assert preflight.driver_verdict(13000, "13.0") == ("ok", "")
+    verdict_, advice = preflight.driver_verdict(12080, "13.0")
+    assert verdict_ == "fail" and "CUDA 12.8" in advice and ">= 580" in advice
+    assert preflight.driver_verdict(12040, "12.4")[0] == "ok"
+    assert preflight.driver_verdict(None, None)[0] == "fail"
+
+
+def test_merge_keeps_the_worst_rank_and_the_split():
+    Check = preflight.Check
+    merged = preflight.merge(
+        [
+            [Check("data", "ok", "900 audio s/s"), Check("gpu", "ok", "H100")],
+            [
+                Check("data", "warn", "300 audio s/s", "raise NUM_WORKERS"),
+                Check("gpu", "ok", "H100"),
+            ],
+        ]
+    )
+    assert [c.name for c in merged] == ["data", "gpu"]
+    assert merged[0].verdict == "warn"
+    assert merged[0].figure == "rank 1: 300 audio s/s [1 ok, 1 warn]"
+    assert merged[0].line().endswith("-> raise NUM_WORKERS")
+
+
+def test_checkpoint_space_fails_below_one_save_and_warns_below_the_next_ones(tmp_path, monkeypatch):
+    model = asr_model.build_model(
+        init_model="", model_config=TINY, tokenizer_dir=make_training_data(tmp_path)["tokenizer"]
+    )
+    node = preflight.Node(model=model)
+    monkeypatch.setattr(config, "CHECKPOINT_DIR", tmp_path / "checkpoints")
+    monkeypatch.setattr(config, "KEEP_CHECKPOINTS", 2)
+    import checkpoints
+    from training_step import TrainingModule
+
+    size = checkpoints.estimated_checkpoint_bytes(TrainingModule(model))
+    usage = namedtuple("usage", "total used free")
+    for free, expected in ((size // 2, "fail"), (2 * size, "warn"), (10 * size, "ok")):
+        monkeypatch.setattr(shutil, "disk_usage", lambda _p, f=free: usage(10**12, 0, f))
+        check = preflight.check_checkpoints(node)
+        assert check.verdict == expected, check.line()
+    assert "room for 10, the next 3 wanted" in check.figure
