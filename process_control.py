@@ -135,13 +135,16 @@ USER_ERRORS = (UserError, FileNotFoundError)
 def report_user_error(exc: BaseException) -> int:
     """Rank 0 prints ``error: <message>``; every rank records it for torchrun's failure summary.
     Returns USER_ERROR_EXIT_CODE."""
-    _record_for_torchrun(exc)
     if int(os.environ.get("RANK", "0")) == 0:
+        _record_for_torchrun(exc)
         print(f"error: {exc}", file=sys.stderr, flush=True)
-    elif "TORCHELASTIC_RUN_ID" in os.environ:
-        # Every rank meets the same error at the same moment; the first to exit makes torchrun
-        # SIGTERM the others, so rank 0's line (and its place as the root cause) must come first.
-        time.sleep(2.0)
+    else:
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            # Every rank meets the same error at about the same moment, and torchrun's summary names
+            # the earliest recorded one (to the second) as the root cause: rank 0's record and line
+            # come first. An error of this rank alone is still recorded, 2 s later.
+            time.sleep(2.0)
+        _record_for_torchrun(exc)
     return USER_ERROR_EXIT_CODE
 
 
