@@ -376,7 +376,8 @@ def run_steps(
         data = [(batch.signal, batch.signal_len, batch.tokens, batch.token_len)] * (warmup + steps)
     trainer = pl.Trainer(
         accelerator=device.type,
-        devices=1,
+        # This very GPU (cuda:<local rank> under torchrun), not the first visible one.
+        devices=[device.index] if device.type == "cuda" and device.index is not None else 1,
         precision=precision,
         max_steps=warmup + steps,
         max_epochs=1,

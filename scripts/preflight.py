@@ -56,7 +56,14 @@ DRIVER_FOR_CUDA = {13: (13000, "580"), 12: (12000, "525"), 11: (11000, "450")}
 HEADROOM = 0.9  # the share of GPU memory a step may peak at (the max-batch finder's)
 FEED_MARGIN = 1.25  # the data path should deliver this many times what the step consumes
 ALLREDUCE_WARN_SHARE = 0.2
-TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "GROUP_RANK", "LOCAL_WORLD_SIZE", "ROLE_RANK")
+# Hidden from Lightning while a one-device Trainer runs inside a torchrun or srun job.
+TORCHRUN_ENV = (
+    "TORCHELASTIC_RUN_ID",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "ROLE_RANK",
+    "SLURM_NTASKS",
+)
 
 
 @dataclass
@@ -141,17 +148,25 @@ def check_gpu(node: Node) -> Check:
 
     wants_gpu = config.ACCELERATOR in ("gpu", "cuda")
     if node.device.type != "cuda":
+        if config.ACCELERATOR == "cpu":
+            return Check("gpu", "skip", "ACCELERATOR=cpu")
         gpus = nvidia_smi()
         if gpus:
-            verdict, advice = driver_verdict(None, torch.version.cuda)
+            if not torch.version.cuda:
+                advice = driver_verdict(None, None)[1]
+            else:
+                branch = DRIVER_FOR_CUDA.get(int(torch.version.cuda.split(".")[0]), (0, "?"))[1]
+                advice = (
+                    f"torch cannot initialise CUDA: a driver older than {branch} (torch is built "
+                    f"for CUDA {torch.version.cuda}) or missing CUDA libraries; install "
+                    f"requirements-gpu.txt on an NVIDIA driver >= {branch}"
+                )
             return Check(
                 "gpu",
                 "fail",
                 f"nvidia-smi lists {len(gpus)} GPU(s) ({gpus[0]}) but torch "
                 f"{torch.__version__} (CUDA {torch.version.cuda}) cannot use them",
-                advice
-                or "the driver is too old for this torch or the CUDA libraries are missing: "
-                "install requirements-gpu.txt on a driver >= 580",
+                advice,
             )
         return Check(
             "gpu",
@@ -231,7 +246,7 @@ def check_tdt_loss(node: Node) -> Check:
     costs = {}
     for backend in tdt_loss.BACKENDS:
         probe = tdt_loss.DeviceDispatchTDTLoss(
-            inner.blank, inner.durations, sigma=inner.sigma, omega=0.0, cuda_backend=backend
+            1024, inner.durations, sigma=inner.sigma, omega=0.0, cuda_backend=backend
         )
         if backend == "numba":
             try:
@@ -240,7 +255,6 @@ def check_tdt_loss(node: Node) -> Check:
                 )._loss
             except Exception:  # noqa: BLE001  (numba missing: only torch's cost is shown)
                 continue
-        probe.blank = 1024
         costs[backend] = _loss_call_seconds(probe, node.device)
     figure += "; one loss (4 x 20 s x 80 tokens x 1k pieces, forward + backward): " + ", ".join(
         f"{b} {s * 1e3:.0f} ms" for b, s in costs.items()
@@ -300,8 +314,8 @@ def check_caches(node: Node) -> Check:
 
 @contextlib.contextmanager
 def outside_torchrun():
-    """torchrun's variables hidden while a one-device Trainer runs, so Lightning does not take
-    this rank for part of a multi-process job."""
+    """torchrun's (and SLURM's) variables hidden while a one-device Trainer runs, so Lightning
+    does not take this rank for part of a multi-process job."""
     saved = {k: os.environ.pop(k) for k in TORCHRUN_ENV if k in os.environ}
     try:
         yield

@@ -171,3 +171,21 @@ def test_checkpoint_space_fails_below_one_save_and_warns_below_the_next_ones(tmp
         check = preflight.check_checkpoints(node)
         assert check.verdict == expected, check.line()
     assert "room for 10, the next 3 wanted" in check.figure
+
+
+def test_gpus_torch_cannot_use_fail_and_a_cpu_run_skips_the_gpu_check(monkeypatch):
+    import torch
+
+    node = preflight.Node(device=torch.device("cpu"))
+    smi = ["NVIDIA H100 80GB HBM3, 550.54.15, 81559 MiB, 0 MiB"]
+    monkeypatch.setattr(preflight, "nvidia_smi", lambda: smi)
+    monkeypatch.setattr(config, "ACCELERATOR", "auto")
+    check = preflight.check_gpu(node)
+    assert check.verdict == "fail" and "lists 1 GPU(s)" in check.figure, check.line()
+    assert "requirements-gpu.txt" in check.advice
+    monkeypatch.setattr(config, "ACCELERATOR", "cpu")
+    assert preflight.check_gpu(node).verdict == "skip"
+    monkeypatch.setattr(preflight, "nvidia_smi", lambda: [])
+    monkeypatch.setattr(config, "ACCELERATOR", "gpu")
+    check = preflight.check_gpu(node)
+    assert check.verdict == "fail" and "no GPU" in check.advice, check.line()
