@@ -902,6 +902,15 @@ def batch_joint_cells(
     return float(len(batch_durations) * frames * (max(batch_tokens) + 1))
 
 
+def token_density(
+    durations: np.ndarray, token_lengths: np.ndarray, quantile: float = 0.999
+) -> float:
+    """Tokens per second of audio at ``quantile`` of the utterances: the density the heaviest
+    batch (and so the joint cap and the max-batch search) assumes."""
+    density = np.asarray(token_lengths) / np.maximum(durations, 1e-3)
+    return float(np.quantile(density, quantile))
+
+
 def heaviest_batch(
     durations: np.ndarray,
     token_lengths: np.ndarray,
@@ -913,7 +922,7 @@ def heaviest_batch(
     the tokens of the ``quantile`` tokens-per-second of the manifest. The max-batch finder and the
     step benchmark test this batch; ``joint_cell_cap`` is its joint cells."""
     longest = float(np.max(durations))
-    density = float(np.quantile(np.asarray(token_lengths) / np.maximum(durations, 1e-3), quantile))
+    density = token_density(durations, token_lengths, quantile)
     n = max(1, int(max_batch_duration // longest))
     tokens = max(1, int(math.ceil(density * longest)))
     return [longest] * n, [tokens] * n

@@ -70,7 +70,7 @@ import asr_model
 import config
 from dataset import AsrBatch
 from manifest_schema import tagged_text
-from sampler import DurationBucketBatchSampler
+from sampler import DurationBucketBatchSampler, token_density
 from training_cache import tag_token_id
 from training_step import TrainingModule
 
@@ -191,10 +191,10 @@ def manifest_token_density(manifest: Path, tokenizer, quantile: float = 0.999) -
     from dataset import LocalShardDataset
 
     dataset = LocalShardDataset(manifest, tokenizer, progress=False)
-    density = dataset.token_lengths / np.maximum(dataset.durations, 1e-3)
-    value = float(np.quantile(density, quantile))
+    value = token_density(dataset.durations, dataset.token_lengths, quantile)
+    p50 = token_density(dataset.durations, dataset.token_lengths, 0.5)
     print(
-        f"token density of {manifest.name}: p50 {np.quantile(density, 0.5):.1f}, "
+        f"token density of {manifest.name}: p50 {p50:.1f}, "
         f"p99.9 {value:.1f} tokens per second (the heaviest batch takes p99.9)"
     )
     return value
@@ -439,6 +439,14 @@ def peak_flops(device: torch.device, override_tflops: float | None) -> float | N
 # --------------------------------------------------------------------------------------------------
 
 
+def step_precision(device: torch.device) -> str:
+    """PRECISION, except float32 on a CPU when PRECISION is left at its default (bf16 autocast is
+    the GPU default; a CPU trains in float32)."""
+    if device.type == "cpu" and config.KNOBS["PRECISION"].source == "default":
+        return "32-true"
+    return config.PRECISION
+
+
 def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
@@ -580,9 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     if accelerator == "auto":
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device("cuda" if accelerator in ("gpu", "cuda") else "cpu")
-    precision = config.PRECISION
-    if device.type == "cpu" and config.KNOBS["PRECISION"].source == "default":
-        precision = "32-true"  # bf16 autocast is the GPU default; CPU runs train in float32
+    precision = step_precision(device)
     if args.find_max_batch_duration and device.type != "cuda":
         print(
             "--find-max-batch-duration needs a CUDA device (ACCELERATOR=cpu or no GPU here)",

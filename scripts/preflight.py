@@ -267,8 +267,20 @@ def check_tdt_loss(node: Node) -> Check:
 # --------------------------------------------------------------------------------------------------
 
 
-def check_caches(node: Node) -> Check:
+def training_cache_of(manifest: Path, tokenizer) -> Path | None:
+    """The training cache train.py would map for ``manifest`` with these knobs, None if absent."""
     import training_cache
+
+    return training_cache.lookup(
+        manifest,
+        tokenizer,
+        frame_seconds=config.ENCODER_FRAME_SECONDS,
+        max_token_len=config.MAX_TOKEN_LEN,
+        cache_dir=config.CACHE_DIR,
+    )
+
+
+def check_caches(node: Node) -> Check:
     from training_step import validation_manifest
 
     manifests = [Path(config.TRAIN_MANIFEST_PATH)]
@@ -287,13 +299,7 @@ def check_caches(node: Node) -> Check:
         )
     found, missing = [], []
     for manifest in manifests:
-        path = training_cache.lookup(
-            manifest,
-            node.model.tokenizer,
-            frame_seconds=config.ENCODER_FRAME_SECONDS,
-            max_token_len=config.MAX_TOKEN_LEN,
-            cache_dir=config.CACHE_DIR,
-        )
+        path = training_cache_of(manifest, node.model.tokenizer)
         (found if path is not None else missing).append(manifest.name)
     if missing:
         return Check(
@@ -344,9 +350,7 @@ def check_step(node: Node) -> Check:
     from scripts import bench_train_step as bench
 
     device = node.device
-    precision = config.PRECISION
-    if device.type == "cpu" and config.KNOBS["PRECISION"].source == "default":
-        precision = "32-true"  # bf16 autocast is the GPU default; a CPU trains in float32
+    precision = bench.step_precision(device)
     shape, source = heaviest_shape(node)
     batch = bench.make_batch(shape, node.model.tokenizer)
     described = f"{shape.describe()} ({source}), {precision}"
@@ -417,10 +421,9 @@ def check_max_batch(node: Node, args) -> Check:
         return Check("max-batch", "skip", "--no-search")
     tps = 5.0
     if node.dataset is not None:
-        import numpy as np
+        from sampler import token_density
 
-        density = node.dataset.token_lengths / np.maximum(node.dataset.durations, 1e-3)
-        tps = float(np.quantile(density, 0.999))
+        tps = token_density(node.dataset.durations, node.dataset.token_lengths)
     with outside_torchrun():
         best = bench.find_max_batch_duration(
             node.model,
@@ -671,20 +674,12 @@ def guarded(name: str, fn, *args) -> Check:
 
 def load_dataset(node: Node):
     """The training manifest through its training cache when that exists (never built here)."""
-    import training_cache
     from dataset import LocalShardDataset
 
     manifest = Path(config.TRAIN_MANIFEST_PATH)
     if not manifest.is_file():
         return None
-    found = training_cache.lookup(
-        manifest,
-        node.model.tokenizer,
-        frame_seconds=config.ENCODER_FRAME_SECONDS,
-        max_token_len=config.MAX_TOKEN_LEN,
-        cache_dir=config.CACHE_DIR,
-    )
-    if found is None:
+    if training_cache_of(manifest, node.model.tokenizer) is None:
         return None
     dataset = LocalShardDataset(manifest, node.model.tokenizer, progress=False)
     return dataset if len(dataset) else None
