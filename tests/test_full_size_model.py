@@ -103,6 +103,18 @@ def full_size_tokenizers(root) -> dict:
     return {"base": root / "base", "extended": root / "extended"}
 
 
+def decoder_and_joint_rows(model) -> dict[str, torch.Tensor]:
+    """Copies of the vocabulary-sized rows (embedding, joint output) and of two weights that do not
+    depend on the vocabulary (an LSTM input matrix, the joint's encoder projection)."""
+    return {
+        "embed": model.decoder.prediction["embed"].weight.detach().clone(),
+        "out_weight": model.joint.joint_net[-1].weight.detach().clone(),
+        "out_bias": model.joint.joint_net[-1].bias.detach().clone(),
+        "lstm": model.decoder.state_dict()["prediction.dec_rnn.lstm.weight_ih_l0"].clone(),
+        "enc": model.joint.enc.weight.detach().clone(),
+    }
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tokenizers = full_size_tokenizers(tmp_path_factory.mktemp("tokenizers"))
@@ -116,21 +128,9 @@ def run(tmp_path_factory):
         "vocab": model.tokenizer.vocab_size,
     }
     print(f"parakeet_tdt_0.6b.yaml: {built['params']:,} parameters ({built['params'] / 1e9:.3f} B)")
-    base_rows = {
-        "embed": model.decoder.prediction["embed"].weight.detach().clone(),
-        "out_weight": model.joint.joint_net[-1].weight.detach().clone(),
-        "out_bias": model.joint.joint_net[-1].bias.detach().clone(),
-        "lstm": model.decoder.state_dict()["prediction.dec_rnn.lstm.weight_ih_l0"].clone(),
-        "enc": model.joint.enc.weight.detach().clone(),
-    }
+    base_rows = decoder_and_joint_rows(model)
     vocabulary_change = asr_model.use_tokenizer(model, tokenizers["extended"], decoder_init="carry")
-    carried_rows = {
-        "embed": model.decoder.prediction["embed"].weight.detach().clone(),
-        "out_weight": model.joint.joint_net[-1].weight.detach().clone(),
-        "out_bias": model.joint.joint_net[-1].bias.detach().clone(),
-        "lstm": model.decoder.state_dict()["prediction.dec_rnn.lstm.weight_ih_l0"].clone(),
-        "enc": model.joint.enc.weight.detach().clone(),
-    }
+    carried_rows = decoder_and_joint_rows(model)
 
     probe = Probe()
     with pytest.MonkeyPatch.context() as mp:

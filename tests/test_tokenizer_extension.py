@@ -22,6 +22,21 @@ WORDS_EN = (
 )
 
 
+def from_base(corpus: Path, out: Path, base, mode: str = "extend") -> dict:
+    """train_tokenizer.py's ``mode`` from ``base`` on ``corpus``: 200 pieces, temperature 0.5 over
+    utterance counts, seed 1; its summary."""
+    return tt.train_tokenizer(
+        corpus,
+        out,
+        vocab_size=200,
+        temperature=0.5,
+        lang_weighting="count",
+        seed=1,
+        mode=mode,
+        base=str(base),
+    )
+
+
 def english_rows(n: int, seed: int = 0) -> list[tuple[str, str]]:
     rng = np.random.default_rng(seed)
     return [("en", " ".join(rng.choice(WORDS_EN, size=6))) for _ in range(n)] + [
@@ -58,16 +73,7 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def extended(base, corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("ext") / "tokenizer"
-    summary = tt.train_tokenizer(
-        corpus,
-        out,
-        vocab_size=200,
-        temperature=0.5,
-        lang_weighting="count",
-        seed=1,
-        mode="extend",
-        base=str(base),
-    )
+    summary = from_base(corpus, out, base)
     return out, summary
 
 
@@ -133,16 +139,7 @@ def test_bpe_pieces_are_appended_after_every_base_merge_in_learned_order(base, e
 
 
 def test_tags_mode_keeps_the_base_and_adds_only_the_tags(base, corpus, tmp_path):
-    summary = tt.train_tokenizer(
-        corpus,
-        tmp_path / "tok",
-        vocab_size=200,
-        temperature=0.5,
-        lang_weighting="count",
-        seed=1,
-        mode="tags",
-        base=str(base),
-    )
+    summary = from_base(corpus, tmp_path / "tok", base, mode="tags")
     old, new = pieces(base / "tokenizer.model"), pieces(tmp_path / "tok" / "tokenizer.model")
     assert new == old + [lang_tag("hi"), lang_tag("ta")]
     assert summary["extension"]["appended_pieces"] == 0
@@ -162,16 +159,7 @@ def test_a_unigram_base_is_extended_with_its_segmentations_kept(corpus, tmp_path
         character_coverage=1.0,
         minloglevel=2,
     )
-    summary = tt.train_tokenizer(
-        corpus,
-        tmp_path / "ext",
-        vocab_size=200,
-        temperature=0.5,
-        lang_weighting="count",
-        seed=1,
-        mode="extend",
-        base=str(tmp_path),
-    )
+    summary = from_base(corpus, tmp_path / "ext", tmp_path)
     old = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
     new = spm.SentencePieceProcessor(model_file=str(tmp_path / "ext" / "tokenizer.model"))
     texts = [row for _, row in english_rows(100, seed=3)]
@@ -197,16 +185,7 @@ def test_the_base_is_read_from_a_nemo_archive(base, corpus, tmp_path):
         {"type": "bpe", "model_path": "nemo:a1b2_tokenizer.model"},
         base / "tokenizer.model",
     )
-    summary = tt.train_tokenizer(
-        corpus,
-        tmp_path / "tok",
-        vocab_size=200,
-        temperature=0.5,
-        lang_weighting="count",
-        seed=1,
-        mode="extend",
-        base=str(nemo),
-    )
+    summary = from_base(corpus, tmp_path / "tok", nemo)
     assert summary["extension"]["base"] == f"the tokenizer of {nemo}"
     assert pieces(tmp_path / "tok" / "tokenizer.model")[:90] == pieces(base / "tokenizer.model")
 

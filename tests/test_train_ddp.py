@@ -8,8 +8,6 @@ empty micro-batch (rank 1) and one NaN loss (rank 0). A hang fails the test at t
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import textwrap
 from pathlib import Path
@@ -18,7 +16,7 @@ import pytest
 import torch
 
 from tests.tiny_training_data import make_training_data
-from tests.torchrun_jobs import tiny_train_env, torchrun_command
+from tests.torchrun_jobs import run_torchrun, tiny_train_env
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -81,27 +79,7 @@ PROBE = textwrap.dedent('''
 
 
 def torchrun(script: Path, env: dict, log_path: Path) -> subprocess.CompletedProcess:
-    cmd = torchrun_command(script)
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        log_path.write_text(out)
-        pytest.fail(
-            f"torchrun did not finish in {TIMEOUT_S} s (a hang?); log: {log_path}\n{out[-3000:]}"
-        )
-    log_path.write_text(out)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    return run_torchrun(script, env, REPO, TIMEOUT_S, log_path)
 
 
 @pytest.fixture(scope="module")

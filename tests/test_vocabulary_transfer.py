@@ -4,9 +4,6 @@ joint through a vocabulary change, row by row, and decodes as the base does befo
 from __future__ import annotations
 
 import math
-import os
-import signal
-import subprocess
 import textwrap
 from pathlib import Path
 
@@ -18,7 +15,7 @@ import config
 import model_card
 from scripts import train_tokenizer as tt
 from tests.tiny_training_data import make_training_data, write_manifest
-from tests.torchrun_jobs import tiny_train_env, torchrun_command
+from tests.torchrun_jobs import run_torchrun, tiny_train_env
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_tdt.yaml"
@@ -209,21 +206,9 @@ def test_every_rank_starts_from_the_same_carried_weights_under_torchrun(tokenize
         MAX_STEPS="1",
         EVAL_EVERY_STEPS="0",
     )
-    proc = subprocess.Popen(
-        torchrun_command(tmp_path / "probe.py"),
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("no exit in 240 s")
-    assert proc.returncode == 0, out[-3000:]
+    result = run_torchrun(tmp_path / "probe.py", env, REPO, 240)
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:]
     assert "piece rows carried" in out
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     for part in ("decoder", "joint"):

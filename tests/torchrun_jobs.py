@@ -8,8 +8,11 @@ import itertools
 import os
 import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 _jobs = itertools.count()
 
@@ -35,6 +38,37 @@ def torchrun_command(script: Path, nproc: int = 2) -> list[str]:
         str(free_port()),
         str(script),
     ]
+
+
+def run_torchrun(
+    script: Path, env: dict, cwd: Path, timeout: float, log_path: Path | None = None
+) -> subprocess.CompletedProcess:
+    """``script`` under torchrun with 2 local ranks, its output (stdout and stderr together)
+    captured and written to ``log_path`` when given; a job still running after ``timeout`` seconds
+    (a hang) is killed with every process it started and fails the test."""
+    cmd = torchrun_command(script)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        if log_path is not None:
+            log_path.write_text(out)
+        pytest.fail(
+            f"torchrun did not finish in {timeout:g} s (a hang?); log: {log_path}\n{out[-3000:]}"
+        )
+    if log_path is not None:
+        log_path.write_text(out)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
 def tiny_train_env(data: dict, **knobs: str) -> dict:
