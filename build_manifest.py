@@ -7,7 +7,7 @@ Usage:
     python build_manifest.py --strict         # exit non-zero if any shard cannot be read
 
 Input: ``<SHARDS_DIR>/<source>/<lang>/<shard>/{metadata,audio_index}.parquet``. Output: one parquet
-with ``segment_id, shard_id, text, duration, lang, tar_member_name, tar_path, source`` (then
+with ``segment_id, shard_id, text, duration, lang, audio_filepath, source`` (then
 ``tx_quality_score, speaker_id``), sorted by ``(shard_id, segment_id)`` so that a rerun writes the
 same rows in the same order, plus ``<output minus .parquet>.summary.json`` with rows read, kept and
 dropped per reason and per language, and every shard that could not be read.
@@ -79,7 +79,6 @@ from manifest_schema import (
     INDEX_FILE,
     LANG_CODE_PATTERN,
     METADATA_FILE,
-    TAR_FILE,
     ManifestError,
     check_language_selection,
     counts_by,
@@ -374,10 +373,18 @@ def clean_text(text: str) -> str:
 # --- shards ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Shard:
-    shard_id: str  # path under SHARDS_DIR, "/"-separated: "<source>/<lang>/<shard>"
+    """A group of rows whose audio files lie in one directory: an in-house shard, or a group of an
+    imported source (``source_readers``)."""
+
+    shard_id: str  # in-house: path under SHARDS_DIR, "<source>/<lang>/<shard>"; else "<source>/..."
     source: str
-    lang: str  # the <lang> directory
-    path: Path
+    lang: str  # the language of rows that name none: the <lang> directory ("" when unknown)
+    path: Path  # the directory the audio files are in (an in-house shard's own directory)
+    scored: bool = True  # rows carry tx_quality_score: MIN_QUALITY applies only then
+
+    @property
+    def audio_dir(self) -> str:
+        return os.path.abspath(self.path)
 
 
 def _directories_holding(root: Path, name: str) -> Iterator[str]:
@@ -683,6 +690,7 @@ class Filters:
 DROP_REASON = pl.Enum(
     [
         "no_audio_index",
+        "language_unknown",
         "invalid_language",
         "language_not_selected",
         "duration_missing",
@@ -708,6 +716,7 @@ def _drop_reason(filters: Filters) -> pl.Expr:
 
     duration, quality = pl.col("duration_s"), pl.col("tx_quality_score")
     drop = pl.when(pl.col("tar_member_name").is_null()).then(reason("no_audio_index"))
+    drop = drop.when(pl.col("lang") == "").then(reason("language_unknown"))
     drop = drop.when(~pl.col("lang_ok")).then(reason("invalid_language"))
     if filters.languages:
         drop = drop.when(~pl.col("lang").is_in(list(filters.languages))).then(
@@ -720,7 +729,7 @@ def _drop_reason(filters: Filters) -> pl.Expr:
         .then(reason("duration_too_short"))
         .when(duration > filters.max_duration)
         .then(reason("duration_too_long"))
-        .when(quality.is_null() | quality.is_nan())
+        .when((quality.is_null() & pl.col("scored")) | quality.is_nan())
         .then(reason("quality_missing"))
         .when(quality.is_infinite())
         .then(reason("quality_not_finite"))
@@ -860,7 +869,7 @@ def _is_sorted(frame: pl.DataFrame, columns: list[str]) -> bool:
 
 
 def assemble_manifest(
-    joined: pl.DataFrame, shards: Sequence[Shard], filters: Filters, root: str, workers: int = 1
+    joined: pl.DataFrame, shards: Sequence[Shard], filters: Filters, workers: int = 1
 ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
     """(manifest rows sorted by shard_id and segment_id, one (lang, reason) row per dropped row,
     the audio files several kept segment_ids name: ``shard_id, tar_member_name, segment_ids,
@@ -870,7 +879,8 @@ def assemble_manifest(
         return pl.lit(pl.Series(values, dtype=pl.String)).gather(pl.col("shard"))
 
     lang, lang_ok = row_languages(joined, shards)
-    frame = joined.with_columns(lang, lang_ok)
+    scored = pl.Series([s.scored for s in shards], dtype=pl.Boolean).gather(joined["shard"])
+    frame = joined.with_columns(lang, lang_ok, scored.alias("scored"))
     frame = frame.with_columns(_drop_reason(filters).alias("reason"))
     # columns are chosen before rows: a filter copies every column it is given
     candidates = (
@@ -913,8 +923,9 @@ def assemble_manifest(
         tagged_text_expr("cleaned").alias("text"),
         pl.col("duration_s").alias("duration"),
         pl.col("lang"),
-        pl.col("tar_member_name"),
-        per_shard([f"{root}/{s.shard_id}/{TAR_FILE}" for s in shards]).alias("tar_path"),
+        pl.concat_str(
+            per_shard([s.audio_dir + "/" for s in shards]), pl.col("tar_member_name")
+        ).alias("audio_filepath"),
         per_shard([s.source for s in shards]).alias("source"),
         pl.col("tx_quality_score"),
         pl.col("speaker_id"),
@@ -1079,7 +1090,6 @@ def build_manifest(
     _prepare_output(output)
     shards, misplaced = discover_shards(shards_dir)
     _warn_if_short_of_space(output, shards)
-    root = os.path.abspath(shards_dir).rstrip("/")
     kept_parts, drop_parts, shared_parts, unreadable, rows_in, orphans = [], [], [], [], 0, 0
     # Building and compiling the cleaning regexes costs ~30 ms, most of it Python holding the GIL:
     # done while the first batch is read, on this thread, which has nothing else to do then.
@@ -1092,7 +1102,7 @@ def build_manifest(
         ):
             unreadable += batch_unreadable
             if joined is not None:
-                kept, drops, shared = assemble_manifest(joined, batch, filters, root, workers)
+                kept, drops, shared = assemble_manifest(joined, batch, filters, workers)
                 kept_parts.append(kept)
                 drop_parts.append(drops)
                 shared_parts.append(shared)

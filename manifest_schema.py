@@ -4,17 +4,23 @@ transcripts, its summaries, and the readers and writers every manifest step shar
 Manifests (master, train and validation alike) are parquet files, one row per utterance:
 
     segment_id        unique utterance id
-    shard_id          the shard's path under SHARDS_DIR, "/"-separated: "<source>/<lang>/<shard>"
+    shard_id          the group the audio came in: a shard's path under SHARDS_DIR,
+                      "<source>/<lang>/<shard>"; for an imported source "<source>/<group>" (a tar
+                      shard, a parquet file, a recording, an audio directory)
     text              ``tagged_text(lang, transcript)``: "<|hi|> नमस्ते दुनिया"; the transcript is
                       cleaned (build_manifest.clean_text) and not empty
     duration          seconds
     lang              language code matching ``LANG_CODE_PATTERN``; ``text`` starts with its tag
-    tar_member_name   FLAC file name; the audio is ``dirname(tar_path)/tar_member_name``
-    tar_path          ``<SHARDS_DIR>/<shard_id>/`` + ``TAR_FILE`` (only its directory is used)
-    source            the ``<source>`` directory
+    audio_filepath    the utterance's audio file (absolute path; FLAC or WAV, any rate and channels)
+    source            the ``<source>`` directory, or the name of an imported source
 then ``EXTRA_COLUMNS``, carried through for deduplication and the leak-free split:
     tx_quality_score  transcript quality from the shard metadata (nullable)
     speaker_id        speaker from the shard metadata (nullable)
+
+``audio_filepath`` is the one place that says where a row's audio is: every reader of audio goes
+through ``audio_path_expr`` or ``audio_dirs_and_names``. Manifests written before the column existed
+name the audio as ``dirname(tar_path)/tar_member_name`` (``LEGACY_AUDIO_COLUMNS``); both functions
+read either form, so those manifests still load unchanged.
 
 A shard is a directory ``<SHARDS_DIR>/<source>/<lang>/<shard>/`` holding ``METADATA_FILE``,
 ``INDEX_FILE`` and ``TAR_FILE``. Every step that writes a manifest writes its summary (rows in,
@@ -46,10 +52,12 @@ OUTPUT_COLUMNS = (
     "text",
     "duration",
     "lang",
-    "tar_member_name",
-    "tar_path",
+    "audio_filepath",
     "source",
 )
+AUDIO_COLUMN = "audio_filepath"
+# How manifests written before AUDIO_COLUMN named their audio: dirname(tar_path)/tar_member_name.
+LEGACY_AUDIO_COLUMNS = ("tar_path", "tar_member_name")
 EXTRA_COLUMNS = ("tx_quality_score", "speaker_id")
 METADATA_FILE = "metadata.parquet"
 INDEX_FILE = "audio_index.parquet"
@@ -291,25 +299,81 @@ def nemo_json_path(manifest: str | Path) -> Path:
     return manifest.with_name(manifest.name.removesuffix(".parquet") + ".json")
 
 
-def audio_path_expr() -> pl.Expr:
-    """Each manifest row's extracted FLAC, ``dirname(tar_path)/tar_member_name``, as a polars
-    expression named ``audio_filepath``."""
+def audio_columns(columns) -> list[str]:
+    """The columns that locate a row's audio in a manifest with ``columns``: ``[AUDIO_COLUMN]``, or
+    ``LEGACY_AUDIO_COLUMNS`` for a manifest written before it; ManifestError when it has neither."""
+    columns = set(columns)
+    if AUDIO_COLUMN in columns:
+        return [AUDIO_COLUMN]
+    if set(LEGACY_AUDIO_COLUMNS) <= columns:
+        return list(LEGACY_AUDIO_COLUMNS)
+    raise ManifestError(
+        f"the manifest has no {AUDIO_COLUMN} column (nor the older "
+        f"{' + '.join(LEGACY_AUDIO_COLUMNS)}): rebuild it with build_manifest.py and "
+        f"scripts/make_train_val.py"
+    )
+
+
+def audio_path_expr(columns=(AUDIO_COLUMN,)) -> pl.Expr:
+    """Each row's audio file as a polars expression named ``audio_filepath``, for a manifest with
+    ``columns`` (see ``audio_columns``)."""
     import polars as pl
 
+    if audio_columns(columns) == [AUDIO_COLUMN]:
+        return pl.col(AUDIO_COLUMN)
+    tar_path, member = LEGACY_AUDIO_COLUMNS
     return pl.concat_str(
-        pl.col("tar_path").str.replace(r"/[^/]*$", ""), pl.lit("/"), pl.col("tar_member_name")
-    ).alias("audio_filepath")
+        pl.col(tar_path).str.replace(r"/[^/]*$", ""), pl.lit("/"), pl.col(member)
+    ).alias(AUDIO_COLUMN)
 
 
-def nemo_json_frame(frame: pl.DataFrame) -> pl.DataFrame:
-    """A manifest's rows in NeMo's columns, for ``write_ndjson``: ``audio_filepath`` (the extracted
-    FLAC: the tar's directory joined with the member name), ``duration``, ``text`` without the tag,
-    ``lang``. Vectorized: a 70M-row manifest is a few polars passes."""
+def with_audio_column(frame: pl.DataFrame) -> pl.DataFrame:
+    """``frame`` with ``AUDIO_COLUMN`` in place of ``LEGACY_AUDIO_COLUMNS`` where it has those."""
+    if AUDIO_COLUMN in frame.columns:
+        return frame
+    names = frame.columns
+    frame = frame.with_columns(audio_path_expr(names))
+    at = min(names.index(c) for c in LEGACY_AUDIO_COLUMNS)
+    rest = [c for c in names if c not in LEGACY_AUDIO_COLUMNS]
+    return frame.select(*rest[:at], AUDIO_COLUMN, *rest[at:])
+
+
+def audio_dirs_and_names(columns: dict[str, pa.Array]) -> tuple[pa.DictionaryArray, pa.Array]:
+    """(directory, file name) of each row's audio, from the ``audio_columns`` of a batch of manifest
+    rows (``columns`` maps their names to arrays; a directory column may come dictionary-encoded).
+    Directories come back dictionary-encoded: a corpus has few of them, so each is decoded once;
+    the path is split at its last "/"."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if AUDIO_COLUMN in columns:
+        paths = columns[AUDIO_COLUMN]
+        if pa.types.is_dictionary(paths.type):
+            paths = paths.cast(pa.string())
+        dirs = pc.replace_substring_regex(paths, r"/[^/]*$", "", max_replacements=1)
+        names = pc.replace_substring_regex(paths, r"^.*/", "", max_replacements=1)
+        return dirs.dictionary_encode(), names
+    tar_path, member = (columns[c] for c in LEGACY_AUDIO_COLUMNS)
+    tars = tar_path if pa.types.is_dictionary(tar_path.type) else tar_path.dictionary_encode()
+    dictionary = pc.replace_substring_regex(
+        tars.dictionary.cast(pa.string()), r"/[^/]*$", "", max_replacements=1
+    )
+    dirs = pa.DictionaryArray.from_arrays(tars.indices, dictionary)
+    if pa.types.is_dictionary(member.type):
+        member = member.cast(pa.string())
+    return dirs, member
+
+
+def nemo_json_frame(frame: pl.DataFrame, keep_tag: bool = False) -> pl.DataFrame:
+    """A manifest's rows in NeMo's columns, for ``write_ndjson``: ``audio_filepath``, ``duration``,
+    ``text`` (without the language tag, unless ``keep_tag``), ``lang``. Vectorized: a 70M-row
+    manifest is a few polars passes."""
     import polars as pl
 
+    text = pl.col("text")
     return frame.select(
-        audio_path_expr(),
+        audio_path_expr(frame.columns),
         pl.col("duration").cast(pl.Float64),
-        pl.col("text").str.replace(rf"^{TAG_PATTERN} ?", "").alias("text"),
+        (text if keep_tag else text.str.replace(rf"^{TAG_PATTERN} ?", "")).alias("text"),
         pl.col("lang"),
     )

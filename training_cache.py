@@ -68,12 +68,21 @@ import pyarrow.parquet as pq
 
 import process_control
 from atomic_files import atomic_write, check_writable, disk_full
-from manifest_schema import lang_tag, split_lang_tags
+from manifest_schema import (
+    AUDIO_COLUMN,
+    LEGACY_AUDIO_COLUMNS,
+    ManifestError,
+    audio_columns,
+    audio_dirs_and_names,
+    lang_tag,
+    split_lang_tags,
+)
 
 log = logging.getLogger("training_cache")
 
-# Manifest columns the cache reads; the others (segment_id, source, scores) are never loaded.
-MANIFEST_COLUMNS = ("text", "duration", "lang", "tar_path", "tar_member_name", "shard_id")
+# Manifest columns the cache reads besides the audio's (``manifest_schema.audio_columns``); the
+# others (segment_id, source, scores) are never loaded.
+MANIFEST_COLUMNS = ("text", "duration", "lang", "shard_id")
 # Bump when the cache's files or their meaning change, so old caches are not reused.
 CACHE_FORMAT = 1
 CACHE_SUFFIX = ".training-cache"
@@ -380,7 +389,7 @@ def _not_null(manifest: str, name: str, column: pa.Array, first_row: int) -> pa.
         raise CacheError(
             f"manifest {manifest}: column {name!r} is null at row {first} ({column.null_count} nulls "
             f"in rows {first_row}-{first_row + len(column) - 1}); every training row needs "
-            f"{list(MANIFEST_COLUMNS)}: rebuild it with build_manifest.py / scripts/make_train_val.py"
+            f"{list(MANIFEST_COLUMNS)} and its audio: rebuild it with build_manifest.py / scripts/make_train_val.py"
         )
     return column
 
@@ -395,7 +404,7 @@ def _codes(values: pa.Array, table: dict[str, int]) -> np.ndarray:
 
 
 # Columns with few distinct values: read as dictionaries, so no per-row string is decoded or hashed.
-_DICTIONARY_COLUMNS = ("lang", "shard_id", "tar_path")
+_DICTIONARY_COLUMNS = ("lang", "shard_id", LEGACY_AUDIO_COLUMNS[0])
 
 
 def _build_part(task: _Task) -> dict[str, Any]:
@@ -415,7 +424,6 @@ def _build_part(task: _Task) -> dict[str, Any]:
         if name not in ("member_offsets", "token_offsets")
     }
     checked_langs: set[str] = set()
-    dir_of_tar: dict[str, str] = {}
     first_row, kept_rows = task.first_row, 0
     max_ids = task.max_token_len - 1
     # The token lists are the only objects created here and hold no cycles: the collector would
@@ -423,14 +431,16 @@ def _build_part(task: _Task) -> dict[str, Any]:
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        batches = pq.ParquetFile(manifest, read_dictionary=_DICTIONARY_COLUMNS).iter_batches(
-            batch_size=_BATCH_ROWS, row_groups=[task.row_group], columns=list(MANIFEST_COLUMNS)
+        columns = [*MANIFEST_COLUMNS, *audio_columns(pq.read_schema(manifest).names)]
+        dictionary = [c for c in _DICTIONARY_COLUMNS if c in columns]
+        parquet = pq.ParquetFile(manifest, read_dictionary=dictionary)
+        batches = parquet.iter_batches(
+            batch_size=_BATCH_ROWS, row_groups=[task.row_group], columns=columns
         )
         for batch in batches:
             n = batch.num_rows
             col = {
-                name: _not_null(manifest, name, batch.column(name), first_row)
-                for name in MANIFEST_COLUMNS
+                name: _not_null(manifest, name, batch.column(name), first_row) for name in columns
             }
             lang_code = _codes(col["lang"], tables["lang"])
             lang_names = list(tables["lang"])
@@ -464,19 +474,11 @@ def _build_part(task: _Task) -> dict[str, Any]:
                     by_reason[reason] = by_reason.get(reason, 0) + int(per_lang[code])
             rows = np.flatnonzero(keep)
             take = pa.array(rows)
-            # Audio lives at dirname(tar_path)/tar_member_name; dirname runs once per distinct path.
-            tar = col["tar_path"].take(take)
-            dirs = pa.array(
-                [
-                    dir_of_tar[p]
-                    if p in dir_of_tar
-                    else dir_of_tar.setdefault(p, os.path.dirname(p))
-                    for p in tar.dictionary.cast(pa.string()).to_pylist()
-                ],
-                pa.string(),
+            dirs, members = audio_dirs_and_names(
+                {name: col[name].take(take) for name in columns if name not in MANIFEST_COLUMNS}
             )
-            dir_code = _codes(dirs, tables["audio_dir"])[tar.indices.to_numpy(zero_copy_only=False)]
-            members = col["tar_member_name"].cast(pa.large_string()).take(take)
+            dir_code = _codes(dirs, tables["audio_dir"])
+            members = members.cast(pa.large_string())
             if len(members):
                 member_offsets = np.frombuffer(
                     members.buffers()[1], np.int64, len(members) + 1, members.offset * 8
@@ -614,6 +616,10 @@ def _manifest_row_groups(manifest_path: Path) -> tuple[list[tuple[int, int]], in
         raise CacheError(f"cannot read the manifest {manifest_path}: {exc}") from None
     names = meta.schema.to_arrow_schema().names
     missing = [c for c in MANIFEST_COLUMNS if c not in names]
+    try:
+        audio_columns(names)
+    except ManifestError:
+        missing.append(AUDIO_COLUMN)
     if missing:
         raise CacheError(
             f"manifest {manifest_path} lacks the columns {missing} (has {names}); "

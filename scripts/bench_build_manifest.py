@@ -46,7 +46,6 @@ from manifest_schema import (
     METADATA_FILE,
     OUTPUT_COLUMNS,
     TAG_PATTERN,
-    TAR_FILE,
     tagged_text,
 )
 
@@ -219,7 +218,7 @@ def baseline_build(shards_dir: Path, output: Path) -> pd.DataFrame:
         df["lang"] = df["segment_language"].where(df["segment_language"].notna(), lang_dir)
         df["shard_id"] = shard_dir.relative_to(shards_dir).as_posix()
         df["duration"] = df["duration_s"]
-        df["tar_path"] = str(shard_dir / TAR_FILE)
+        df["audio_filepath"] = str(shard_dir.absolute()) + "/" + df["tar_member_name"]
         df["source"] = source
         frames.append(df[list(OUTPUT_COLUMNS)])
     result = pd.concat(frames, ignore_index=True)
@@ -251,7 +250,7 @@ def compare(baseline: pd.DataFrame, candidate: pl.DataFrame) -> dict[str, int]:
         "unexpected_only_in_new": only_cand.height,
     }
     mismatched_fields = 0
-    for column in ("shard_id", "duration", "lang", "tar_member_name", "tar_path", "source"):
+    for column in ("shard_id", "duration", "lang", "audio_filepath", "source"):
         mismatched_fields += both.filter(pl.col(column) != pl.col(f"{column}_new")).height
     result["unexpected_field_mismatches"] = mismatched_fields
     differing = both.filter(pl.col("text") != pl.col("text_new"))

@@ -55,17 +55,20 @@ import config
 from atomic_files import write_together
 from manifest_schema import (
     LANG_CODE_PATTERN,
+    LEGACY_AUDIO_COLUMNS,
     OUTPUT_COLUMNS,
     SPLIT_ID_KEY,
     ManifestError,
     check_language_selection,
     counts_by,
+    is_nemo_json,
     json_text,
     nemo_json_frame,
     nemo_json_path,
     summary_path,
     tag_prefix_expr,
     tagged_text_expr,
+    with_audio_column,
     write_manifest_file,
 )
 
@@ -246,10 +249,17 @@ def load_master(path: Path) -> pl.DataFrame:
             f"master manifest {path} not found: run build_manifest.py first, or set "
             f"MASTER_MANIFEST_PATH (or --master)"
         )
+    if is_nemo_json(path):
+        raise SplitError(
+            f"{path} is a NeMo JSON manifest, not a master manifest: import it first with "
+            f"python build_manifest.py --source nemo:{path} (see README, Bring your own data)"
+        )
     try:
         frame = pl.read_parquet(path)
     except Exception as exc:
         raise SplitError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
+    if set(LEGACY_AUDIO_COLUMNS) <= set(frame.columns):
+        frame = with_audio_column(frame)
     missing = [c for c in OUTPUT_COLUMNS if c not in frame.columns]
     if missing:
         raise SplitError(
@@ -369,10 +379,11 @@ def make_train_val(
     languages: Sequence[str] | None = None,
     allow_short_val: bool = False,
     nemo_json: bool = False,
+    nemo_json_tags: bool = False,
 ) -> dict[str, Any]:
     """Write the train and validation manifests and the summary, as one set; return the summary.
     With ``nemo_json``, a NeMo JSON manifest beside each (``<stem>.json``: audio_filepath, duration,
-    text without the tag, lang) joins the set.
+    text without the tag (with it when ``nemo_json_tags``), lang) joins the set.
 
     The three files are written under temporary names first and renamed only when all three are
     complete, and all carry one ``split_id`` (the parquet files in their metadata), so a failure
@@ -467,7 +478,7 @@ def make_train_val(
             .otherwise("reason")
             .alias("reason")
         )
-    best_first = ["tx_quality_score", "shard_id", "segment_id", "tar_member_name", "row"]
+    best_first = ["tx_quality_score", "shard_id", "segment_id", "audio_filepath", "row"]
     descending = [True, False, False, False, False]
     alive = frame.filter(pl.col("reason").is_null()).sort(
         best_first, descending=descending, nulls_last=True
@@ -603,7 +614,14 @@ def make_train_val(
     }
     if nemo_json:
         summary["nemo_json"] = [str(nemo_json_path(path)) for path in halves]
-    write_split(halves, summary, summary_path(train_path), split_id, nemo_json=nemo_json)
+    write_split(
+        halves,
+        summary,
+        summary_path(train_path),
+        split_id,
+        nemo_json=nemo_json,
+        nemo_json_tags=nemo_json_tags,
+    )
     summary["seconds"] = round(time.perf_counter() - started, 3)
     return summary
 
@@ -614,6 +632,7 @@ def write_split(
     summary_file: Path,
     split_id: str,
     nemo_json: bool = False,
+    nemo_json_tags: bool = False,
 ) -> None:
     """Write the manifests (``split_id`` in each parquet's metadata; with ``nemo_json`` a NeMo JSON
     manifest beside each) and the summary as one set (``atomic_files.write_together``, the summary
@@ -623,7 +642,9 @@ def write_split(
     }
     if nemo_json:
         for path, frame in manifests.items():
-            writers[nemo_json_path(path)] = functools.partial(_write_nemo_json, frame)
+            writers[nemo_json_path(path)] = functools.partial(
+                _write_nemo_json, frame, nemo_json_tags
+            )
     writers[summary_file] = lambda tmp: Path(tmp).write_text(json_text(summary), encoding="utf-8")
     try:
         write_together(writers, split_id[:8])
@@ -640,8 +661,8 @@ def _write_half(frame: pl.DataFrame, split_id: str, path: str) -> None:
     write_manifest_file(frame, path, metadata={SPLIT_ID_KEY: split_id})
 
 
-def _write_nemo_json(frame: pl.DataFrame, path: str) -> None:
-    nemo_json_frame(frame).write_ndjson(path)
+def _write_nemo_json(frame: pl.DataFrame, keep_tag: bool, path: str) -> None:
+    nemo_json_frame(frame, keep_tag).write_ndjson(path)
 
 
 def counts_pairs(changed: pl.DataFrame) -> dict[str, int]:
@@ -777,6 +798,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "duration, text without the tag, lang) for NeMo's own scripts",
     )
     parser.add_argument(
+        "--nemo-json-keep-tag",
+        action="store_true",
+        help="like --nemo-json, with the <|lang|> tag kept at the start of each text: the targets "
+        "this project trains on, for training with NeMo's own scripts",
+    )
+    parser.add_argument(
         "--script-threshold",
         type=float,
         default=None,
@@ -798,7 +825,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             threshold=args.script_threshold,
             max_val_fraction=args.max_val_fraction,
             allow_short_val=args.allow_short_val,
-            nemo_json=args.nemo_json,
+            nemo_json=args.nemo_json or args.nemo_json_keep_tag,
+            nemo_json_tags=args.nemo_json_keep_tag,
         )
     except ManifestError as exc:
         print(f"make_train_val: error: {exc}", file=sys.stderr)

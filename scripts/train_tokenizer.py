@@ -63,7 +63,7 @@ import sentencepiece as spm
 from tqdm import tqdm
 
 import config
-from manifest_schema import lang_tag, split_lang_tags
+from manifest_schema import is_nemo_json, lang_tag, split_lang_tags
 from process_control import UserError
 
 log = logging.getLogger("train_tokenizer")
@@ -530,8 +530,19 @@ def train_tokenizer(
             f"TRAIN_MANIFEST_PATH={manifest_path} does not exist; "
             "build it with scripts/make_train_val.py or pass --manifest"
         )
-
-    table = pq.read_table(manifest_path, columns=["text", "duration"])
+    if is_nemo_json(manifest_path):
+        raise TokenizerError(
+            f"{manifest_path} is a NeMo JSON manifest: import it with python build_manifest.py "
+            f"--source nemo:{manifest_path}, split it with scripts/make_train_val.py, and pass the "
+            f"train manifest it writes (see README, Bring your own data)"
+        )
+    try:
+        table = pq.read_table(manifest_path, columns=["text", "duration"])
+    except (OSError, ValueError) as exc:  # pyarrow: not parquet, or a column missing
+        raise TokenizerError(
+            f"{manifest_path}: not a train manifest ({type(exc).__name__}: {exc}); build it with "
+            f"scripts/make_train_val.py"
+        ) from None
     if table.num_rows == 0:
         raise ValueError(
             f"{manifest_path}: the manifest has no rows; nothing to train a tokenizer on"

@@ -33,7 +33,13 @@ from process_control import UserError
 
 def inputs_of(files: list[Path], manifest: Path | None) -> list[str]:
     """The audio paths to transcribe: the files given, or the manifest's."""
-    from manifest_schema import ManifestError, audio_path_expr, is_nemo_json, read_nemo_manifest
+    from manifest_schema import (
+        ManifestError,
+        audio_columns,
+        audio_path_expr,
+        is_nemo_json,
+        read_nemo_manifest,
+    )
 
     if manifest is None:
         if not files:
@@ -47,8 +53,9 @@ def inputs_of(files: list[Path], manifest: Path | None) -> list[str]:
         return [r.audio_filepath for r in read_nemo_manifest(manifest)]
     import polars as pl
 
-    frame = pl.read_parquet(manifest, columns=["tar_path", "tar_member_name"])
-    return frame.select(audio_path_expr()).to_series().to_list()
+    names = pl.read_parquet_schema(manifest)
+    frame = pl.read_parquet(manifest, columns=audio_columns(names))
+    return frame.select(audio_path_expr(frame.columns)).to_series().to_list()
 
 
 def transcribe(

@@ -273,13 +273,12 @@ def test_path_language_is_used_when_segment_language_is_null_or_blank(tmp_path):
     ]  # by shard_id
 
 
-def test_shard_source_tar_path_and_member_come_from_the_shard(tmp_path):
+def test_shard_source_and_audio_path_come_from_the_shard(tmp_path):
     manifest = one_row_manifest(tmp_path, "x", tar_member_name="clips/a.flac")
     row = manifest.row(0, named=True)
     assert row["shard_id"] == "src/hi/s0" and row["source"] == "src"
-    assert row["tar_member_name"] == "clips/a.flac"
-    assert row["tar_path"] == str(
-        (tmp_path / "shards" / "src" / "hi" / "s0" / "audio.tar").absolute()
+    assert row["audio_filepath"] == str(
+        (tmp_path / "shards" / "src" / "hi" / "s0" / "clips" / "a.flac").absolute()
     )
 
 
@@ -440,7 +439,9 @@ def test_a_segment_listed_twice_in_the_audio_index_keeps_its_own_text_on_both_ro
         extra_index_rows=[{"segment_id": "b", "tar_member_name": "b_again.flac"}],
     )
     manifest, summary = build(tmp_path / "shards", tmp_path)
-    assert manifest.select("segment_id", "tar_member_name", "text").rows() == [
+    assert manifest.select(
+        "segment_id", pl.col("audio_filepath").str.replace(".*/", ""), "text"
+    ).rows() == [
         ("b", "b.flac", "<|hi|> three"),
         ("b", "b_again.flac", "<|hi|> three"),
         ("e", "e.flac", "<|hi|> five six"),
@@ -781,7 +782,9 @@ def test_a_shard_listed_in_order_and_one_listed_out_of_order_both_come_out_sorte
     )
     write_shard(tmp_path / "shards", "a", "hi", "s1", [{"segment_id": s} for s in ["q", "p"]])
     manifest, _ = build(tmp_path / "shards", tmp_path)
-    rows = manifest.select("shard_id", "segment_id", "tar_member_name").rows()
+    rows = manifest.select(
+        "shard_id", "segment_id", pl.col("audio_filepath").str.replace(".*/", "")
+    ).rows()
     assert rows == sorted(rows) and len(rows) == 8  # each "b" row pairs with both index entries
 
 

@@ -68,8 +68,7 @@ class Corpus:
                 text=tagged_text(lang, text).rstrip(),
                 duration=float(duration),
                 lang=lang,
-                tar_member_name=member,
-                tar_path=str(self.shard_dir(shard) / "audio.tar"),
+                audio_filepath=str((self.shard_dir(shard) / member).absolute()),
                 source="src",
             )
         )
@@ -415,8 +414,8 @@ def test_pickled_dataset_carries_settings_not_the_table(corpus, tokenizer):
 def test_missing_manifest_column_fails_naming_it(corpus, tokenizer):
     corpus.add(audio={})
     for row in corpus.rows:
-        del row["tar_member_name"]
-    with pytest.raises(ValueError, match="tar_member_name"):
+        del row["audio_filepath"]
+    with pytest.raises(ValueError, match="audio_filepath"):
         load(corpus, tokenizer)
 
 

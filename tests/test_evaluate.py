@@ -292,11 +292,10 @@ def test_an_evaluation_with_no_usable_utterance_is_an_error_and_writes_no_csv(ti
     import pyarrow.parquet as pq
 
     table = pq.read_table(tiny.manifest)
-    moved = pc.replace_substring(table["tar_path"], str(tiny.manifest.parent), "/nonexistent")
+    audio = "audio_filepath"
+    moved = pc.replace_substring(table[audio], str(tiny.manifest.parent), "/nonexistent")
     manifest = tiny.root / "moved.parquet"
-    pq.write_table(
-        table.set_column(table.schema.get_field_index("tar_path"), "tar_path", moved), manifest
-    )
+    pq.write_table(table.set_column(table.schema.get_field_index(audio), audio, moved), manifest)
     out = tiny.root / "none.csv"
     assert evaluate.main([str(tiny.nemo), "--manifest", str(manifest), "--out", str(out)]) == 2
     err = capsys.readouterr().err

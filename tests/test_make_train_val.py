@@ -35,8 +35,7 @@ def row(
         "text": tagged_text(lang, body),
         "duration": duration,
         "lang": lang,
-        "tar_member_name": f"{segment_id}.flac",
-        "tar_path": f"/data/{shard}/audio.tar",
+        "audio_filepath": f"/data/{shard}/{segment_id}.flac",
         "source": shard.split("/")[0],
         "tx_quality_score": quality,
         "speaker_id": speaker,
@@ -53,8 +52,7 @@ def write_master(tmp_path: Path, rows: list[dict]) -> Path:
             "text": pl.String,
             "duration": pl.Float64,
             "lang": pl.String,
-            "tar_member_name": pl.String,
-            "tar_path": pl.String,
+            "audio_filepath": pl.String,
             "source": pl.String,
             "tx_quality_score": pl.Float64,
             "speaker_id": pl.String,
@@ -465,13 +463,21 @@ def test_nemo_json_manifests_are_written_beside_each_split_in_the_same_set(tmp_p
     )
     expected = val.row(0, named=True)
     assert first == {
-        "audio_filepath": f"/data/{expected['shard_id']}/{expected['tar_member_name']}",
+        "audio_filepath": f"/data/{expected['shard_id']}/{expected['segment_id']}.flac",
         "duration": expected["duration"],
         "text": expected["text"].split(" ", 1)[1],  # the tag is not part of NeMo's text
         "lang": expected["lang"],
     }
     assert [r.text for r in read_nemo_manifest(tmp_path / "val.json")][0] == first["text"]
     assert summary["nemo_json"] == [str(tmp_path / "train.json"), str(tmp_path / "val.json")]
+
+
+def test_nemo_json_can_keep_the_language_tag_in_the_text(tmp_path):
+    rows = [row(f"h{k}", f"नमस्ते {k}", "hi", speaker=f"s{k}") for k in range(6)]
+    train, _, _ = run(tmp_path, rows, val_per_lang=2, nemo_json=True, nemo_json_tags=True)
+    texts = [json.loads(x)["text"] for x in (tmp_path / "train.json").read_text().splitlines()]
+    assert texts == train.get_column("text").to_list()
+    assert all(t.startswith("<|hi|> ") for t in texts)
 
 
 def test_train_and_validation_of_different_runs_are_refused(tmp_path):
@@ -487,3 +493,35 @@ def test_train_and_validation_of_different_runs_are_refused(tmp_path):
     check_same_split(a / "train.parquet", a / "val.parquet")
     with pytest.raises(ManifestError, match="different make_train_val.py runs"):
         check_same_split(a / "train.parquet", b / "val.parquet")
+
+
+def test_a_master_written_with_tar_path_and_member_columns_still_splits(tmp_path):
+    rows = [row(f"s{i}", f"नमस्ते {i}", speaker=f"p{i}") for i in range(4)]
+    legacy = pl.DataFrame(rows).with_columns(
+        pl.concat_str(pl.lit("/data/"), "shard_id", pl.lit("/audio.tar")).alias("tar_path"),
+        (pl.col("segment_id") + ".flac").alias("tar_member_name"),
+    )
+    master = tmp_path / "legacy.parquet"
+    legacy.drop("audio_filepath").write_parquet(master)
+    mtv.make_train_val(
+        master,
+        tmp_path / "train.parquet",
+        tmp_path / "val.parquet",
+        val_per_lang=1,
+        seed=1,
+        languages=(),
+        threshold=0.9,
+        max_val_fraction=0.5,
+    )
+    both = pl.concat([pl.read_parquet(tmp_path / n) for n in ("train.parquet", "val.parquet")])
+    assert "tar_path" not in both.columns
+    assert sorted(both.get_column("audio_filepath")) == [
+        f"/data/src/hi/s0/s{i}.flac" for i in range(4)
+    ]
+
+
+def test_a_nemo_json_given_as_the_master_is_refused_with_the_import_command(tmp_path):
+    master = tmp_path / "train.json"
+    master.write_text('{"audio_filepath": "a.wav", "text": "x", "duration": 1.0}\n')
+    with pytest.raises(mtv.SplitError, match="build_manifest.py --source nemo:"):
+        mtv.load_master(master)

@@ -22,12 +22,20 @@ from tests.conftest import LANGS, WORDS
 from tests.torchrun_jobs import child_pids, is_running
 
 
-def rows(n: int, *, duration=5.0, seed=0) -> list[dict]:
+def rows(n: int, *, duration=5.0, seed=0, legacy=False) -> list[dict]:
+    """Manifest rows; ``legacy``: the audio named by tar_path + tar_member_name, as manifests written
+    before audio_filepath did."""
     rng = np.random.default_rng(seed)
     out = []
     for k in range(n):
         lang = LANGS[k % 3]
         text = " ".join(rng.choice(WORDS, size=1 + k % 6))
+        directory = f"/data/shards/src/{lang}/shard_{k // 7:04d}"
+        audio = (
+            dict(tar_member_name=f"{k}.flac", tar_path=f"{directory}/audio.tar")
+            if legacy
+            else dict(audio_filepath=f"{directory}/{k}.flac")
+        )
         out.append(
             dict(
                 segment_id=f"seg{k}",
@@ -35,8 +43,7 @@ def rows(n: int, *, duration=5.0, seed=0) -> list[dict]:
                 text=tagged_text(lang, text),
                 duration=float(duration if k % 11 else 0.05),  # every 11th: no encoder frame
                 lang=lang,
-                tar_member_name=f"{k}.flac",
-                tar_path=f"/data/shards/src/{lang}/shard_{k // 7:04d}/audio.tar",
+                **audio,
                 source="src",
             )
         )
@@ -146,9 +153,10 @@ def test_parallel_build_equals_the_one_process_build(
     assert a.summary | ignore == b.summary | ignore
 
 
-def test_mapped_items_match_the_manifest_row_by_row(tmp_path, tokenizer, monkeypatch):
+@pytest.mark.parametrize("legacy", [False, True], ids=["audio_filepath", "tar_path_and_member"])
+def test_mapped_items_match_the_manifest_row_by_row(tmp_path, tokenizer, monkeypatch, legacy):
     monkeypatch.setattr(training_cache, "_BATCH_ROWS", 4)
-    table = rows(60)
+    table = rows(60, legacy=legacy)
     path = write(tmp_path / "m.parquet", table, row_group_size=9)
     info = ensure(path, tokenizer, workers=2)
     cols = training_cache.CacheColumns(info.path, info.key)
@@ -158,8 +166,11 @@ def test_mapped_items_match_the_manifest_row_by_row(tmp_path, tokenizer, monkeyp
         assert table[int(cols.manifest_row[i])] is row
         assert cols.lang_names[cols.lang_codes[i]] == row["lang"]
         assert cols.shard_names[cols.shard_codes[i]] == row["shard_id"]
-        assert cols.dir_names[cols.dir_codes[i]] == os.path.dirname(row["tar_path"])
-        assert cols.member_name(i) == row["tar_member_name"]
+        audio = row.get("audio_filepath") or os.path.join(
+            os.path.dirname(row["tar_path"]), row["tar_member_name"]
+        )
+        assert cols.dir_names[cols.dir_codes[i]] == os.path.dirname(audio)
+        assert cols.member_name(i) == os.path.basename(audio)
         transcript = row["text"].split(" ", 1)[1]
         assert cols.token_ids_of(i).tolist() == tokenizer.text_to_ids(transcript)
 
@@ -176,9 +187,9 @@ def test_a_bad_row_in_a_later_row_group_names_its_manifest_row(tmp_path, tokeniz
 
 def test_a_null_names_the_column_and_row(tmp_path, tokenizer):
     table = rows(12)
-    table[7]["tar_member_name"] = None
+    table[7]["audio_filepath"] = None
     path = write(tmp_path / "m.parquet", table, row_group_size=5)
-    with pytest.raises(training_cache.CacheError, match=r"'tar_member_name' is null at row 7"):
+    with pytest.raises(training_cache.CacheError, match=r"'audio_filepath' is null at row 7"):
         ensure(path, tokenizer)
 
 

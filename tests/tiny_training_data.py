@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import soundfile as sf
 
-from manifest_schema import OUTPUT_COLUMNS, TAR_FILE, tagged_text
+from manifest_schema import OUTPUT_COLUMNS, tagged_text
 from scripts import train_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,8 +60,7 @@ def write_manifest(
             rows["text"].append(tagged_text(lang, texts[i % len(texts)]))
             rows["duration"].append(duration)
             rows["lang"].append(lang)
-            rows["tar_member_name"].append(member)
-            rows["tar_path"].append(str(shard_dir / TAR_FILE))
+            rows["audio_filepath"].append(str((shard_dir / member).absolute()))
             rows["source"].append("src1")
     path = root / name
     pq.write_table(pa.table(rows), path)
