@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from manifest_schema import TAG_PATTERN, ManifestError, tag_prefix, tagged_text
+from script_languages import detect_corrections
 from scripts import make_train_val as mtv
 
 REPO = Path(__file__).resolve().parents[1]
@@ -189,7 +190,7 @@ def test_the_confusion_table_is_printed_and_stored_in_the_summary(tmp_path, caps
 def test_detection_counts_only_suspect_rows_in_every_script():
     bodies = pl.Series(["நன்றி"] * 3 + ["hello"])
     langs = pl.Series(["ta", "ta", "ta", "ta"])
-    new, script = mtv.detect_corrections(bodies, langs, 0.9)
+    new, script = detect_corrections(bodies, langs, 0.9)
     assert new.to_list() == ["ta", "ta", "ta", "en"]
     assert script.to_list() == [None, None, None, "Latin"]
 
