@@ -65,7 +65,7 @@ import unicodedata
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,8 @@ from manifest_schema import (
     tagged_text_expr,
     write_manifest_file,
 )
+from source_readers import BAD_ROW_REASONS, Shard, SourceSpec, parse_source, read_source
+from source_readers import MAX_EXAMPLES as MAX_BAD_ROWS
 
 REQUIRED_METADATA = {
     "segment_id": "string",
@@ -371,22 +373,6 @@ def clean_text(text: str) -> str:
 
 
 # --- shards ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Shard:
-    """A group of rows whose audio files lie in one directory: an in-house shard, or a group of an
-    imported source (``source_readers``)."""
-
-    shard_id: str  # in-house: path under SHARDS_DIR, "<source>/<lang>/<shard>"; else "<source>/..."
-    source: str
-    lang: str  # the language of rows that name none: the <lang> directory ("" when unknown)
-    path: Path  # the directory the audio files are in (an in-house shard's own directory)
-    scored: bool = True  # rows carry tx_quality_score: MIN_QUALITY applies only then
-
-    @property
-    def audio_dir(self) -> str:
-        return os.path.abspath(self.path)
-
-
 def _directories_holding(root: Path, name: str) -> Iterator[str]:
     """Every directory under ``root`` (itself included) with an entry called ``name``.
 
@@ -702,6 +688,7 @@ DROP_REASON = pl.Enum(
         "transcript_missing",
         "empty_after_cleaning",
         "shared_audio_other_text",
+        *(r for r in BAD_ROW_REASONS if r != "transcript_missing"),
     ]
 )
 
@@ -985,6 +972,20 @@ SHARED_AUDIO_EMPTY = pl.DataFrame(
     }
 )
 MAX_EXAMPLES = 20  # listed per kind of duplicate in the summary; the rest is counted
+UNKNOWN_LANG = "?"  # the summary's language of a bad row that names none
+_EMPTY_KEPT = pl.DataFrame(
+    schema={
+        "segment_id": pl.String,
+        "shard_id": pl.String,
+        "text": pl.String,
+        "duration": pl.Float64,
+        "lang": pl.String,
+        "audio_filepath": pl.String,
+        "source": pl.String,
+        "tx_quality_score": pl.Float64,
+        "speaker_id": pl.String,
+    }
+)
 
 
 def duplicate_segment_ids(kept: pl.DataFrame) -> dict[str, Any]:
@@ -1058,39 +1059,31 @@ def _warn_if_short_of_space(output: Path, shards: Sequence[Shard]) -> None:
         )
 
 
-def build_manifest(
-    shards_dir: Path | None = None,
-    output: Path | None = None,
-    *,
-    strict: bool = False,
-    languages: Sequence[str] | None = None,
-    min_duration: float | None = None,
-    max_duration: float | None = None,
-    min_quality: float | None = None,
-    workers: int | None = None,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Build the master manifest at ``output`` and its summary beside it; return the summary.
+@dataclass
+class _Parts:
+    """What the sources give, batch by batch: kept rows, dropped (lang, reason) rows, shared audio,
+    unreadable shards or files, rows read, orphan index entries, and per-source reports."""
 
-    None means the config value (SHARDS_DIR, MASTER_MANIFEST_PATH, LANGUAGES, MIN_DURATION,
-    MAX_DURATION, MIN_QUALITY). Unreadable shards are reported in the summary and skipped; with
-    ``strict`` they raise ManifestError before anything is written.
-    """
-    started = time.perf_counter()
-    shards_dir = Path(config.SHARDS_DIR if shards_dir is None else shards_dir)
-    output = Path(config.MASTER_MANIFEST_PATH if output is None else output)
-    filters = Filters(
-        tuple(config.LANGUAGES if languages is None else languages),
-        config.MIN_DURATION if min_duration is None else min_duration,
-        config.MAX_DURATION if max_duration is None else max_duration,
-        config.MIN_QUALITY if min_quality is None else min_quality,
-    )
-    workers = workers or min(8, os.cpu_count() or 1)
+    kept: list = field(default_factory=list)
+    drops: list = field(default_factory=list)
+    shared: list = field(default_factory=list)
+    unreadable: list = field(default_factory=list)
+    misplaced: list = field(default_factory=list)
+    shards: int = 0
+    shards_unreadable: int = 0
+    rows_in: int = 0
+    orphans: int = 0
+    sources: list = field(default_factory=list)
 
-    _prepare_output(output)
+
+def _add_shards(
+    parts: _Parts, shards_dir: Path, filters: Filters, workers: int, progress: bool
+) -> None:
+    """The in-house shards under ``shards_dir``, read and assembled batch by batch."""
     shards, misplaced = discover_shards(shards_dir)
-    _warn_if_short_of_space(output, shards)
-    kept_parts, drop_parts, shared_parts, unreadable, rows_in, orphans = [], [], [], [], 0, 0
+    parts.misplaced += misplaced
+    parts.shards += len(shards)
+    unreadable = []
     # Building and compiling the cleaning regexes costs ~30 ms, most of it Python holding the GIL:
     # done while the first batch is read, on this thread, which has nothing else to do then.
     warm_up = functools.partial(clean_text_column, pl.Series(_WARM_UP_TEXTS, dtype=pl.String))
@@ -1103,25 +1096,144 @@ def build_manifest(
             unreadable += batch_unreadable
             if joined is not None:
                 kept, drops, shared = assemble_manifest(joined, batch, filters, workers)
-                kept_parts.append(kept)
-                drop_parts.append(drops)
-                shared_parts.append(shared)
-                rows_in, orphans = rows_in + joined.height, orphans + batch_orphans
+                parts.kept.append(kept)
+                parts.drops.append(drops)
+                parts.shared.append(shared)
+                parts.rows_in += joined.height
+                parts.orphans += batch_orphans
                 del joined, kept, drops  # the batch's columns go as soon as they are assembled
             bar.update(len(batch))
-    bad = misplaced + sorted(unreadable, key=lambda b: b["path"])
-    if bad and strict:
-        raise ManifestError(
-            f"{len(bad)} shard(s) could not be read (--strict):\n  "
-            + "\n  ".join(f"{b['path']}: {b['reason']}" for b in bad)
-        )
-    if len(unreadable) == len(shards):  # nothing readable (or only misplaced shards)
+    parts.unreadable += unreadable
+    parts.shards_unreadable += len(unreadable)
+    if shards and len(unreadable) == len(shards):  # nothing readable
+        bad = misplaced + sorted(unreadable, key=lambda b: b["path"])
         raise ManifestError(
             f"none of the {len(shards) + len(misplaced)} shard(s) under {shards_dir} "
             f"could be read:\n  " + "\n  ".join(b["reason"] for b in bad[:10])
         )
+
+
+def _add_source(
+    parts: _Parts,
+    spec: SourceSpec,
+    audio_dir: Path,
+    filters: Filters,
+    workers: int,
+    strict: bool,
+    progress: bool,
+) -> None:
+    """An imported source (``source_readers``): its rows go through the same filters, cleaning,
+    tags and accounting as a shard's; its bad rows are dropped under their reasons."""
+    result = read_source(spec, audio_dir, workers=workers, strict=strict, progress=progress)
+    parts.unreadable += result.bad_files
+    bad = pl.DataFrame(
+        {
+            "lang": [b["lang"] for b in result.bad],
+            "reason": [b["reason"] for b in result.bad],
+        },
+        schema={"lang": pl.String, "reason": DROP_REASON},
+    )
+    rows_in = result.rows.height + bad.height
+    if result.rows.height:
+        kept, drops, shared = assemble_manifest(result.rows, result.shards, filters, workers)
+        parts.kept.append(kept)
+        parts.drops.append(drops)
+        parts.shared.append(shared)
+    parts.drops.append(bad.with_columns(pl.col("lang").str.to_lowercase()))
+    parts.rows_in += rows_in
+    parts.sources.append(
+        {
+            "source": str(spec),
+            "name": spec.name,
+            "rows_read": rows_in,
+            "bad_rows": len(result.bad),
+            "bad_row_examples": result.bad[:MAX_BAD_ROWS],
+            "files_skipped": result.bad_files,
+        }
+    )
+
+
+def sources_of(texts: Sequence[str] | None, shards_dir: Path | None) -> list[SourceSpec | Path]:
+    """The sources to build from: each ``KIND:PATH[:options]`` parsed (``shards:DIR`` as the
+    directory), or the in-house shards under ``shards_dir`` (SHARDS_DIR) when none is given."""
+    texts = list(config.DATA_SOURCES if texts is None else texts)
+    if not texts:
+        return [Path(config.SHARDS_DIR if shards_dir is None else shards_dir)]
+    specs: list[SourceSpec | Path] = []
+    for text in texts:
+        spec = parse_source(text)
+        specs.append(spec.path if spec.kind == "shards" else spec)
+    names = [s.name for s in specs if isinstance(s, SourceSpec)]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ManifestError(
+            f"several sources are named {', '.join(twice)}: give each its own name=... option "
+            f"(the name is the source column and keeps their audio apart)"
+        )
+    return specs
+
+
+def build_manifest(
+    shards_dir: Path | None = None,
+    output: Path | None = None,
+    *,
+    sources: Sequence[str] | None = None,
+    audio_dir: Path | None = None,
+    strict: bool = False,
+    languages: Sequence[str] | None = None,
+    min_duration: float | None = None,
+    max_duration: float | None = None,
+    min_quality: float | None = None,
+    workers: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Build the master manifest at ``output`` and its summary beside it; return the summary.
+
+    ``sources`` are ``source_readers`` specs (``nemo:...``, ``hf:...``, ``kaldi:...``,
+    ``shards:DIR``); none means the in-house shards under ``shards_dir``. Imported audio that has
+    to be written out goes under ``audio_dir``. None means the config value (SHARDS_DIR,
+    MASTER_MANIFEST_PATH, DATA_SOURCES, IMPORTED_AUDIO_DIR, LANGUAGES, MIN_DURATION, MAX_DURATION,
+    MIN_QUALITY). Unreadable shards and files and bad rows are reported in the summary and
+    skipped; with ``strict`` the first raises ManifestError before anything is written.
+    """
+    started = time.perf_counter()
+    output = Path(config.MASTER_MANIFEST_PATH if output is None else output)
+    audio_dir = Path(config.IMPORTED_AUDIO_DIR if audio_dir is None else audio_dir)
+    filters = Filters(
+        tuple(config.LANGUAGES if languages is None else languages),
+        config.MIN_DURATION if min_duration is None else min_duration,
+        config.MAX_DURATION if max_duration is None else max_duration,
+        config.MIN_QUALITY if min_quality is None else min_quality,
+    )
+    workers = workers or min(8, os.cpu_count() or 1)
+    specs = sources_of(sources, shards_dir)
+
+    _prepare_output(output)
+    shard_dirs = [s for s in specs if isinstance(s, Path)]
+    for directory in shard_dirs:
+        _warn_if_short_of_space(output, discover_shards(directory)[0])
+    parts = _Parts()
+    for spec in specs:
+        if isinstance(spec, Path):
+            _add_shards(parts, spec, filters, workers, progress)
+        else:
+            _add_source(parts, spec, audio_dir, filters, workers, strict, progress)
+    bad = parts.misplaced + sorted(parts.unreadable, key=lambda b: b["path"])
+    if bad and strict:
+        raise ManifestError(
+            f"{len(bad)} shard(s) or file(s) could not be read (--strict):\n  "
+            + "\n  ".join(f"{b['path']}: {b['reason']}" for b in bad)
+        )
+    if not parts.kept and not parts.drops:
+        raise ManifestError(
+            "nothing could be read:\n  "
+            + "\n  ".join(f"{b['path']}: {b['reason']}" for b in bad[:10])
+        )
     # batches hold consecutive shards in shard order, so their rows concatenate in manifest order
-    kept, drops = pl.concat(kept_parts), pl.concat(drop_parts)
+    kept = pl.concat(parts.kept) if parts.kept else _EMPTY_KEPT
+    if len(specs) > 1 or shard_dirs != specs:
+        kept = kept.sort("shard_id", "segment_id", maintain_order=True)
+    drops = pl.concat(parts.drops)
     languages_seen = sorted(
         set(kept.get_column("lang").drop_nulls()) | set(drops.get_column("lang").drop_nulls())
     )
@@ -1129,7 +1241,7 @@ def build_manifest(
         filters.languages, languages_seen, "build_manifest.py"
     )
     dropped = counts_by(drops, "reason")
-    assert rows_in == kept.height + sum(dropped.values()), "row accounting broke"
+    assert parts.rows_in == kept.height + sum(dropped.values()), "row accounting broke"
     # The master is written on a thread while the summary is counted; both become visible together.
     summary_ready: Future = Future()
     writers = {
@@ -1142,21 +1254,35 @@ def build_manifest(
         written = writer.submit(write_together, writers, uuid.uuid4().hex[:8])
         try:
             summary = {
-                "rows_in": rows_in,
+                "rows_in": parts.rows_in,
                 "rows_out": kept.height,
                 "dropped": dropped,
-                "dropped_by_lang": counts_by(drops, "lang", "reason"),
+                "dropped_by_lang": counts_by(
+                    drops.with_columns(
+                        pl.when(pl.col("lang") == "")
+                        .then(None)
+                        .otherwise("lang")
+                        .fill_null(UNKNOWN_LANG)
+                    ),
+                    "lang",
+                    "reason",
+                ),
                 "kept_by_lang": counts_by(kept, "lang"),
-                "shards_found": len(shards) + len(misplaced),
-                "shards_read": len(shards) - len(unreadable),
+                "shards_found": parts.shards + len(parts.misplaced),
+                "shards_read": parts.shards - parts.shards_unreadable,
                 "bad_shards": bad,
-                "audio_index_without_metadata": orphans,
+                "audio_index_without_metadata": parts.orphans,
                 "duplicate_segment_ids": duplicate_segment_ids(kept),
-                "shared_audio": shared_audio_report(pl.concat(shared_parts)),
+                "shared_audio": shared_audio_report(
+                    pl.concat(parts.shared) if parts.shared else SHARED_AUDIO_EMPTY
+                ),
                 "languages_without_rows": languages_without_rows,
                 "languages_seen": languages_seen,
+                "sources": parts.sources,
                 "settings": {
-                    "shards_dir": str(shards_dir),
+                    "shards_dir": [str(d) for d in shard_dirs],
+                    "sources": [str(s) for s in specs],
+                    "audio_dir": str(audio_dir),
                     "languages": list(filters.languages),
                     "min_duration": filters.min_duration,
                     "max_duration": filters.max_duration,
@@ -1180,7 +1306,9 @@ def build_manifest(
 
 def format_summary(summary: dict[str, Any], output: Path) -> str:
     lines = [
-        f"shards: {summary['shards_read']} read, {len(summary['bad_shards'])} unreadable",
+        f"shards: {summary['shards_read']} read, {len(summary['bad_shards'])} unreadable"
+        if summary["shards_found"] or not summary.get("sources")
+        else f"files unreadable: {len(summary['bad_shards'])}",
         f"rows: {summary['rows_in']:,} read, {summary['rows_out']:,} kept, "
         f"{summary['rows_in'] - summary['rows_out']:,} dropped",
     ]
@@ -1222,6 +1350,15 @@ def format_summary(summary: dict[str, Any], output: Path) -> str:
             )
     for b in summary["bad_shards"]:
         lines.append(f"UNREADABLE {b['path']}: {b['reason']}")
+    for source in summary.get("sources", []):
+        lines.append(
+            f"source {source['name']}: {source['rows_read']:,} rows read, {source['bad_rows']:,} "
+            f"bad rows dropped"
+        )
+        for b in source["bad_row_examples"][:10]:
+            lines.append(f"  BAD ROW {b['origin']}: {b['reason']} ({b['detail']})")
+        if source["bad_rows"] > 10:
+            lines.append(f"  ... and {source['bad_rows'] - 10:,} more (the summary lists 20)")
     if summary.get("languages_without_rows"):
         lines.append(
             f"WARNING: LANGUAGES lists {', '.join(summary['languages_without_rows'])}, which no "
@@ -1253,9 +1390,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"manifest to write (default MASTER_MANIFEST_PATH = {config.MASTER_MANIFEST_PATH})",
     )
     parser.add_argument(
+        "--source",
+        action="append",
+        default=None,
+        metavar="KIND:PATH[:OPTIONS]",
+        help="a data source to import, repeatable: nemo:train.json, nemo:manifest.json:tars=audio_"
+        "{0..N}.tar, hf:parquet_dir, kaldi:data_dir, shards:DIR; options after a second colon, "
+        "e.g. :lang=hi,name=cv_hi (see source_readers.py; default DATA_SOURCES, else the shards "
+        "under SHARDS_DIR)",
+    )
+    parser.add_argument(
+        "--audio-dir",
+        type=Path,
+        default=None,
+        help="where imported audio that has to be written out (tar members, parquet bytes, Kaldi "
+        "segments) goes as FLAC (default IMPORTED_AUDIO_DIR)",
+    )
+    parser.add_argument(
         "--strict",
         action="store_true",
-        help="exit non-zero without writing if any shard cannot be read",
+        help="exit non-zero without writing if any shard or file cannot be read, or at the first "
+        "bad row of an imported source",
     )
     parser.add_argument(
         "--workers", type=int, default=None, help="threads reading shards (default: min(8, CPUs))"
@@ -1267,6 +1422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = build_manifest(
             args.shards_dir,
             output,
+            sources=args.source,
+            audio_dir=args.audio_dir,
             strict=args.strict,
             workers=args.workers,
             progress=not args.no_progress,

@@ -109,6 +109,10 @@ def _languages(raw: str) -> tuple[str, ...]:
     return codes
 
 
+def _sources(raw: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in raw.split(";") if part.strip())
+
+
 def _boundaries(raw: str) -> tuple[float, ...] | str:
     raw = raw.strip()
     if raw.startswith("auto:"):
@@ -422,6 +426,24 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         "Input shards: <source>/<lang>/<shard>/{metadata,audio_index}.parquet + audio.tar",
         derived=True,
         steps=("extract_audio", "build_manifest", "demo_corpus"),
+    )
+    knob(
+        "DATA_SOURCES",
+        (),
+        _sources,
+        "Sources build_manifest imports, separated by ';': nemo:train.json, hf:parquet_dir, "
+        "kaldi:data_dir, shards:DIR, each with :option=value,... (see source_readers.py); "
+        "empty = the shards under SHARDS_DIR",
+        steps=("build_manifest",),
+    )
+    knob(
+        "IMPORTED_AUDIO_DIR",
+        data_dir / "imported_audio",
+        _path,
+        "Where build_manifest writes imported audio as FLAC (tar members, parquet bytes, Kaldi "
+        "segments)",
+        derived=True,
+        steps=("build_manifest",),
     )
     knob(
         "MASTER_MANIFEST_PATH",
@@ -998,6 +1020,8 @@ globals().update({name: kn.value for name, kn in KNOBS.items()})
 # Typed names for readers and linters; values come from KNOBS above.
 DATA_DIR: Path
 SHARDS_DIR: Path
+DATA_SOURCES: tuple[str, ...]
+IMPORTED_AUDIO_DIR: Path
 MASTER_MANIFEST_PATH: Path
 TRAIN_MANIFEST_PATH: Path
 VAL_MANIFEST_PATH: Path

@@ -380,6 +380,7 @@ def make_train_val(
             .alias("group")
         )
     chosen = choose_val_groups(kept.group_by("group", "lang").agg(pl.len().alias("n")), quota, seed)
+    kept, chosen, split_by_language = _split_spanning_groups(kept, chosen, quota, seed)
     in_val = pl.col("group").is_in(pl.Series(sorted(chosen), dtype=pl.String).implode())
     val = kept.filter(in_val)
     train = kept.filter(~in_val)
@@ -388,9 +389,23 @@ def make_train_val(
     )
     if empty_val and not allow_short_val:
         sizes = dict(kept.group_by("lang").agg(pl.col("group").n_unique()).iter_rows())
+        spanning = dict(
+            kept.group_by("group")
+            .agg(pl.col("lang").unique(), (pl.col("lang").n_unique() > 1).alias("spans"))
+            .explode("lang")
+            .group_by("lang")
+            .agg(pl.col("spans").sum())
+            .iter_rows()
+        )
         why = "; ".join(
             f"{lang}: its {lang_rows[lang]} rows are {sizes[lang]} speaker/shard group(s), the "
             f"smallest of {smallest[lang]} rows, and validation may take {quota[lang]}"
+            + (
+                f"; {spanning[lang]} of those groups also hold rows of other languages, and a "
+                f"group goes to validation only when it fits every one of its languages' quota"
+                if spanning.get(lang)
+                else ""
+            )
             for lang in empty_val
         )
         raise SplitError(
@@ -423,6 +438,7 @@ def make_train_val(
         "split": {
             "grouped_by": "speaker_id, else shard_id" if has_speaker else "shard_id",
             "grouped_by_utterance": by_segment,
+            "groups_split_by_language": split_by_language,
             "val_groups": len(chosen),
             "train_groups": train.get_column("group").n_unique(),
             "seed": seed,
@@ -462,6 +478,46 @@ def make_train_val(
     )
     summary["seconds"] = round(time.perf_counter() - started, 3)
     return summary
+
+
+def _split_spanning_groups(
+    kept: pl.DataFrame, chosen: set[str], quota: dict[str, int], seed: int
+) -> tuple[pl.DataFrame, set[str], dict[str, Any]]:
+    """When a language got no validation row because every group holding its rows also holds rows
+    of other languages (a speaker recorded in two languages) that do not fit their quotas at once,
+    those groups are split by language, and validation takes from their rows in that language
+    alone: the speaker's other rows stay in train, so the speaker is in both splits, in different
+    languages. Returns the rows (``group`` changed where split), the chosen groups and
+    ``{"groups", "languages"}`` of what was split (empty when nothing was)."""
+    taken = kept.filter(pl.col("group").is_in(pl.Series(sorted(chosen), dtype=pl.String).implode()))
+    have = set(taken.get_column("lang").unique().to_list())
+    empty = sorted(lang for lang, q in quota.items() if q > 0 and lang not in have)
+    if not empty:
+        return kept, chosen, {}
+    languages_per_group = kept.group_by("group").agg(pl.col("lang").n_unique().alias("langs"))
+    spanning = languages_per_group.filter(pl.col("langs") > 1).get_column("group")
+    candidates = (
+        kept.filter(pl.col("group").is_in(spanning.implode()) & pl.col("lang").is_in(empty))
+        .get_column("group")
+        .unique()
+        .sort()
+    )
+    if candidates.is_empty():
+        return kept, chosen, {}
+    split = kept.select(pl.col("group").is_in(candidates.implode())).to_series()
+    kept = kept.with_columns(
+        pl.when(split)
+        .then(pl.concat_str(pl.col("group"), pl.lit("@lang:"), pl.col("lang")))
+        .otherwise(pl.col("group"))
+        .alias("group")
+    )
+    pieces = (
+        kept.filter(split & kept.get_column("lang").is_in(empty))
+        .group_by("group", "lang")
+        .agg(pl.len().alias("n"))
+    )
+    more = choose_val_groups(pieces, {lang: quota[lang] for lang in empty}, seed)
+    return kept, chosen | more, {"groups": candidates.len(), "languages": empty}
 
 
 def write_split(

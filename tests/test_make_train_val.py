@@ -419,6 +419,29 @@ def test_a_language_with_one_speaker_gets_no_validation_and_that_is_an_error(tmp
     assert summary["val_by_lang"] == {"hi": 2} and summary["val_shortfall"] == {"ta": 2}
 
 
+def test_speakers_recorded_in_two_languages_still_give_each_language_validation(tmp_path):
+    # every ur speaker also speaks 20 English rows; a speaker group goes whole to one side, and en
+    # may take only 3, so no ur speaker fits: the groups are split by language for ur alone
+    rows = []
+    for k in range(6):
+        rows += [row(f"u{k}_{i}", f"اردو متن {k} {i}", "ur", speaker=f"s{k}") for i in range(2)]
+        rows += [
+            row(f"e{k}_{i}", f"english text {k} {i}", "en", speaker=f"s{k}") for i in range(20)
+        ]
+    for k in range(4):
+        rows += [row(f"o{k}_{i}", f"only english {k} {i}", "en", speaker=f"o{k}") for i in range(2)]
+    train, val, summary = run(tmp_path, rows, val_per_lang=3, allow_short_val=False)
+    val_langs = val.get_column("lang").to_list()
+    assert val_langs.count("ur") == 2 and val_langs.count("en") == 2
+    assert summary["split"]["groups_split_by_language"] == {"groups": 6, "languages": ["ur"]}
+    # no row is in both splits, and a speaker's rows in one language stay on one side
+    assert val.join(train, on="segment_id", how="semi").is_empty()
+    both = val.select("speaker_id", "lang").join(
+        train.select("speaker_id", "lang"), on=["speaker_id", "lang"], how="semi"
+    )
+    assert both.is_empty()
+
+
 def test_without_speaker_ids_large_shards_are_split_per_utterance_to_meet_the_quota(tmp_path):
     rows = [
         row(f"{lang}{k}", f"{body} {k}", lang, shard=f"src/{lang}/s{k // 40}")
