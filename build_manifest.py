@@ -1259,10 +1259,10 @@ def build_manifest(
                 "dropped": dropped,
                 "dropped_by_lang": counts_by(
                     drops.with_columns(
-                        pl.when(pl.col("lang") == "")
-                        .then(None)
-                        .otherwise("lang")
+                        pl.when(pl.col("lang") != "")
+                        .then(pl.col("lang"))
                         .fill_null(UNKNOWN_LANG)
+                        .alias("lang")
                     ),
                     "lang",
                     "reason",

@@ -1,0 +1,335 @@
+"""Importing NeMo JSON (plain and tarred), Hugging Face audio parquet and Kaldi data directories
+with build_manifest.py: rows, languages, audio written once as FLAC, and bad rows dropped and
+reported with their file and line."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import polars as pl
+import pytest
+import soundfile as sf
+
+import build_manifest as bm
+import source_readers
+from manifest_schema import ManifestError, summary_path
+from tests import byod_factory as byod
+
+
+def build(tmp_path, *sources, **kwargs):
+    output = tmp_path / "master.parquet"
+    kwargs.setdefault("languages", ())
+    kwargs.setdefault("min_duration", 0.1)
+    kwargs.setdefault("max_duration", 30.0)
+    kwargs.setdefault("min_quality", 0.0)
+    summary = bm.build_manifest(
+        None,
+        output,
+        sources=list(sources),
+        audio_dir=tmp_path / "imported",
+        workers=2,
+        progress=False,
+        **kwargs,
+    )
+    return pl.read_parquet(output), summary
+
+
+def bad_rows(summary) -> list[tuple[str, str]]:
+    return [(b["origin"], b["reason"]) for s in summary["sources"] for b in s["bad_row_examples"]]
+
+
+# --- source specs --------------------------------------------------------------------------
+def test_a_source_spec_takes_kind_path_and_options(tmp_path):
+    (tmp_path / "train.json").write_text("")
+    spec = source_readers.parse_source(f"nemo:{tmp_path}/train.json:lang=hi,name=cv_hi")
+    assert (spec.kind, spec.path, spec.name) == ("nemo", tmp_path / "train.json", "cv_hi")
+    assert spec.options == {"lang": "hi", "name": "cv_hi"}
+    assert source_readers.parse_source(f"nemo:{tmp_path}/train.json").name == "train"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("csv:/x", "KIND one of"),
+        ("nemo:{tmp}/train.json:colour=red", "unknown option"),
+        ("nemo:{tmp}/absent.json", "does not exist"),
+        ("nemo:{tmp}/train.json:check=everything", "check must be"),
+    ],
+)
+def test_a_bad_source_spec_is_one_clear_error(tmp_path, text, message):
+    (tmp_path / "train.json").write_text("")
+    with pytest.raises(ManifestError, match=message):
+        source_readers.parse_source(text.format(tmp=tmp_path))
+
+
+def test_two_sources_with_one_name_are_refused(tmp_path):
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "train.json").write_text("")
+    with pytest.raises(ManifestError, match="name=..."):
+        bm.sources_of([f"nemo:{tmp_path}/a/train.json", f"nemo:{tmp_path}/b/train.json"], None)
+
+
+def test_nemo_tar_patterns_expand_as_nemo_expands_them():
+    assert source_readers.expand_tar_pattern("a/audio_{0..2}.tar") == [
+        "a/audio_0.tar",
+        "a/audio_1.tar",
+        "a/audio_2.tar",
+    ]
+    assert source_readers.expand_tar_pattern("audio__OP_3..4_CL_.tar") == [
+        "audio_3.tar",
+        "audio_4.tar",
+    ]
+
+
+# --- NeMo JSON -----------------------------------------------------------------------------
+def test_a_nemo_manifest_becomes_master_rows_with_resolved_audio_paths(tmp_path):
+    utts = byod.utterances(3)
+    manifest = byod.write_nemo_json(tmp_path / "cv", utts)
+    master, summary = build(tmp_path, f"nemo:{manifest}:name=cv")
+    assert master.height == 6 and summary["rows_in"] == 6
+    assert set(master.get_column("source")) == {"cv"}
+    first = master.filter(pl.col("segment_id") == "cv:1").row(0, named=True)
+    assert first["audio_filepath"] == str((tmp_path / "cv" / "clips" / "en000.wav").absolute())
+    assert first["text"] == "<|en|> hello world 0" and first["speaker_id"] == "en-spk0"
+    assert first["shard_id"] == "cv/clips" and first["tx_quality_score"] is None
+    assert os.path.isfile(first["audio_filepath"])
+
+
+def test_bad_nemo_rows_are_dropped_counted_and_reported_with_file_and_line(tmp_path):
+    utts = byod.utterances(4, langs=("en",))
+    manifest = byod.write_nemo_json(tmp_path, utts)
+    lines = manifest.read_text().splitlines()
+    wrong = json.loads(lines[1])
+    wrong["duration"] = 9.0  # the audio holds 1.3 s
+    lines[1] = json.dumps(wrong)
+    lines.insert(2, "{not json")
+    lines.append(json.dumps({"text": "no audio path", "duration": 1.0}))
+    lines.append(json.dumps({"audio_filepath": "clips/en000.wav", "duration": 1.0}))
+    lines.append(json.dumps({"audio_filepath": "clips/absent.wav", "text": "x", "duration": 1.0}))
+    manifest.write_text("\n".join(lines) + "\n")
+    master, summary = build(tmp_path, f"nemo:{manifest}")
+    assert bad_rows(summary) == [
+        (f"{manifest}:2", "duration_mismatch"),
+        (f"{manifest}:3", "not_json"),
+        (f"{manifest}:6", "audio_path_missing"),
+        (f"{manifest}:7", "transcript_missing"),
+        (f"{manifest}:8", "audio_not_found"),
+    ]
+    assert master.height == 3
+    assert summary["rows_in"] == 8 and summary["dropped"]["not_json"] == 1
+    printed = bm.format_summary(summary, tmp_path / "master.parquet")
+    assert f"BAD ROW {manifest}:3: not_json" in printed
+
+
+def test_strict_makes_the_first_bad_row_an_error_and_writes_nothing(tmp_path):
+    manifest = byod.write_nemo_json(tmp_path, byod.utterances(2, langs=("en",)))
+    manifest.write_text(manifest.read_text() + "{oops\n")
+    with pytest.raises(ManifestError, match=rf"{manifest}:3: not_json"):
+        build(tmp_path, f"nemo:{manifest}", strict=True)
+    assert not (tmp_path / "master.parquet").exists()
+
+
+def test_durations_come_from_the_audio_header_when_the_manifest_has_none(tmp_path):
+    manifest = byod.write_nemo_json(tmp_path, byod.utterances(2, langs=("en",)))
+    rows = [json.loads(x) for x in manifest.read_text().splitlines()]
+    for row in rows:
+        del row["duration"]
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    master, _ = build(tmp_path, f"nemo:{manifest}")
+    assert master.sort("segment_id").get_column("duration").to_list() == pytest.approx([1.0, 1.3])
+
+
+def test_check_exists_trusts_given_durations_but_still_finds_missing_files(tmp_path):
+    manifest = byod.write_nemo_json(tmp_path, byod.utterances(3, langs=("en",)))
+    rows = [json.loads(x) for x in manifest.read_text().splitlines()]
+    rows[0]["duration"] = 9.0
+    rows[2]["audio_filepath"] = "clips/absent.wav"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    master, summary = build(tmp_path, f"nemo:{manifest}:check=exists")
+    assert master.sort("segment_id").get_column("duration").to_list() == [9.0, 1.3]
+    assert bad_rows(summary) == [(f"{manifest}:3", "audio_not_found")]
+
+
+def test_language_comes_from_the_option_then_the_field_then_the_script(tmp_path):
+    for k in range(3):
+        (tmp_path / f"{k}.wav").write_bytes(byod.audio(1.0, k))
+    rows = [
+        {"audio_filepath": "0.wav", "duration": 1.0, "sentence": "வணக்கம் உலகம்"},
+        {"audio_filepath": "1.wav", "duration": 1.0, "sentence": "hello", "locale": "EN"},
+        {"audio_filepath": "2.wav", "duration": 1.0, "sentence": "नमस्ते"},  # Devanagari: unknown
+    ]
+    manifest = tmp_path / "m.json"
+    manifest.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    master, summary = build(tmp_path, f"nemo:{manifest}")
+    assert dict(master.select("segment_id", "lang").iter_rows()) == {"m:1": "ta", "m:2": "en"}
+    assert summary["dropped"] == {"language_unknown": 1}
+    master, _ = build(tmp_path, f"nemo:{manifest}:lang=hi")
+    assert set(master.get_column("lang")) == {"hi"} and master.height == 3
+
+
+def test_min_quality_applies_only_to_sources_with_a_score(tmp_path):
+    manifest = byod.write_nemo_json(tmp_path / "a", byod.utterances(2, langs=("en",)))
+    scored = tmp_path / "b" / "scored.json"
+    scored.parent.mkdir()
+    rows = [json.loads(x) for x in manifest.read_text().splitlines()]
+    for row, score in zip(rows, (0.2, 0.9)):
+        row["audio_filepath"] = str(manifest.parent / row["audio_filepath"])
+        row["tx_quality_score"] = score
+    scored.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    master, summary = build(tmp_path, f"nemo:{manifest}", f"nemo:{scored}", min_quality=0.5)
+    assert master.group_by("source").len().sort("source").rows() == [("manifest", 2), ("scored", 1)]
+    assert summary["dropped"] == {"quality_below_min": 1}
+
+
+def test_a_tarred_nemo_manifest_is_written_out_once_as_flac(tmp_path):
+    utts = byod.utterances(3)
+    manifest, tars = byod.write_nemo_tarred(tmp_path / "tarred", utts)
+    master, summary = build(tmp_path, f"nemo:{manifest}:tars={tars},name=t")
+    assert master.height == 6 and not summary["sources"][0]["bad_rows"]
+    for row in master.iter_rows(named=True):
+        info = sf.info(row["audio_filepath"])
+        assert row["audio_filepath"].endswith(".flac") and info.format == "FLAC"
+        assert info.frames / info.samplerate == pytest.approx(row["duration"], abs=0.01)
+    assert {r["shard_id"] for r in master.iter_rows(named=True)} == {
+        "t/00000_audio_0",
+        "t/00001_audio_1",
+    }
+    # a rerun finds every tar done and writes nothing again
+    written = {p: p.stat().st_mtime_ns for p in (tmp_path / "imported").rglob("*.flac")}
+    again, _ = build(tmp_path, f"nemo:{manifest}:tars={tars},name=t")
+    assert again.equals(master)
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "imported").rglob("*.flac")} == written
+
+
+def test_a_tarred_row_whose_member_is_in_no_tar_is_a_bad_row(tmp_path):
+    manifest, tars = byod.write_nemo_tarred(tmp_path / "tarred", byod.utterances(2, langs=("en",)))
+    manifest.write_text(
+        manifest.read_text()
+        + json.dumps({"audio_filepath": "gone.wav", "text": "x", "duration": 1, "shard_id": 0})
+        + "\n"
+    )
+    master, summary = build(tmp_path, f"nemo:{manifest}:tars={tars}")
+    assert master.height == 2
+    assert bad_rows(summary) == [(f"{manifest}:3", "audio_not_found")]
+
+
+# --- Hugging Face parquet ------------------------------------------------------------------
+def test_hf_parquet_audio_is_written_as_flac_with_common_voice_field_names(tmp_path):
+    folder = byod.write_hf_parquet(tmp_path / "hf", byod.utterances(3))
+    master, summary = build(tmp_path, f"hf:{folder}:name=cv")
+    assert master.height == 6 and summary["rows_in"] == 6
+    assert set(master.get_column("lang")) == {"en", "hi"}
+    assert master.get_column("speaker_id").null_count() == 0
+    for row in master.iter_rows(named=True):
+        info = sf.info(row["audio_filepath"])
+        assert info.format == "FLAC"
+        assert info.frames / info.samplerate == pytest.approx(row["duration"], abs=0.01)
+
+
+def test_an_hf_file_without_audio_is_skipped_and_an_undecodable_row_reported(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    pq.write_table(pa.table({"sentence": ["a"]}), folder / "a-no-audio.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "audio": [
+                    {"bytes": byod.audio(1.0, 0), "path": "x.wav"},
+                    {"bytes": b"not audio", "path": "y.wav"},
+                ],
+                "text": ["hello there", "broken"],
+            }
+        ),
+        folder / "b.parquet",
+    )
+    master, summary = build(tmp_path, f"hf:{folder}:lang=en")
+    assert master.height == 1
+    assert summary["bad_shards"] == [
+        {
+            "path": str(folder / "a-no-audio.parquet"),
+            "reason": "no audio column (a struct with the encoded bytes)",
+        }
+    ]
+    assert bad_rows(summary) == [(f"{folder / 'b.parquet'} row 1", "audio_unreadable")]
+
+
+# --- Kaldi ---------------------------------------------------------------------------------
+def test_kaldi_segments_are_cut_out_of_their_recordings(tmp_path):
+    utts = byod.utterances(3)
+    directory = byod.write_kaldi(tmp_path / "kaldi", utts)
+    master, summary = build(tmp_path, f"kaldi:{directory}")
+    assert master.height == 6 and summary["rows_in"] == 6
+    seconds = {u["id"]: u["seconds"] for u in utts}
+    for row in master.iter_rows(named=True):
+        info = sf.info(row["audio_filepath"])
+        utt = row["segment_id"].split("-", 2)[-1]
+        assert info.frames / info.samplerate == pytest.approx(seconds[utt], abs=0.01)
+        assert row["speaker_id"] == row["segment_id"].rsplit("-", 1)[0]
+    assert set(master.get_column("lang")) == {"en", "hi"}
+
+
+def test_kaldi_bad_lines_are_reported_with_file_and_line(tmp_path):
+    directory = byod.write_kaldi(tmp_path / "kaldi", byod.utterances(2, langs=("en",)))
+    with open(directory / "wav.scp", "a") as f:
+        f.write("piped sox x.wav -t wav - |\n")
+    with open(directory / "segments", "a") as f:
+        f.write("late rec_en-spk0 0.0 99.0\nfrom_pipe piped 0 1\nno_text rec_en-spk0 0 0.5\n")
+    with open(directory / "text", "a") as f:
+        f.write("late too late\nfrom_pipe piped audio\n")
+    master, summary = build(tmp_path, f"kaldi:{directory}:lang=en")
+    segments = directory / "segments"
+    assert master.height == 2
+    assert bad_rows(summary) == [
+        (f"{segments}:3", "segment_past_end"),
+        (f"{segments}:4", "audio_command"),
+        (f"{segments}:5", "transcript_missing"),
+    ]
+
+
+def test_a_kaldi_directory_without_segments_uses_the_recordings_as_utterances(tmp_path):
+    directory = tmp_path / "kaldi"
+    directory.mkdir()
+    for k in range(2):
+        (directory / f"u{k}.wav").write_bytes(byod.audio(1.0 + k, k))
+    (directory / "wav.scp").write_text("u0 u0.wav\nu1 u1.wav\n")
+    (directory / "text").write_text("u0 hello one\nu1 hello two\n")
+    master, _ = build(tmp_path, f"kaldi:{directory}")
+    assert master.sort("segment_id").get_column("duration").to_list() == pytest.approx([1.0, 2.0])
+    assert master.get_column("audio_filepath").to_list() == [
+        str((directory / f"u{k}.wav").absolute()) for k in range(2)
+    ]
+    assert set(master.get_column("lang")) == {"en"}  # from the script: Latin
+
+
+# --- several sources -----------------------------------------------------------------------
+def test_several_sources_make_one_master_with_their_names_in_the_source_column(tmp_path):
+    utts = byod.utterances(2)
+    nemo = byod.write_nemo_json(tmp_path / "nemo", utts)
+    hf = byod.write_hf_parquet(tmp_path / "hf", utts, files=1)
+    kaldi = byod.write_kaldi(tmp_path / "kaldi", utts)
+    master, summary = build(tmp_path, f"nemo:{nemo}:name=n", f"hf:{hf}:name=h", f"kaldi:{kaldi}")
+    assert master.group_by("source").len().sort("source").rows() == [
+        ("h", 4),
+        ("kaldi", 4),
+        ("n", 4),
+    ]
+    assert master.equals(master.sort("shard_id", "segment_id"))
+    assert [s["name"] for s in summary["sources"]] == ["n", "h", "kaldi"]
+    saved = json.loads(summary_path(tmp_path / "master.parquet").read_text())
+    assert saved["settings"]["sources"][0] == f"nemo:{nemo}:name=n"
+
+
+def test_the_cli_imports_a_source_and_prints_its_bad_rows(tmp_path, capsys):
+    manifest = byod.write_nemo_json(tmp_path, byod.utterances(2, langs=("en",)))
+    manifest.write_text(manifest.read_text() + "{oops\n")
+    code = bm.main(
+        ["--source", f"nemo:{manifest}", "--output", str(tmp_path / "m.parquet"), "--no-progress"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0 and f"BAD ROW {manifest}:3: not_json" in out
+    assert pl.read_parquet(tmp_path / "m.parquet").height == 2
