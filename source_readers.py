@@ -329,8 +329,40 @@ def _probe(paths: Sequence[str], workers: int) -> tuple[np.ndarray, list[str | N
     return seconds, [problem for _, problem in results]
 
 
-def _exists(paths: Sequence[str], workers: int) -> np.ndarray:
-    return np.array(_on_threads(os.path.isfile, paths, workers), dtype=bool).reshape(len(paths))
+def _exists(paths: pl.Series | Sequence[str], workers: int) -> np.ndarray:
+    """Whether each path names an existing entry. Where the paths are many per directory, each
+    directory is listed once (a listing returns thousands of names in the time of a few stat
+    calls); otherwise each path is looked up."""
+    paths = pl.Series(paths, dtype=pl.String)
+    frame = pl.DataFrame({"path": paths}).with_columns(
+        pl.col("path").str.replace(r"/[^/]*$", "").alias("dir"),
+        pl.col("path").str.replace(r"^.*/", "").alias("name"),
+    )
+    dirs = frame.get_column("dir").unique().to_list()
+    if len(paths) < 16 * len(dirs):
+        found = _on_threads(os.path.isfile, paths.to_list(), workers)
+        return np.array(found, dtype=bool).reshape(-1)
+
+    def listing(directory: str) -> list[str]:
+        try:
+            return os.listdir(directory)
+        except OSError:
+            return []
+
+    names = _on_threads(listing, dirs, workers, chunk=1)
+    existing = pl.DataFrame(
+        {
+            "dir": pl.Series(dirs, dtype=pl.String).gather(
+                np.repeat(np.arange(len(dirs)), [len(n) for n in names])
+            ),
+            "name": pl.concat([pl.Series(n, dtype=pl.String) for n in names if n])
+            if any(names)
+            else pl.Series([], dtype=pl.String),
+            "found": True,
+        }
+    )
+    found = frame.join(existing, on=["dir", "name"], how="left", maintain_order="left")
+    return found.get_column("found").fill_null(False).to_numpy()
 
 
 def _on_threads(function, items: Sequence, workers: int, chunk: int = 2048) -> list:
@@ -359,20 +391,21 @@ def _check_audio(
     given_np = given.cast(pl.Float64).to_numpy().copy()
     keep = np.ones(len(paths), bool)
     bad = []
-    path_list = paths.to_list()
-    probe = np.flatnonzero(np.isnan(given_np)) if mode == "exists" else np.arange(len(paths))
-    if mode == "exists":
-        found = _exists([path_list[i] for i in np.flatnonzero(~np.isnan(given_np))], workers)
-        for i in np.flatnonzero(~np.isnan(given_np))[~found]:
+    trusted = ~np.isnan(given_np) if mode == "exists" else np.zeros(len(paths), bool)
+    if trusted.any():
+        rows = np.flatnonzero(trusted)
+        for i in rows[~_exists(paths.gather(rows), workers)]:
             keep[i] = False
-            bad.append(_bad(origins(i), "audio_not_found", path_list[i], langs[int(i)]))
-    seconds, problems = _probe([path_list[i] for i in probe], workers)
-    for i, s, problem in zip(probe, seconds, problems):
+            bad.append(_bad(origins(int(i)), "audio_not_found", paths[int(i)], langs[int(i)]))
+    probe = np.flatnonzero(~trusted)
+    probe_paths = paths.gather(probe).to_list()
+    seconds, problems = _probe(probe_paths, workers)
+    for i, path, s, problem in zip(probe, probe_paths, seconds, problems):
         i = int(i)
         if problem is not None:
             reason, _, why = problem.partition(":")
             keep[i] = False
-            detail = path_list[i] + (f": {why}" if why else "")
+            detail = path + (f": {why}" if why else "")
             bad.append(_bad(origins(i), reason, detail, langs[i]))
         elif np.isnan(given_np[i]):
             given_np[i] = s
@@ -382,7 +415,7 @@ def _check_audio(
                 _bad(
                     origins(i),
                     "duration_mismatch",
-                    f"{path_list[i]}: duration {given_np[i]:g} s, the audio holds {s:.3f} s",
+                    f"{path}: duration {given_np[i]:g} s, the audio holds {s:.3f} s",
                     langs[i],
                 )
             )
@@ -447,6 +480,7 @@ def _in_processes(function, tasks: list, workers: int) -> Iterator:
 
 # --- NeMo JSON -----------------------------------------------------------------------------
 _CHUNK_BYTES = 32 << 20
+_INFER_ROWS = 10_000  # rows whose fields and types decide a manifest's columns on the fast path
 
 
 def _json_chunks(path: Path) -> Iterator[tuple[int, bytes]]:
@@ -521,7 +555,28 @@ def _parse_json_chunk(first_line: int, chunk: bytes, path: Path) -> tuple[pl.Dat
     return frame, bad
 
 
+def _line_count(path: Path) -> int:
+    """Lines in the file (a last line without a newline counts)."""
+    count, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while block := f.read(_CHUNK_BYTES):
+            count += block.count(b"\n")
+            last = block[-1:]
+    return count + (last != b"\n")
+
+
 def _read_json_rows(path: Path) -> tuple[pl.DataFrame, list[dict]]:
+    """Every JSON object of the file as a frame with its ``line`` (1-based), and the lines that are
+    not objects as bad rows. The whole file goes through polars' multi-threaded reader (types
+    inferred from the first ``_INFER_ROWS`` rows) when each line is one object; otherwise, or when a
+    later row's types disagree, it is read in chunks, a chunk that fails line by line."""
+    try:
+        frame = pl.read_ndjson(path, infer_schema_length=_INFER_ROWS)
+        if frame.height and frame.height == _line_count(path):
+            line = pl.int_range(1, frame.height + 1, dtype=pl.UInt32).alias("line")
+            return frame.with_columns(line), []
+    except Exception:  # not JSON somewhere, or types polars cannot unify: chunk by chunk
+        pass
     frames, bad = [], []
     for first_line, chunk in _json_chunks(path):
         frame, chunk_bad = _parse_json_chunk(first_line, chunk, path)
@@ -609,7 +664,7 @@ def read_nemo(
         .otherwise(pl.concat_str(pl.lit(base + "/"), pl.col("_audio")))
         .alias("_audio")
     )
-    lines = frame["line"].to_list()
+    lines = frame.get_column("line")
     seconds, keep, audio_bad = _check_audio(
         frame["_audio"],
         frame["_duration"],

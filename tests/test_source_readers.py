@@ -333,3 +333,12 @@ def test_the_cli_imports_a_source_and_prints_its_bad_rows(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0 and f"BAD ROW {manifest}:3: not_json" in out
     assert pl.read_parquet(tmp_path / "m.parquet").height == 2
+
+
+def test_files_are_found_by_listing_their_folder_when_many_rows_share_it(tmp_path):
+    for k in range(40):
+        (tmp_path / f"{k}.wav").touch()
+    paths = [str(tmp_path / f"{k}.wav") for k in range(40)] + [str(tmp_path / "absent.wav")]
+    paths += [str(tmp_path / "elsewhere" / "x.wav")]
+    found = source_readers._exists(paths, workers=2)
+    assert found.tolist() == [True] * 40 + [False, False]
