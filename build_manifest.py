@@ -1124,33 +1124,29 @@ def _add_source(
 ) -> None:
     """An imported source (``source_readers``): its rows go through the same filters, cleaning,
     tags and accounting as a shard's; its bad rows are dropped under their reasons."""
-    result = read_source(spec, audio_dir, workers=workers, strict=strict, progress=progress)
-    parts.unreadable += result.bad_files
-    bad = pl.DataFrame(
-        {
-            "lang": [b["lang"] for b in result.bad],
-            "reason": [b["reason"] for b in result.bad],
-        },
-        schema={"lang": pl.String, "reason": DROP_REASON},
-    )
-    rows_in = result.rows.height + bad.height
-    if result.rows.height:
-        kept, drops, shared = assemble_manifest(result.rows, result.shards, filters, workers)
-        parts.kept.append(kept)
-        parts.drops.append(drops)
-        parts.shared.append(shared)
-    parts.drops.append(bad.with_columns(pl.col("lang").str.to_lowercase()))
-    parts.rows_in += rows_in
-    parts.sources.append(
-        {
-            "source": str(spec),
-            "name": spec.name,
-            "rows_read": rows_in,
-            "bad_rows": len(result.bad),
-            "bad_row_examples": result.bad[:MAX_BAD_ROWS],
-            "files_skipped": result.bad_files,
-        }
-    )
+    report = {"source": str(spec), "name": spec.name, "rows_read": 0, "bad_rows": 0}
+    examples, skipped = [], []
+    for batch in read_source(spec, audio_dir, workers=workers, strict=strict, progress=progress):
+        skipped += batch.bad_files
+        bad = pl.DataFrame(
+            {
+                "lang": [b["lang"] for b in batch.bad],
+                "reason": [b["reason"] for b in batch.bad],
+            },
+            schema={"lang": pl.String, "reason": DROP_REASON},
+        )
+        if batch.rows.height:
+            kept, drops, shared = assemble_manifest(batch.rows, batch.shards, filters, workers)
+            parts.kept.append(kept)
+            parts.drops.append(drops)
+            parts.shared.append(shared)
+        parts.drops.append(bad.with_columns(pl.col("lang").str.to_lowercase()))
+        parts.rows_in += batch.rows.height + bad.height
+        report["rows_read"] += batch.rows.height + bad.height
+        report["bad_rows"] += bad.height
+        examples += batch.bad[: MAX_BAD_ROWS - len(examples)]
+    parts.unreadable += skipped
+    parts.sources.append(report | {"bad_row_examples": examples, "files_skipped": skipped})
 
 
 def sources_of(texts: Sequence[str] | None, shards_dir: Path | None) -> list[SourceSpec | Path]:

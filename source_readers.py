@@ -177,23 +177,26 @@ def read_source(
     workers: int,
     strict: bool = False,
     progress: bool = True,
-) -> SourceRows:
-    """The rows of an imported source (any kind but ``shards``), languages filled in; FLAC written
-    under ``audio_dir/<name>/`` where the source's audio has to be written out. With ``strict``,
-    the first bad row raises ManifestError naming it."""
+) -> Iterator[SourceRows]:
+    """The rows of an imported source (any kind but ``shards``) in batches, languages filled in;
+    FLAC written under ``audio_dir/<name>/`` where the source's audio has to be written out. A
+    plain NeMo manifest comes in batches of about ``_CHUNK_BYTES`` of its file, so memory stays
+    flat in its length; the other kinds in one. With ``strict``, the first bad row raises
+    ManifestError naming it."""
     reader = {"nemo": read_nemo, "hf": read_hf_parquet, "kaldi": read_kaldi}[spec.kind]
-    result = reader(spec, Path(audio_dir) / spec.name, workers=max(1, workers), progress=progress)
-    if strict and result.bad:
-        first = result.bad[0]
-        raise ManifestError(
-            f"{first['origin']}: {first['reason']} ({first['detail']}); --strict stops at the "
-            f"first bad row ({len(result.bad)} in {spec})"
-        )
-    if strict and result.bad_files:
-        first = result.bad_files[0]
-        raise ManifestError(f"{first['path']}: {first['reason']} (--strict)")
-    result.rows = _fill_languages(result.rows, result.shards)
-    return result
+    batches = reader(spec, Path(audio_dir) / spec.name, workers=max(1, workers), progress=progress)
+    for result in [batches] if isinstance(batches, SourceRows) else batches:
+        if strict and result.bad:
+            first = result.bad[0]
+            raise ManifestError(
+                f"{first['origin']}: {first['reason']} ({first['detail']}); --strict stops at the "
+                f"first bad row of {spec}"
+            )
+        if strict and result.bad_files:
+            first = result.bad_files[0]
+            raise ManifestError(f"{first['path']}: {first['reason']} (--strict)")
+        result.rows = _fill_languages(result.rows, result.shards)
+        yield result
 
 
 # --- shared helpers ------------------------------------------------------------------------
@@ -235,26 +238,16 @@ def _as_float(frame: pl.DataFrame, column: str | None) -> pl.Expr:
     return pl.col(column).cast(pl.Float64, strict=False)
 
 
-def _standard_rows(
-    frame: pl.DataFrame,
-    spec: SourceSpec,
-    *,
-    ids: pl.Expr,
-    text: str | None,
-    lang: str | None,
-    speaker: str | None,
-    quality: str | None,
-) -> pl.DataFrame:
-    """``frame``'s fields as ``ROW_SCHEMA`` columns (``shard``, ``duration_s`` and
+def _standard_rows(frame: pl.DataFrame, speaker: str | None, quality: str | None) -> pl.DataFrame:
+    """The ``_id``, ``_text`` and ``_lang`` columns a reader prepared, and the ``speaker`` and
+    ``quality`` fields, as ``ROW_SCHEMA`` columns (``shard``, ``duration_s`` and
     ``tar_member_name`` come from the caller); a transcript loses a leading language tag."""
     return frame.select(
-        ids.cast(pl.String).alias("segment_id"),
-        _as_string(frame, text)
+        pl.col("_id").cast(pl.String).alias("segment_id"),
+        pl.col("_text")
         .map_batches(_strip_tags, return_dtype=pl.String)
         .alias("transcription_native"),
-        (pl.lit(spec.options["lang"]) if "lang" in spec.options else _as_string(frame, lang))
-        .cast(pl.String)
-        .alias("segment_language"),
+        pl.col("_lang").cast(pl.String).alias("segment_language"),
         _as_string(frame, speaker).alias("speaker_id"),
         _as_float(frame, quality).alias("tx_quality_score"),
     )
@@ -506,19 +499,14 @@ def _json_chunks(path: Path) -> Iterator[tuple[int, bytes]]:
 
 def _parse_json_chunk(first_line: int, chunk: bytes, path: Path) -> tuple[pl.DataFrame, list]:
     """The chunk's JSON objects as a frame with a ``line`` column, and its lines that are not."""
+    try:
+        frame = pl.read_ndjson(io.BytesIO(chunk), infer_schema_length=_INFER_ROWS)
+        if frame.height == chunk.count(b"\n") + (not chunk.endswith(b"\n")):
+            line = pl.int_range(first_line, first_line + frame.height, dtype=pl.UInt32)
+            return frame.with_columns(line.alias("line")), []
+    except Exception:  # a line that is not JSON, or types polars cannot unify: one by one
+        pass
     lines = chunk.split(b"\n")
-    blank = [i for i, text in enumerate(lines) if not text.strip()]
-    if len(blank) == 1 and blank[0] == len(lines) - 1:  # the common case: no blank line inside
-        try:
-            frame = pl.read_ndjson(io.BytesIO(chunk), infer_schema_length=None)
-            if frame.height == len(lines) - 1:
-                return frame.with_columns(
-                    pl.int_range(first_line, first_line + frame.height, dtype=pl.UInt32).alias(
-                        "line"
-                    )
-                ), []
-        except Exception:  # a line that is not JSON, or types polars cannot unify: one by one
-            pass
     rows, bad = [], []
     for i, text in enumerate(lines):
         if not text.strip():
@@ -604,59 +592,95 @@ def expand_tar_pattern(pattern: str) -> list[str]:
 
 def read_nemo(
     spec: SourceSpec, out_dir: Path, *, workers: int, progress: bool = True
-) -> SourceRows:
+) -> SourceRows | Iterator[SourceRows]:
     """A NeMo JSON manifest: one object per line with ``audio_filepath``, ``text`` and usually
     ``duration`` (other fields per ``FIELDS``). A relative audio path is resolved against the
     manifest's folder, as NeMo does. With ``tars``, the audio paths are member names of the tars
-    (the row's ``shard_id`` field, when present, names its tar), written out once as FLAC."""
+    (the row's ``shard_id`` field, when present, names its tar), written out once as FLAC, and the
+    rows come as one batch; without, in batches of about ``_CHUNK_BYTES`` of the file."""
+    if "tars" not in spec.options:
+        return _nemo_batches(spec, workers, progress)
+    frame, bad = _read_json_rows(spec.path)
+    if not frame.height and not bad:
+        raise ManifestError(f"{spec.path}: no rows")
+    frame, fields = _nemo_fields(spec, frame, bad, first=True)
+    return _nemo_tarred(spec, frame, out_dir, bad, workers, progress, fields)
+
+
+def _nemo_batches(spec: SourceSpec, workers: int, progress: bool) -> Iterator[SourceRows]:
+    from tqdm import tqdm
+
+    path, first = spec.path, True
+    with tqdm(
+        total=path.stat().st_size,
+        desc=f"reading {spec.name}",
+        unit="B",
+        unit_scale=True,
+        disable=not progress,
+    ) as bar:
+        for first_line, chunk in _json_chunks(path):
+            frame, bad = _parse_json_chunk(first_line, chunk, path)
+            if frame.height:
+                frame, fields = _nemo_fields(spec, frame, bad, first=first)
+                first = False
+                yield _nemo_plain(spec, frame, bad, workers, fields)
+            elif bad:
+                yield SourceRows(pl.DataFrame(schema=ROW_SCHEMA), [], bad)
+            bar.update(len(chunk))
+    if first:
+        raise ManifestError(f"{path}: no JSON object with an audio path")
+
+
+def _nemo_fields(
+    spec: SourceSpec, frame: pl.DataFrame, bad: list, first: bool
+) -> tuple[pl.DataFrame, dict]:
+    """``frame`` with ``_audio``, ``_duration``, ``_text`` and ``_id`` columns, its rows without an
+    audio path or a transcript moved to ``bad``; and the fields found. The first batch must have
+    an audio field (ManifestError naming the fields it has); a later one without is all bad."""
     path = spec.path
-    frame, bad = _read_json_rows(path)
     columns = [c for c in frame.columns if c != "line"]
-    if not frame.height:
-        if bad:
-            return SourceRows(pl.DataFrame(schema=ROW_SCHEMA), [], bad)
-        raise ManifestError(f"{path}: no rows")
-    audio = _pick(spec, "audio", columns, required=True)
-    text = _pick(spec, "text", columns)
-    lang = _pick(spec, "lang", columns)
-    speaker = _pick(spec, "speaker", columns)
-    duration = _pick(spec, "duration", columns)
-    quality = _pick(spec, "quality", columns)
+    audio = _pick(spec, "audio", columns, required=first)
+    fields = {
+        "text": _pick(spec, "text", columns),
+        "lang": _pick(spec, "lang", columns),
+        "speaker": _pick(spec, "speaker", columns),
+        "quality": _pick(spec, "quality", columns),
+    }
     id_field = _pick(spec, "id", columns)
-    line = pl.col("line")
     ids = (
         _as_string(frame, id_field)
         if id_field
-        else pl.concat_str(pl.lit(f"{spec.name}:"), line.cast(pl.String))
+        else pl.concat_str(pl.lit(f"{spec.name}:"), pl.col("line").cast(pl.String))
     )
     frame = frame.with_columns(
         _as_string(frame, audio).str.strip_chars().alias("_audio"),
-        _as_float(frame, duration).alias("_duration"),
-        _as_string(frame, text).alias("_text"),
+        _as_float(frame, _pick(spec, "duration", columns)).alias("_duration"),
+        _as_string(frame, fields["text"]).alias("_text"),
+        ids.alias("_id"),
+        _lang_expr(spec, frame, fields["lang"]).alias("_lang"),
     )
-    fixed_lang = spec.options.get("lang")
+    no_audio = pl.col("_audio").is_null() | (pl.col("_audio") == "")
+    missing = frame.filter(no_audio | pl.col("_text").is_null())
+    for number, no_path, row_lang in missing.select("line", no_audio, "_lang").iter_rows():
+        if no_path:
+            bad.append(_bad(f"{path}:{number}", "audio_path_missing", f"no {audio}", row_lang))
+        else:
+            detail = f"no {fields['text'] or ' / '.join(FIELDS['text'])}"
+            bad.append(_bad(f"{path}:{number}", "transcript_missing", detail, row_lang))
+    return frame.filter(~no_audio & pl.col("_text").is_not_null()), fields
 
-    def lang_of(table: pl.DataFrame) -> pl.Series:
-        if fixed_lang is not None:
-            return pl.Series([fixed_lang] * table.height, dtype=pl.String)
-        return table.select(_as_string(table, lang)).to_series()
 
-    # rows without an audio path or a transcript are bad rows, with their line
-    no_audio = frame.filter(pl.col("_audio").is_null() | (pl.col("_audio") == ""))
-    no_text = frame.filter(pl.col("_audio").is_not_null() & pl.col("_text").is_null())
-    for table, reason, detail in (
-        (no_audio, "audio_path_missing", f"no {audio}"),
-        (no_text, "transcript_missing", f"no {text or ' / '.join(FIELDS['text'])}"),
-    ):
-        for number, row_lang in zip(table["line"].to_list(), lang_of(table).to_list()):
-            bad.append(_bad(f"{path}:{number}", reason, detail, row_lang))
-    frame = frame.filter(
-        pl.col("_audio").is_not_null() & (pl.col("_audio") != "") & pl.col("_text").is_not_null()
-    )
-    if "tars" in spec.options:
-        return _nemo_tarred(
-            spec, frame, out_dir, bad, ids, workers, progress, (text, lang, speaker, quality)
-        )
+def _lang_expr(spec: SourceSpec, frame: pl.DataFrame, lang: str | None) -> pl.Expr:
+    if "lang" in spec.options:
+        return pl.lit(spec.options["lang"], dtype=pl.String)
+    return _as_string(frame, lang)
+
+
+def _nemo_plain(
+    spec: SourceSpec, frame: pl.DataFrame, bad: list, workers: int, fields: dict
+) -> SourceRows:
+    """A batch of a plain NeMo manifest: audio paths resolved and checked, grouped by folder."""
+    path = spec.path
     base = str(path.parent.absolute())
     frame = frame.with_columns(
         pl.when(pl.col("_audio").str.starts_with("/"))
@@ -666,22 +690,23 @@ def read_nemo(
     )
     lines = frame.get_column("line")
     seconds, keep, audio_bad = _check_audio(
-        frame["_audio"],
-        frame["_duration"],
+        frame.get_column("_audio"),
+        frame.get_column("_duration"),
         lambda i: f"{path}:{lines[i]}",
-        lang_of(frame),
+        frame.get_column("_lang"),
         spec.options.get("check", "header"),
         workers,
     )
     bad += audio_bad
     frame = frame.with_columns(seconds.alias("_duration")).filter(pl.Series(keep))
+    quality = fields["quality"]
     shard, names, shards = _groups_by_directory(
-        frame["_audio"], spec.name, "", quality is not None, path.parent
+        frame.get_column("_audio"), spec.name, "", quality is not None, path.parent
     )
-    rows = _standard_rows(
-        frame, spec, ids=ids, text="_text", lang=lang, speaker=speaker, quality=quality
-    ).with_columns(
-        shard.alias("shard"), frame["_duration"].alias("duration_s"), names.alias("tar_member_name")
+    rows = _standard_rows(frame, fields["speaker"], quality).with_columns(
+        shard.alias("shard"),
+        frame.get_column("_duration").alias("duration_s"),
+        names.alias("tar_member_name"),
     )
     bad.sort(key=lambda b: _origin_order(b["origin"]))
     return SourceRows(rows.select(list(ROW_SCHEMA)), shards, bad)
@@ -716,9 +741,17 @@ def _unpack_tar(task: tuple[str, str]) -> dict:
     return record
 
 
-def _nemo_tarred(spec, frame, out_dir, bad, ids, workers, progress, fields):
+def _nemo_tarred(
+    spec: SourceSpec,
+    frame: pl.DataFrame,
+    out_dir: Path,
+    bad: list,
+    workers: int,
+    progress: bool,
+    fields: dict,
+) -> SourceRows:
     """``read_nemo`` for a tarred manifest: the tars written out as FLAC, rows matched to them."""
-    text, lang, speaker, quality = fields
+    quality = fields["quality"]
     path = spec.path
     tars = expand_tar_pattern(spec.options["tars"])
     missing = [t for t in tars if not os.path.isfile(t)]
@@ -757,13 +790,8 @@ def _nemo_tarred(spec, frame, out_dir, bad, ids, workers, progress, fields):
         wanted = pl.col("shard_id").cast(pl.UInt32, strict=False)
         wrong = wanted.is_not_null() & pl.col("tar").is_not_null() & (wanted != pl.col("tar"))
         frame = frame.with_columns(pl.when(wrong).then(None).otherwise(pl.col("tar")).alias("tar"))
-    fixed_lang = spec.options.get("lang")
-    langs = (
-        [fixed_lang] * frame.height
-        if fixed_lang
-        else frame.select(_as_string(frame, lang)).to_series().to_list()
-    )
     keep = np.ones(frame.height, bool)
+    langs = frame.get_column("_lang")
     for i, (number, member, tar, seconds, given) in enumerate(
         frame.select("line", "_member", "tar", "seconds", "_duration").iter_rows()
     ):
@@ -787,9 +815,7 @@ def _nemo_tarred(spec, frame, out_dir, bad, ids, workers, progress, fields):
         )
         for k in range(len(tars))
     ]
-    rows = _standard_rows(
-        frame, spec, ids=ids, text="_text", lang=lang, speaker=speaker, quality=quality
-    ).with_columns(
+    rows = _standard_rows(frame, fields["speaker"], quality).with_columns(
         frame["tar"].alias("shard"),
         pl.coalesce(frame["_duration"], frame["seconds"]).alias("duration_s"),
         frame["file"].alias("tar_member_name"),
@@ -903,20 +929,20 @@ def read_hf_parquet(
         quality = _pick(spec, "quality", columns)
         id_field = _pick(spec, "id", columns)
         duration = _pick(spec, "duration", columns)
-        frame = frame.with_row_index("_row").with_columns(
+        row = pl.int_range(0, n, dtype=pl.UInt32)
+        frame = frame.with_columns(
+            row.alias("_row"),
             pl.Series("_seconds", record["seconds"], dtype=pl.Float64),
             _as_float(frame, duration).alias("_duration"),
             _as_string(frame, text).alias("_text"),
+            _lang_expr(spec, frame, lang).alias("_lang"),
+            (
+                _as_string(frame, id_field)
+                if id_field
+                else pl.concat_str(pl.lit(f"{spec.name}:{file.stem}:"), row.cast(pl.String))
+            ).alias("_id"),
         )
-        ids = (
-            _as_string(frame, id_field)
-            if id_field
-            else pl.concat_str(pl.lit(f"{spec.name}:{file.stem}:"), pl.col("_row").cast(pl.String))
-        )
-        fixed = spec.options.get("lang")
-        langs = (
-            [fixed] * n if fixed else frame.select(_as_string(frame, lang)).to_series().to_list()
-        )
+        langs = frame.get_column("_lang")
         keep = np.ones(n, bool)
         for row, seconds, given, transcript in frame.select(
             "_row", "_seconds", "_duration", "_text"
@@ -942,15 +968,11 @@ def read_hf_parquet(
             Shard(f"{spec.name}/{folder.name}", spec.name, "", folder, quality is not None)
         )
         parts.append(
-            _standard_rows(
-                frame, spec, ids=ids, text="_text", lang=lang, speaker=speaker, quality=quality
-            )
+            _standard_rows(frame, speaker, quality)
             .with_columns(
                 pl.lit(position, dtype=pl.UInt32).alias("shard"),
                 pl.coalesce(frame["_duration"], frame["_seconds"]).alias("duration_s"),
-                frame["_row"]
-                .map_elements(lambda r: f"{r:08d}.flac", return_dtype=pl.String)
-                .alias("tar_member_name"),
+                (frame["_row"].cast(pl.String).str.zfill(8) + ".flac").alias("tar_member_name"),
             )
             .select(list(ROW_SCHEMA))
         )

@@ -342,3 +342,15 @@ def test_files_are_found_by_listing_their_folder_when_many_rows_share_it(tmp_pat
     paths += [str(tmp_path / "elsewhere" / "x.wav")]
     found = source_readers._exists(paths, workers=2)
     assert found.tolist() == [True] * 40 + [False, False]
+
+
+def test_a_manifest_read_in_many_batches_gives_the_same_rows_and_lines(tmp_path, monkeypatch):
+    manifest = byod.write_nemo_json(tmp_path, byod.utterances(6))
+    lines = manifest.read_text().splitlines()
+    lines.insert(7, "{oops")
+    manifest.write_text("\n".join(lines) + "\n")
+    whole, summary = build(tmp_path, f"nemo:{manifest}")
+    monkeypatch.setattr(source_readers, "_CHUNK_BYTES", 400)  # a few lines per batch
+    batched, batched_summary = build(tmp_path, f"nemo:{manifest}")
+    assert batched.equals(whole) and whole.height == 12
+    assert bad_rows(batched_summary) == bad_rows(summary) == [(f"{manifest}:8", "not_json")]
