@@ -1126,7 +1126,8 @@ def _add_source(
     tags and accounting as a shard's; its bad rows are dropped under their reasons."""
     report = {"source": str(spec), "name": spec.name, "rows_read": 0, "bad_rows": 0}
     examples, skipped = [], []
-    for batch in read_source(spec, audio_dir, workers=workers, strict=strict, progress=progress):
+    batches = read_source(spec, audio_dir, workers=workers, strict=strict, progress=progress)
+    for batch in _read_ahead(batches):
         skipped += batch.bad_files
         bad = pl.DataFrame(
             {
@@ -1147,6 +1148,17 @@ def _add_source(
         examples += batch.bad[: MAX_BAD_ROWS - len(examples)]
     parts.unreadable += skipped
     parts.sources.append(report | {"bad_row_examples": examples, "files_skipped": skipped})
+
+
+def _read_ahead(items: Iterator) -> Iterator:
+    """``items``, the next one produced on a background thread while the caller works on this one
+    (polars and the file look-ups release the GIL, so reading and assembling overlap)."""
+    done = object()
+    with ThreadPoolExecutor(max_workers=1) as reader:
+        pending = reader.submit(next, items, done)
+        while (item := pending.result()) is not done:
+            pending = reader.submit(next, items, done)
+            yield item
 
 
 def sources_of(texts: Sequence[str] | None, shards_dir: Path | None) -> list[SourceSpec | Path]:

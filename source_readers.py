@@ -12,7 +12,7 @@ Options: ``name`` (the ``source`` column and the group ids; default the file or 
 ``lang`` (the language of every row), ``lang_field``, ``text_field``, ``speaker_field``,
 ``duration_field``, ``quality_field``, ``id_field``, ``audio_field`` (the field to read instead of
 the first of ``FIELDS``), ``tars`` (NeMo's ``{a..b}`` or ``_OP_a..b_CL_`` pattern of a tarred
-manifest's tar files), ``check`` (``header``, the default, or ``exists``: see below).
+manifest's tar files), ``check`` (``header``, the default, ``exists`` or ``none``: see below).
 
 Per row: the language comes from the ``lang`` option, else the row's field, else the transcript's
 writing system (``script_languages``); the duration from the field, else the audio header; the
@@ -23,7 +23,9 @@ Audio: a plain NeMo manifest's and an unsegmented Kaldi directory's files are us
 With ``check=header`` (default) every file's header is read, in parallel: a file that does not
 exist, does not decode, or whose duration differs from the row's by more than
 ``DURATION_TOLERANCE`` is a bad row. ``check=exists`` only looks for the file when the row gives its
-duration (for millions of rows whose durations are trusted). Tar shards, HF parquet files and
+duration (for millions of rows whose durations are trusted); ``check=none`` trusts such rows
+entirely, as the shard build trusts audio_index.parquet (a missing file is then found only when
+training loads it, and counted as bad audio there). Tar shards, HF parquet files and
 Kaldi recordings with ``segments`` are written out once as FLAC under ``<audio dir>/<name>/``,
 each unit (tar, parquet file, recording) verified and then marked done, so a rerun skips it.
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 import concurrent.futures
 import io
 import json
+import mmap
 import multiprocessing
 import os
 import re
@@ -160,8 +163,8 @@ def parse_source(text: str) -> SourceSpec:
                     f"{', '.join(sorted(OPTIONS))}"
                 )
             options[key] = value.strip()
-    if options.get("check", "header") not in ("header", "exists"):
-        raise ManifestError(f"source {text!r}: check must be header or exists")
+    if options.get("check", "header") not in ("header", "exists", "none"):
+        raise ManifestError(f"source {text!r}: check must be header, exists or none")
     if kind == "shards" and options:
         raise ManifestError(f"source {text!r}: shards take no options")
     spec = SourceSpec(kind, Path(path), options)
@@ -325,37 +328,23 @@ def _probe(paths: Sequence[str], workers: int) -> tuple[np.ndarray, list[str | N
 def _exists(paths: pl.Series | Sequence[str], workers: int) -> np.ndarray:
     """Whether each path names an existing entry. Where the paths are many per directory, each
     directory is listed once (a listing returns thousands of names in the time of a few stat
-    calls); otherwise each path is looked up."""
+    calls) and the paths are matched to the listings by a 64-bit hash (a false match needs a hash
+    collision: odds about 1e-7 for a million paths); otherwise each path is looked up."""
     paths = pl.Series(paths, dtype=pl.String)
-    frame = pl.DataFrame({"path": paths}).with_columns(
-        pl.col("path").str.replace(r"/[^/]*$", "").alias("dir"),
-        pl.col("path").str.replace(r"^.*/", "").alias("name"),
-    )
-    dirs = frame.get_column("dir").unique().to_list()
+    dirs = paths.str.replace(r"/[^/]*$", "").unique().to_list()
     if len(paths) < 16 * len(dirs):
         found = _on_threads(os.path.isfile, paths.to_list(), workers)
         return np.array(found, dtype=bool).reshape(-1)
 
-    def listing(directory: str) -> list[str]:
+    def listing(directory: str) -> pl.Series:
         try:
-            return os.listdir(directory)
+            names = os.listdir(directory)
         except OSError:
-            return []
+            names = []
+        return (directory + "/" + pl.Series(names, dtype=pl.String)).hash()
 
-    names = _on_threads(listing, dirs, workers, chunk=1)
-    existing = pl.DataFrame(
-        {
-            "dir": pl.Series(dirs, dtype=pl.String).gather(
-                np.repeat(np.arange(len(dirs)), [len(n) for n in names])
-            ),
-            "name": pl.concat([pl.Series(n, dtype=pl.String) for n in names if n])
-            if any(names)
-            else pl.Series([], dtype=pl.String),
-            "found": True,
-        }
-    )
-    found = frame.join(existing, on=["dir", "name"], how="left", maintain_order="left")
-    return found.get_column("found").fill_null(False).to_numpy()
+    listed = pl.concat(_on_threads(listing, dirs, workers, chunk=1))
+    return paths.hash().is_in(listed.implode()).to_numpy()
 
 
 def _on_threads(function, items: Sequence, workers: int, chunk: int = 2048) -> list:
@@ -380,12 +369,13 @@ def _check_audio(
     workers: int,
 ) -> tuple[pl.Series, np.ndarray, list[dict]]:
     """(duration per row, rows to keep, bad rows) for audio files used where they are: headers
-    read for every row (``mode`` ``header``) or for the rows without a duration (``exists``)."""
+    read for every row (``mode`` ``header``) or for the rows without a duration (``exists``: the
+    others are looked up; ``none``: the others are trusted)."""
     given_np = given.cast(pl.Float64).to_numpy().copy()
     keep = np.ones(len(paths), bool)
     bad = []
-    trusted = ~np.isnan(given_np) if mode == "exists" else np.zeros(len(paths), bool)
-    if trusted.any():
+    trusted = ~np.isnan(given_np) if mode != "header" else np.zeros(len(paths), bool)
+    if mode == "exists" and trusted.any():
         rows = np.flatnonzero(trusted)
         for i in rows[~_exists(paths.gather(rows), workers)]:
             keep[i] = False
@@ -477,24 +467,25 @@ _INFER_ROWS = 10_000  # rows whose fields and types decide a manifest's columns 
 
 
 def _json_chunks(path: Path) -> Iterator[tuple[int, bytes]]:
-    """(number of the chunk's first line, whole lines) of the file, about ``_CHUNK_BYTES`` each."""
-    line = 1
+    """(number of the chunk's first line, whole lines) of the file, about ``_CHUNK_BYTES`` each,
+    cut from a memory map of it."""
     with open(path, "rb") as f:
-        rest = b""
-        while True:
-            block = f.read(_CHUNK_BYTES)
-            if not block:
-                break
-            block = rest + block
-            cut = block.rfind(b"\n") + 1
-            if cut == 0:
-                rest = block
-                continue
-            yield line, block[:cut]
-            line += block.count(b"\n", 0, cut)
-            rest = block[cut:]
-        if rest.strip():
-            yield line, rest
+        size = os.fstat(f.fileno()).st_size
+        if not size:
+            return
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            start, line = 0, 1
+            while start < size:
+                end = min(start + _CHUNK_BYTES, size)
+                if end < size:
+                    cut = view.rfind(b"\n", start, end)
+                    if cut < 0:  # one line longer than a chunk
+                        cut = view.find(b"\n", end)
+                    end = size if cut < 0 else cut + 1
+                chunk = view[start:end]
+                yield line, chunk
+                line += chunk.count(b"\n")
+                start = end
 
 
 def _parse_json_chunk(first_line: int, chunk: bytes, path: Path) -> tuple[pl.DataFrame, list]:

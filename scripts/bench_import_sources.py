@@ -15,11 +15,13 @@ in a fresh child process, one after the other, so that its peak memory (VmHWM) i
 
   shards        build_manifest.py over the shard tree (the in-house path)
   nemo-exists   --source nemo:...:check=exists (durations given and trusted, every file looked up)
+  nemo-none     --source nemo:...:check=none (durations and files trusted, as the shard build
+                trusts audio_index.parquet)
   nemo-header   --source nemo:... on the first --header-rows rows with the durations removed, so
                 every audio header is read (the default check)
 
-Printed: seconds, rows per second, peak RSS and bytes per row of each, and the ratios
-nemo-exists / shards. Both builds must keep the same rows (checked).
+Printed: seconds, rows per second, peak RSS and bytes per row of each, and the ratios of
+nemo-exists and nemo-none to shards. Both builds must keep the same rows (checked).
 """
 
 from __future__ import annotations
@@ -168,6 +170,12 @@ def main(argv=None) -> int:
                 work / "m_given.parquet",
                 audio,
             ),
+            "nemo-none": run_child(
+                "nemo",
+                f"nemo:{work / 'given.json'}:check=none,name=given",
+                work / "m_given_none.parquet",
+                audio,
+            ),
             "nemo-header": run_child(
                 "nemo",
                 f"nemo:{work / 'headers.json'}:name=headers",
@@ -185,10 +193,12 @@ def main(argv=None) -> int:
                 f"{r['rows_in'] / r['seconds']:>10,.0f} {r['peak'] / 2**20:>9.0f} "
                 f"{r['peak'] / r['rows_in']:>7.0f}"
             )
-        base, json_run = results["shards"], results["nemo-exists"]
-        speed = (json_run["rows_in"] / json_run["seconds"]) / (base["rows_in"] / base["seconds"])
-        memory = (json_run["peak"] / json_run["rows_in"]) / (base["peak"] / base["rows_in"])
-        print(f"nemo-exists / shards: {speed:.2f}x rows per second, {memory:.2f}x memory per row")
+        base = results["shards"]
+        for name in ("nemo-exists", "nemo-none"):
+            run = results[name]
+            speed = (run["rows_in"] / run["seconds"]) / (base["rows_in"] / base["seconds"])
+            memory = (run["peak"] / run["rows_in"]) / (base["peak"] / base["rows_in"])
+            print(f"{name} / shards: {speed:.2f}x rows per second, {memory:.2f}x memory per row")
         kept = {
             name: pl.read_parquet(work / f"m_{name}.parquet", columns=["audio_filepath"])
             for name in ("shards", "given")

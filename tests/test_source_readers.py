@@ -152,6 +152,17 @@ def test_check_exists_trusts_given_durations_but_still_finds_missing_files(tmp_p
     assert bad_rows(summary) == [(f"{manifest}:3", "audio_not_found")]
 
 
+def test_check_none_trusts_rows_with_durations_and_reads_the_rest(tmp_path):
+    manifest = byod.write_nemo_json(tmp_path, byod.utterances(2, langs=("en",)))
+    rows = [json.loads(x) for x in manifest.read_text().splitlines()]
+    rows[0]["audio_filepath"] = "clips/absent.wav"  # trusted: kept
+    del rows[1]["duration"]  # read from the header
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    master, summary = build(tmp_path, f"nemo:{manifest}:check=none")
+    assert master.sort("segment_id").get_column("duration").to_list() == pytest.approx([1.0, 1.3])
+    assert not bad_rows(summary)
+
+
 def test_language_comes_from_the_option_then_the_field_then_the_script(tmp_path):
     for k in range(3):
         (tmp_path / f"{k}.wav").write_bytes(byod.audio(1.0, k))
