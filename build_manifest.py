@@ -8,7 +8,8 @@ Usage:
 
 Input: ``<SHARDS_DIR>/<source>/<lang>/<shard>/{metadata,audio_index}.parquet``. Output: one parquet
 with ``segment_id, shard_id, text, duration, lang, audio_filepath, source`` (then
-``tx_quality_score, speaker_id``), sorted by ``(shard_id, segment_id)`` so that a rerun writes the
+``tx_quality_score, speaker_id``): the shards' rows sorted by ``(shard_id, segment_id)``, then each
+imported source's (``--source``, see source_readers.py) in its own order, so that a rerun writes the
 same rows in the same order, plus ``<output minus .parquet>.summary.json`` with rows read, kept and
 dropped per reason and per language, and every shard that could not be read.
 
@@ -1237,10 +1238,10 @@ def build_manifest(
             "nothing could be read:\n  "
             + "\n  ".join(f"{b['path']}: {b['reason']}" for b in bad[:10])
         )
-    # batches hold consecutive shards in shard order, so their rows concatenate in manifest order
+    # Batches hold consecutive shards in shard order, so their rows concatenate in manifest order;
+    # imported sources follow in the order given, each in its own order (a sort would copy the
+    # whole master once more at the peak).
     kept = pl.concat(parts.kept) if parts.kept else _EMPTY_KEPT
-    if len(specs) > 1 or shard_dirs != specs:
-        kept = kept.sort("shard_id", "segment_id", maintain_order=True)
     drops = pl.concat(parts.drops)
     languages_seen = sorted(
         set(kept.get_column("lang").drop_nulls()) | set(drops.get_column("lang").drop_nulls())

@@ -462,7 +462,7 @@ def _in_processes(function, tasks: list, workers: int) -> Iterator:
 
 
 # --- NeMo JSON -----------------------------------------------------------------------------
-_CHUNK_BYTES = 32 << 20
+_CHUNK_BYTES = 16 << 20
 _INFER_ROWS = 10_000  # rows whose fields and types decide a manifest's columns on the fast path
 
 

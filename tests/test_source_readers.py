@@ -329,7 +329,7 @@ def test_several_sources_make_one_master_with_their_names_in_the_source_column(t
         ("kaldi", 4),
         ("n", 4),
     ]
-    assert master.equals(master.sort("shard_id", "segment_id"))
+    assert master.get_column("source").to_list() == ["n"] * 4 + ["h"] * 4 + ["kaldi"] * 4
     assert [s["name"] for s in summary["sources"]] == ["n", "h", "kaldi"]
     saved = json.loads(summary_path(tmp_path / "master.parquet").read_text())
     assert saved["settings"]["sources"][0] == f"nemo:{nemo}:name=n"
@@ -363,5 +363,5 @@ def test_a_manifest_read_in_many_batches_gives_the_same_rows_and_lines(tmp_path,
     whole, summary = build(tmp_path, f"nemo:{manifest}")
     monkeypatch.setattr(source_readers, "_CHUNK_BYTES", 400)  # a few lines per batch
     batched, batched_summary = build(tmp_path, f"nemo:{manifest}")
-    assert batched.equals(whole) and whole.height == 12
+    assert batched.sort("segment_id").equals(whole.sort("segment_id")) and whole.height == 12
     assert bad_rows(batched_summary) == bad_rows(summary) == [(f"{manifest}:8", "not_json")]
