@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import atomic_files
 import build_manifest as bm
+import transcript_cleaning as tc
 from manifest_schema import EXTRA_COLUMNS, OUTPUT_COLUMNS, ManifestError
 from tests.shard_factory import write_shard
 
@@ -51,14 +52,14 @@ def one_row_manifest(tmp_path: Path, transcript: str | None, **row) -> pl.DataFr
 
 # --- cleaning rules ----------------------------------------------------------------------------
 def test_cleaning_applies_unicode_nfc():
-    assert bm.clean_text("cafe\u0301") == "caf\u00e9"
-    assert bm.clean_text("\u0995\u09c7\u09be") == "\u0995\u09cb"  # Bengali vowel sign O, composed
+    assert tc.clean_text("cafe\u0301") == "caf\u00e9"
+    assert tc.clean_text("\u0995\u09c7\u09be") == "\u0995\u09cb"  # Bengali vowel sign O, composed
 
 
 @pytest.mark.parametrize("tag", ["[music]", "[laugh]", "[ inaudible 00:12 ]", "<noise>", "<|hi|>"])
 def test_bracket_tags_are_removed_with_their_contents(tag):
-    assert bm.clean_text(f"hello {tag} world") == "hello world"
-    assert bm.clean_text(f"hello{tag}world") == "hello world"
+    assert tc.clean_text(f"hello {tag} world") == "hello world"
+    assert tc.clean_text(f"hello{tag}world") == "hello world"
 
 
 @pytest.mark.parametrize(
@@ -91,52 +92,52 @@ def test_bracket_tags_are_removed_with_their_contents(tag):
     ],
 )
 def test_punctuation_becomes_a_space_so_neighbouring_words_stay_apart(mark):
-    assert bm.clean_text(f"ek{mark}do") == "ek do"
-    assert bm.clean_text(f"ek {mark} do{mark}") == "ek do"
+    assert tc.clean_text(f"ek{mark}do") == "ek do"
+    assert tc.clean_text(f"ek {mark} do{mark}") == "ek do"
 
 
 def test_whitespace_is_collapsed_and_trimmed():
-    assert bm.clean_text("  a \t b\n\nc\u00a0 d  ") == "a b c d"
+    assert tc.clean_text("  a \t b\n\nc\u00a0 d  ") == "a b c d"
 
 
 def test_apostrophes_inside_words_are_kept_and_straightened():
-    assert bm.clean_text("don’t stop rock'n'roll o'clock") == "don't stop rock'n'roll o'clock"
+    assert tc.clean_text("don’t stop rock'n'roll o'clock") == "don't stop rock'n'roll o'clock"
 
 
 def test_quote_marks_at_word_edges_are_removed():
-    assert bm.clean_text("'quoted' ‘also’ ’tis") == "quoted also tis"
+    assert tc.clean_text("'quoted' ‘also’ ’tis") == "quoted also tis"
 
 
 def test_zwj_of_a_malayalam_chillu_is_kept():
     chillu_word = "അവന്" + ZWJ  # NA + VIRAMA + ZWJ ends the word
-    assert bm.clean_text(f"{chillu_word} പോയി") == f"{chillu_word} പോയി"
-    assert bm.clean_text(f"{chillu_word}.") == chillu_word
+    assert tc.clean_text(f"{chillu_word} പോയി") == f"{chillu_word} പോയി"
+    assert tc.clean_text(f"{chillu_word}.") == chillu_word
 
 
 def test_zwnj_and_zwj_inside_a_word_are_kept():
     for word in ("क्" + ZWNJ + "ष", "क्" + ZWJ + "ष", "র" + ZWJ + "্য"):
-        assert bm.clean_text(f"x {word} y") == f"x {word} y"
+        assert tc.clean_text(f"x {word} y") == f"x {word} y"
 
 
 def test_stray_joiners_alone_or_at_word_starts_or_after_letters_are_removed():
-    assert bm.clean_text(f"a {ZWJ} b") == "a b"
-    assert bm.clean_text(f"{ZWNJ}word") == "word"
-    assert bm.clean_text(f"word{ZWNJ} next") == "word next"
-    assert bm.clean_text(f"«{ZWJ}word{ZWJ}»") == "word"
-    assert bm.clean_text(ZWJ + ZWNJ) == ""
+    assert tc.clean_text(f"a {ZWJ} b") == "a b"
+    assert tc.clean_text(f"{ZWNJ}word") == "word"
+    assert tc.clean_text(f"word{ZWNJ} next") == "word next"
+    assert tc.clean_text(f"«{ZWJ}word{ZWJ}»") == "word"
+    assert tc.clean_text(ZWJ + ZWNJ) == ""
 
 
 def test_invisible_format_characters_are_deleted_and_zero_width_space_separates_words():
-    assert bm.clean_text("\u200fاردو\u200e \ufeffsoft\u00adware") == "اردو software"
-    assert bm.clean_text("one\u200btwo") == "one two"
+    assert tc.clean_text("\u200fاردو\u200e \ufeffsoft\u00adware") == "اردو software"
+    assert tc.clean_text("one\u200btwo") == "one two"
 
 
 def test_control_characters_become_spaces():
-    assert bm.clean_text("a\x00b\x1fc") == "a b c"
+    assert tc.clean_text("a\x00b\x1fc") == "a b c"
 
 
 def test_symbols_become_spaces():
-    assert bm.clean_text("50% of $5 + 3") == "50 of 5 3"
+    assert tc.clean_text("50% of $5 + 3") == "50 of 5 3"
 
 
 TRICKY = st.lists(
@@ -152,11 +153,11 @@ TRICKY = st.lists(
 @given(st.lists(TRICKY, min_size=1, max_size=8))
 def test_fast_cleaning_path_equals_running_every_rule_on_every_row(texts):
     reference = (
-        pl.select(bm.clean_text_expr(pl.lit(pl.Series(texts, dtype=pl.String))))
+        pl.select(tc.clean_text_expr(pl.lit(pl.Series(texts, dtype=pl.String))))
         .to_series()
         .to_list()
     )
-    assert bm.clean_texts(texts) == reference
+    assert tc.clean_texts(texts) == reference
 
 
 # Text the single-pass path takes (no invisible character, nothing NFC changes) dense with what
@@ -173,29 +174,29 @@ APOSTROPHE_HEAVY = st.lists(
 @given(st.lists(APOSTROPHE_HEAVY, min_size=1, max_size=6))
 def test_single_pass_apostrophes_equal_running_every_rule(texts):
     reference = (
-        pl.select(bm.clean_text_expr(pl.lit(pl.Series(texts, dtype=pl.String))))
+        pl.select(tc.clean_text_expr(pl.lit(pl.Series(texts, dtype=pl.String))))
         .to_series()
         .to_list()
     )
-    assert bm.clean_texts(texts) == reference
+    assert tc.clean_texts(texts) == reference
 
 
 def test_apostrophes_outside_words_become_spaces_and_in_word_ones_stay():
-    assert bm.clean_texts(
+    assert tc.clean_texts(
         ["'tis a 'test' rock'n'roll", "don’t", "a '' b", "a''b", "9'a", "x' y", "'"]
     ) == ["tis a test rock'n'roll", "don't", "a b", "a b", "9 a", "x y", ""]
 
 
 def test_fast_cleaning_path_handles_neighbours_made_by_deleting_invisible_characters():
     texts = ["a\u200f'b", "a\u200f\u200d b", "\ufeff\u200dx", "don\u200e’t"]
-    reference = pl.select(bm.clean_text_expr(pl.lit(pl.Series(texts)))).to_series().to_list()
-    assert bm.clean_texts(texts) == reference == ["a'b", "a b", "x", "don't"]
+    reference = pl.select(tc.clean_text_expr(pl.lit(pl.Series(texts)))).to_series().to_list()
+    assert tc.clean_texts(texts) == reference == ["a'b", "a b", "x", "don't"]
 
 
 @settings(max_examples=300, deadline=None)
 @given(TRICKY)
 def test_cleaned_text_is_nfc_trimmed_single_spaced_and_free_of_punctuation(text):
-    cleaned = bm.clean_text(text)
+    cleaned = tc.clean_text(text)
     assert cleaned == unicodedata.normalize("NFC", cleaned)
     assert cleaned == cleaned.strip() and "  " not in cleaned
     for i, ch in enumerate(cleaned):
@@ -211,8 +212,8 @@ def test_cleaned_text_is_nfc_trimmed_single_spaced_and_free_of_punctuation(text)
 @settings(max_examples=300, deadline=None)
 @given(TRICKY)
 def test_cleaning_twice_changes_nothing(text):
-    once = bm.clean_text(text)
-    assert bm.clean_text(once) == once
+    once = tc.clean_text(text)
+    assert tc.clean_text(once) == once
 
 
 # --- manifest rows -----------------------------------------------------------------------------
