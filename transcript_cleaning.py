@@ -57,8 +57,10 @@ _EDGE_JOINER = (
     rf"(?:^|[^\p{{L}}\p{{M}}{_ZW_JOINERS}])[{_ZW_JOINERS}]"
     rf"|[^\p{{M}}{_ZW_JOINERS}][{_ZW_JOINERS}]+(?:[^\p{{L}}\p{{M}}{_ZW_JOINERS}]|$)"
 )
-# Rows that none of these match are left unchanged by rules 3, 5 and 6, so they skip those passes.
-_NEEDS_RULE = {1: _IN_WORD_APOSTROPHE, 2: _EDGE_JOINER}
+# Rows that none of these match are left unchanged by rules 3, 5 and 6, so they skip those passes:
+# bit flags of the extra passes a row needs, with the pattern that says it needs them.
+_APOSTROPHE_PASSES, _JOINER_PASS = 1, 2
+_PASS_NEEDED_WHERE = {_APOSTROPHE_PASSES: _IN_WORD_APOSTROPHE, _JOINER_PASS: _EDGE_JOINER}
 
 # The single-pass path (``clean_text_column``) does rules 3-5 without capture groups, which cost
 # Rust regex a slower engine on every match: rule 4's pass leaves apostrophes alone, so that each
@@ -150,7 +152,7 @@ def _nfc_may_change() -> str:
     )
 
 
-def _rules_1_2(texts: pl.Series) -> pl.Series:
+def _delete_invisibles_and_normalize(texts: pl.Series) -> pl.Series:
     """Rules 1 and 2, run only on the rows holding an invisible character or a character NFC
     could change (most text is NFC already, and normalizing costs several regex passes)."""
     may_change = texts.str.contains(f"{_INVISIBLE}|{_nfc_may_change()}").fill_null(False)
@@ -175,24 +177,24 @@ def _needs_more_than_one_pass() -> str:
 
 
 def _clean_special(texts: pl.Series) -> pl.Series:
-    """``clean_text_column`` on rows that may need more than rules 4 and 7: ``_rules_1_2``, then
+    """``clean_text_column`` on rows that may need more than rules 4 and 7: ``_delete_invisibles_and_normalize``, then
     rows are grouped by which of rules 3, 5 and 6 can change them, and each group runs only those."""
     t = pl.col("t")
     frame = (
-        pl.DataFrame({"t": _rules_1_2(texts)})
+        pl.DataFrame({"t": _delete_invisibles_and_normalize(texts)})
         .with_row_index("i")
         .with_columns(
             pl.sum_horizontal(
-                bit * t.str.contains(pattern).fill_null(False).cast(pl.UInt8)
-                for bit, pattern in _NEEDS_RULE.items()
-            ).alias("rules")
+                flag * t.str.contains(pattern).fill_null(False).cast(pl.UInt8)
+                for flag, pattern in _PASS_NEEDED_WHERE.items()
+            ).alias("passes")
         )
     )
     parts = [
-        frame.filter(pl.col("rules") == rules).select(
-            "i", _clean(t, bool(rules & 1), bool(rules & 2))
+        frame.filter(pl.col("passes") == passes).select(
+            "i", _clean(t, bool(passes & _APOSTROPHE_PASSES), bool(passes & _JOINER_PASS))
         )
-        for rules in sorted(frame.get_column("rules").unique().to_list())
+        for passes in sorted(frame.get_column("passes").unique().to_list())
     ]
     return pl.concat(parts).sort("i").get_column("t")
 
