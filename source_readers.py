@@ -485,6 +485,10 @@ def _json_chunks(path: Path) -> Iterator[tuple[int, bytes]]:
                 chunk = view[start:end]
                 yield line, chunk
                 line += chunk.count(b"\n")
+                # the chunk is copied out: its pages of the map leave this process's resident set
+                done = end - end % mmap.PAGESIZE
+                if done > 0 and hasattr(mmap, "MADV_DONTNEED"):
+                    view.madvise(mmap.MADV_DONTNEED, 0, done)
                 start = end
 
 
