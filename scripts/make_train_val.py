@@ -255,8 +255,59 @@ def make_train_val(
             f"({summary_path(master).name}) for what build_manifest.py dropped"
         )
     columns = [c for c in frame.columns if c != "row"]
+    frame, tags = correct_languages(frame, threshold, lang_fixes)
+    frame = mark_unselected_languages(frame, languages, master)
+    frame = mark_duplicates(frame, keep_duplicate_texts)
+    kept = frame.filter(pl.col("reason").is_null())
+    if kept.is_empty():
+        raise SplitError(
+            f"every one of the {rows_in} rows of {master} was dropped ({counts_by(frame, 'reason')}): "
+            f"nothing to train on; check LANGUAGES={','.join(languages) or '(all)'} and the master"
+        )
+    train, val, split = split_by_groups(kept, val_per_lang, max_val_fraction, seed, allow_short_val)
+    summary = {
+        **count_rows(rows_in, frame, train, val, split["quota"]),
+        **tags,
+        "split": {
+            **{k: v for k, v in split.items() if k != "quota"},
+            "seed": seed,
+            "val_per_lang": val_per_lang,
+            "max_val_fraction": max_val_fraction,
+        },
+        "settings": {
+            "master": str(master),
+            "threshold": threshold,
+            "languages": list(languages),
+            "keep_duplicate_texts": keep_duplicate_texts,
+        },
+    }
+    order = ["shard_id", "segment_id", "row"]
+    halves = {
+        train_path: train.sort(order).select(columns),
+        val_path: val.sort(order).select(columns),
+    }
+    summary["split_id"] = split_id = _split_id(halves.values(), seed)
+    if nemo_json:
+        summary["nemo_json"] = [str(nemo_json_path(path)) for path in halves]
+    write_split(
+        halves,
+        summary,
+        summary_path(train_path),
+        split_id,
+        nemo_json=nemo_json,
+        nemo_json_tags=nemo_json_tags,
+    )
+    summary["seconds"] = round(time.perf_counter() - started, 3)
+    return summary
 
-    # 1. language tags from the script, then explicit fixes; lang and the text prefix together
+
+# --- the steps, in order ------------------------------------------------------------------------
+def correct_languages(
+    frame: pl.DataFrame, threshold: float, lang_fixes: Path | None
+) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """Step 1: language tags from the script, then the explicit fixes; ``lang`` and the text's tag
+    change together. Returns the frame (with ``body``, ``given_lang``, ``script_lang``, ``script``
+    and ``fixed_lang`` beside) and the summary's tag entries."""
     body = frame.select(pl.col("text").str.strip_prefix(tag_prefix_expr())).to_series()
     by_script, deciding = detect_corrections(body, frame.get_column("lang"), threshold)
     frame = frame.with_columns(
@@ -283,11 +334,6 @@ def make_train_val(
     frame = frame.with_columns(pl.coalesce("fixed_lang", "script_lang").alias("lang"))
     frame = frame.with_columns(tagged_text_expr("body").alias("text"))
     changed = frame.filter(pl.col("lang") != pl.col("given_lang"))
-    corrections = counts_pairs(changed)
-    by_cause = {
-        "script": counts_pairs(changed.filter(pl.col("fixed_lang").is_null())),
-        "lang_fixes": counts_pairs(changed.filter(pl.col("fixed_lang").is_not_null())),
-    }
     devanagari = list(SCRIPT_LANGUAGES["Devanagari"][1])
     unresolved = counts_by(
         frame.filter(
@@ -297,8 +343,22 @@ def make_train_val(
         ),
         "given_lang",
     )
+    return frame, {
+        "lang_corrections": counts_pairs(changed),
+        "lang_corrections_by_cause": {
+            "script": counts_pairs(changed.filter(pl.col("fixed_lang").is_null())),
+            "lang_fixes": counts_pairs(changed.filter(pl.col("fixed_lang").is_not_null())),
+        },
+        "unresolved_devanagari_conflicts": unresolved,
+        "lang_fixes": fixes_summary,
+    }
 
-    # 2.-3. filters and dedup, each row getting the first reason that drops it
+
+def mark_unselected_languages(
+    frame: pl.DataFrame, languages: Sequence[str], master: Path
+) -> pl.DataFrame:
+    """Step 2: ``reason`` column added, ``language_not_selected`` where LANGUAGES leaves a row out
+    (a warning names selected codes no row has; none kept at all is an error)."""
     frame = frame.with_columns(pl.lit(None, dtype=pl.String).alias("reason"))
     languages_without_rows = check_language_selection(
         languages, frame.get_column("lang").drop_nulls().unique(), "make_train_val.py"
@@ -309,13 +369,20 @@ def make_train_val(
             f"no row of {master} has (after tag correction)",
             file=sys.stderr,
         )
-    if languages:
-        frame = frame.with_columns(
-            pl.when(~pl.col("lang").is_in(list(languages)))
-            .then(pl.lit("language_not_selected"))
-            .otherwise("reason")
-            .alias("reason")
-        )
+    if not languages:
+        return frame
+    return frame.with_columns(
+        pl.when(~pl.col("lang").is_in(list(languages)))
+        .then(pl.lit("language_not_selected"))
+        .otherwise("reason")
+        .alias("reason")
+    )
+
+
+def mark_duplicates(frame: pl.DataFrame, keep_duplicate_texts: bool) -> pl.DataFrame:
+    """Step 3: among the rows not dropped yet, one per segment_id (``duplicate_segment_id``), then
+    one per (lang, text, duration) (``duplicate_text``) unless ``keep_duplicate_texts``; the best
+    tx_quality_score wins, ties broken on shard_id, segment_id, audio_filepath, row."""
     best_first = ["tx_quality_score", "shard_id", "segment_id", "audio_filepath", "row"]
     descending = [True, False, False, False, False]
     alive = frame.filter(pl.col("reason").is_null()).sort(
@@ -328,7 +395,7 @@ def make_train_val(
         if not keep_duplicate_texts
         else pl.Series([], dtype=pl.UInt32)
     )
-    frame = frame.with_columns(
+    return frame.with_columns(
         pl.when(pl.col("row").is_in(dup_id.implode()))
         .then(pl.lit("duplicate_segment_id"))
         .when(pl.col("row").is_in(dup_text.implode()))
@@ -337,8 +404,14 @@ def make_train_val(
         .alias("reason")
     )
 
-    # 4. split by group
-    kept = frame.filter(pl.col("reason").is_null())
+
+def split_by_groups(
+    kept: pl.DataFrame, val_per_lang: int, max_val_fraction: float, seed: int, allow_short_val: bool
+) -> tuple[pl.DataFrame, pl.DataFrame, dict[str, Any]]:
+    """Step 4: (train, validation, the summary's split entries plus ``quota``). Rows are grouped by
+    speaker (else shard, else, for a language whose every group exceeds its quota and has no
+    speakers, by utterance); whole groups go to validation in hash order while they fit every one
+    of their languages' quota (see ``choose_val_groups`` and ``_split_spanning_groups``)."""
     has_speaker = (
         "speaker_id" in kept.columns and kept.get_column("speaker_id").null_count() < kept.height
     )
@@ -350,11 +423,6 @@ def make_train_val(
         else pl.concat_str(pl.lit("shard:"), pl.col("shard_id"))
     )
     kept = kept.with_columns(group.alias("group"))
-    if kept.is_empty():
-        raise SplitError(
-            f"every one of the {rows_in} rows of {master} was dropped ({counts_by(frame, 'reason')}): "
-            f"nothing to train on; check LANGUAGES={','.join(languages) or '(all)'} and the master"
-        )
     lang_rows = dict(kept.group_by("lang").len().iter_rows())
     quota = {lang: min(val_per_lang, int(max_val_fraction * n)) for lang, n in lang_rows.items()}
     # Without speakers a shard is the group; a language whose every shard is larger than its quota
@@ -388,37 +456,71 @@ def make_train_val(
         lang for lang, q in quota.items() if q > 0 and not val.filter(pl.col("lang") == lang).height
     )
     if empty_val and not allow_short_val:
-        sizes = dict(kept.group_by("lang").agg(pl.col("group").n_unique()).iter_rows())
-        spanning = dict(
-            kept.group_by("group")
-            .agg(pl.col("lang").unique(), (pl.col("lang").n_unique() > 1).alias("spans"))
-            .explode("lang")
-            .group_by("lang")
-            .agg(pl.col("spans").sum())
-            .iter_rows()
-        )
-        why = "; ".join(
-            f"{lang}: its {lang_rows[lang]} rows are {sizes[lang]} speaker/shard group(s), the "
-            f"smallest of {smallest[lang]} rows, and validation may take {quota[lang]}"
-            + (
-                f"; {spanning[lang]} of those groups also hold rows of other languages, and a "
-                f"group goes to validation only when it fits every one of its languages' quota"
-                if spanning.get(lang)
-                else ""
-            )
-            for lang in empty_val
-        )
         raise SplitError(
-            f"no validation rows for {', '.join(empty_val)} ({why}); the split would score nothing "
-            f"there. Lower --val-per-lang / VAL_MAX_FRACTION, add data, or pass --allow-short-val"
+            f"no validation rows for {', '.join(empty_val)} "
+            f"({_why_no_validation(kept, empty_val, lang_rows, smallest, quota)}); the split would "
+            f"score nothing there. Lower --val-per-lang / VAL_MAX_FRACTION, add data, or pass "
+            f"--allow-short-val"
         )
     assert val.join(train, on="group", how="semi").is_empty(), "a group is in both splits"
     assert val.join(train, on="segment_id", how="semi").is_empty(), "a segment_id is in both splits"
+    return (
+        train,
+        val,
+        {
+            "grouped_by": "speaker_id, else shard_id" if has_speaker else "shard_id",
+            "grouped_by_utterance": by_segment,
+            "groups_split_by_language": split_by_language,
+            "val_groups": len(chosen),
+            "train_groups": train.get_column("group").n_unique(),
+            "quota": quota,
+        },
+    )
 
+
+def _why_no_validation(
+    kept: pl.DataFrame,
+    empty: list[str],
+    lang_rows: dict[str, int],
+    smallest: dict[str, int],
+    quota: dict[str, int],
+) -> str:
+    """Why each language in ``empty`` got no validation row: its group count and sizes against its
+    quota, and how many of its groups also hold other languages' rows."""
+    sizes = dict(kept.group_by("lang").agg(pl.col("group").n_unique()).iter_rows())
+    spanning = dict(
+        kept.group_by("group")
+        .agg(pl.col("lang").unique(), (pl.col("lang").n_unique() > 1).alias("spans"))
+        .explode("lang")
+        .group_by("lang")
+        .agg(pl.col("spans").sum())
+        .iter_rows()
+    )
+    return "; ".join(
+        f"{lang}: its {lang_rows[lang]} rows are {sizes[lang]} speaker/shard group(s), the "
+        f"smallest of {smallest[lang]} rows, and validation may take {quota[lang]}"
+        + (
+            f"; {spanning[lang]} of those groups also hold rows of other languages, and a "
+            f"group goes to validation only when it fits every one of its languages' quota"
+            if spanning.get(lang)
+            else ""
+        )
+        for lang in empty
+    )
+
+
+def count_rows(
+    rows_in: int, frame: pl.DataFrame, train: pl.DataFrame, val: pl.DataFrame, quota: dict
+) -> dict[str, Any]:
+    """The summary's counts: rows in, train and validation rows, drops per reason and language,
+    validation per language and its shortfall against the quota. Asserts that every row is
+    accounted for."""
     dropped_rows = frame.filter(pl.col("reason").is_not_null())
     dropped = counts_by(dropped_rows, "reason")
     val_by_lang = counts_by(val, "lang")
-    summary = {
+    total = train.height + val.height + sum(dropped.values())
+    assert rows_in == total, f"row accounting broke: {rows_in} in != {total} out"
+    return {
         "rows_in": rows_in,
         "rows_out": train.height,
         "val_rows": val.height,
@@ -431,53 +533,17 @@ def make_train_val(
             for lang, q in sorted(quota.items())
             if q > val_by_lang.get(lang, 0)
         },
-        "lang_corrections": corrections,
-        "lang_corrections_by_cause": by_cause,
-        "unresolved_devanagari_conflicts": unresolved,
-        "lang_fixes": fixes_summary,
-        "split": {
-            "grouped_by": "speaker_id, else shard_id" if has_speaker else "shard_id",
-            "grouped_by_utterance": by_segment,
-            "groups_split_by_language": split_by_language,
-            "val_groups": len(chosen),
-            "train_groups": train.get_column("group").n_unique(),
-            "seed": seed,
-            "val_per_lang": val_per_lang,
-            "max_val_fraction": max_val_fraction,
-        },
-        "settings": {
-            "master": str(master),
-            "threshold": threshold,
-            "languages": list(languages),
-            "keep_duplicate_texts": keep_duplicate_texts,
-        },
     }
-    total = summary["rows_out"] + summary["val_rows"] + sum(dropped.values())
-    assert rows_in == total, f"row accounting broke: {rows_in} in != {total} out"
-    order = ["shard_id", "segment_id", "row"]
-    # Derived from the two halves, so the same input and seed give byte-identical files again.
+
+
+def _split_id(halves, seed: int) -> str:
+    """An id derived from the two halves' rows, so the same input and seed give byte-identical
+    files again."""
     digest = hashlib.sha256()
-    for half in (train, val):
-        digest.update(half.sort(order).select(columns).hash_rows(seed=seed).to_numpy().tobytes())
+    for half in halves:
+        digest.update(half.hash_rows(seed=seed).to_numpy().tobytes())
         digest.update(b"|")
-    split_id = digest.hexdigest()[:32]
-    summary["split_id"] = split_id
-    halves = {
-        train_path: train.sort(order).select(columns),
-        val_path: val.sort(order).select(columns),
-    }
-    if nemo_json:
-        summary["nemo_json"] = [str(nemo_json_path(path)) for path in halves]
-    write_split(
-        halves,
-        summary,
-        summary_path(train_path),
-        split_id,
-        nemo_json=nemo_json,
-        nemo_json_tags=nemo_json_tags,
-    )
-    summary["seconds"] = round(time.perf_counter() - started, 3)
-    return summary
+    return digest.hexdigest()[:32]
 
 
 def _split_spanning_groups(
