@@ -16,7 +16,7 @@ $(STAMP): requirements.txt pyproject.toml
 	# torch first and alone, so NeMo's own torch requirement cannot pull a different build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -r requirements.txt
-	# The top-level modules and scripts/ become importable from anywhere (editable: edits apply at once).
+	# The top-level modules, scripts/ and benchmarks/ become importable from anywhere (editable: edits apply at once).
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 

@@ -9,7 +9,7 @@ Usage (a torch batch sampler; every keyword defaults to its config.py knob)::
     sampler.set_epoch(epoch)          # Lightning does this for you
     sampler.epoch_stats()             # shares, padding efficiency, rank balance, ... of this epoch
 
-    python scripts/bench_sampler.py   # speed / memory / share comparison with the pure-Python baseline
+    python benchmarks/bench_sampler.py   # speed / memory / share comparison with the pure-Python baseline
 
 An epoch plan is a handful of NumPy passes (per-language shuffles, one integer sort of packed keys, a
 greedy packing loop whose iterations are batches of a lane, never utterances), about 1.5 s for 10M
@@ -64,7 +64,7 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
     them, not with the seconds of audio): a batch packed by seconds that exceeds it is cut into
     consecutive parts that fit (its utterances stay, in their order, so padding and the language
     mix barely move). The default cap (``joint_cell_cap``) is the cells of the heaviest batch the
-    max-batch finder (scripts/bench_train_step.py) tests: MAX_BATCH_DURATION seconds of the longest
+    max-batch finder (benchmarks/bench_train_step.py) tests: MAX_BATCH_DURATION seconds of the longest
     utterances at the manifest's 99.9th-percentile tokens per second. A lone utterance over the cap
     is a batch of its own (``epoch_stats()["over_joint_cap_batches"]``).
 

@@ -10,7 +10,7 @@ GPU install stops a job in its first seconds (train.py calls it at start-up).
 Usage:
     import tdt_loss
     tdt_loss.attach_tdt_loss(model)      # after restore_from / from_pretrained / change_vocabulary
-    python scripts/bench_tdt_loss.py     # speed against a plain loop; on CUDA also against numba
+    python benchmarks/bench_tdt_loss.py     # speed against a plain loop; on CUDA also against numba
 
 Semantics (NeMo's ``compute_tdt_alphas_kernel`` and ``GPUTDT``), for one utterance with T encoder
 frames and U labels y_1..y_U, joint logits z[t, u] = [V+1 token logits (blank = V, the last), D

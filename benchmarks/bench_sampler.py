@@ -1,9 +1,9 @@
 """Benchmark sampler.py against a re-implementation of the sampler it replaces, in one process.
 
 Usage:
-    python scripts/bench_sampler.py                    # 2M utterances at world_size 8, then ours at 10M
-    python scripts/bench_sampler.py --utterances 200000 --large 0   # a quick look
-    python scripts/bench_sampler.py --help
+    python benchmarks/bench_sampler.py                    # 2M utterances at world_size 8, then ours at 10M
+    python benchmarks/bench_sampler.py --utterances 200000 --large 0   # a quick look
+    python benchmarks/bench_sampler.py --help
 
 Both samplers get the same synthetic corpus: 14 languages with skewed counts (30 % .. 1 %), durations
 lognormal (median 6 s, sigma 0.6) clipped to 0.5..20 s, T=0.3, 90 s batches, grad_accum 4.

@@ -1,9 +1,9 @@
 """Speed of the TDT loss of tdt_loss.py against a plain per-(t, u) loop and, on CUDA, NeMo's numba kernel.
 
 Usage:
-    python scripts/bench_tdt_loss.py                       # B=4, T=60, U=20, V=256: a tiny-model micro-batch
-    python scripts/bench_tdt_loss.py --batch 8 --frames 250 --labels 80 --vocab 1024 --skip-loop
-    python scripts/bench_tdt_loss.py --cuda --batch 4 --frames 250 --labels 100 --vocab 12000 --skip-loop
+    python benchmarks/bench_tdt_loss.py                       # B=4, T=60, U=20, V=256: a tiny-model micro-batch
+    python benchmarks/bench_tdt_loss.py --batch 8 --frames 250 --labels 80 --vocab 1024 --skip-loop
+    python benchmarks/bench_tdt_loss.py --cuda --batch 4 --frames 250 --labels 100 --vocab 12000 --skip-loop
 
 The loop baseline is ``reference_tdt_loss`` below, the recursion written plainly (the same math NeMo's
 tdt_pytorch loops over, without its .cuda() calls); tests/test_tdt_loss.py checks tdt_loss.py against it.

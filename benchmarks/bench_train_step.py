@@ -1,11 +1,11 @@
 """Time real optimizer steps of train.py's TrainingModule against NeMo's own training_step, same model.
 
 Usage:
-    python scripts/bench_train_step.py                                    # MODEL_CONFIG (tiny), CPU
-    MODEL_CONFIG=configs/parakeet_tdt_0.6b.yaml MAX_BATCH_DURATION=20 python scripts/bench_train_step.py
-    INIT_MODEL=/models/parakeet-tdt-0.6b-v2.nemo python scripts/bench_train_step.py     # a real model
-    MODEL_CONFIG=configs/parakeet_tdt_0.6b.yaml PRECISION=bf16-mixed python scripts/bench_train_step.py
-    MODEL_CONFIG=configs/parakeet_tdt_0.6b.yaml python scripts/bench_train_step.py --find-max-batch-duration
+    python benchmarks/bench_train_step.py                                    # MODEL_CONFIG (tiny), CPU
+    MODEL_CONFIG=configs/parakeet_tdt_0.6b.yaml MAX_BATCH_DURATION=20 python benchmarks/bench_train_step.py
+    INIT_MODEL=/models/parakeet-tdt-0.6b-v2.nemo python benchmarks/bench_train_step.py     # a real model
+    MODEL_CONFIG=configs/parakeet_tdt_0.6b.yaml PRECISION=bf16-mixed python benchmarks/bench_train_step.py
+    MODEL_CONFIG=configs/parakeet_tdt_0.6b.yaml python benchmarks/bench_train_step.py --find-max-batch-duration
 
 What it does:
 - Model: ``asr_model.build_model`` (INIT_MODEL, else MODEL_CONFIG) with TOKENIZER_DIR when that holds a

@@ -3,9 +3,9 @@ step and against a training step, same model and batch, plus the audio loading, 
 training time this makes at the defaults.
 
 Usage:
-    python scripts/bench_validation.py                                             # MODEL_CONFIG (tiny)
-    MODEL_CONFIG=configs/parakeet_tdt_0.6b.yaml MAX_BATCH_DURATION=20 python scripts/bench_validation.py
-    python scripts/bench_validation.py --world-size 8 --val-utterances 2800 --repeats 5
+    python benchmarks/bench_validation.py                                             # MODEL_CONFIG (tiny)
+    MODEL_CONFIG=configs/parakeet_tdt_0.6b.yaml MAX_BATCH_DURATION=20 python benchmarks/bench_validation.py
+    python benchmarks/bench_validation.py --world-size 8 --val-utterances 2800 --repeats 5
 
 Measured, in one process on one device (the median of ``--repeats`` after one warm-up each):
   train     one training micro-batch in phase 2: forward, backward and an AdamW step
@@ -42,7 +42,7 @@ import torch
 
 import asr_model
 import config
-from scripts import bench_train_step as bts
+from benchmarks import bench_train_step as bts
 
 
 def timed(run, repeats: int, device: torch.device) -> float:

@@ -332,8 +332,8 @@ def outside_torchrun():
 def heaviest_shape(node: Node):
     """The heaviest micro-batch at MAX_BATCH_DURATION: from the manifest's durations and token
     lengths when its training cache is there, else from bench_train_step's synthetic corpus."""
+    from benchmarks.bench_train_step import BatchShape, heaviest_batch_shape
     from sampler import heaviest_batch
-    from scripts.bench_train_step import BatchShape, heaviest_batch_shape
 
     if node.dataset is not None:
         durations, tokens = heaviest_batch(
@@ -347,7 +347,7 @@ def heaviest_shape(node: Node):
 def check_step(node: Node) -> Check:
     import torch
 
-    from scripts import bench_train_step as bench
+    from benchmarks import bench_train_step as bench
 
     device = node.device
     precision = bench.step_precision(device)
@@ -413,7 +413,7 @@ def check_step(node: Node) -> Check:
 
 
 def check_max_batch(node: Node, args) -> Check:
-    from scripts import bench_train_step as bench
+    from benchmarks import bench_train_step as bench
 
     if node.device.type != "cuda":
         return Check("max-batch", "skip", "needs a CUDA device")

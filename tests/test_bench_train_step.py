@@ -1,4 +1,4 @@
-"""scripts/bench_train_step.py: the batch it times, its search for MAX_BATCH_DURATION, and a whole run."""
+"""benchmarks/bench_train_step.py: the batch it times, its search for MAX_BATCH_DURATION, and a whole run."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import config
 from tests.tiny_training_data import make_training_data
 
 spec = importlib.util.spec_from_file_location(
-    "bench_train_step", config.REPO_DIR / "scripts" / "bench_train_step.py"
+    "bench_train_step", config.REPO_DIR / "benchmarks" / "bench_train_step.py"
 )
 bench = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = bench  # its dataclasses look their module up there
