@@ -64,7 +64,7 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
     them, not with the seconds of audio): a batch packed by seconds that exceeds it is cut into
     consecutive parts that fit (its utterances stay, in their order, so padding and the language
     mix barely move). The default cap (``joint_cell_cap``) is the cells of the heaviest batch the
-    max-batch finder (benchmarks/bench_train_step.py) tests: MAX_BATCH_DURATION seconds of the longest
+    max-batch finder (max_batch.py) tests: MAX_BATCH_DURATION seconds of the longest
     utterances at the manifest's 99.9th-percentile tokens per second. A lone utterance over the cap
     is a batch of its own (``epoch_stats()["over_joint_cap_batches"]``).
 

@@ -61,6 +61,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
 
     nemo_logging.setLevel(logging.ERROR)
     import asr_model
+    import max_batch
     from benchmarks import bench_train_step as bench
     from training_step import TrainingModule
 
@@ -73,10 +74,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     torch.manual_seed(0)
     model = asr_model.build_model(tokenizer_dir=tokenizer_dir).to(device)
     module = TrainingModule(model).to(device)
-    shape = bench.BatchShape(
+    shape = max_batch.BatchShape(
         [args.seconds] * args.batch, [max(2, int(5 * args.seconds))] * args.batch
     )
-    batch = bench.make_batch(shape, model.tokenizer, seed=rank)
+    batch = max_batch.make_batch(shape, model.tokenizer, seed=rank)
     batch = batch._replace(
         **{k: getattr(batch, k).to(device) for k in ("signal", "signal_len", "tokens", "token_len")}
     )

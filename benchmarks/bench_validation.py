@@ -15,7 +15,7 @@ Measured, in one process on one device (the median of ``--repeats`` after one wa
             and its WER decoding: the same work), and off (as NeMo's published configs have it)
   load      ``dataset.load_audio`` of ``--files`` FLAC files of 6 s (the validation loads audio in
             the training process, one file after another), in seconds per second of audio
-The batch is the sampler's heaviest micro-batch at MAX_BATCH_DURATION (see bench_train_step.py).
+The batch is the sampler's heaviest micro-batch at MAX_BATCH_DURATION (see max_batch.py).
 
 The share of training time spent validating, at EVAL_EVERY_STEPS = CHECKPOINT_EVERY:
     share = (V / W) * (ours / A + load) / (CHECKPOINT_EVERY * GRAD_ACCUM * train)
@@ -42,6 +42,7 @@ import torch
 
 import asr_model
 import config
+import max_batch
 from benchmarks import bench_train_step as bts
 
 
@@ -50,10 +51,10 @@ def timed(run, repeats: int, device: torch.device) -> float:
     run()
     times = []
     for _ in range(repeats):
-        bts._sync(device)
+        max_batch.sync(device)
         started = time.perf_counter()
         run()
-        bts._sync(device)
+        max_batch.sync(device)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
@@ -106,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     model = asr_model.build_model(tokenizer_dir=tokenizer_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
-    shape = bts.heaviest_batch_shape(config.MAX_BATCH_DURATION, args.tokens_per_second)
-    batch = bts.make_batch(shape, model.tokenizer).on_device(device)
+    shape = max_batch.heaviest_batch_shape(config.MAX_BATCH_DURATION, args.tokens_per_second)
+    batch = max_batch.make_batch(shape, model.tokenizer).on_device(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
 
     def train_micro_batch():
