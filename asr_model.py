@@ -26,6 +26,7 @@ import torch
 
 import config
 import tdt_loss
+from checkpoints import CheckpointError, read_checkpoint
 
 log = logging.getLogger("asr_model")
 
@@ -556,8 +557,6 @@ def load_trained_model(path: str | Path, device: str = "cpu", weights: dict | No
     whatever INIT_MODEL, MODEL_CONFIG and TOKENIZER_DIR say now. A checkpoint without one is rebuilt
     as training built it (``build_model`` from those settings, which must then be as in training).
     ``weights`` replaces the checkpoint's own (an average of several, see export_nemo.py)."""
-    from checkpoints import CheckpointError, read_checkpoint
-
     path = Path(path)
     if path.suffix == ".nemo":
         from nemo.collections.asr.models import ASRModel

@@ -31,6 +31,7 @@ import asr_model
 import checkpoints
 import config as _config
 import evaluation
+import model_card
 import process_control
 import training_metrics
 from collectives import all_gather_objects
@@ -527,7 +528,7 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
         if self.export_nemo_at_end and trainer.is_global_zero and trainer.global_step > 0:
             path = Path(self.dirpath) / f"step_{trainer.global_step:08d}.nemo"
             record = pl_module.run_record() if hasattr(pl_module, "run_record") else None
-            checkpoints.export_nemo(pl_module.model, path, record)
+            model_card.export_nemo(pl_module.model, path, record)
             _log.info("exported %s and its model card", path)
         trainer.strategy.barrier("nemo_export")
 

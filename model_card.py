@@ -5,16 +5,18 @@ how well it does, in one Markdown file a teammate can read without the run's env
 run_record``: the settings, hours of training audio per language, the step and the newest
 validation), which the end of a training run has in memory and every step checkpoint carries, so
 train.py and scripts/export_nemo.py write the same card. ``card_path`` names it:
-``<name>.nemo`` -> ``<name>.model-card.md``.
+``<name>.nemo`` -> ``<name>.model-card.md``. ``export_nemo`` writes a .nemo and its card as one set.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 import asr_model
+from atomic_files import write_together
 
 # The settings a reader needs to judge or repeat the training, in this order.
 TRAINING_SETTINGS = (
@@ -186,3 +188,19 @@ def render(record: dict[str, Any], model, nemo_name: str) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def export_nemo(model, path: str | os.PathLike, record: dict[str, Any] | None = None) -> Path:
+    """``model.save_to`` a .nemo file and write its model card beside it (``model_card``, from the
+    run ``record``), as one set (``atomic_files.write_together``, the card last): a crash leaves
+    the previous pair, or the new .nemo without a card, never a card describing another model."""
+    path = Path(path)
+    text = render(record or {}, model, path.name)
+    write_together(
+        {
+            path: lambda tmp: model.save_to(tmp),
+            card_path(path): lambda tmp: Path(tmp).write_text(text, encoding="utf-8"),
+        },
+        f"{os.getpid()}",
+    )
+    return path

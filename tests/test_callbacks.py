@@ -29,6 +29,7 @@ import config
 import dataset as dataset_module
 import evaluation
 import manifest_schema
+import model_card
 import run_logging
 import training_metrics
 from dataset import collate_asr_batch
@@ -375,10 +376,10 @@ def test_nemo_export_is_atomic_and_comes_with_its_model_card(tmp_path):
                 raise RuntimeError("killed")
 
     with pytest.raises(OSError, match="killed") as failed:
-        checkpoints.export_nemo(Model(fail=True), tmp_path / "step_00000010.nemo")
+        model_card.export_nemo(Model(fail=True), tmp_path / "step_00000010.nemo")
     assert failed.value.filename == str(tmp_path / "step_00000010.nemo")
     assert list(tmp_path.iterdir()) == []
-    checkpoints.export_nemo(Model(fail=False), tmp_path / "step_00000010.nemo", {"step": 10})
+    model_card.export_nemo(Model(fail=False), tmp_path / "step_00000010.nemo", {"step": 10})
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "step_00000010.model-card.md",
         "step_00000010.nemo",

@@ -22,6 +22,7 @@ import callbacks
 import checkpoints
 import config
 import evaluation
+import model_card
 import run_logging
 import training_step
 from scripts import evaluate, export_nemo
@@ -60,7 +61,7 @@ def tiny(tmp_path_factory):
         bare = root / "bare" / "step_00000010.ckpt"  # weights only: rebuilt from the settings
         bare.parent.mkdir()
         torch.save({"global_step": 10, "state_dict": weights}, bare)
-        nemo = checkpoints.export_nemo(model, root / "tiny.nemo", RUN_RECORD)
+        nemo = model_card.export_nemo(model, root / "tiny.nemo", RUN_RECORD)
         yield SimpleNamespace(
             root=root,
             manifest=data["manifest"],
