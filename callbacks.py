@@ -754,7 +754,7 @@ class EpochBoundarySyncCallback(_pl.Callback):
 
 class PerLanguageWERCallback(_pl.Callback):
     """Validation every ``every_n_steps`` optimizer steps (EVAL_EVERY_STEPS, default CHECKPOINT_EVERY;
-    0 = off): greedy WER and CER per language and the TDT loss on VAL_MANIFEST_PATH, all of it
+    0 = off): greedy WER and CER per language and the loss on VAL_MANIFEST_PATH, all of it
     (EVAL_SAMPLES_PER_LANG = 0) or ``samples_per_lang`` utterances per language.
 
     The utterances are split across ranks (rank r decodes every world_size-th by duration, longest and

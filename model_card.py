@@ -117,10 +117,11 @@ def render(record: dict[str, Any], model, nemo_name: str) -> str:
     tags = [
         t for t in asr_model.model_pieces(model) or [] if t.startswith("<|") and t.endswith("|>")
     ]
+    kind = next((k.name for k in asr_model.FAMILIES if k.owns(model)), "ASR model")
     lines = [
         f"# {nemo_name}",
         "",
-        f"A NeMo {type(model).__name__} (TDT transducer, {n_params / 1e6:.1f} M parameters) that "
+        f"A NeMo {type(model).__name__} ({kind}, {n_params / 1e6:.1f} M parameters) that "
         f"writes a language tag, then the transcript: `<|hi|> नमस्ते दुनिया`. Strip the tag (the "
         f"first token) to get the text; it names the language the model heard.",
         "",

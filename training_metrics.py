@@ -218,7 +218,7 @@ EVALUATION_METRICS: tuple[Metric, ...] = (
            "wer_sub + wer_del + wer_ins)"),
     Metric("val/wer_del/<lang>", "gathered", "deleted words per reference word"),
     Metric("val/wer_ins/<lang>", "gathered", "inserted words per reference word"),
-    Metric("val/loss", "gathered", "TDT loss on the validation utterances (the training loss's "
+    Metric("val/loss", "gathered", "the training loss on the validation utterances (the training loss's "
            "reduction per batch, averaged over utterances: comparable with train/loss)"),
     Metric("val/utterances", "gathered", "validation utterances decoded (bad audio excluded)"),
     Metric("val/seconds", "rank 0", "wall time of the evaluation"),

@@ -160,7 +160,7 @@ RUN_RECORD_KEY = "run_record"
 
 
 class TrainingModule(pl.LightningModule):
-    """Trains a NeMo TDT model on our AsrBatch micro-batches; the NeMo model itself stays unchanged.
+    """Trains a NeMo model (one of asr_model.FAMILIES) on our AsrBatch micro-batches, unchanged.
 
     NeMo's own training_step, data setup and optimizer config are not used: this module owns the
     step, the DataLoader and AdamW + ``lr_at_step``. See the module docstring for the attributes
@@ -242,15 +242,9 @@ class TrainingModule(pl.LightningModule):
     def on_fit_start(self):
         # Before the dataset is loaded: a CUDA loss that cannot run should cost seconds, not a node-hour.
         if self.device.type == "cuda":
-            diff = asr_model.check_loss_on_device(self.model, self.device)
-            log.info(
-                "rank %d: TDT loss on %s (TDT_LOSS=%s) agrees with tdt_loss.py on a known problem "
-                "(largest difference %.2g)",
-                self.global_rank,
-                self.device,
-                config.TDT_LOSS,
-                diff,
-            )
+            checked = asr_model.check_loss_on_device(self.model, self.device)
+            if checked:
+                log.info("rank %d: %s", self.global_rank, checked)
 
     # ---- data -----------------------------------------------------------------------------------
     def train_dataloader(self):
@@ -307,8 +301,8 @@ class TrainingModule(pl.LightningModule):
 
     # ---- the step -------------------------------------------------------------------------------
     def compute_loss(self, batch) -> torch.Tensor:
-        """The model's TDT loss of one non-empty micro-batch (``asr_model.transducer_loss``)."""
-        return asr_model.transducer_loss(self.model, batch, encoder_frozen=self.encoder_frozen)
+        """The model's loss of one non-empty micro-batch (``asr_model.training_loss``)."""
+        return asr_model.training_loss(self.model, batch, encoder_frozen=self.encoder_frozen)
 
     def zero_loss(self) -> torch.Tensor:
         """0 that depends on every trainable parameter: DDP sees them all used, gradients are zeros."""

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     def train_micro_batch():
         model.train()
         optimizer.zero_grad(set_to_none=True)
-        asr_model.transducer_loss(model, batch, encoder_frozen=False).backward()
+        asr_model.training_loss(model, batch, encoder_frozen=False).backward()
         optimizer.step()
 
     def ours():

@@ -227,10 +227,13 @@ def _loss_call_seconds(loss, device, shape=(4, 250, 80, 1024)) -> float:
 
 
 def check_tdt_loss(node: Node) -> Check:
+    import asr_model
     import tdt_loss
 
     if node.device.type != "cuda":
         return Check("tdt-loss", "skip", "CPU: train.py runs tdt_loss.py there (no CUDA kernel)")
+    if not isinstance(asr_model.family(node.model), asr_model.TDT):
+        return Check("tdt-loss", "skip", f"{asr_model.family(node.model).name}: no TDT loss")
     inner = node.model.loss._loss
     start = time.perf_counter()
     try:
