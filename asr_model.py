@@ -256,8 +256,34 @@ class TDT(ModelFamily):
         return f"TDT loss {model.loss._loss}"
 
 
+class HybridTDTCTC(TDT):
+    """NeMo's hybrid TDT-CTC: the TDT transducer plus a CTC decoder on the same encoder, trained on
+    (1 - w) x TDT loss + w x CTC loss, w = ``cfg.aux_ctc.ctc_loss_weight``, as NeMo's own training
+    step weighs them; greedy decoding uses the transducer. A vocabulary change gives the CTC decoder
+    new rows (NeMo's ``change_vocabulary``); the transducer's are carried as for TDT."""
+
+    name = "hybrid TDT-CTC"
+    nemo_class = "EncDecHybridRNNTCTCBPEModel"
+
+    def loss_of_encoded(self, model, encoded, encoded_len, batch) -> torch.Tensor:
+        loss = super().loss_of_encoded(model, encoded, encoded_len, batch)
+        weight = model.ctc_loss_weight
+        if weight <= 0:
+            return loss
+        ctc = model.ctc_loss(
+            log_probs=model.ctc_decoder(encoder_output=encoded),
+            targets=batch.tokens,
+            input_lengths=encoded_len,
+            target_lengths=batch.token_len,
+        )
+        return (1 - weight) * loss + weight * ctc
+
+    def describe_loss(self, model) -> str:
+        return f"{super().describe_loss(model)} + CTC loss (weight {model.ctc_loss_weight:g})"
+
+
 # The families, most specific first: a model belongs to the first that owns it.
-FAMILIES: tuple[ModelFamily, ...] = (TDT(),)
+FAMILIES: tuple[ModelFamily, ...] = (HybridTDTCTC(), TDT())
 
 
 def family(model) -> ModelFamily:
