@@ -979,7 +979,7 @@ README_TABLE_END = "<!-- config-table:end -->"
 
 def update_readme(readme: Path) -> bool:
     """Replace the table between the README's markers; return True when the file changed."""
-    from readme_tables import MissingMarkers, update_readme_section
+    from doc_tables import MissingMarkers, update_readme_section
 
     try:
         return update_readme_section(

@@ -380,7 +380,7 @@ def markdown_list() -> str:
 if __name__ == "__main__":
     from pathlib import Path
 
-    from readme_tables import update_readme_section
+    from doc_tables import update_readme_section
 
     if "--update-readme" in sys.argv[1:]:
         readme = Path(__file__).resolve().parent / "README.md"

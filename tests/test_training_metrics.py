@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import training_metrics as tm
-from readme_tables import replace_section
+from doc_tables import replace_section
 
 REPO = Path(__file__).resolve().parents[1]
 
