@@ -214,7 +214,7 @@ def tdt_loss(
     return per_utt.sum() / label_lens.sum().clamp(min=1)
 
 
-# What a GPU machine installs for NeMo's numba TDT kernel (README, "GPU set-up"): torch 2.13.0 from the
+# What a GPU machine installs for NeMo's numba TDT kernel (docs/operations.md, "GPU set-up"): torch 2.13.0 from the
 # registry is built for CUDA 13, so numba-cuda needs its cu13 extra (CUDA 13 bindings, libNVVM, nvJitLink).
 GPU_INSTALL_LINE = ".venv/bin/pip install -r requirements-gpu.txt  # numba-cuda[cu13]==0.30.4"
 BACKENDS = ("numba", "torch")

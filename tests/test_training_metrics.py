@@ -1,4 +1,4 @@
-"""training_metrics.py: the declarations, their reduction over ranks, and README's generated list."""
+"""training_metrics.py: the declarations, their reduction over ranks, and docs/metrics.md's generated list."""
 
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ def batch(langs, durations, bad=None, loss=1.0):
     return b, SimpleNamespace(last_loss=torch.tensor(loss))
 
 
-def test_readme_metric_list_is_generated_from_the_declarations():
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+def test_docs_metric_list_is_generated_from_the_declarations():
+    text = (REPO / "docs" / "metrics.md").read_text(encoding="utf-8")
     body = tm.markdown_list()
-    assert replace_section(text, tm.README_START, tm.README_END, body) == text, (
-        "README.md metric list is stale: run `python training_metrics.py --update-readme`"
+    assert replace_section(text, tm.LIST_START, tm.LIST_END, body) == text, (
+        "docs/metrics.md metric list is stale: run `make docs`"
     )
     for key in ("train/epoch", "train/micro_batch", "data/bad_audio_total", "val/wer/<lang>"):
         assert f"`{key}`" in body
