@@ -51,6 +51,21 @@ class _Plan:
     stats: dict[str, Any]
 
 
+@dataclass
+class _Packing:
+    """One epoch's micro-batches as packed and dealt, the input of its statistics."""
+
+    flat: np.ndarray  # int32 manifest rows, batches laid out back to back
+    offsets: np.ndarray  # int64 [num_batches + 1]: batch b is flat[offsets[b]:offsets[b+1]]
+    counts: np.ndarray  # utterances per batch
+    max_dur: np.ndarray  # seconds of each batch's longest utterance
+    audio: np.ndarray  # seconds of audio per batch
+    cost: np.ndarray  # the cost model's cost per batch
+    bucket: np.ndarray  # int16 duration bucket per batch
+    steps: np.ndarray  # [optimizer steps, world_size]: the batch each rank gets in each step
+    dropped: np.ndarray  # batches left out so every rank gets whole optimizer steps
+
+
 class DurationBucketBatchSampler(Sampler[list[int]]):
     """Yields lists of manifest row indices: duration-bucketed, language-rebalanced, rank-balanced.
 
@@ -442,20 +457,18 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
 
         steps, dropped = _deal(cost, self.world_size, self.grad_accum, self._rng(3, epoch))
         rank_batches = steps[:, self.rank].astype(np.int32)
-        stats = self._stats(
-            epoch,
-            flat,
-            offsets,
-            counts,
-            max_dur,
-            audio,
-            cost,
-            batch_bucket,
-            steps,
-            dropped,
-            rank_batches,
-            extra,
+        packing = _Packing(
+            flat=flat,
+            offsets=offsets,
+            counts=counts,
+            max_dur=max_dur,
+            audio=audio,
+            cost=cost,
+            bucket=batch_bucket,
+            steps=steps,
+            dropped=dropped,
         )
+        stats = self._stats(epoch, packing, rank_batches, extra)
         stats["max_joint_cells"] = float(self.max_joint_cells)
         stats["largest_joint_cells"] = float(cells.max()) if len(cells) else 0.0
         stats["over_joint_cap_batches"] = (
@@ -468,20 +481,17 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
 
     def _stats(
         self,
-        epoch,
-        flat,
-        offsets,
-        counts,
-        max_dur,
-        audio,
-        cost,
-        batch_bucket,
-        steps,
-        dropped,
-        rank_batches,
-        extra,
+        epoch: int,
+        packing: _Packing,
+        rank_batches: np.ndarray,
+        window_rows: dict[int, np.ndarray],
     ) -> dict[str, Any]:
-        """Epoch statistics from the quotas and the few trimmed batches: no pass over the epoch."""
+        """Epoch statistics from the quotas and the few trimmed batches: no pass over the epoch.
+        ``window_rows``: the rows each upsampled language draws once more than the rest
+        (``_select``)."""
+        flat, offsets, counts = packing.flat, packing.offsets, packing.counts
+        max_dur, audio, cost = packing.max_dur, packing.audio, packing.cost
+        batch_bucket, steps, dropped = packing.bucket, packing.steps, packing.dropped
         names = self.languages
         num_langs = len(names)
         kept_batch = np.ones(len(counts), dtype=bool)
@@ -512,7 +522,7 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         for lang in np.flatnonzero(whole > 0).tolist():
             mine = (self._codes[rows] == lang) & (copies >= whole[lang])
             if mine.any():
-                needed = whole[lang] + _members(rows[mine], extra.get(lang, rows[:0]))
+                needed = whole[lang] + _members(rows[mine], window_rows.get(lang, rows[:0]))
                 distinct[lang] -= int(np.count_nonzero(copies[mine] == needed))
 
         step_cost = cost[steps]
