@@ -267,7 +267,7 @@ class TrainingMetricsCallback(_pl.Callback):
         training_metrics.add_to_totals(self.totals, reduced)
         self._recent.append(reduced["lang_utterances"])
         step = training_metrics.Step(
-            m=reduced,
+            measures=reduced,
             total=self.totals,
             trainer=trainer,
             module=pl_module,

@@ -41,7 +41,7 @@ def test_every_metric_declares_a_known_reduction_and_a_meaning():
     keys = [m.key for m in tm.STEP_METRICS + tm.EVALUATION_METRICS]
     assert len(keys) == len(set(keys))
     for m in tm.STEP_METRICS + tm.EVALUATION_METRICS:
-        assert m.ranks in tm.RANKS and m.meaning, m.key
+        assert m.ranks in tm.RANK_REDUCTIONS and m.meaning, m.key
     assert all(m.value is not None for m in tm.STEP_METRICS)
 
 
@@ -75,7 +75,7 @@ def test_step_metrics_expand_per_language_keys_and_leave_cuda_ones_out_on_cpu():
     trainer = SimpleNamespace(current_epoch=0, fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(
         batch_progress=SimpleNamespace(current=SimpleNamespace(processed=3)))))  # fmt: skip
     module = SimpleNamespace(phase=1, last_grad_norm=0.5)
-    step = tm.Step(m=reduced, total=totals, trainer=trainer, module=module, lr=1e-3,
+    step = tm.Step(measures=reduced, total=totals, trainer=trainer, module=module, lr=1e-3,
                    recent_langs=reduced["lang_utterances"], target_share={"en": 0.4, "hi": 0.6})  # fmt: skip
     out = tm.step_metrics(step, cuda=False)
     assert out["lang_share/hi"] == 2 / 3 and out["lang_target/en"] == 0.4
