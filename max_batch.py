@@ -33,7 +33,7 @@ import torch
 
 import config
 from dataset import AsrBatch
-from sampler import DurationBucketBatchSampler, token_density
+from sampler import BatchingSettings, DurationBucketBatchSampler, token_density
 from training_cache import tag_token_id
 from training_step import TrainingModule
 
@@ -74,21 +74,16 @@ def heaviest_batch_shape(
     )
     languages = np.array(LANGS)[rng.integers(0, len(LANGS), n)]
     edges = DurationBucketBatchSampler(
-        durations, languages, world_size=1, rank=0, seed=seed
+        durations, languages, BatchingSettings.from_config(seed=seed), world_size=1, rank=0
     ).boundaries
     # The longest bucket: by the sampler's linear cost a batch of many short utterances can cost as
     # much, but the transducer joint (B x T x U) and attention (T^2) make the longest the heaviest.
     longest = durations >= edges[-1] if len(edges) else np.ones(n, dtype=bool)
     durations, languages = durations[longest], languages[longest]
-    sampler = DurationBucketBatchSampler(
-        durations,
-        languages,
-        boundaries=edges,
-        max_batch_duration=max_batch_duration,
-        world_size=1,
-        rank=0,
-        seed=seed,
+    settings = BatchingSettings.from_config(
+        boundaries=edges, max_batch_duration=max_batch_duration, seed=seed
     )
+    sampler = DurationBucketBatchSampler(durations, languages, settings, world_size=1, rank=0)
     rows = next(iter(sampler))
     chosen = sorted((float(durations[i]) for i in rows), reverse=True)
     tokens = []

@@ -1,9 +1,10 @@
 """Duration-bucket batch sampler with real temperature rebalancing of languages, for 10M+ utterances.
 
-Usage (a torch batch sampler; every keyword defaults to its config.py knob)::
+Usage (a torch batch sampler; ``BatchingSettings`` holds the knobs it reads)::
 
-    from sampler import DurationBucketBatchSampler
-    sampler = DurationBucketBatchSampler(dataset.durations, dataset.languages,
+    from sampler import BatchingSettings, DurationBucketBatchSampler
+    settings = BatchingSettings.from_config()          # the knobs, read once; from_config(seed=3) changes one
+    sampler = DurationBucketBatchSampler(dataset.durations, dataset.languages, settings,
                                          world_size=8, rank=local_rank)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_asr_batch)
     sampler.set_epoch(epoch)          # Lightning does this for you
@@ -18,6 +19,7 @@ utterances, and every rank builds the same global plan without communicating.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -64,6 +66,46 @@ class _Packing:
     bucket: np.ndarray  # int16 duration bucket per batch
     steps: np.ndarray  # [optimizer steps, world_size]: the batch each rank gets in each step
     dropped: np.ndarray  # batches left out so every rank gets whole optimizer steps
+
+
+@dataclass(frozen=True)
+class BatchingSettings:
+    """The settings of the sampler, one knob each: BUCKET_BOUNDARIES, MAX_BATCH_DURATION, TEMPERATURE,
+    GRAD_ACCUM, SEED, EPOCH_SIZE (0 = the number of utterances), LANG_WEIGHTING,
+    BATCH_COST_QUADRATIC, BUCKET_SORT_JITTER, ENCODER_FRAME_SECONDS, MAX_BATCH_JOINT_CELLS (0 =
+    derived from the token lengths, below 0 = no cap) and BATCH_COST_JOINT. The sampler checks them."""
+
+    boundaries: Sequence[float] | str
+    max_batch_duration: float
+    temperature: float
+    grad_accum: int
+    seed: int
+    epoch_size: int
+    lang_weighting: str
+    cost_quadratic: float
+    sort_jitter: float
+    frame_seconds: float
+    max_joint_cells: float
+    cost_joint: float
+
+    @classmethod
+    def from_config(cls, **changes: Any) -> BatchingSettings:
+        """The knobs' values now, with ``changes`` (field=value) applied."""
+        settings = cls(
+            boundaries=config.BUCKET_BOUNDARIES,
+            max_batch_duration=config.MAX_BATCH_DURATION,
+            temperature=config.TEMPERATURE,
+            grad_accum=config.GRAD_ACCUM,
+            seed=config.SEED,
+            epoch_size=config.EPOCH_SIZE,
+            lang_weighting=config.LANG_WEIGHTING,
+            cost_quadratic=config.BATCH_COST_QUADRATIC,
+            sort_jitter=config.BUCKET_SORT_JITTER,
+            frame_seconds=config.ENCODER_FRAME_SECONDS,
+            max_joint_cells=config.MAX_BATCH_JOINT_CELLS,
+            cost_joint=config.BATCH_COST_JOINT,
+        )
+        return dataclasses.replace(settings, **changes)
 
 
 class DurationBucketBatchSampler(Sampler[list[int]]):
@@ -141,31 +183,21 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         self,
         durations: Any,
         languages: Any,
+        settings: BatchingSettings,
         *,
-        boundaries: Sequence[float] | str | None = None,
-        max_batch_duration: float | None = None,
-        temperature: float | None = None,
         world_size: int = 1,
         rank: int = 0,
-        grad_accum: int | None = None,
-        seed: int | None = None,
-        epoch_size: int | None = None,
-        lang_weighting: str | None = None,
-        cost_quadratic: float | None = None,
-        sort_jitter: float | None = None,
         language_names: Sequence[str] | None = None,
         token_lengths: Any = None,
-        frame_seconds: float | None = None,
-        max_joint_cells: float | None = None,
-        cost_joint: float | None = None,
     ) -> None:
-        self.max_batch_duration = float(_default(max_batch_duration, "MAX_BATCH_DURATION"))
-        self.temperature = float(_default(temperature, "TEMPERATURE"))
-        self.grad_accum = int(_default(grad_accum, "GRAD_ACCUM"))
-        self.seed = int(_default(seed, "SEED"))
-        self.lang_weighting = str(_default(lang_weighting, "LANG_WEIGHTING"))
-        self.cost_quadratic = float(_default(cost_quadratic, "BATCH_COST_QUADRATIC"))
-        self.sort_jitter = float(_default(sort_jitter, "BUCKET_SORT_JITTER"))
+        self.settings = settings
+        self.max_batch_duration = float(settings.max_batch_duration)
+        self.temperature = float(settings.temperature)
+        self.grad_accum = int(settings.grad_accum)
+        self.seed = int(settings.seed)
+        self.lang_weighting = str(settings.lang_weighting)
+        self.cost_quadratic = float(settings.cost_quadratic)
+        self.sort_jitter = float(settings.sort_jitter)
         self.world_size = int(world_size)
         self.rank = int(rank)
         _check_settings(self)
@@ -174,7 +206,7 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         n = len(self.durations)
         codes, self.languages = _encode_languages(languages, n, language_names)
         self.num_utterances = n
-        requested = int(_default(epoch_size, "EPOCH_SIZE"))
+        requested = int(settings.epoch_size)
         if requested < 0:
             raise ValueError(
                 f"epoch_size={requested}: expected >= 0 (0 = the number of utterances)"
@@ -182,11 +214,9 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         self.epoch_size = requested or n
         if self.epoch_size >= 2**31:
             raise ValueError(f"epoch_size={self.epoch_size}: expected < 2**31 utterances per epoch")
-        self.boundaries = _resolve_boundaries(
-            _default(boundaries, "BUCKET_BOUNDARIES"), self.durations
-        )
-        self.frame_seconds = float(_default(frame_seconds, "ENCODER_FRAME_SECONDS"))
-        self.cost_joint = float(_default(cost_joint, "BATCH_COST_JOINT"))
+        self.boundaries = _resolve_boundaries(settings.boundaries, self.durations)
+        self.frame_seconds = float(settings.frame_seconds)
+        self.cost_joint = float(settings.cost_joint)
         self.token_lengths = None
         self.max_joint_cells = 0.0
         if token_lengths is not None:
@@ -197,7 +227,7 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
                     f"{len(self.token_lengths)} values, smallest "
                     f"{int(self.token_lengths.min()) if len(self.token_lengths) else None}"
                 )
-            cap = float(_default(max_joint_cells, "MAX_BATCH_JOINT_CELLS"))
+            cap = float(settings.max_joint_cells)
             if cap == 0:
                 cap = joint_cell_cap(
                     self.durations, self.token_lengths, self.max_batch_duration, self.frame_seconds
@@ -563,10 +593,6 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
 
 
 # ---- pure helpers ---------------------------------------------------------------------------
-
-
-def _default(value: Any, name: str) -> Any:
-    return getattr(config, name) if value is None else value
 
 
 def _differs(a: Any, b: Any) -> bool:

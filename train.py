@@ -77,6 +77,7 @@ import callbacks  # noqa: E402
 import checkpoints  # noqa: E402
 import config  # noqa: E402
 import run_logging  # noqa: E402
+from sampler import BatchingSettings  # noqa: E402
 from training_step import (  # noqa: E402
     TrainingModule,
     build_dataset,
@@ -300,7 +301,8 @@ def run(argv: list[str] | None = None) -> int:
     model = asr_model.build_model()
     # Per-rank randomness from here on (dropout, SpecAugment masks, dither), still a function of SEED.
     torch.manual_seed(config.SEED + env["rank"])
-    module = TrainingModule(model)
+    # The sampler's knobs, read once here and handed to the module that builds the DataLoader.
+    module = TrainingModule(model, batching=BatchingSettings.from_config())
     # Before the process group exists, so a cache build never runs into a collective timeout.
     prepare_training_caches(model.tokenizer)
     module.dataset = build_dataset(model.tokenizer)

@@ -167,9 +167,11 @@ class TrainingModule(pl.LightningModule):
     monitoring callbacks read.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, batching=None):
         super().__init__()
         self.model = model
+        # The sampler's settings (sampler.BatchingSettings): train.py passes the knobs it read.
+        self.batching = batching if batching is not None else _batching_from_config()
         self.dataset = None
         self.sampler = None
         self.encoder_frozen = False  # set by enter_phase
@@ -263,7 +265,11 @@ class TrainingModule(pl.LightningModule):
         if self.dataset is None:  # train.py builds it before fit, to check its audio
             self.dataset = build_dataset(self.model.tokenizer)
         loader, self.sampler = build_dataloader(
-            self.dataset, world_size=world_size, rank=rank, pin_memory=self.device.type == "cuda"
+            self.dataset,
+            self.batching,
+            world_size=world_size,
+            rank=rank,
+            pin_memory=self.device.type == "cuda",
         )
         if getattr(self, "resume_sampler_state", None) is not None:
             # Set from the checkpoint by callbacks.ExactResumeCallback; Lightning builds the iterator
@@ -606,20 +612,29 @@ def build_dataset(tokenizer):
     return dataset
 
 
-def build_dataloader(dataset, *, world_size: int, rank: int, pin_memory: bool):
+def _batching_from_config():
+    from sampler import BatchingSettings
+
+    return BatchingSettings.from_config()
+
+
+def build_dataloader(dataset, batching, *, world_size: int, rank: int, pin_memory: bool):
     """(DataLoader, sampler) for this rank: one batch_sampler micro-batch per step, NUM_WORKERS workers
-    that leave stop signals to the rank (``dataset.SignalSafeDataLoader``)."""
+    that leave stop signals to the rank (``dataset.SignalSafeDataLoader``). ``batching``: the
+    sampler's settings (``sampler.BatchingSettings``), with the encoder frame of ``dataset``'s cache."""
+    import dataclasses
+
     from dataset import SignalSafeDataLoader, collate_asr_batch
     from sampler import DurationBucketBatchSampler
 
     sampler = DurationBucketBatchSampler(
         dataset.durations,
         dataset.lang_codes,
+        dataclasses.replace(batching, frame_seconds=dataset.frame_seconds),
         language_names=dataset.lang_names,
         world_size=world_size,
         rank=rank,
         token_lengths=dataset.token_lengths,
-        frame_seconds=dataset.frame_seconds,
     )
     workers = config.NUM_WORKERS
     loader = SignalSafeDataLoader(

@@ -335,11 +335,16 @@ def run_one(kind: str, manifest: Path, model: Path, out_dir: Path, workers: int)
     result["anon_after"] = status_bytes("RssAnon") - before_anon
     result["arrow_pool"] = pa.total_allocated_bytes()
     if kind == "mapped":
-        from sampler import DurationBucketBatchSampler
+        from sampler import BatchingSettings, DurationBucketBatchSampler
 
         t1 = time.perf_counter()
         sampler = DurationBucketBatchSampler(
-            cols.durations, cols.lang_codes, language_names=cols.lang_names, world_size=8, rank=0
+            cols.durations,
+            cols.lang_codes,
+            BatchingSettings.from_config(),
+            language_names=cols.lang_names,
+            world_size=8,
+            rank=0,
         )
         result["sampler_init"] = time.perf_counter() - t1
         t2 = time.perf_counter()

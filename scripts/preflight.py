@@ -526,6 +526,7 @@ def drop_from_page_cache(paths) -> int:
 
 
 def check_data(node: Node, args) -> Check:
+    from sampler import BatchingSettings
     from training_step import build_dataloader
 
     if node.dataset is None:
@@ -533,6 +534,7 @@ def check_data(node: Node, args) -> Check:
     workers = config.NUM_WORKERS
     loader, sampler = build_dataloader(
         node.dataset,
+        BatchingSettings.from_config(),
         world_size=node.world_size,
         rank=node.rank,
         pin_memory=node.device.type == "cuda",

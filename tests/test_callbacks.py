@@ -33,7 +33,7 @@ import model_card
 import run_logging
 import training_metrics
 from dataset import collate_asr_batch
-from sampler import DurationBucketBatchSampler
+from sampler import BatchingSettings, DurationBucketBatchSampler
 
 # ---------------------------------------------------------------------------------------------------
 # WER / CER
@@ -198,19 +198,18 @@ class TinyModule(pl.LightningModule):
         self.skipped_steps = self.empty_micro_batches = self.nonfinite_losses = 0
 
     def train_dataloader(self):
-        self.sampler = DurationBucketBatchSampler(
-            self.dataset.durations,
-            self.dataset.languages,
+        settings = BatchingSettings.from_config(
             boundaries=(2.0,),
             max_batch_duration=6.0,
             temperature=0.5,
-            world_size=1,
-            rank=0,
             grad_accum=GRAD_ACCUM,
             seed=1,
             epoch_size=0,
             lang_weighting="count",
             cost_quadratic=0.0,
+        )
+        self.sampler = DurationBucketBatchSampler(
+            self.dataset.durations, self.dataset.languages, settings, world_size=1, rank=0
         )
         if self.resume_sampler_state is not None:  # as train.py does
             self.sampler.load_state_dict(self.resume_sampler_state)
