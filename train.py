@@ -110,16 +110,25 @@ def distributed_env() -> dict:
 
 
 def build_callbacks() -> list[pl.Callback]:
-    """The trainer's callbacks (callbacks.py). TrainingMetricsCallback comes after PerLanguageWERCallback
-    so an evaluation's time counts in its step's time, not as data wait; Lightning moves the
-    checkpoint callback to the end of the list itself."""
+    """The trainer's callbacks (callbacks.py), each given the knobs it uses. TrainingMetricsCallback
+    comes after PerLanguageWERCallback so an evaluation's time counts in its step's time, not as
+    data wait; Lightning moves the checkpoint callback to the end of the list itself."""
     return [
-        callbacks.EncoderUnfreezeCallback(),
+        callbacks.EncoderUnfreezeCallback(unfreeze_step=config.UNFREEZE_STEP),
         callbacks.EpochBoundarySyncCallback(),
         callbacks.ExactResumeCallback(),
-        callbacks.StepOnlyModelCheckpoint(),
-        callbacks.ProgressWatchdog(),
-        callbacks.PerLanguageWERCallback(),
+        callbacks.StepOnlyModelCheckpoint(
+            dirpath=config.CHECKPOINT_DIR,
+            every_n_steps=config.CHECKPOINT_EVERY,
+            keep=config.KEEP_CHECKPOINTS,
+            keep_best=config.KEEP_BEST_CHECKPOINTS,
+        ),
+        callbacks.ProgressWatchdog(seconds=config.WATCHDOG_SECONDS),
+        callbacks.PerLanguageWERCallback(
+            every_n_steps=config.EVAL_EVERY_STEPS,
+            samples_per_lang=config.EVAL_SAMPLES_PER_LANG,
+            max_batch_seconds=config.MAX_BATCH_DURATION,
+        ),
         callbacks.TrainingMetricsCallback(),
         callbacks.OptimizerStepProgressBar(),
     ]
