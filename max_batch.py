@@ -117,15 +117,19 @@ def manifest_token_density(manifest: Path, tokenizer, quantile: float = 0.999) -
 def estimated_host_bytes(model, shape: BatchShape) -> int:
     """A rough peak of a phase-2 CPU step: 16 bytes per parameter (weights, gradients, AdamW's two
     moments) plus 8 float32 copies of the joint tensor of one fused sub-batch (logits, their log-softmax,
-    gradients and the loss's temporaries; 8 fits the full-size model's measured peak)."""
-    joint = model.joint
+    gradients and the loss's temporaries; 8 fits the full-size model's measured peak). A model
+    without a transducer joint (a CTC family) counts its parameters only."""
+    weights = 16 * sum(p.numel() for p in model.parameters())
+    joint = getattr(model, "joint", None)
+    if joint is None:
+        return weights
     sub = min(
         len(shape.durations),
         joint._fused_batch_size if joint.fuse_loss_wer else len(shape.durations),
     )
     frames = int(max(shape.durations) / config.ENCODER_FRAME_SECONDS) + 1
     logits = sub * frames * (max(shape.tokens) + 1) * joint.num_classes_with_blank * 4
-    return 16 * sum(p.numel() for p in model.parameters()) + 8 * logits
+    return weights + 8 * logits
 
 
 def available_host_bytes() -> int:
