@@ -2,12 +2,13 @@
 # make demo   - the whole pipeline end to end on a small embedded corpus (CPU, no downloads)
 # make test   - install what the tests need, check formatting and lint (ruff), then run the tests
 # make format - apply ruff's formatter and safe lint fixes to the whole tree
+# make docs   - regenerate the tables of docs/knobs.md (config.py) and docs/metrics.md (training_metrics.py)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test format clean-demo
+.PHONY: setup demo test format docs clean-demo
 
 setup: $(STAMP)
 
@@ -16,7 +17,7 @@ $(STAMP): requirements.txt pyproject.toml
 	# torch first and alone, so NeMo's own torch requirement cannot pull a different build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -r requirements.txt
-	# The top-level modules and scripts/ become importable from anywhere (editable: edits apply at once).
+	# The top-level modules, scripts/ and benchmarks/ become importable from anywhere (editable: edits apply at once).
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
@@ -36,3 +37,7 @@ test: setup
 format: setup
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
+
+docs: setup
+	$(PY) config.py --update-docs
+	$(PY) training_metrics.py --update-docs

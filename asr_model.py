@@ -1,12 +1,21 @@
-"""The model seam: everything that knows the model is a NeMo TDT transducer lives here.
+"""The model seam: what training, validation, evaluation and export need from a model, whatever its family.
 
-Building it (``build_model``: INIT_MODEL, MODEL_CONFIG, TOKENIZER_DIR), giving it our vocabulary and
-TDT loss (``use_tokenizer``), checking that the model agrees with the data pipeline's settings
-(``check_frontend``), reaching its encoder (``encoder``, ``set_encoder_trainable``), computing the
-loss of one micro-batch (``transducer_loss``), greedy decoding (``greedy_texts``), checking the loss
-on the training device (``check_loss_on_device``), describing a model so that a checkpoint rebuilds
-it alone (``portable_description``, ``model_from_description``) and loading a trained model for
-inference (``load_trained_model``). Another transducer family is a change in this module only.
+A model family (``ModelFamily``) is a NeMo model class and its loss: how a fresh one is built, how it
+takes our vocabulary and loss (``change_vocabulary``, ``attach_loss``), the loss of one micro-batch
+from the encoder's output, greedy decoding, the start-up check of its loss on the training device
+and a line that describes the loss. ``TDT`` (Parakeet-TDT: EncDecRNNTBPEModel with the TDT loss) is
+the family this app trains by default; ``FAMILIES`` lists them all, ``family`` finds a model's and
+``family_of_config`` a fresh model's (the YAML's ``target``, NeMo's own key for the model class).
+Another family is a new ``ModelFamily`` here plus a model config.
+
+Around it, what holds for every family: building a model (``build_model``: INIT_MODEL, MODEL_CONFIG,
+TOKENIZER_DIR), giving it our vocabulary (``use_tokenizer``), checking that it agrees with the data
+pipeline's settings (``check_frontend``), reaching its encoder (``encoder``,
+``set_encoder_trainable``), the loss of one micro-batch (``training_loss``), greedy decoding
+(``greedy_texts``, ``greedy_texts_and_loss``), checking the loss on the training device
+(``check_loss_on_device``), describing a model so that a checkpoint rebuilds it alone
+(``portable_description``, ``model_from_description``) and loading a trained model for inference
+(``load_trained_model``).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import torch
 
 import config
 import tdt_loss
+from checkpoints import CheckpointError, read_checkpoint
 
 log = logging.getLogger("asr_model")
 
@@ -116,6 +126,189 @@ def ensure_validation_ds(model) -> None:
             }
 
 
+# ---- model families --------------------------------------------------------------------------
+
+
+class ModelFamily:
+    """What the app needs from one family of NeMo models; stateless, one instance per family.
+
+    ``nemo_class`` is the name of the NeMo class a fresh model is built as and by which a restored
+    model is recognised (its class or a base class of that name)."""
+
+    name = "?"
+    nemo_class = "?"
+
+    def owns(self, model) -> bool:
+        return any(cls.__name__ == self.nemo_class for cls in type(model).__mro__)
+
+    def new_model(self, cfg):
+        """A fresh model of this family from ``cfg`` (the YAML's ``model:`` section), on CPU."""
+        import nemo.collections.asr.models as nemo_models
+
+        return getattr(nemo_models, self.nemo_class)(cfg=cfg)
+
+    def change_vocabulary(self, model, tokenizer_dir: Path, decoder_init: str) -> dict:
+        """Give ``model`` the pieces of ``tokenizer_dir``; the counts of carried, new and dropped rows."""
+        raise NotImplementedError
+
+    def attach_loss(self, model) -> None:
+        """(Re)build the model's training loss for its current vocabulary."""
+        raise NotImplementedError
+
+    def loss_of_encoded(self, model, encoded, encoded_len, batch) -> torch.Tensor:
+        """The loss of a non-empty AsrBatch from the encoder's output (the model's reduction)."""
+        raise NotImplementedError
+
+    def greedy_texts_of_encoded(self, model, encoded, encoded_len) -> list[str]:
+        """Greedy transcripts from the encoder's output."""
+        raise NotImplementedError
+
+    def check_loss_on_device(self, model, device: torch.device) -> str | None:
+        """Run the loss on a known problem on ``device``: a line for the log, None for no check."""
+        return None
+
+    def describe_loss(self, model) -> str:
+        raise NotImplementedError
+
+
+class TDT(ModelFamily):
+    """Parakeet-TDT: a FastConformer encoder, an LSTM prediction network and a joint with token and
+    duration outputs, trained with the TDT loss of ``tdt_loss.py`` (NeMo's numba kernel on CUDA)."""
+
+    name = "TDT transducer"
+    nemo_class = "EncDecRNNTBPEModel"
+
+    def change_vocabulary(self, model, tokenizer_dir: Path, decoder_init: str) -> dict:
+        """NeMo's ``change_vocabulary`` (new decoder and joint), then, with ``decoder_init`` "carry",
+        the base model's weights in them (``carry_decoder_and_joint``)."""
+        old_size, old_pieces = model.tokenizer.vocab_size, model_pieces(model)
+        old_decoder, old_joint = model.decoder, model.joint
+        # NeMo 3.0 replaces the TDT loss here with an RNN-T loss whose blank counts the durations:
+        # attach_loss rebuilds it from cfg.loss.
+        model.change_vocabulary(new_tokenizer_dir=str(tokenizer_dir), new_tokenizer_type="bpe")
+        if decoder_init == "carry" and old_pieces is not None:
+            counts = carry_decoder_and_joint(
+                old_decoder, old_joint, old_pieces, model.decoder, model.joint, model_pieces(model)
+            )
+            log.info(
+                "vocabulary changed from %d to %d pieces (TOKENIZER_DIR=%s): the base model's "
+                "decoder and joint are kept, %d piece rows carried, %d new, %d dropped",
+                old_size,
+                model.tokenizer.vocab_size,
+                tokenizer_dir,
+                counts["carried"],
+                counts["new"],
+                counts["dropped"],
+            )
+        else:
+            counts = {"carried": 0, "new": model.tokenizer.vocab_size, "dropped": old_size}
+            log.info(
+                "vocabulary changed from %d to %d pieces (TOKENIZER_DIR=%s): decoder and joint "
+                "are new (DECODER_INIT=%s)",
+                old_size,
+                model.tokenizer.vocab_size,
+                tokenizer_dir,
+                decoder_init,
+            )
+        counts["decoder_init"] = decoder_init
+        return counts
+
+    def attach_loss(self, model) -> None:
+        """A TDT loss whose blank matches the joint (``tdt_loss.attach_tdt_loss``; TDT_LOSS chooses
+        what runs on CUDA)."""
+        tdt_loss.attach_tdt_loss(model)
+
+    def loss_of_encoded(self, model, encoded, encoded_len, batch) -> torch.Tensor:
+        decoded, target_len, _ = model.decoder(targets=batch.tokens, target_length=batch.token_len)
+        if model.joint.fuse_loss_wer:
+            loss, _, _, _ = model.joint(
+                encoder_outputs=encoded,
+                decoder_outputs=decoded,
+                encoder_lengths=encoded_len,
+                transcripts=batch.tokens,
+                transcript_lengths=batch.token_len,
+                compute_wer=False,
+            )
+            return loss
+        joint = model.joint(encoder_outputs=encoded, decoder_outputs=decoded)
+        return model.loss(
+            log_probs=joint,
+            targets=batch.tokens,
+            input_lengths=encoded_len,
+            target_lengths=target_len,
+        )
+
+    def greedy_texts_of_encoded(self, model, encoded, encoded_len) -> list[str]:
+        hyps = model.decoding.rnnt_decoder_predictions_tensor(
+            encoder_output=encoded, encoded_lengths=encoded_len
+        )
+        return [hyp.text for hyp in hyps]
+
+    def check_loss_on_device(self, model, device: torch.device) -> str | None:
+        """The CUDA TDT loss against ``tdt_loss.tdt_loss`` (``tdt_loss.check_cuda_loss``)."""
+        diff = tdt_loss.check_cuda_loss(model.loss._loss, device)
+        return (
+            f"TDT loss on {device} (TDT_LOSS={config.TDT_LOSS}) agrees with tdt_loss.py on a "
+            f"known problem (largest difference {diff:.2g})"
+        )
+
+    def describe_loss(self, model) -> str:
+        return f"TDT loss {model.loss._loss}"
+
+
+class HybridTDTCTC(TDT):
+    """NeMo's hybrid TDT-CTC: the TDT transducer plus a CTC decoder on the same encoder, trained on
+    (1 - w) x TDT loss + w x CTC loss, w = ``cfg.aux_ctc.ctc_loss_weight``, as NeMo's own training
+    step weighs them; greedy decoding uses the transducer. A vocabulary change gives the CTC decoder
+    new rows (NeMo's ``change_vocabulary``); the transducer's are carried as for TDT."""
+
+    name = "hybrid TDT-CTC"
+    nemo_class = "EncDecHybridRNNTCTCBPEModel"
+
+    def loss_of_encoded(self, model, encoded, encoded_len, batch) -> torch.Tensor:
+        loss = super().loss_of_encoded(model, encoded, encoded_len, batch)
+        weight = model.ctc_loss_weight
+        if weight <= 0:
+            return loss
+        ctc = model.ctc_loss(
+            log_probs=model.ctc_decoder(encoder_output=encoded),
+            targets=batch.tokens,
+            input_lengths=encoded_len,
+            target_lengths=batch.token_len,
+        )
+        return (1 - weight) * loss + weight * ctc
+
+    def describe_loss(self, model) -> str:
+        return f"{super().describe_loss(model)} + CTC loss (weight {model.ctc_loss_weight:g})"
+
+
+# The families, most specific first: a model belongs to the first that owns it.
+FAMILIES: tuple[ModelFamily, ...] = (HybridTDTCTC(), TDT())
+
+
+def family(model) -> ModelFamily:
+    """The family of ``model``; ConfigError naming its class when no family owns it."""
+    for kind in FAMILIES:
+        if kind.owns(model):
+            return kind
+    raise config.ConfigError(
+        f"a {type(model).__name__} is no model family this app trains "
+        f"({', '.join(k.nemo_class for k in FAMILIES)}); check INIT_MODEL / MODEL_CONFIG"
+    )
+
+
+def family_of_config(cfg) -> ModelFamily:
+    """The family a model config builds: its ``target`` (a NeMo class path), TDT without one."""
+    target = str(cfg.get("target") or TDT.nemo_class).rpartition(".")[2]
+    for kind in FAMILIES:
+        if kind.nemo_class == target:
+            return kind
+    raise config.ConfigError(
+        f"MODEL_CONFIG's target {target!r} is no model family this app trains "
+        f"({', '.join(k.nemo_class for k in FAMILIES)})"
+    )
+
+
 class ModelNotFetched(config.ConfigError):
     """INIT_MODEL names a pretrained model that cannot be downloaded here."""
 
@@ -156,15 +349,16 @@ def build_model(
     tokenizer_dir: Path | None = None,
     decoder_init: str | None = None,
 ):
-    """The NeMo TDT model to train, on CPU, with TOKENIZER_DIR's vocabulary and a device-dispatching TDT loss.
+    """The NeMo model to train, on CPU, with TOKENIZER_DIR's vocabulary and its family's loss.
 
     ``init_model``: a .nemo path (restore_from), a train.py step checkpoint (the model it describes,
     with its weights) or a pretrained name (from_pretrained); empty means a fresh model from the
-    ``model_config`` YAML (its ``model:`` section) with ``tokenizer.dir`` set to ``tokenizer_dir``.
+    ``model_config`` YAML (its ``model:`` section; its ``target`` names the family, TDT without one)
+    with ``tokenizer.dir`` set to ``tokenizer_dir``.
     Defaults come from INIT_MODEL, MODEL_CONFIG, TOKENIZER_DIR and DECODER_INIT.
     ``model.vocabulary_change`` holds what ``use_tokenizer`` did to its decoder and joint.
     """
-    from nemo.collections.asr.models import ASRModel, EncDecRNNTBPEModel
+    from nemo.collections.asr.models import ASRModel
     from omegaconf import OmegaConf, open_dict
 
     init_model = config.INIT_MODEL if init_model is None else init_model
@@ -196,8 +390,9 @@ def build_model(
         with open_dict(cfg):
             cfg.tokenizer.dir = str(tokenizer_dir)
             cfg.tokenizer.type = "bpe"
-        log.info("building a fresh model from %s", model_config)
-        model = EncDecRNNTBPEModel(cfg=cfg)
+        kind = family_of_config(cfg)
+        log.info("building a fresh %s model from %s", kind.name, model_config)
+        model = kind.new_model(cfg)
 
     # What the model card says of the vocabulary change (None: the base's vocabulary as it was).
     model.vocabulary_change = use_tokenizer(model, tokenizer_dir, decoder_init)
@@ -208,49 +403,19 @@ def build_model(
 
 
 def use_tokenizer(model, tokenizer_dir: Path, decoder_init: str | None = None) -> dict | None:
-    """Give ``model`` the vocabulary of ``tokenizer_dir`` and a TDT loss whose blank matches its joint.
+    """Give ``model`` the vocabulary of ``tokenizer_dir`` and its family's loss for that vocabulary.
 
-    A model whose pieces already are those of ``tokenizer_dir`` keeps its decoder and joint; any
-    other gets NeMo's ``change_vocabulary`` (new decoder and joint), and then, with ``decoder_init``
-    (DECODER_INIT) "carry", the base model's weights in them (``carry_decoder_and_joint``). Either
-    way the loss is rebuilt by ``tdt_loss.attach_tdt_loss`` (TDT_LOSS chooses what runs on CUDA).
+    A model whose pieces already are those of ``tokenizer_dir`` keeps its decoder; any other gets
+    its family's ``change_vocabulary`` (DECODER_INIT, ``decoder_init``, says whether the base's
+    decoder weights are carried over). Either way the loss is rebuilt (``attach_loss``).
     Returns the counts of the carried, new and dropped rows, or None when nothing changed.
     """
     decoder_init = config.DECODER_INIT if decoder_init is None else decoder_init
+    kind = family(model)
     counts = None
     if not tokenizer_matches(model, tokenizer_dir):
-        old_size, old_pieces = model.tokenizer.vocab_size, model_pieces(model)
-        old_decoder, old_joint = model.decoder, model.joint
-        # NeMo 3.0 replaces the TDT loss here with an RNN-T loss whose blank counts the durations:
-        # attach_tdt_loss below rebuilds it from cfg.loss.
-        model.change_vocabulary(new_tokenizer_dir=str(tokenizer_dir), new_tokenizer_type="bpe")
-        if decoder_init == "carry" and old_pieces is not None:
-            counts = carry_decoder_and_joint(
-                old_decoder, old_joint, old_pieces, model.decoder, model.joint, model_pieces(model)
-            )
-            log.info(
-                "vocabulary changed from %d to %d pieces (TOKENIZER_DIR=%s): the base model's "
-                "decoder and joint are kept, %d piece rows carried, %d new, %d dropped",
-                old_size,
-                model.tokenizer.vocab_size,
-                tokenizer_dir,
-                counts["carried"],
-                counts["new"],
-                counts["dropped"],
-            )
-        else:
-            counts = {"carried": 0, "new": model.tokenizer.vocab_size, "dropped": old_size}
-            log.info(
-                "vocabulary changed from %d to %d pieces (TOKENIZER_DIR=%s): decoder and joint "
-                "are new (DECODER_INIT=%s)",
-                old_size,
-                model.tokenizer.vocab_size,
-                tokenizer_dir,
-                decoder_init,
-            )
-        counts["decoder_init"] = decoder_init
-        del old_decoder, old_joint
-    tdt_loss.attach_tdt_loss(model)
+        counts = kind.change_vocabulary(model, tokenizer_dir, decoder_init)
+    kind.attach_loss(model)
     return counts
 
 
@@ -370,57 +535,33 @@ def set_encoder_trainable(model, trainable: bool) -> None:
     enc.train(trainable)
 
 
-def transducer_loss(model, batch, *, encoder_frozen: bool) -> torch.Tensor:
-    """The TDT loss of one non-empty AsrBatch (the reduction of cfg.rnnt_reduction)."""
+def training_loss(model, batch, *, encoder_frozen: bool) -> torch.Tensor:
+    """The training loss of one non-empty AsrBatch (the family's loss, with the model's reduction)."""
     # A frozen encoder needs no autograd graph: less memory and time; its outputs are constants.
     with torch.no_grad() if encoder_frozen else contextlib.nullcontext():
         encoded, encoded_len = model.forward(
             input_signal=batch.signal, input_signal_length=batch.signal_len
         )
-    return _loss_of_encoded(model, encoded, encoded_len, batch)
-
-
-def _loss_of_encoded(model, encoded, encoded_len, batch) -> torch.Tensor:
-    decoded, target_len, _ = model.decoder(targets=batch.tokens, target_length=batch.token_len)
-    if model.joint.fuse_loss_wer:
-        loss, _, _, _ = model.joint(
-            encoder_outputs=encoded,
-            decoder_outputs=decoded,
-            encoder_lengths=encoded_len,
-            transcripts=batch.tokens,
-            transcript_lengths=batch.token_len,
-            compute_wer=False,
-        )
-        return loss
-    joint = model.joint(encoder_outputs=encoded, decoder_outputs=decoded)
-    return model.loss(
-        log_probs=joint, targets=batch.tokens, input_lengths=encoded_len, target_lengths=target_len
-    )
+    return family(model).loss_of_encoded(model, encoded, encoded_len, batch)
 
 
 @torch.no_grad()
 def greedy_texts(model, signal: torch.Tensor, signal_len: torch.Tensor) -> list[str]:
     """Greedy transcripts (tags included, as the model emits them) of a padded batch of audio."""
     encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=signal_len)
-    return _greedy_of_encoded(model, encoded, encoded_len)
+    return family(model).greedy_texts_of_encoded(model, encoded, encoded_len)
 
 
 @torch.no_grad()
 def greedy_texts_and_loss(model, batch) -> tuple[list[str], float]:
-    """Greedy transcripts of a non-empty AsrBatch and its TDT loss (the training loss's reduction),
+    """Greedy transcripts of a non-empty AsrBatch and its loss (the training loss's reduction),
     from one encoder forward."""
     encoded, encoded_len = model.forward(
         input_signal=batch.signal, input_signal_length=batch.signal_len
     )
-    texts = _greedy_of_encoded(model, encoded, encoded_len)
-    return texts, float(_loss_of_encoded(model, encoded, encoded_len, batch))
-
-
-def _greedy_of_encoded(model, encoded, encoded_len) -> list[str]:
-    hyps = model.decoding.rnnt_decoder_predictions_tensor(
-        encoder_output=encoded, encoded_lengths=encoded_len
-    )
-    return [hyp.text for hyp in hyps]
+    kind = family(model)
+    texts = kind.greedy_texts_of_encoded(model, encoded, encoded_len)
+    return texts, float(kind.loss_of_encoded(model, encoded, encoded_len, batch))
 
 
 @contextlib.contextmanager
@@ -451,12 +592,11 @@ def release_decoding_graphs(model) -> None:
         disable()
 
 
-def check_loss_on_device(model, device: torch.device) -> float:
-    """Run the model's CUDA TDT loss once on a known problem (``tdt_loss.check_cuda_loss``).
-
-    Returns the largest difference to ``tdt_loss.tdt_loss``; raises TDTLossCheckFailed with the
-    install line when the GPU install cannot run it."""
-    return tdt_loss.check_cuda_loss(model.loss._loss, device)
+def check_loss_on_device(model, device: torch.device) -> str | None:
+    """Run the model's loss once on ``device`` on a known problem; a line for the log saying how it
+    agreed, or None when the family has nothing to check. Raises with the install line when the
+    GPU install cannot run it (TDT: ``tdt_loss.TDTLossCheckFailed``)."""
+    return family(model).check_loss_on_device(model, device)
 
 
 def joint_memory_bytes(
@@ -490,7 +630,7 @@ def describe(model) -> str:
     n_params = sum(p.numel() for p in model.parameters())
     return (
         f"model {type(model).__name__}: {n_params / 1e6:.1f} M parameters, "
-        f"vocabulary {model.tokenizer.vocab_size}, TDT loss {model.loss._loss}"
+        f"vocabulary {model.tokenizer.vocab_size}, {family(model).describe_loss(model)}"
     )
 
 
@@ -536,7 +676,7 @@ def model_from_description(description: dict[str, Any]):
         cfg.tokenizer = {"dir": str(tokenizer_dir), "type": "bpe"}
     module, _, name = description["class"].rpartition(".")
     model = getattr(importlib.import_module(module), name)(cfg=cfg)
-    tdt_loss.attach_tdt_loss(model)
+    family(model).attach_loss(model)
     ensure_validation_ds(model)
     make_encoder_forward_rank_local(model)
     return model
@@ -556,8 +696,6 @@ def load_trained_model(path: str | Path, device: str = "cpu", weights: dict | No
     whatever INIT_MODEL, MODEL_CONFIG and TOKENIZER_DIR say now. A checkpoint without one is rebuilt
     as training built it (``build_model`` from those settings, which must then be as in training).
     ``weights`` replaces the checkpoint's own (an average of several, see export_nemo.py)."""
-    from checkpoints import CheckpointError, read_checkpoint
-
     path = Path(path)
     if path.suffix == ".nemo":
         from nemo.collections.asr.models import ASRModel

@@ -1,7 +1,7 @@
 """Writing a file so that a crash never leaves a partial one under its final name.
 
 Shared by the offline tools (build_manifest.py, scripts/), the training callbacks (checkpoints,
-.nemo exports, run records) and config.py's README table; it imports nothing heavy.
+.nemo exports, run records) and the generated tables of docs/; it imports nothing heavy.
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 
 EncoderUnfreezeCallback (the two phases), EpochBoundarySyncCallback (each epoch's plan),
 TrainingMetricsCallback and OptimizerStepProgressBar (watching a run), StepOnlyModelCheckpoint and
-ExactResumeCallback (keeping it), PerLanguageWERCallback (WER during training). The machinery they
-use lives in modules named for it: training_metrics.py (what is logged), evaluation.py (WER/CER and
-greedy transcription), checkpoints.py (checkpoint files, resume, RNG states, run identity),
-run_logging.py (loggers), collectives.py (cross-rank reductions).
+ExactResumeCallback (keeping it), PerLanguageWERCallback (WER during training), ProgressWatchdog
+(a rank that stops). The machinery they use lives in modules named for it: training_metrics.py (what
+is logged), evaluation.py (WER/CER and greedy transcription), checkpoints.py (checkpoint files,
+resume, RNG states, run identity), run_logging.py (loggers), collectives.py (cross-rank reductions),
+rank_watchdog.py (the watchdog thread and the ranks' states in the process group's store).
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ import asr_model
 import checkpoints
 import config as _config
 import evaluation
+import model_card
 import process_control
 import training_metrics
 from collectives import all_gather_objects
 from dataset import BAD_AUDIO_REASONS
+from rank_watchdog import RankWatchdog
 from run_logging import already_logged, log_to_loggers
 
 _log = _logging.getLogger("callbacks")
@@ -264,7 +267,7 @@ class TrainingMetricsCallback(_pl.Callback):
         training_metrics.add_to_totals(self.totals, reduced)
         self._recent.append(reduced["lang_utterances"])
         step = training_metrics.Step(
-            m=reduced,
+            measures=reduced,
             total=self.totals,
             trainer=trainer,
             module=pl_module,
@@ -527,133 +530,33 @@ class StepOnlyModelCheckpoint(ModelCheckpoint):
         if self.export_nemo_at_end and trainer.is_global_zero and trainer.global_step > 0:
             path = Path(self.dirpath) / f"step_{trainer.global_step:08d}.nemo"
             record = pl_module.run_record() if hasattr(pl_module, "run_record") else None
-            checkpoints.export_nemo(pl_module.model, path, record)
+            model_card.export_nemo(pl_module.model, path, record)
             _log.info("exported %s and its model card", path)
         trainer.strategy.barrier("nemo_export")
 
 
 class ProgressWatchdog(_pl.Callback):
-    """Reports a rank that makes no progress: after ``seconds`` (WATCHDOG_SECONDS) without a finished
-    micro-batch, the rank logs where its main thread waits (a collective, the DataLoader, a save) and
-    what every rank last told the process group's store: a watchdog thread on each rank writes its
-    step and last progress there every few seconds, so a rank that stopped answering (SIGSTOP, a
-    stuck file system, a dead node) is named as such, apart from ranks that are alive and waiting.
-    Repeated every ``seconds`` while it lasts; the job itself ends at COLLECTIVE_TIMEOUT_MINUTES.
-    """
+    """Reports a rank that makes no progress (WATCHDOG_SECONDS): ``rank_watchdog.RankWatchdog``
+    started with training, told of every finished micro-batch, stopped with training."""
 
     def __init__(self, seconds: int | None = None):
-        self.seconds = int(_config.WATCHDOG_SECONDS if seconds is None else seconds)
-        self.period = max(0.5, min(2.0, self.seconds / 4))
-        self._last = time.monotonic()
-        self._last_wall = time.time()
-        self._step = 0
-        self._stop = None
-        self._store = None
-        self._rank = 0
-        self._world = 1
+        self.watchdog = RankWatchdog(_config.WATCHDOG_SECONDS if seconds is None else seconds)
 
     def on_train_start(self, trainer, pl_module) -> None:
-        import threading
-
-        if self.seconds <= 0:
-            return
-        self._rank, self._world = trainer.global_rank, trainer.world_size
-        self._step = trainer.global_step
-        # Counted from here: a rank stuck before its first micro-batch is reported too.
-        self._last, self._last_wall = time.monotonic(), time.time()
-        self._store = _default_store()
-        self._stop = threading.Event()
-        main = threading.main_thread()
-        threading.Thread(target=self._watch, args=(main,), name="watchdog", daemon=True).start()
+        self.watchdog.start(trainer.global_rank, trainer.world_size, trainer.global_step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.alive(trainer)
 
     def alive(self, trainer) -> None:
         """The rank made progress: a micro-batch, or a batch of a validation between two steps."""
-        self._last, self._last_wall = time.monotonic(), time.time()
-        self._step = trainer.global_step
+        self.watchdog.alive(trainer.global_step)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if self._stop is not None:
-            self._stop.set()
+        self.watchdog.stop()
 
     def on_exception(self, trainer, pl_module, exception) -> None:
-        self.on_train_end(trainer, pl_module)
-
-    def _pulse(self) -> None:
-        if self._store is None:
-            return
-        try:
-            self._store.set(
-                f"watchdog/{self._rank}", f"{self._step} {self._last_wall:.3f} {time.time():.3f}"
-            )
-        except Exception:  # the store is gone (the job is ending): nothing to report to
-            self._store = None
-
-    def ranks_report(self) -> str:
-        """Every rank's state from the store, the ranks that stopped answering first."""
-        if self._store is None:
-            return "no other ranks (single process)"
-        now = time.time()
-        rows = []
-        for rank in range(self._world):
-            key = f"watchdog/{rank}"
-            try:
-                if not self._store.check([key]):
-                    rows.append((0, 0.0, f"rank {rank}: never reported"))
-                    continue
-                step, progress, pulse = self._store.get(key).decode().split()
-            except Exception as exc:
-                return f"rank states unavailable ({exc})"
-            silent = now - float(pulse)
-            idle = now - float(progress)
-            if silent > 3 * self.period:
-                rows.append(
-                    (0, -silent, f"rank {rank}: NOT RESPONDING for {silent:.0f} s (step {step})")
-                )
-            else:
-                rows.append(
-                    (1, -idle, f"rank {rank}: alive, no progress for {idle:.0f} s (step {step})")
-                )
-        rows.sort()
-        return "; ".join(text for _, _, text in rows[:8]) + (
-            f" (+{len(rows) - 8} more)" if len(rows) > 8 else ""
-        )
-
-    def _watch(self, main) -> None:
-        import sys
-        import traceback
-
-        while not self._stop.wait(self.period):
-            self._pulse()
-            idle = time.monotonic() - self._last
-            if idle < self.seconds:
-                continue
-            frame = sys._current_frames().get(main.ident)
-            where = "".join(traceback.format_stack(frame, limit=6)) if frame else "unknown"
-            _log.warning(
-                "watchdog: rank %d has finished no micro-batch for %.0f s (optimizer step %d); %s; "
-                "this rank waits in:\n%s",
-                self._rank,
-                idle,
-                self._step,
-                self.ranks_report(),
-                where,
-            )
-            self._last = time.monotonic()  # report again after another WATCHDOG_SECONDS
-
-
-def _default_store():
-    """The default process group's key-value store, or None (single process, no store)."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.distributed_c10d._get_default_store()
-    except Exception:
-        pass
-    return None
+        self.watchdog.stop()
 
 
 class ExactResumeCallback(_pl.Callback):
@@ -753,7 +656,7 @@ class EpochBoundarySyncCallback(_pl.Callback):
 
 class PerLanguageWERCallback(_pl.Callback):
     """Validation every ``every_n_steps`` optimizer steps (EVAL_EVERY_STEPS, default CHECKPOINT_EVERY;
-    0 = off): greedy WER and CER per language and the TDT loss on VAL_MANIFEST_PATH, all of it
+    0 = off): greedy WER and CER per language and the loss on VAL_MANIFEST_PATH, all of it
     (EVAL_SAMPLES_PER_LANG = 0) or ``samples_per_lang`` utterances per language.
 
     The utterances are split across ranks (rank r decodes every world_size-th by duration, longest and

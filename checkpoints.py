@@ -2,7 +2,7 @@
 
 Step checkpoints (``checkpoint_name``, written whole or not at all by ``AtomicCheckpointIO``),
 ``find_last_checkpoint`` and ``resolve_resume_from`` (RESUME_FROM), ``resolve_model_path`` (the model
-argument of the scripts: a path, ``last`` or ``best``), ``export_nemo``, the RNG states an exact
+argument of the scripts: a path, ``last`` or ``best``), the RNG states an exact
 resume restores, and the run's ledger, CHECKPOINT_DIR/run.json: its identity (``run_identity``: name
 and W&B id, so a resumed job continues the same run) and the validation WER of each checkpoint
 (``record_validation``, ``best_checkpoints``), which keeps the best checkpoint through pruning.
@@ -32,7 +32,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 import config
-from atomic_files import atomic_write, disk_full, write_together
+from atomic_files import atomic_write, disk_full
 from process_control import UserError
 
 log = logging.getLogger("checkpoints")
@@ -253,24 +253,6 @@ def resolve_resume_from(
             f"'last' (newest in CHECKPOINT_DIR) or leave it empty"
         )
     return resume_from
-
-
-def export_nemo(model, path: str | os.PathLike, record: dict[str, Any] | None = None) -> Path:
-    """``model.save_to`` a .nemo file and write its model card beside it (``model_card``, from the
-    run ``record``), as one set (``atomic_files.write_together``, the card last): a crash leaves
-    the previous pair, or the new .nemo without a card, never a card describing another model."""
-    import model_card
-
-    path = Path(path)
-    text = model_card.render(record or {}, model, path.name)
-    write_together(
-        {
-            path: lambda tmp: model.save_to(tmp),
-            model_card.card_path(path): lambda tmp: Path(tmp).write_text(text, encoding="utf-8"),
-        },
-        f"{os.getpid()}",
-    )
-    return path
 
 
 def resolve_model_path(model: str) -> Path:

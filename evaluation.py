@@ -148,7 +148,7 @@ def decode(
     should_stop: Callable[[], Any] | None = None,
 ) -> Decoded:
     """Greedy hypotheses of ``dataset[i]`` for each ``i`` in ``indices`` (and with ``with_loss`` the
-    TDT loss of the same batches, from the same encoder forward).
+    loss of the same batches, from the same encoder forward).
 
     Audio goes through the training pipeline's own loading and collate (soundfile + soxr, the same
     resampling and padding) and ``asr_model``'s greedy decoding: no temporary manifests, no NeMo

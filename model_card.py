@@ -5,16 +5,18 @@ how well it does, in one Markdown file a teammate can read without the run's env
 run_record``: the settings, hours of training audio per language, the step and the newest
 validation), which the end of a training run has in memory and every step checkpoint carries, so
 train.py and scripts/export_nemo.py write the same card. ``card_path`` names it:
-``<name>.nemo`` -> ``<name>.model-card.md``.
+``<name>.nemo`` -> ``<name>.model-card.md``. ``export_nemo`` writes a .nemo and its card as one set.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 import asr_model
+from atomic_files import write_together
 
 # The settings a reader needs to judge or repeat the training, in this order.
 TRAINING_SETTINGS = (
@@ -115,10 +117,11 @@ def render(record: dict[str, Any], model, nemo_name: str) -> str:
     tags = [
         t for t in asr_model.model_pieces(model) or [] if t.startswith("<|") and t.endswith("|>")
     ]
+    kind = next((k.name for k in asr_model.FAMILIES if k.owns(model)), "ASR model")
     lines = [
         f"# {nemo_name}",
         "",
-        f"A NeMo {type(model).__name__} (TDT transducer, {n_params / 1e6:.1f} M parameters) that "
+        f"A NeMo {type(model).__name__} ({kind}, {n_params / 1e6:.1f} M parameters) that "
         f"writes a language tag, then the transcript: `<|hi|> नमस्ते दुनिया`. Strip the tag (the "
         f"first token) to get the text; it names the language the model heard.",
         "",
@@ -186,3 +189,19 @@ def render(record: dict[str, Any], model, nemo_name: str) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def export_nemo(model, path: str | os.PathLike, record: dict[str, Any] | None = None) -> Path:
+    """``model.save_to`` a .nemo file and write its model card beside it (``model_card``, from the
+    run ``record``), as one set (``atomic_files.write_together``, the card last): a crash leaves
+    the previous pair, or the new .nemo without a card, never a card describing another model."""
+    path = Path(path)
+    text = render(record or {}, model, path.name)
+    write_together(
+        {
+            path: lambda tmp: model.save_to(tmp),
+            card_path(path): lambda tmp: Path(tmp).write_text(text, encoding="utf-8"),
+        },
+        f"{os.getpid()}",
+    )
+    return path

@@ -1,15 +1,16 @@
 """Duration-bucket batch sampler with real temperature rebalancing of languages, for 10M+ utterances.
 
-Usage (a torch batch sampler; every keyword defaults to its config.py knob)::
+Usage (a torch batch sampler; ``BatchingSettings`` holds the knobs it reads)::
 
-    from sampler import DurationBucketBatchSampler
-    sampler = DurationBucketBatchSampler(dataset.durations, dataset.languages,
+    from sampler import BatchingSettings, DurationBucketBatchSampler
+    settings = BatchingSettings.from_config()          # the knobs, read once; from_config(seed=3) changes one
+    sampler = DurationBucketBatchSampler(dataset.durations, dataset.languages, settings,
                                          world_size=8, rank=local_rank)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_asr_batch)
     sampler.set_epoch(epoch)          # Lightning does this for you
     sampler.epoch_stats()             # shares, padding efficiency, rank balance, ... of this epoch
 
-    python scripts/bench_sampler.py   # speed / memory / share comparison with the pure-Python baseline
+    python benchmarks/bench_sampler.py   # speed / memory / share comparison with the pure-Python baseline
 
 An epoch plan is a handful of NumPy passes (per-language shuffles, one integer sort of packed keys, a
 greedy packing loop whose iterations are batches of a lane, never utterances), about 1.5 s for 10M
@@ -18,6 +19,7 @@ utterances, and every rank builds the same global plan without communicating.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -51,6 +53,61 @@ class _Plan:
     stats: dict[str, Any]
 
 
+@dataclass
+class _Packing:
+    """One epoch's micro-batches as packed and dealt, the input of its statistics."""
+
+    flat: np.ndarray  # int32 manifest rows, batches laid out back to back
+    offsets: np.ndarray  # int64 [num_batches + 1]: batch b is flat[offsets[b]:offsets[b+1]]
+    counts: np.ndarray  # utterances per batch
+    max_dur: np.ndarray  # seconds of each batch's longest utterance
+    audio: np.ndarray  # seconds of audio per batch
+    cost: np.ndarray  # the cost model's cost per batch
+    bucket: np.ndarray  # int16 duration bucket per batch
+    steps: np.ndarray  # [optimizer steps, world_size]: the batch each rank gets in each step
+    dropped: np.ndarray  # batches left out so every rank gets whole optimizer steps
+
+
+@dataclass(frozen=True)
+class BatchingSettings:
+    """The settings of the sampler, one knob each: BUCKET_BOUNDARIES, MAX_BATCH_DURATION, TEMPERATURE,
+    GRAD_ACCUM, SEED, EPOCH_SIZE (0 = the number of utterances), LANG_WEIGHTING,
+    BATCH_COST_QUADRATIC, BUCKET_SORT_JITTER, ENCODER_FRAME_SECONDS, MAX_BATCH_JOINT_CELLS (0 =
+    derived from the token lengths, below 0 = no cap) and BATCH_COST_JOINT. The sampler checks them."""
+
+    boundaries: Sequence[float] | str
+    max_batch_duration: float
+    temperature: float
+    grad_accum: int
+    seed: int
+    epoch_size: int
+    lang_weighting: str
+    cost_quadratic: float
+    sort_jitter: float
+    frame_seconds: float
+    max_joint_cells: float
+    cost_joint: float
+
+    @classmethod
+    def from_config(cls, **changes: Any) -> BatchingSettings:
+        """The knobs' values now, with ``changes`` (field=value) applied."""
+        settings = cls(
+            boundaries=config.BUCKET_BOUNDARIES,
+            max_batch_duration=config.MAX_BATCH_DURATION,
+            temperature=config.TEMPERATURE,
+            grad_accum=config.GRAD_ACCUM,
+            seed=config.SEED,
+            epoch_size=config.EPOCH_SIZE,
+            lang_weighting=config.LANG_WEIGHTING,
+            cost_quadratic=config.BATCH_COST_QUADRATIC,
+            sort_jitter=config.BUCKET_SORT_JITTER,
+            frame_seconds=config.ENCODER_FRAME_SECONDS,
+            max_joint_cells=config.MAX_BATCH_JOINT_CELLS,
+            cost_joint=config.BATCH_COST_JOINT,
+        )
+        return dataclasses.replace(settings, **changes)
+
+
 class DurationBucketBatchSampler(Sampler[list[int]]):
     """Yields lists of manifest row indices: duration-bucketed, language-rebalanced, rank-balanced.
 
@@ -64,7 +121,7 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
     them, not with the seconds of audio): a batch packed by seconds that exceeds it is cut into
     consecutive parts that fit (its utterances stay, in their order, so padding and the language
     mix barely move). The default cap (``joint_cell_cap``) is the cells of the heaviest batch the
-    max-batch finder (scripts/bench_train_step.py) tests: MAX_BATCH_DURATION seconds of the longest
+    max-batch finder (max_batch.py) tests: MAX_BATCH_DURATION seconds of the longest
     utterances at the manifest's 99.9th-percentile tokens per second. A lone utterance over the cap
     is a batch of its own (``epoch_stats()["over_joint_cap_batches"]``).
 
@@ -126,31 +183,21 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         self,
         durations: Any,
         languages: Any,
+        settings: BatchingSettings,
         *,
-        boundaries: Sequence[float] | str | None = None,
-        max_batch_duration: float | None = None,
-        temperature: float | None = None,
         world_size: int = 1,
         rank: int = 0,
-        grad_accum: int | None = None,
-        seed: int | None = None,
-        epoch_size: int | None = None,
-        lang_weighting: str | None = None,
-        cost_quadratic: float | None = None,
-        sort_jitter: float | None = None,
         language_names: Sequence[str] | None = None,
         token_lengths: Any = None,
-        frame_seconds: float | None = None,
-        max_joint_cells: float | None = None,
-        cost_joint: float | None = None,
     ) -> None:
-        self.max_batch_duration = float(_default(max_batch_duration, "MAX_BATCH_DURATION"))
-        self.temperature = float(_default(temperature, "TEMPERATURE"))
-        self.grad_accum = int(_default(grad_accum, "GRAD_ACCUM"))
-        self.seed = int(_default(seed, "SEED"))
-        self.lang_weighting = str(_default(lang_weighting, "LANG_WEIGHTING"))
-        self.cost_quadratic = float(_default(cost_quadratic, "BATCH_COST_QUADRATIC"))
-        self.sort_jitter = float(_default(sort_jitter, "BUCKET_SORT_JITTER"))
+        self.settings = settings
+        self.max_batch_duration = float(settings.max_batch_duration)
+        self.temperature = float(settings.temperature)
+        self.grad_accum = int(settings.grad_accum)
+        self.seed = int(settings.seed)
+        self.lang_weighting = str(settings.lang_weighting)
+        self.cost_quadratic = float(settings.cost_quadratic)
+        self.sort_jitter = float(settings.sort_jitter)
         self.world_size = int(world_size)
         self.rank = int(rank)
         _check_settings(self)
@@ -159,7 +206,7 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         n = len(self.durations)
         codes, self.languages = _encode_languages(languages, n, language_names)
         self.num_utterances = n
-        requested = int(_default(epoch_size, "EPOCH_SIZE"))
+        requested = int(settings.epoch_size)
         if requested < 0:
             raise ValueError(
                 f"epoch_size={requested}: expected >= 0 (0 = the number of utterances)"
@@ -167,11 +214,9 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         self.epoch_size = requested or n
         if self.epoch_size >= 2**31:
             raise ValueError(f"epoch_size={self.epoch_size}: expected < 2**31 utterances per epoch")
-        self.boundaries = _resolve_boundaries(
-            _default(boundaries, "BUCKET_BOUNDARIES"), self.durations
-        )
-        self.frame_seconds = float(_default(frame_seconds, "ENCODER_FRAME_SECONDS"))
-        self.cost_joint = float(_default(cost_joint, "BATCH_COST_JOINT"))
+        self.boundaries = _resolve_boundaries(settings.boundaries, self.durations)
+        self.frame_seconds = float(settings.frame_seconds)
+        self.cost_joint = float(settings.cost_joint)
         self.token_lengths = None
         self.max_joint_cells = 0.0
         if token_lengths is not None:
@@ -182,7 +227,7 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
                     f"{len(self.token_lengths)} values, smallest "
                     f"{int(self.token_lengths.min()) if len(self.token_lengths) else None}"
                 )
-            cap = float(_default(max_joint_cells, "MAX_BATCH_JOINT_CELLS"))
+            cap = float(settings.max_joint_cells)
             if cap == 0:
                 cap = joint_cell_cap(
                     self.durations, self.token_lengths, self.max_batch_duration, self.frame_seconds
@@ -442,20 +487,18 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
 
         steps, dropped = _deal(cost, self.world_size, self.grad_accum, self._rng(3, epoch))
         rank_batches = steps[:, self.rank].astype(np.int32)
-        stats = self._stats(
-            epoch,
-            flat,
-            offsets,
-            counts,
-            max_dur,
-            audio,
-            cost,
-            batch_bucket,
-            steps,
-            dropped,
-            rank_batches,
-            extra,
+        packing = _Packing(
+            flat=flat,
+            offsets=offsets,
+            counts=counts,
+            max_dur=max_dur,
+            audio=audio,
+            cost=cost,
+            bucket=batch_bucket,
+            steps=steps,
+            dropped=dropped,
         )
+        stats = self._stats(epoch, packing, rank_batches, extra)
         stats["max_joint_cells"] = float(self.max_joint_cells)
         stats["largest_joint_cells"] = float(cells.max()) if len(cells) else 0.0
         stats["over_joint_cap_batches"] = (
@@ -468,20 +511,17 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
 
     def _stats(
         self,
-        epoch,
-        flat,
-        offsets,
-        counts,
-        max_dur,
-        audio,
-        cost,
-        batch_bucket,
-        steps,
-        dropped,
-        rank_batches,
-        extra,
+        epoch: int,
+        packing: _Packing,
+        rank_batches: np.ndarray,
+        window_rows: dict[int, np.ndarray],
     ) -> dict[str, Any]:
-        """Epoch statistics from the quotas and the few trimmed batches: no pass over the epoch."""
+        """Epoch statistics from the quotas and the few trimmed batches: no pass over the epoch.
+        ``window_rows``: the rows each upsampled language draws once more than the rest
+        (``_select``)."""
+        flat, offsets, counts = packing.flat, packing.offsets, packing.counts
+        max_dur, audio, cost = packing.max_dur, packing.audio, packing.cost
+        batch_bucket, steps, dropped = packing.bucket, packing.steps, packing.dropped
         names = self.languages
         num_langs = len(names)
         kept_batch = np.ones(len(counts), dtype=bool)
@@ -512,7 +552,7 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         for lang in np.flatnonzero(whole > 0).tolist():
             mine = (self._codes[rows] == lang) & (copies >= whole[lang])
             if mine.any():
-                needed = whole[lang] + _members(rows[mine], extra.get(lang, rows[:0]))
+                needed = whole[lang] + _members(rows[mine], window_rows.get(lang, rows[:0]))
                 distinct[lang] -= int(np.count_nonzero(copies[mine] == needed))
 
         step_cost = cost[steps]
@@ -553,10 +593,6 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
 
 
 # ---- pure helpers ---------------------------------------------------------------------------
-
-
-def _default(value: Any, name: str) -> Any:
-    return getattr(config, name) if value is None else value
 
 
 def _differs(a: Any, b: Any) -> bool:

@@ -10,7 +10,7 @@ GPU install stops a job in its first seconds (train.py calls it at start-up).
 Usage:
     import tdt_loss
     tdt_loss.attach_tdt_loss(model)      # after restore_from / from_pretrained / change_vocabulary
-    python scripts/bench_tdt_loss.py     # speed against a plain loop; on CUDA also against numba
+    python benchmarks/bench_tdt_loss.py     # speed against a plain loop; on CUDA also against numba
 
 Semantics (NeMo's ``compute_tdt_alphas_kernel`` and ``GPUTDT``), for one utterance with T encoder
 frames and U labels y_1..y_U, joint logits z[t, u] = [V+1 token logits (blank = V, the last), D
@@ -214,7 +214,7 @@ def tdt_loss(
     return per_utt.sum() / label_lens.sum().clamp(min=1)
 
 
-# What a GPU machine installs for NeMo's numba TDT kernel (README, "GPU set-up"): torch 2.13.0 from the
+# What a GPU machine installs for NeMo's numba TDT kernel (docs/operations.md, "GPU set-up"): torch 2.13.0 from the
 # registry is built for CUDA 13, so numba-cuda needs its cu13 extra (CUDA 13 bindings, libNVVM, nvJitLink).
 GPU_INSTALL_LINE = ".venv/bin/pip install -r requirements-gpu.txt  # numba-cuda[cu13]==0.30.4"
 BACKENDS = ("numba", "torch")

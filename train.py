@@ -77,6 +77,7 @@ import callbacks  # noqa: E402
 import checkpoints  # noqa: E402
 import config  # noqa: E402
 import run_logging  # noqa: E402
+from sampler import BatchingSettings  # noqa: E402
 from training_step import (  # noqa: E402
     TrainingModule,
     build_dataset,
@@ -109,16 +110,25 @@ def distributed_env() -> dict:
 
 
 def build_callbacks() -> list[pl.Callback]:
-    """The trainer's callbacks (callbacks.py). TrainingMetricsCallback comes after PerLanguageWERCallback
-    so an evaluation's time counts in its step's time, not as data wait; Lightning moves the
-    checkpoint callback to the end of the list itself."""
+    """The trainer's callbacks (callbacks.py), each given the knobs it uses. TrainingMetricsCallback
+    comes after PerLanguageWERCallback so an evaluation's time counts in its step's time, not as
+    data wait; Lightning moves the checkpoint callback to the end of the list itself."""
     return [
-        callbacks.EncoderUnfreezeCallback(),
+        callbacks.EncoderUnfreezeCallback(unfreeze_step=config.UNFREEZE_STEP),
         callbacks.EpochBoundarySyncCallback(),
         callbacks.ExactResumeCallback(),
-        callbacks.StepOnlyModelCheckpoint(),
-        callbacks.ProgressWatchdog(),
-        callbacks.PerLanguageWERCallback(),
+        callbacks.StepOnlyModelCheckpoint(
+            dirpath=config.CHECKPOINT_DIR,
+            every_n_steps=config.CHECKPOINT_EVERY,
+            keep=config.KEEP_CHECKPOINTS,
+            keep_best=config.KEEP_BEST_CHECKPOINTS,
+        ),
+        callbacks.ProgressWatchdog(seconds=config.WATCHDOG_SECONDS),
+        callbacks.PerLanguageWERCallback(
+            every_n_steps=config.EVAL_EVERY_STEPS,
+            samples_per_lang=config.EVAL_SAMPLES_PER_LANG,
+            max_batch_seconds=config.MAX_BATCH_DURATION,
+        ),
         callbacks.TrainingMetricsCallback(),
         callbacks.OptimizerStepProgressBar(),
     ]
@@ -140,7 +150,7 @@ def build_trainer(
         # (TrainingModule.average_batchnorm_statistics).
         # DDP warns on every rank when a backward finds no unused parameter, which phase 2 is until
         # stop_searching_unused_parameters re-wraps DDP: expected with this design; the search's
-        # cost is measured by scripts/bench_ddp_unused.py.
+        # cost is measured by benchmarks/bench_ddp_unused.py.
         warnings.filterwarnings(
             "ignore", message=r"find_unused_parameters=True was specified in DDP constructor"
         )
@@ -300,7 +310,8 @@ def run(argv: list[str] | None = None) -> int:
     model = asr_model.build_model()
     # Per-rank randomness from here on (dropout, SpecAugment masks, dither), still a function of SEED.
     torch.manual_seed(config.SEED + env["rank"])
-    module = TrainingModule(model)
+    # The sampler's knobs, read once here and handed to the module that builds the DataLoader.
+    module = TrainingModule(model, batching=BatchingSettings.from_config())
     # Before the process group exists, so a cache build never runs into a collective timeout.
     prepare_training_caches(model.tokenizer)
     module.dataset = build_dataset(model.tokenizer)

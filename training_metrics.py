@@ -1,8 +1,8 @@
 """Every metric a training run logs, declared once: its W&B key, its meaning, how ranks combine it.
 
 Usage:
-    python training_metrics.py --markdown        # README's metric list
-    python training_metrics.py --update-readme   # rewrite that list in README.md between its markers
+    python training_metrics.py --markdown        # docs/metrics.md's metric list
+    python training_metrics.py --update-docs     # rewrite that list in docs/metrics.md between its markers
 
 A metric is computed from **measures**: quantities each rank measures over one optimizer step (the
 "window" of GRAD_ACCUM micro-batches), combined over ranks by one all-reduce per kind (``sum`` or
@@ -11,7 +11,7 @@ are timers and counters that callbacks.TrainingMetricsCallback sets. A ``cumulat
 also summed over the whole run (the totals survive a resume).
 
 Adding a metric: one ``Metric`` line in ``STEP_METRICS`` (plus one ``Measure`` line when it needs a
-quantity nobody measures yet), then ``python training_metrics.py --update-readme``.
+quantity nobody measures yet), then ``python training_metrics.py --update-docs`` (or ``make docs``).
 Keys containing ``<lang>`` or ``<reason>`` stand for one key per language or bad-audio reason; their
 value function returns ``{lang or reason: value}``.
 """
@@ -116,11 +116,11 @@ def _count(keys: Sequence[str]) -> dict[str, float]:
 class Step:
     """What a metric's value is computed from, at the end of one optimizer step (on every rank).
 
-    ``m``: this step's measures, combined over ranks (per-key ones as {key: value});
+    ``measures``: this step's measures, combined over ranks (per-key ones as {key: value});
     ``total``: the cumulative measures summed over the run; ``recent_langs``: utterances per language
     over the last ``share_window`` steps; ``target_share``: the sampler's target per language."""
 
-    m: dict[str, Any]
+    measures: dict[str, Any]
     total: dict[str, Any]
     trainer: Any
     module: Any
@@ -133,13 +133,13 @@ class Step:
 # example total real samples / total padded samples); "sum / max" = summed audio over the slowest
 # rank's time; "same" = identical on every rank (rank 0's is logged); "gathered" = every rank's
 # hypotheses gathered and scored together; "rank 0" = measured on global rank 0.
-RANKS = ("sum", "max", "pooled", "sum / max", "same", "gathered", "rank 0")
+RANK_REDUCTIONS = ("sum", "max", "pooled", "sum / max", "same", "gathered", "rank 0")
 
 
 @dataclass(frozen=True)
 class Metric:
     key: str
-    ranks: str  # one of RANKS
+    ranks: str  # how ranks combine it: one of RANK_REDUCTIONS
     meaning: str
     value: Callable[[Step], Any] | None = None  # None: logged by the evaluation, not per step
     cuda_only: bool = False
@@ -160,7 +160,7 @@ def _shares(counts: Mapping[str, float]) -> dict[str, float]:
 
 STEP_METRICS: tuple[Metric, ...] = (
     Metric("train/loss", "pooled", "mean loss of this step's micro-batches with a finite loss, all ranks",
-           lambda s: _ratio(s.m["loss_sum"], s.m["loss_count"])),
+           lambda s: _ratio(s.measures["loss_sum"], s.measures["loss_count"])),
     Metric("train/lr", "same", "learning rate this optimizer step used", lambda s: s.lr),
     Metric("train/phase", "same", "1 = encoder frozen, 2 = the whole model trains",
            lambda s: _float(s.module.phase)),
@@ -176,25 +176,26 @@ STEP_METRICS: tuple[Metric, ...] = (
     Metric("train/nonfinite_losses", "sum", "micro-batches so far with a non-finite loss, all ranks",
            lambda s: s.total["nonfinite_losses"]),
     Metric("time/step_s", "max", "wall time of this optimizer step, slowest rank",
-           lambda s: s.m["step_seconds_max"]),
+           lambda s: s.measures["step_seconds_max"]),
     Metric("time/checkpoint_s", "max", "seconds of this step spent saving a checkpoint",
-           lambda s: s.m["checkpoint_seconds"]),
+           lambda s: s.measures["checkpoint_seconds"]),
     Metric("time/data_wait_fraction", "pooled", "share of step time spent waiting for data, ranks pooled",
-           lambda s: _ratio(s.m["wait_seconds"], s.m["step_seconds"]) if s.m["step_seconds"] else 0.0),
+           lambda s: _ratio(s.measures["wait_seconds"], s.measures["step_seconds"])
+           if s.measures["step_seconds"] else 0.0),
     Metric("time/data_wait_fraction_max", "max", "share of step time spent waiting for data, worst rank",
-           lambda s: s.m["wait_fraction_max"]),
+           lambda s: s.measures["wait_fraction_max"]),
     Metric("throughput/audio_s_per_step", "sum", "seconds of audio in this optimizer step, all ranks",
-           lambda s: s.m["audio_seconds"]),
+           lambda s: s.measures["audio_seconds"]),
     Metric("throughput/audio_s_per_s", "sum / max", "seconds of audio trained per second of wall time",
-           lambda s: _ratio(s.m["audio_seconds"], s.m["step_seconds_max"])),
+           lambda s: _ratio(s.measures["audio_seconds"], s.measures["step_seconds_max"])),
     Metric("throughput/utterances_per_step", "sum", "utterances in this optimizer step, all ranks",
-           lambda s: s.m["utterances"]),
+           lambda s: s.measures["utterances"]),
     Metric("throughput/tokens_per_step", "sum", "target tokens (language tag included) in this step, all ranks",
-           lambda s: s.m["tokens"]),
+           lambda s: s.measures["tokens"]),
     Metric("throughput/utterances_per_s", "sum / max", "utterances trained per second of wall time",
-           lambda s: _ratio(s.m["utterances"], s.m["step_seconds_max"])),
+           lambda s: _ratio(s.measures["utterances"], s.measures["step_seconds_max"])),
     Metric("data/padding_efficiency", "pooled", "real audio samples / padded samples in this step's batches",
-           lambda s: _ratio(s.m["real_samples"], s.m["padded_samples"])),
+           lambda s: _ratio(s.measures["real_samples"], s.measures["padded_samples"])),
     Metric("data/bad_audio_total", "sum", "utterances so far skipped as bad audio, all ranks",
            lambda s: float(sum(s.total["bad_audio"].values()))),
     Metric("data/bad_audio/<reason>", "sum", "the same per reason (missing, unreadable, empty, ...)",
@@ -204,10 +205,10 @@ STEP_METRICS: tuple[Metric, ...] = (
     Metric("lang_target/<lang>", "same", "the sampler's target share per language (TEMPERATURE)",
            lambda s: {lang: s.target_share.get(lang, math.nan) for lang in s.recent_langs}),
     Metric("gpu/peak_memory_gib", "max", "peak GPU memory allocated in this step, largest rank",
-           lambda s: s.m["peak_memory_gib"], cuda_only=True),
+           lambda s: s.measures["peak_memory_gib"], cuda_only=True),
     Metric("gpu/peak_reserved_gib", "max", "peak GPU memory the caching allocator held in this "
            "step (allocated + cached, what the device really gave), largest rank",
-           lambda s: s.m["peak_reserved_gib"], cuda_only=True),
+           lambda s: s.measures["peak_reserved_gib"], cuda_only=True),
 )  # fmt: skip
 
 EVALUATION_METRICS: tuple[Metric, ...] = (
@@ -218,7 +219,7 @@ EVALUATION_METRICS: tuple[Metric, ...] = (
            "wer_sub + wer_del + wer_ins)"),
     Metric("val/wer_del/<lang>", "gathered", "deleted words per reference word"),
     Metric("val/wer_ins/<lang>", "gathered", "inserted words per reference word"),
-    Metric("val/loss", "gathered", "TDT loss on the validation utterances (the training loss's "
+    Metric("val/loss", "gathered", "the training loss on the validation utterances (the training loss's "
            "reduction per batch, averaged over utterances: comparable with train/loss)"),
     Metric("val/utterances", "gathered", "validation utterances decoded (bad audio excluded)"),
     Metric("val/seconds", "rank 0", "wall time of the evaluation"),
@@ -358,16 +359,14 @@ def recent_sum(history: Sequence[Mapping[str, float]]) -> dict[str, float]:
     return out
 
 
-# ---- README ---------------------------------------------------------------------------------------
+# ---- docs/metrics.md -----------------------------------------------------------------------------
 
-README_START = (
-    "<!-- metrics-list:start (generated by `python training_metrics.py --update-readme`) -->"
-)
-README_END = "<!-- metrics-list:end -->"
+LIST_START = "<!-- metrics-list:start (generated by `python training_metrics.py --update-docs`) -->"
+LIST_END = "<!-- metrics-list:end -->"
 
 
 def markdown_list() -> str:
-    """README's table of metrics, from the declarations above."""
+    """docs/metrics.md's table of metrics, from the declarations above."""
     rows = ["| key | over ranks | meaning |", "|---|---|---|"]
     for metric in STEP_METRICS + EVALUATION_METRICS:
         suffix = " (CUDA only)" if metric.cuda_only else ""
@@ -380,11 +379,11 @@ def markdown_list() -> str:
 if __name__ == "__main__":
     from pathlib import Path
 
-    from readme_tables import update_readme_section
+    from doc_tables import update_section
 
-    if "--update-readme" in sys.argv[1:]:
-        readme = Path(__file__).resolve().parent / "README.md"
-        changed = update_readme_section(readme, README_START, README_END, markdown_list())
-        print("README.md metric list " + ("updated" if changed else "already up to date"))
+    if "--update-docs" in sys.argv[1:]:
+        page = Path(__file__).resolve().parent / "docs" / "metrics.md"
+        changed = update_section(page, LIST_START, LIST_END, markdown_list())
+        print("docs/metrics.md metric list " + ("updated" if changed else "already up to date"))
     else:
         print(markdown_list())

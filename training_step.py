@@ -160,16 +160,18 @@ RUN_RECORD_KEY = "run_record"
 
 
 class TrainingModule(pl.LightningModule):
-    """Trains a NeMo TDT model on our AsrBatch micro-batches; the NeMo model itself stays unchanged.
+    """Trains a NeMo model (one of asr_model.FAMILIES) on our AsrBatch micro-batches, unchanged.
 
     NeMo's own training_step, data setup and optimizer config are not used: this module owns the
     step, the DataLoader and AdamW + ``lr_at_step``. See the module docstring for the attributes
     monitoring callbacks read.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, batching=None):
         super().__init__()
         self.model = model
+        # The sampler's settings (sampler.BatchingSettings): train.py passes the knobs it read.
+        self.batching = batching if batching is not None else _batching_from_config()
         self.dataset = None
         self.sampler = None
         self.encoder_frozen = False  # set by enter_phase
@@ -242,15 +244,9 @@ class TrainingModule(pl.LightningModule):
     def on_fit_start(self):
         # Before the dataset is loaded: a CUDA loss that cannot run should cost seconds, not a node-hour.
         if self.device.type == "cuda":
-            diff = asr_model.check_loss_on_device(self.model, self.device)
-            log.info(
-                "rank %d: TDT loss on %s (TDT_LOSS=%s) agrees with tdt_loss.py on a known problem "
-                "(largest difference %.2g)",
-                self.global_rank,
-                self.device,
-                config.TDT_LOSS,
-                diff,
-            )
+            checked = asr_model.check_loss_on_device(self.model, self.device)
+            if checked:
+                log.info("rank %d: %s", self.global_rank, checked)
 
     # ---- data -----------------------------------------------------------------------------------
     def train_dataloader(self):
@@ -269,7 +265,11 @@ class TrainingModule(pl.LightningModule):
         if self.dataset is None:  # train.py builds it before fit, to check its audio
             self.dataset = build_dataset(self.model.tokenizer)
         loader, self.sampler = build_dataloader(
-            self.dataset, world_size=world_size, rank=rank, pin_memory=self.device.type == "cuda"
+            self.dataset,
+            self.batching,
+            world_size=world_size,
+            rank=rank,
+            pin_memory=self.device.type == "cuda",
         )
         if getattr(self, "resume_sampler_state", None) is not None:
             # Set from the checkpoint by callbacks.ExactResumeCallback; Lightning builds the iterator
@@ -307,8 +307,8 @@ class TrainingModule(pl.LightningModule):
 
     # ---- the step -------------------------------------------------------------------------------
     def compute_loss(self, batch) -> torch.Tensor:
-        """The model's TDT loss of one non-empty micro-batch (``asr_model.transducer_loss``)."""
-        return asr_model.transducer_loss(self.model, batch, encoder_frozen=self.encoder_frozen)
+        """The model's loss of one non-empty micro-batch (``asr_model.training_loss``)."""
+        return asr_model.training_loss(self.model, batch, encoder_frozen=self.encoder_frozen)
 
     def zero_loss(self) -> torch.Tensor:
         """0 that depends on every trainable parameter: DDP sees them all used, gradients are zeros."""
@@ -612,20 +612,29 @@ def build_dataset(tokenizer):
     return dataset
 
 
-def build_dataloader(dataset, *, world_size: int, rank: int, pin_memory: bool):
+def _batching_from_config():
+    from sampler import BatchingSettings
+
+    return BatchingSettings.from_config()
+
+
+def build_dataloader(dataset, batching, *, world_size: int, rank: int, pin_memory: bool):
     """(DataLoader, sampler) for this rank: one batch_sampler micro-batch per step, NUM_WORKERS workers
-    that leave stop signals to the rank (``dataset.SignalSafeDataLoader``)."""
+    that leave stop signals to the rank (``dataset.SignalSafeDataLoader``). ``batching``: the
+    sampler's settings (``sampler.BatchingSettings``), with the encoder frame of ``dataset``'s cache."""
+    import dataclasses
+
     from dataset import SignalSafeDataLoader, collate_asr_batch
     from sampler import DurationBucketBatchSampler
 
     sampler = DurationBucketBatchSampler(
         dataset.durations,
         dataset.lang_codes,
+        dataclasses.replace(batching, frame_seconds=dataset.frame_seconds),
         language_names=dataset.lang_names,
         world_size=world_size,
         rank=rank,
         token_lengths=dataset.token_lengths,
-        frame_seconds=dataset.frame_seconds,
     )
     workers = config.NUM_WORKERS
     loader = SignalSafeDataLoader(

@@ -1,1 +1,1 @@
-"""The offline tools and benchmarks; each is run as ``python scripts/<name>.py``."""
+"""The pipeline steps a user runs; each is run as ``python scripts/<name>.py``."""

@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import asr_model
     import checkpoints
+    import model_card
     import training_step
 
     try:
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(paths) > 1:
         record = {**record, "averaged": [p.name for p in paths]}
     record = {**record, "selected": selection(args.checkpoint, paths)}
-    checkpoints.export_nemo(model, out, record)
+    model_card.export_nemo(model, out, record)
     what = f"the mean of {', '.join(p.name for p in paths)}" if len(paths) > 1 else str(newest)
     print(f"exported {what} -> {out} (and {out.name.removesuffix('.nemo')}.model-card.md)")
     return 0

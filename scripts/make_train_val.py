@@ -411,7 +411,7 @@ def split_by_groups(
     """Step 4: (train, validation, the summary's split entries plus ``quota``). Rows are grouped by
     speaker (else shard, else, for a language whose every group exceeds its quota and has no
     speakers, by utterance); whole groups go to validation in hash order while they fit every one
-    of their languages' quota (see ``choose_val_groups`` and ``_split_spanning_groups``)."""
+    of their languages' quota (see ``choose_val_groups`` and ``_take_spanning_groups``)."""
     has_speaker = (
         "speaker_id" in kept.columns and kept.get_column("speaker_id").null_count() < kept.height
     )
@@ -448,7 +448,7 @@ def split_by_groups(
             .alias("group")
         )
     chosen = choose_val_groups(kept.group_by("group", "lang").agg(pl.len().alias("n")), quota, seed)
-    kept, chosen, split_by_language = _split_spanning_groups(kept, chosen, quota, seed)
+    chosen, spanning_taken = _take_spanning_groups(kept, chosen, quota, seed)
     in_val = pl.col("group").is_in(pl.Series(sorted(chosen), dtype=pl.String).implode())
     val = kept.filter(in_val)
     train = kept.filter(~in_val)
@@ -470,7 +470,7 @@ def split_by_groups(
         {
             "grouped_by": "speaker_id, else shard_id" if has_speaker else "shard_id",
             "grouped_by_utterance": by_segment,
-            "groups_split_by_language": split_by_language,
+            "groups_spanning_languages_taken": spanning_taken,
             "val_groups": len(chosen),
             "train_groups": train.get_column("group").n_unique(),
             "quota": quota,
@@ -486,25 +486,11 @@ def _why_no_validation(
     quota: dict[str, int],
 ) -> str:
     """Why each language in ``empty`` got no validation row: its group count and sizes against its
-    quota, and how many of its groups also hold other languages' rows."""
+    quota (groups that also hold other languages' rows are taken by ``_take_spanning_groups``)."""
     sizes = dict(kept.group_by("lang").agg(pl.col("group").n_unique()).iter_rows())
-    spanning = dict(
-        kept.group_by("group")
-        .agg(pl.col("lang").unique(), (pl.col("lang").n_unique() > 1).alias("spans"))
-        .explode("lang")
-        .group_by("lang")
-        .agg(pl.col("spans").sum())
-        .iter_rows()
-    )
     return "; ".join(
         f"{lang}: its {lang_rows[lang]} rows are {sizes[lang]} speaker/shard group(s), the "
         f"smallest of {smallest[lang]} rows, and validation may take {quota[lang]}"
-        + (
-            f"; {spanning[lang]} of those groups also hold rows of other languages, and a "
-            f"group goes to validation only when it fits every one of its languages' quota"
-            if spanning.get(lang)
-            else ""
-        )
         for lang in empty
     )
 
@@ -546,44 +532,60 @@ def _split_id(halves, seed: int) -> str:
     return digest.hexdigest()[:32]
 
 
-def _split_spanning_groups(
+def _take_spanning_groups(
     kept: pl.DataFrame, chosen: set[str], quota: dict[str, int], seed: int
-) -> tuple[pl.DataFrame, set[str], dict[str, Any]]:
+) -> tuple[set[str], dict[str, Any]]:
     """When a language got no validation row because every group holding its rows also holds rows
     of other languages (a speaker recorded in two languages) that do not fit their quotas at once,
-    those groups are split by language, and validation takes from their rows in that language
-    alone: the speaker's other rows stay in train, so the speaker is in both splits, in different
-    languages. Returns the rows (``group`` changed where split), the chosen groups and
-    ``{"groups", "languages"}`` of what was split (empty when nothing was)."""
-    taken = kept.filter(pl.col("group").is_in(pl.Series(sorted(chosen), dtype=pl.String).implode()))
-    have = set(taken.get_column("lang").unique().to_list())
+    validation takes, for each such language, the one group that puts the fewest rows of other
+    languages over their quotas (ties: hash order). A speaker stays on one side; the other
+    languages' validation grows past its quota by that group's rows, which the summary lists.
+    Returns the chosen groups and ``{"groups", "languages", "rows_over_quota"}`` (empty when
+    nothing was taken)."""
+    in_val = kept.filter(
+        pl.col("group").is_in(pl.Series(sorted(chosen), dtype=pl.String).implode())
+    )
+    have = dict(in_val.group_by("lang").len().iter_rows())
     empty = sorted(lang for lang, q in quota.items() if q > 0 and lang not in have)
     if not empty:
-        return kept, chosen, {}
-    languages_per_group = kept.group_by("group").agg(pl.col("lang").n_unique().alias("langs"))
-    spanning = languages_per_group.filter(pl.col("langs") > 1).get_column("group")
-    candidates = (
-        kept.filter(pl.col("group").is_in(spanning.implode()) & pl.col("lang").is_in(empty))
-        .get_column("group")
-        .unique()
-        .sort()
-    )
-    if candidates.is_empty():
-        return kept, chosen, {}
-    split = kept.select(pl.col("group").is_in(candidates.implode())).to_series()
-    kept = kept.with_columns(
-        pl.when(split)
-        .then(pl.concat_str(pl.col("group"), pl.lit("@lang:"), pl.col("lang")))
-        .otherwise(pl.col("group"))
-        .alias("group")
-    )
-    pieces = (
-        kept.filter(split & kept.get_column("lang").is_in(empty))
-        .group_by("group", "lang")
-        .agg(pl.len().alias("n"))
-    )
-    more = choose_val_groups(pieces, {lang: quota[lang] for lang in empty}, seed)
-    return kept, chosen | more, {"groups": candidates.len(), "languages": empty}
+        return chosen, {}
+    per_group = kept.group_by("group", "lang").len()
+    spanning = (
+        per_group.group_by("group")
+        .agg(pl.col("lang").n_unique().alias("langs"))
+        .filter(pl.col("langs") > 1)
+    ).get_column("group")
+    taken, over = [], {}
+    chosen = set(chosen)
+    for lang in empty:
+        if lang in have:  # a group taken for an earlier language brought it rows
+            continue
+        candidates = per_group.filter(
+            pl.col("group").is_in(spanning.implode())
+            & ~pl.col("group").is_in(pl.Series(sorted(chosen), dtype=pl.String).implode())
+        ).filter(pl.col("group").is_in(per_group.filter(pl.col("lang") == lang)["group"].implode()))
+        if candidates.is_empty():
+            continue
+        others = (
+            candidates.filter(pl.col("lang") != lang)
+            .group_by("group")
+            .agg(pl.col("len").sum().alias("others"))
+        )
+        keys = others.get_column("group").to_list()
+        ranked = others.with_columns(pl.Series("rank", group_hash(keys, seed))).sort(
+            ["others", "rank", "group"]
+        )
+        best = ranked.item(0, "group")
+        chosen.add(best)
+        taken.append(best)
+        for other, n in per_group.filter(pl.col("group") == best).select("lang", "len").iter_rows():
+            have[other] = have.get(other, 0) + n
+            if have[other] > quota.get(other, 0):
+                over[other] = have[other] - quota.get(other, 0)
+    if not taken:
+        return chosen, {}
+    languages = sorted(lang for lang in empty if lang in have)
+    return chosen, {"groups": len(taken), "languages": languages, "rows_over_quota": over}
 
 
 def write_split(

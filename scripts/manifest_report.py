@@ -98,9 +98,11 @@ def language_table(durations: np.ndarray, languages: np.ndarray) -> list[dict[st
 
 def sampler_plan(durations: np.ndarray, languages: np.ndarray) -> dict[str, Any]:
     """One epoch of the configured sampler on one rank: its epoch_stats() plus per-bucket fill."""
-    from sampler import DurationBucketBatchSampler  # heavy import (torch), only when plotting it
+    # heavy import (torch), only when plotting it
+    from sampler import BatchingSettings, DurationBucketBatchSampler
 
-    sampler = DurationBucketBatchSampler(durations, languages, world_size=1, rank=0)
+    settings = BatchingSettings.from_config()
+    sampler = DurationBucketBatchSampler(durations, languages, settings, world_size=1, rank=0)
     sampler.set_epoch(0)
     stats = sampler.epoch_stats()
     labels = list(stats["batches_per_bucket"])

@@ -17,7 +17,7 @@ what to paste into an issue. Exit 0 when nothing failed, 1 when a check failed, 
                longest utterances at the manifest's p99.9 tokens per second), one optimizer step in
                each phase in PRECISION: fits or not, peak memory, step time
   max-batch    the largest MAX_BATCH_DURATION whose heaviest micro-batch fits in 90% of the GPU's
-               memory (bench_train_step.py's bisection; CUDA, --no-search skips it)
+               memory (max_batch.py's bisection; CUDA, --no-search skips it)
   all-reduce   bus bandwidth between the ranks (NCCL on GPU, gloo on CPU) and what the model's
                gradients cost per optimizer step, as a share of the step
   data         audio seconds per second one rank's DataLoader (NUM_WORKERS workers, the real
@@ -53,7 +53,6 @@ VERDICTS = ("ok", "skip", "warn", "fail")  # in order of severity
 # The oldest driver (its CUDA version, as cudaDriverGetVersion reports it) that runs each CUDA
 # major of torch's build, and the driver branch users know it by.
 DRIVER_FOR_CUDA = {13: (13000, "580"), 12: (12000, "525"), 11: (11000, "450")}
-HEADROOM = 0.9  # the share of GPU memory a step may peak at (the max-batch finder's)
 FEED_MARGIN = 1.25  # the data path should deliver this many times what the step consumes
 ALLREDUCE_WARN_SHARE = 0.2
 # Hidden from Lightning while a one-device Trainer runs inside a torchrun or srun job.
@@ -228,10 +227,13 @@ def _loss_call_seconds(loss, device, shape=(4, 250, 80, 1024)) -> float:
 
 
 def check_tdt_loss(node: Node) -> Check:
+    import asr_model
     import tdt_loss
 
     if node.device.type != "cuda":
         return Check("tdt-loss", "skip", "CPU: train.py runs tdt_loss.py there (no CUDA kernel)")
+    if not isinstance(asr_model.family(node.model), asr_model.TDT):
+        return Check("tdt-loss", "skip", f"{asr_model.family(node.model).name}: no TDT loss")
     inner = node.model.loss._loss
     start = time.perf_counter()
     try:
@@ -331,9 +333,9 @@ def outside_torchrun():
 
 def heaviest_shape(node: Node):
     """The heaviest micro-batch at MAX_BATCH_DURATION: from the manifest's durations and token
-    lengths when its training cache is there, else from bench_train_step's synthetic corpus."""
+    lengths when its training cache is there, else from max_batch's synthetic corpus."""
+    from max_batch import BatchShape, heaviest_batch_shape
     from sampler import heaviest_batch
-    from scripts.bench_train_step import BatchShape, heaviest_batch_shape
 
     if node.dataset is not None:
         durations, tokens = heaviest_batch(
@@ -347,15 +349,18 @@ def heaviest_shape(node: Node):
 def check_step(node: Node) -> Check:
     import torch
 
-    from scripts import bench_train_step as bench
+    import max_batch
 
     device = node.device
-    precision = bench.step_precision(device)
+    precision = max_batch.step_precision(device)
     shape, source = heaviest_shape(node)
-    batch = bench.make_batch(shape, node.model.tokenizer)
+    batch = max_batch.make_batch(shape, node.model.tokenizer)
     described = f"{shape.describe()} ({source}), {precision}"
     if device.type == "cpu":
-        need, have = bench.estimated_host_bytes(node.model, shape), bench.available_host_bytes()
+        need, have = (
+            max_batch.estimated_host_bytes(node.model, shape),
+            max_batch.available_host_bytes(),
+        )
         if need > have:
             return Check(
                 "step",
@@ -368,7 +373,7 @@ def check_step(node: Node) -> Check:
     try:
         with outside_torchrun():
             for phase in (1, 2):
-                results[phase] = bench.run_steps(
+                results[phase] = max_batch.run_steps(
                     "project",
                     node.model,
                     batch,
@@ -379,8 +384,8 @@ def check_step(node: Node) -> Check:
                     precision=precision,
                 )
     except Exception as exc:  # noqa: BLE001
-        if device.type == "cuda" and bench._is_oom(exc):
-            bench.reset_model(node.model)
+        if device.type == "cuda" and max_batch.is_oom(exc):
+            max_batch.reset_model(node.model)
             torch.cuda.empty_cache()
             return Check(
                 "step",
@@ -400,12 +405,12 @@ def check_step(node: Node) -> Check:
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         figure += f", peak {memory / 2**30:.1f} of {total / 2**30:.1f} GiB"
-        if memory > HEADROOM * total:
+        if memory > max_batch.HEADROOM * total:
             return Check(
                 "step",
                 "warn",
                 figure,
-                f"above {HEADROOM:.0%} of the GPU: fragmentation can still run it out of memory "
+                f"above {max_batch.HEADROOM:.0%} of the GPU: fragmentation can still run it out of memory "
                 "hours in; lower MAX_BATCH_DURATION",
             )
         return Check("step", "ok", figure)
@@ -413,7 +418,7 @@ def check_step(node: Node) -> Check:
 
 
 def check_max_batch(node: Node, args) -> Check:
-    from scripts import bench_train_step as bench
+    import max_batch
 
     if node.device.type != "cuda":
         return Check("max-batch", "skip", "needs a CUDA device")
@@ -425,7 +430,7 @@ def check_max_batch(node: Node, args) -> Check:
 
         tps = token_density(node.dataset.durations, node.dataset.token_lengths)
     with outside_torchrun():
-        best = bench.find_max_batch_duration(
+        best = max_batch.find_max_batch_duration(
             node.model,
             node.model.tokenizer,
             tps,
@@ -521,6 +526,7 @@ def drop_from_page_cache(paths) -> int:
 
 
 def check_data(node: Node, args) -> Check:
+    from sampler import BatchingSettings
     from training_step import build_dataloader
 
     if node.dataset is None:
@@ -528,6 +534,7 @@ def check_data(node: Node, args) -> Check:
     workers = config.NUM_WORKERS
     loader, sampler = build_dataloader(
         node.dataset,
+        BatchingSettings.from_config(),
         world_size=node.world_size,
         rank=node.rank,
         pin_memory=node.device.type == "cuda",

@@ -206,7 +206,7 @@ NCCL_IB_DISABLE=${NCCL_IB_DISABLE:-<auto>} NCCL_DEBUG=$NCCL_DEBUG"
 set +e
 # USR1 (forwarded by srun from the batch step) and SIGTERM (scancel, preemption) reach torchrun, which
 # passes them on to every rank and waits PREEMPT_SAVE_SECONDS for them: the ranks finish their current
-# optimizer step, save it as a step checkpoint and exit with code 75 (see README, Resume).
+# optimizer step, save it as a step checkpoint and exit with code 75 (see docs/operations.md, "Checkpoints and resume").
 "$PY" -m torch.distributed.run \
     --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
     --shutdown-timeout="${PREEMPT_SAVE_SECONDS:-240}" \

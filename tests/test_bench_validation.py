@@ -1,4 +1,4 @@
-"""scripts/bench_validation.py: a whole run on the tiny model prints the timings, the ratio to NeMo's
+"""benchmarks/bench_validation.py: a whole run on the tiny model prints the timings, the ratio to NeMo's
 own validation step and the share of training time, consistent with its formula."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import config
-from scripts import bench_validation
+from benchmarks import bench_validation
 from tests.tiny_training_data import make_training_data
 
 

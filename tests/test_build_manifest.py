@@ -1004,10 +1004,10 @@ def test_invalid_utf8_names_the_file_the_column_and_the_first_bad_row(tmp_path):
 
 # --- the benchmark script ----------------------------------------------------------------------
 def test_benchmark_runs_end_to_end_and_finds_the_rows_agree(tmp_path, capsys):
-    """A small corpus through scripts/bench_build_manifest.py: its comparison must pass, so the
+    """A small corpus through benchmarks/bench_build_manifest.py: its comparison must pass, so the
     baseline and build_manifest.py agree row for row except where the new cleaning fixes the old."""
     spec = importlib.util.spec_from_file_location(
-        "bench_build_manifest", REPO / "scripts" / "bench_build_manifest.py"
+        "bench_build_manifest", REPO / "benchmarks" / "bench_build_manifest.py"
     )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -29,10 +29,11 @@ import config
 import dataset as dataset_module
 import evaluation
 import manifest_schema
+import model_card
 import run_logging
 import training_metrics
 from dataset import collate_asr_batch
-from sampler import DurationBucketBatchSampler
+from sampler import BatchingSettings, DurationBucketBatchSampler
 
 # ---------------------------------------------------------------------------------------------------
 # WER / CER
@@ -197,19 +198,18 @@ class TinyModule(pl.LightningModule):
         self.skipped_steps = self.empty_micro_batches = self.nonfinite_losses = 0
 
     def train_dataloader(self):
-        self.sampler = DurationBucketBatchSampler(
-            self.dataset.durations,
-            self.dataset.languages,
+        settings = BatchingSettings.from_config(
             boundaries=(2.0,),
             max_batch_duration=6.0,
             temperature=0.5,
-            world_size=1,
-            rank=0,
             grad_accum=GRAD_ACCUM,
             seed=1,
             epoch_size=0,
             lang_weighting="count",
             cost_quadratic=0.0,
+        )
+        self.sampler = DurationBucketBatchSampler(
+            self.dataset.durations, self.dataset.languages, settings, world_size=1, rank=0
         )
         if self.resume_sampler_state is not None:  # as train.py does
             self.sampler.load_state_dict(self.resume_sampler_state)
@@ -375,10 +375,10 @@ def test_nemo_export_is_atomic_and_comes_with_its_model_card(tmp_path):
                 raise RuntimeError("killed")
 
     with pytest.raises(OSError, match="killed") as failed:
-        checkpoints.export_nemo(Model(fail=True), tmp_path / "step_00000010.nemo")
+        model_card.export_nemo(Model(fail=True), tmp_path / "step_00000010.nemo")
     assert failed.value.filename == str(tmp_path / "step_00000010.nemo")
     assert list(tmp_path.iterdir()) == []
-    checkpoints.export_nemo(Model(fail=False), tmp_path / "step_00000010.nemo", {"step": 10})
+    model_card.export_nemo(Model(fail=False), tmp_path / "step_00000010.nemo", {"step": 10})
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "step_00000010.model-card.md",
         "step_00000010.nemo",

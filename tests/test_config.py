@@ -145,7 +145,7 @@ def test_a_bad_value_fails_at_import_as_one_line_and_exit_code_2():
 def test_help_prints_usage_and_runs_nothing():
     proc = _run_config({}, "--help")
     assert proc.returncode == 0 and proc.stdout.startswith("usage: config.py")
-    assert "--update-readme" in proc.stdout and "DATA_DIR" not in proc.stdout
+    assert "--update-docs" in proc.stdout and "DATA_DIR" not in proc.stdout
 
 
 # ---- variables that look like knobs but are none ------------------------------------------------
@@ -266,12 +266,10 @@ def test_readme_opens_with_the_two_commands():
     assert commands == ["make demo", "make test"]
 
 
-def test_readme_variable_table_is_generated_from_config(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text((REPO / "README.md").read_text(encoding="utf-8"), encoding="utf-8")
-    assert not config.update_readme(readme), (
-        "README.md table is stale: run `python config.py --update-readme`"
-    )
+def test_docs_variable_table_is_generated_from_config(tmp_path):
+    page = tmp_path / "knobs.md"
+    page.write_text((REPO / "docs" / "knobs.md").read_text(encoding="utf-8"), encoding="utf-8")
+    assert not config.update_docs(page), "docs/knobs.md table is stale: run `make docs`"
 
 
 def test_ci_runs_exactly_the_readme_test_command():

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import dataset
 import training_cache
 from manifest_schema import lang_tag, tagged_text
+from sampler import BatchingSettings
 from tests.conftest import LANGS, WORDS
 
 # ------------------------------------------------------------------------------------------ fixtures
@@ -481,7 +482,8 @@ def test_a_dataloader_worker_that_delivers_nothing_fails_the_job_instead_of_hang
     monkeypatch.setattr(config, "MAX_BATCH_DURATION", 2.0)
     monkeypatch.setattr(config, "COLLECTIVE_TIMEOUT_MINUTES", 2 / 60)
     monkeypatch.setattr(dataset, "load_audio", lambda *a, **k: __import__("time").sleep(600))
-    loader, _ = build_dataloader(ds, world_size=1, rank=0, pin_memory=False)
+    batching = BatchingSettings.from_config()
+    loader, _ = build_dataloader(ds, batching, world_size=1, rank=0, pin_memory=False)
     assert loader.timeout == 2
     with pytest.raises(RuntimeError, match="DataLoader timed out after 2"):
         next(iter(loader))

@@ -348,8 +348,9 @@ def test_rows_in_equal_train_plus_val_plus_dropped_and_no_leak(
         )
 
     assert group(train).isdisjoint(group(val))
+    over = summary["split"]["groups_spanning_languages_taken"].get("rows_over_quota", {})
     for lang, n in summary["val_by_lang"].items():
-        assert n <= val_per_lang
+        assert n <= val_per_lang + over.get(lang, 0)
 
 
 # --- input and cli -------------------------------------------------------------------------------
@@ -420,26 +421,35 @@ def test_a_language_with_one_speaker_gets_no_validation_and_that_is_an_error(tmp
 
 
 def test_speakers_recorded_in_two_languages_still_give_each_language_validation(tmp_path):
-    # every ur speaker also speaks 20 English rows; a speaker group goes whole to one side, and en
-    # may take only 3, so no ur speaker fits: the groups are split by language for ur alone
+    # every ur speaker also speaks English: 2 ur rows beside 20, 8, 5, ... en rows. A speaker group
+    # goes whole to one side and en may take only 3, so no ur speaker fits every quota at once:
+    # validation takes the one whose English overshoots least, and the summary says so
     rows = []
-    for k in range(6):
+    for k, n_en in enumerate((20, 8, 5, 12, 9, 30)):
         rows += [row(f"u{k}_{i}", f"اردو متن {k} {i}", "ur", speaker=f"s{k}") for i in range(2)]
         rows += [
-            row(f"e{k}_{i}", f"english text {k} {i}", "en", speaker=f"s{k}") for i in range(20)
+            row(f"e{k}_{i}", f"english text {k} {i}", "en", speaker=f"s{k}") for i in range(n_en)
         ]
     for k in range(4):
         rows += [row(f"o{k}_{i}", f"only english {k} {i}", "en", speaker=f"o{k}") for i in range(2)]
     train, val, summary = run(tmp_path, rows, val_per_lang=3, allow_short_val=False)
-    val_langs = val.get_column("lang").to_list()
-    assert val_langs.count("ur") == 2 and val_langs.count("en") == 2
-    assert summary["split"]["groups_split_by_language"] == {"groups": 6, "languages": ["ur"]}
-    # no row is in both splits, and a speaker's rows in one language stay on one side
+    taken = summary["split"]["groups_spanning_languages_taken"]
+    assert taken == {"groups": 1, "languages": ["ur"], "rows_over_quota": {"en": 4}}
+    assert set(val.filter(pl.col("lang") == "ur").get_column("speaker_id")) == {"s2"}  # 5 en rows
+    assert summary["val_by_lang"] == {"en": 7, "ur": 2}  # 2 only-English rows + s2's 5
+    # no speaker and no row is in both splits
+    assert set(val.get_column("speaker_id")).isdisjoint(set(train.get_column("speaker_id")))
     assert val.join(train, on="segment_id", how="semi").is_empty()
-    both = val.select("speaker_id", "lang").join(
-        train.select("speaker_id", "lang"), on=["speaker_id", "lang"], how="semi"
-    )
-    assert both.is_empty()
+
+
+def test_a_bilingual_speaker_is_taken_whole_even_past_its_own_languages_quota(tmp_path):
+    rows = [row(f"u{i}", f"اردو {i}", "ur", speaker="bi") for i in range(4)]
+    rows += [row(f"e{i}", f"english {i}", "en", speaker="bi") for i in range(4)]
+    rows += [row(f"o{i}", f"only {i}", "en", speaker=f"o{i}") for i in range(4)]
+    train, val, summary = run(tmp_path, rows, val_per_lang=2, allow_short_val=False)
+    assert set(val.get_column("speaker_id")) >= {"bi"} and "bi" not in set(train["speaker_id"])
+    over = summary["split"]["groups_spanning_languages_taken"]["rows_over_quota"]
+    assert over["ur"] == 2 and summary["val_by_lang"]["ur"] == 4
 
 
 def test_without_speaker_ids_large_shards_are_split_per_utterance_to_meet_the_quota(tmp_path):

@@ -18,7 +18,7 @@ import pytest
 
 import config
 from manifest_schema import tagged_text
-from sampler import DurationBucketBatchSampler
+from sampler import BatchingSettings, DurationBucketBatchSampler
 from scripts import manifest_report as mr
 
 REPO = Path(__file__).resolve().parents[1]
@@ -152,7 +152,8 @@ def test_hours_and_counts_per_language_match_the_manifest(report):
 
 
 def test_language_mix_and_padding_come_from_the_configured_sampler(report):
-    stats = DurationBucketBatchSampler(report["durations"], report["langs"]).epoch_stats()
+    settings = BatchingSettings.from_config()
+    stats = DurationBucketBatchSampler(report["durations"], report["langs"], settings).epoch_stats()
     md = report["markdown"]
     for lang in COUNTS:
         assert (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 import config
 import sampler as sampler_module
-from sampler import DurationBucketBatchSampler
+from sampler import BatchingSettings, DurationBucketBatchSampler
 
 REPO = sampler_module.__file__.rsplit("/", 1)[0]
 FEW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -49,8 +50,19 @@ def corpus(counts: dict[str, int], seed: int = 0) -> tuple[np.ndarray, np.ndarra
 SKEWED = {"hi": 6000, "en": 3000, "ta": 1500, "bn": 700, "as": 200, "or": 60}
 
 
+SETTINGS = {f.name for f in dataclasses.fields(BatchingSettings)}
+
+
+def build(durations, languages, **kwargs) -> DurationBucketBatchSampler:
+    """A sampler with config.py's settings, changed by the ``kwargs`` that name settings; the
+    others (world_size, rank, language_names, token_lengths) go to the constructor."""
+    changes = {k: kwargs.pop(k) for k in list(kwargs) if k in SETTINGS}
+    settings = BatchingSettings.from_config(**changes)
+    return DurationBucketBatchSampler(durations, languages, settings, **kwargs)
+
+
 def make(durations, languages, **overrides) -> DurationBucketBatchSampler:
-    return DurationBucketBatchSampler(durations, languages, **{**BASE, **overrides})
+    return build(durations, languages, **{**BASE, **overrides})
 
 
 def rank_plans(
@@ -237,7 +249,7 @@ def test_epoch_size_sets_the_number_of_utterances_per_epoch(monkeypatch):
     s = make(durations, languages, epoch_size=5000)
     assert sum(len(b) for b in s) == 5000
     monkeypatch.setattr(config, "EPOCH_SIZE", 4321)
-    s = make(durations, languages, epoch_size=None)
+    s = make(durations, languages, epoch_size=BatchingSettings.from_config().epoch_size)
     assert sum(len(b) for b in s) == 4321
     assert sum(len(b) for b in make(durations, languages, epoch_size=0)) == len(durations)
 
@@ -266,7 +278,7 @@ def test_auto_boundaries_split_durations_at_quantiles():
 def test_auto_boundaries_come_from_config(monkeypatch):
     durations, languages = corpus(SKEWED)
     monkeypatch.setattr(config, "BUCKET_BOUNDARIES", "auto:3")
-    s = DurationBucketBatchSampler(durations, languages, boundaries=None)
+    s = build(durations, languages)
     assert len(s.boundaries) == 2
 
 
@@ -377,7 +389,7 @@ def test_padding_efficiency_is_at_least_095_with_default_settings():
     languages = np.random.default_rng(11).choice(
         ["hi", "en", "ta"], size=len(durations), p=[0.6, 0.3, 0.1]
     )
-    s = DurationBucketBatchSampler(durations, languages)  # config defaults throughout
+    s = build(durations, languages)  # config defaults throughout
     plan = list(s)
     assert padding_efficiency(plan, durations) >= 0.95
     assert s.epoch_stats()["padding_efficiency"] == pytest.approx(
@@ -742,7 +754,7 @@ GOOD_L = np.array(["a", "b", "a"])
 )
 def test_bad_input_raises_a_value_error_naming_the_problem(durations, languages, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        DurationBucketBatchSampler(durations, languages, **kwargs)
+        build(durations, languages, **kwargs)
 
 
 @FEW
@@ -754,11 +766,11 @@ def test_a_bad_duration_anywhere_is_reported_with_its_row(n, data, bad):
     durations = np.full(n, 4.0)
     durations[row] = bad
     with pytest.raises(ValueError, match=rf"durations\[{row}\] = "):
-        DurationBucketBatchSampler(durations, ["a"] * n)
+        build(durations, ["a"] * n)
 
 
 def test_an_epoch_too_small_for_every_rank_is_refused_with_a_fix():
-    s = DurationBucketBatchSampler(GOOD_D, GOOD_L, world_size=8, grad_accum=4)
+    s = build(GOOD_D, GOOD_L, world_size=8, grad_accum=4)
     with pytest.raises(ValueError, match="world_size x grad_accum"):
         len(s)
 

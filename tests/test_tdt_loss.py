@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tdt_loss
-from scripts.bench_tdt_loss import lse, reference_tdt_loss
+from tests.reference_tdt_loss import lse, reference_tdt_loss
 
 DURATIONS = [0, 1, 2, 3, 4]
 

@@ -1,4 +1,4 @@
-"""training_metrics.py: the declarations, their reduction over ranks, and README's generated list."""
+"""training_metrics.py: the declarations, their reduction over ranks, and docs/metrics.md's generated list."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import training_metrics as tm
-from readme_tables import replace_section
+from doc_tables import replace_section
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,11 +27,11 @@ def batch(langs, durations, bad=None, loss=1.0):
     return b, SimpleNamespace(last_loss=torch.tensor(loss))
 
 
-def test_readme_metric_list_is_generated_from_the_declarations():
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+def test_docs_metric_list_is_generated_from_the_declarations():
+    text = (REPO / "docs" / "metrics.md").read_text(encoding="utf-8")
     body = tm.markdown_list()
-    assert replace_section(text, tm.README_START, tm.README_END, body) == text, (
-        "README.md metric list is stale: run `python training_metrics.py --update-readme`"
+    assert replace_section(text, tm.LIST_START, tm.LIST_END, body) == text, (
+        "docs/metrics.md metric list is stale: run `make docs`"
     )
     for key in ("train/epoch", "train/micro_batch", "data/bad_audio_total", "val/wer/<lang>"):
         assert f"`{key}`" in body
@@ -41,7 +41,7 @@ def test_every_metric_declares_a_known_reduction_and_a_meaning():
     keys = [m.key for m in tm.STEP_METRICS + tm.EVALUATION_METRICS]
     assert len(keys) == len(set(keys))
     for m in tm.STEP_METRICS + tm.EVALUATION_METRICS:
-        assert m.ranks in tm.RANKS and m.meaning, m.key
+        assert m.ranks in tm.RANK_REDUCTIONS and m.meaning, m.key
     assert all(m.value is not None for m in tm.STEP_METRICS)
 
 
@@ -75,7 +75,7 @@ def test_step_metrics_expand_per_language_keys_and_leave_cuda_ones_out_on_cpu():
     trainer = SimpleNamespace(current_epoch=0, fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(
         batch_progress=SimpleNamespace(current=SimpleNamespace(processed=3)))))  # fmt: skip
     module = SimpleNamespace(phase=1, last_grad_norm=0.5)
-    step = tm.Step(m=reduced, total=totals, trainer=trainer, module=module, lr=1e-3,
+    step = tm.Step(measures=reduced, total=totals, trainer=trainer, module=module, lr=1e-3,
                    recent_langs=reduced["lang_utterances"], target_share={"en": 0.4, "hi": 0.6})  # fmt: skip
     out = tm.step_metrics(step, cuda=False)
     assert out["lang_share/hi"] == 2 / 3 and out["lang_target/en"] == 0.4

@@ -1,12 +1,13 @@
 """Speed of the TDT loss of tdt_loss.py against a plain per-(t, u) loop and, on CUDA, NeMo's numba kernel.
 
 Usage:
-    python scripts/bench_tdt_loss.py                       # B=4, T=60, U=20, V=256: a tiny-model micro-batch
-    python scripts/bench_tdt_loss.py --batch 8 --frames 250 --labels 80 --vocab 1024 --skip-loop
-    python scripts/bench_tdt_loss.py --cuda --batch 4 --frames 250 --labels 100 --vocab 12000 --skip-loop
+    python benchmarks/bench_tdt_loss.py                       # B=4, T=60, U=20, V=256: a tiny-model micro-batch
+    python benchmarks/bench_tdt_loss.py --batch 8 --frames 250 --labels 80 --vocab 1024 --skip-loop
+    python benchmarks/bench_tdt_loss.py --cuda --batch 4 --frames 250 --labels 100 --vocab 12000 --skip-loop
 
-The loop baseline is ``reference_tdt_loss`` below, the recursion written plainly (the same math NeMo's
-tdt_pytorch loops over, without its .cuda() calls); tests/test_tdt_loss.py checks tdt_loss.py against it.
+The loop baseline is ``reference_tdt_loss`` of tests/reference_tdt_loss.py, the recursion written
+plainly (the same math NeMo's tdt_pytorch loops over, without its .cuda() calls), which
+tests/test_tdt_loss.py checks tdt_loss.py against.
 Both run in this process; the ratio is printed.
 With --cuda, forward + backward of tdt_loss on the GPU (what TDT_LOSS=torch runs) is timed against
 NeMo's numba TDT kernel (TDT_LOSS=numba, requirements-gpu.txt) on the same logits, after both are
@@ -16,59 +17,25 @@ checked to agree (tdt_loss.check_cuda_loss).
 from __future__ import annotations
 
 import argparse
-import math
+import importlib.util
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 import tdt_loss
 
 DURATIONS = [0, 1, 2, 3, 4]
+REFERENCE = Path(__file__).resolve().parents[1] / "tests" / "reference_tdt_loss.py"
 
 
-# ---- the reference: the forward-variable recursion, one (b, t, u) at a time -------------------------
-
-
-def lse(terms):
-    """log(sum(exp(terms))) of a list of 0-d tensors."""
-    return torch.logsumexp(torch.stack(terms), dim=0)
-
-
-def reference_tdt_loss(acts, labels, act_lens, label_lens, blank, durations, sigma=0.0):
-    """-log P(y|x) per utterance. alpha[(t, u)] is None where no path arrives (no log(0) arithmetic)."""
-    n_dur = len(durations)
-    losses = []
-    for b in range(acts.shape[0]):
-        T, U = int(act_lens[b]), int(label_lens[b])
-        tok = torch.log_softmax(acts[b, :, :, : acts.shape[-1] - n_dur], dim=-1) - sigma
-        dur = torch.log_softmax(acts[b, :, :, acts.shape[-1] - n_dur :], dim=-1)
-        alpha = {(0, 0): torch.zeros((), dtype=acts.dtype)}
-        for t in range(T):
-            for u in range(U + 1):
-                if (t, u) == (0, 0):
-                    continue
-                terms = []
-                for i, d in enumerate(durations):
-                    if t - d < 0:
-                        continue
-                    if (
-                        d > 0 and alpha.get((t - d, u)) is not None
-                    ):  # blank: stays at u, moves d frames
-                        terms.append(alpha[(t - d, u)] + tok[t - d, u, blank] + dur[t - d, u, i])
-                    if u > 0 and alpha.get((t - d, u - 1)) is not None:  # label y_u, moves d frames
-                        y = int(labels[b, u - 1])
-                        terms.append(
-                            alpha[(t - d, u - 1)] + tok[t - d, u - 1, y] + dur[t - d, u - 1, i]
-                        )
-                alpha[(t, u)] = lse(terms) if terms else None
-        final = [
-            alpha[(T - d, U)] + tok[T - d, U, blank] + dur[T - d, U, i]
-            for i, d in enumerate(durations)
-            if d > 0 and T - d >= 0 and alpha.get((T - d, U)) is not None
-        ]
-        losses.append(-lse(final) if final else torch.tensor(math.inf, dtype=acts.dtype))
-    return torch.stack(losses)
+def load_reference_tdt_loss():
+    """The test suite's plain recursion, loaded by path: tests/ is not an installed package."""
+    spec = importlib.util.spec_from_file_location("reference_tdt_loss", REFERENCE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.reference_tdt_loss
 
 
 def timed(fn, repeats: int) -> float:
@@ -114,6 +81,7 @@ def main() -> int:
     t_ours = timed(ours, args.repeats)
     print(f"B={B} T={T} U={U} V={V}: tdt_loss forward+backward {t_ours * 1e3:.1f} ms")
     if not args.skip_loop:
+        reference_tdt_loss = load_reference_tdt_loss()
 
         def loop():
             reference_tdt_loss(

@@ -1,8 +1,8 @@
 """What DDP's find_unused_parameters=True costs a phase-2 step, in a 2-process run on this machine.
 
 Usage:
-    python scripts/bench_ddp_unused.py                                        # MODEL_CONFIG (tiny)
-    MODEL_CONFIG=configs/parakeet_tdt_0.6b.yaml python scripts/bench_ddp_unused.py --seconds 2 --steps 4
+    python benchmarks/bench_ddp_unused.py                                        # MODEL_CONFIG (tiny)
+    MODEL_CONFIG=configs/parakeet_tdt_0.6b.yaml python benchmarks/bench_ddp_unused.py --seconds 2 --steps 4
 
 Two processes (gloo on CPU, NCCL with one GPU each where there are two) wrap the same model twice:
 DDP with find_unused_parameters=True (what train.py uses: the encoder is frozen after the wrap) and
@@ -61,7 +61,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
 
     nemo_logging.setLevel(logging.ERROR)
     import asr_model
-    from scripts import bench_train_step as bench
+    import max_batch
+    from benchmarks import bench_train_step as bench
     from training_step import TrainingModule
 
     torch.set_num_threads(args.threads)
@@ -73,10 +74,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     torch.manual_seed(0)
     model = asr_model.build_model(tokenizer_dir=tokenizer_dir).to(device)
     module = TrainingModule(model).to(device)
-    shape = bench.BatchShape(
+    shape = max_batch.BatchShape(
         [args.seconds] * args.batch, [max(2, int(5 * args.seconds))] * args.batch
     )
-    batch = bench.make_batch(shape, model.tokenizer, seed=rank)
+    batch = max_batch.make_batch(shape, model.tokenizer, seed=rank)
     batch = batch._replace(
         **{k: getattr(batch, k).to(device) for k in ("signal", "signal_len", "tokens", "token_len")}
     )

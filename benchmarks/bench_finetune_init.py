@@ -2,9 +2,9 @@
 how long the encoder stays frozen.
 
 Usage:
-    python scripts/bench_finetune_init.py                  # about 45 minutes on 2 idle cores (CPU)
-    python scripts/bench_finetune_init.py --work /tmp/ft --base-steps 600 --steps 300
-    python scripts/bench_finetune_init.py --only extended,extended_short   # some variants again
+    python benchmarks/bench_finetune_init.py                  # about 45 minutes on 2 idle cores (CPU)
+    python benchmarks/bench_finetune_init.py --work /tmp/ft --base-steps 600 --steps 300
+    python benchmarks/bench_finetune_init.py --only extended,extended_short   # some variants again
 
 What it runs, with the commands a user runs (scripts/*.py, torchrun train.py with 2 CPU processes,
 the demo's model configs/demo_tdt.yaml), all under ``--work``:

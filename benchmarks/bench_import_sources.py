@@ -2,9 +2,9 @@
 from in-house shards, on the same machine: rows per second and peak memory.
 
 Usage:
-    python scripts/bench_import_sources.py --help
-    python scripts/bench_import_sources.py                      # 1,000,000 rows; 100,000 with headers
-    python scripts/bench_import_sources.py --rows 250000 --header-rows 20000 --keep /tmp/bench
+    python benchmarks/bench_import_sources.py --help
+    python benchmarks/bench_import_sources.py                      # 1,000,000 rows; 100,000 with headers
+    python benchmarks/bench_import_sources.py --rows 250000 --header-rows 20000 --keep /tmp/bench
 
 It writes synthetic shards (metadata.parquet + audio_index.parquet, as bench_build_manifest.py
 does) and gives every indexed row an audio file where extract_audio.py would put it (hard links to
@@ -40,8 +40,8 @@ import numpy as np
 import polars as pl
 import soundfile as sf
 
+from benchmarks.bench_build_manifest import write_corpus
 from manifest_schema import INDEX_FILE, METADATA_FILE
-from scripts.bench_build_manifest import write_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,11 +1,11 @@
 """Benchmark build_manifest.py against the row-wise pandas pipeline it replaces, on the same shards.
 
 Usage:
-    python scripts/bench_build_manifest.py --help
-    python scripts/bench_build_manifest.py                          # 512,000 rows over 320 shards
-    python scripts/bench_build_manifest.py --shards 400 --rows-per-shard 2000 --keep /tmp/bench
-    python scripts/bench_build_manifest.py --text-mix dense         # the first version's corpus
-    python scripts/bench_build_manifest.py --pool-size 110000       # nearly every transcript unique
+    python benchmarks/bench_build_manifest.py --help
+    python benchmarks/bench_build_manifest.py                          # 512,000 rows over 320 shards
+    python benchmarks/bench_build_manifest.py --shards 400 --rows-per-shard 2000 --keep /tmp/bench
+    python benchmarks/bench_build_manifest.py --text-mix dense         # the first version's corpus
+    python benchmarks/bench_build_manifest.py --pool-size 110000       # nearly every transcript unique
 
 It writes synthetic shards (metadata.parquet + audio_index.parquet, no audio; how much punctuation
 the transcripts hold follows ``--text-mix``, see TEXT_MIXES) into a temp dir, then in one process
@@ -267,7 +267,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  python scripts/bench_build_manifest.py --shards 320 --rows-per-shard 1600",
+        epilog="example:\n  python benchmarks/bench_build_manifest.py --shards 320 --rows-per-shard 1600",
     )
     parser.add_argument("--shards", type=int, default=320, help="number of shards (default 320)")
     parser.add_argument(

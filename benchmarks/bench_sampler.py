@@ -1,9 +1,9 @@
 """Benchmark sampler.py against a re-implementation of the sampler it replaces, in one process.
 
 Usage:
-    python scripts/bench_sampler.py                    # 2M utterances at world_size 8, then ours at 10M
-    python scripts/bench_sampler.py --utterances 200000 --large 0   # a quick look
-    python scripts/bench_sampler.py --help
+    python benchmarks/bench_sampler.py                    # 2M utterances at world_size 8, then ours at 10M
+    python benchmarks/bench_sampler.py --utterances 200000 --large 0   # a quick look
+    python benchmarks/bench_sampler.py --help
 
 Both samplers get the same synthetic corpus: 14 languages with skewed counts (30 % .. 1 %), durations
 lognormal (median 6 s, sigma 0.6) clipped to 0.5..20 s, T=0.3, 90 s batches, grad_accum 4.
@@ -38,13 +38,28 @@ from collections.abc import Callable
 
 import numpy as np
 
-from sampler import DurationBucketBatchSampler
+from sampler import BatchingSettings, DurationBucketBatchSampler
 
 BOUNDARIES = (3.0, 5.0, 8.0, 12.0, 16.0)
 MAX_BATCH_SECONDS = 90.0
 TEMPERATURE = 0.3
 GRAD_ACCUM = 4
 SEED = 1234
+# Every setting spelled out, so the comparison does not move with config.py's defaults.
+SETTINGS = BatchingSettings(
+    boundaries=BOUNDARIES,
+    max_batch_duration=MAX_BATCH_SECONDS,
+    temperature=TEMPERATURE,
+    grad_accum=GRAD_ACCUM,
+    seed=SEED,
+    epoch_size=0,
+    lang_weighting="count",
+    cost_quadratic=0.0,
+    sort_jitter=0.05,
+    frame_seconds=0.08,
+    max_joint_cells=0.0,
+    cost_joint=0.001,
+)
 # Natural language shares of the synthetic corpus (percent), largest first.
 LANGUAGE_PERCENT = {
     "hi": 30,
@@ -205,16 +220,9 @@ def main(argv: list[str] | None = None) -> None:
         sampler = DurationBucketBatchSampler(
             durations,
             languages,
-            boundaries=BOUNDARIES,
-            max_batch_duration=MAX_BATCH_SECONDS,
-            temperature=TEMPERATURE,
+            SETTINGS,
             world_size=ws,
             rank=0,
-            grad_accum=GRAD_ACCUM,
-            seed=SEED,
-            epoch_size=0,
-            lang_weighting="count",
-            cost_quadratic=0.0,
         )
         len(sampler)  # builds the epoch plan
         return sampler
@@ -244,16 +252,9 @@ def main(argv: list[str] | None = None) -> None:
             DurationBucketBatchSampler(
                 durations,
                 languages,
-                boundaries=BOUNDARIES,
-                max_batch_duration=MAX_BATCH_SECONDS,
-                temperature=TEMPERATURE,
+                SETTINGS,
                 world_size=ws,
                 rank=r,
-                grad_accum=GRAD_ACCUM,
-                seed=SEED,
-                epoch_size=0,
-                lang_weighting="count",
-                cost_quadratic=0.0,
             )
         )
         for r in range(ws)
@@ -302,16 +303,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nours at {args.large:,} utterances ...", flush=True)
         big_mem = peak_extra_bytes(
             lambda: DurationBucketBatchSampler(
-                big_d, big_l, world_size=ws, rank=0, seed=SEED
+                big_d, big_l, SETTINGS, world_size=ws, rank=0
             ).__len__()
         )
         timed(
-            lambda: len(DurationBucketBatchSampler(big_d, big_l, world_size=ws, rank=0, seed=SEED))
+            lambda: len(DurationBucketBatchSampler(big_d, big_l, SETTINGS, world_size=ws, rank=0))
         )
         runs = [
             timed(
                 lambda: len(
-                    DurationBucketBatchSampler(big_d, big_l, world_size=ws, rank=0, seed=SEED)
+                    DurationBucketBatchSampler(big_d, big_l, SETTINGS, world_size=ws, rank=0)
                 )
             )[:2]
             for _ in range(max(1, args.repeats - 1))

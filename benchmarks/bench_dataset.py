@@ -1,10 +1,10 @@
 """Benchmark of dataset.py: node memory of ranks x DataLoader workers, and per-item overhead.
 
 Usage:
-    python scripts/bench_dataset.py                              # 2M rows, 2 ranks x 4 workers, 30 s
-    python scripts/bench_dataset.py --rows 200000 --seconds 5    # a quick check
-    python scripts/bench_dataset.py --part overhead              # only the per-item timing
-    python scripts/bench_dataset.py --help
+    python benchmarks/bench_dataset.py                              # 2M rows, 2 ranks x 4 workers, 30 s
+    python benchmarks/bench_dataset.py --rows 200000 --seconds 5    # a quick check
+    python benchmarks/bench_dataset.py --part overhead              # only the per-item timing
+    python benchmarks/bench_dataset.py --help
 
 Memory. A synthetic manifest in the contract's schema (realistic text: Devanagari and Latin words,
 ~2.5 words per second of audio; 1,000 rows per shard) is read by ``--ranks`` processes, each with a
@@ -47,8 +47,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 import training_cache
+from benchmarks.process_memory import process_tree, pss_bytes, status_bytes
 from manifest_schema import TAR_FILE, lang_tag, tag_prefix
-from scripts.process_memory import process_tree, pss_bytes, status_bytes
 
 LANGS = ("hi", "en", "mr", "ta")
 POOL_SIZE = 64

@@ -3,9 +3,9 @@ step and against a training step, same model and batch, plus the audio loading, 
 training time this makes at the defaults.
 
 Usage:
-    python scripts/bench_validation.py                                             # MODEL_CONFIG (tiny)
-    MODEL_CONFIG=configs/parakeet_tdt_0.6b.yaml MAX_BATCH_DURATION=20 python scripts/bench_validation.py
-    python scripts/bench_validation.py --world-size 8 --val-utterances 2800 --repeats 5
+    python benchmarks/bench_validation.py                                             # MODEL_CONFIG (tiny)
+    MODEL_CONFIG=configs/parakeet_tdt_0.6b.yaml MAX_BATCH_DURATION=20 python benchmarks/bench_validation.py
+    python benchmarks/bench_validation.py --world-size 8 --val-utterances 2800 --repeats 5
 
 Measured, in one process on one device (the median of ``--repeats`` after one warm-up each):
   train     one training micro-batch in phase 2: forward, backward and an AdamW step
@@ -15,7 +15,7 @@ Measured, in one process on one device (the median of ``--repeats`` after one wa
             and its WER decoding: the same work), and off (as NeMo's published configs have it)
   load      ``dataset.load_audio`` of ``--files`` FLAC files of 6 s (the validation loads audio in
             the training process, one file after another), in seconds per second of audio
-The batch is the sampler's heaviest micro-batch at MAX_BATCH_DURATION (see bench_train_step.py).
+The batch is the sampler's heaviest micro-batch at MAX_BATCH_DURATION (see max_batch.py).
 
 The share of training time spent validating, at EVAL_EVERY_STEPS = CHECKPOINT_EVERY:
     share = (V / W) * (ours / A + load) / (CHECKPOINT_EVERY * GRAD_ACCUM * train)
@@ -42,7 +42,8 @@ import torch
 
 import asr_model
 import config
-from scripts import bench_train_step as bts
+import max_batch
+from benchmarks import bench_train_step as bts
 
 
 def timed(run, repeats: int, device: torch.device) -> float:
@@ -50,10 +51,10 @@ def timed(run, repeats: int, device: torch.device) -> float:
     run()
     times = []
     for _ in range(repeats):
-        bts._sync(device)
+        max_batch.sync(device)
         started = time.perf_counter()
         run()
-        bts._sync(device)
+        max_batch.sync(device)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
@@ -106,14 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     model = asr_model.build_model(tokenizer_dir=tokenizer_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
-    shape = bts.heaviest_batch_shape(config.MAX_BATCH_DURATION, args.tokens_per_second)
-    batch = bts.make_batch(shape, model.tokenizer).on_device(device)
+    shape = max_batch.heaviest_batch_shape(config.MAX_BATCH_DURATION, args.tokens_per_second)
+    batch = max_batch.make_batch(shape, model.tokenizer).on_device(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
 
     def train_micro_batch():
         model.train()
         optimizer.zero_grad(set_to_none=True)
-        asr_model.transducer_loss(model, batch, encoder_frozen=False).backward()
+        asr_model.training_loss(model, batch, encoder_frozen=False).backward()
         optimizer.step()
 
     def ours():

@@ -1,4 +1,5 @@
-"""README sections generated from the code (the knob table, the metric list), kept current by tests."""
+"""Documentation sections generated from the code (docs/knobs.md's knob table, docs/metrics.md's
+metric list), kept current by tests; `make docs` rewrites both."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from atomic_files import atomic_write
 
 
 class MissingMarkers(ValueError):
-    """The README lacks the start or end marker of a generated section."""
+    """The page lacks the start or end marker of a generated section."""
 
 
 def replace_section(text: str, start: str, end: str, body: str) -> str:
@@ -21,14 +22,14 @@ def replace_section(text: str, start: str, end: str, body: str) -> str:
     return f"{head}{start}\n{body}\n{end}{tail}"
 
 
-def update_readme_section(readme: Path, start: str, end: str, body: str) -> bool:
-    """Rewrite one generated section of ``readme`` (atomically); True when the file changed."""
-    text = readme.read_text(encoding="utf-8")
+def update_section(page: Path, start: str, end: str, body: str) -> bool:
+    """Rewrite one generated section of ``page`` (atomically); True when the file changed."""
+    text = page.read_text(encoding="utf-8")
     try:
         new = replace_section(text, start, end, body)
     except MissingMarkers as exc:
-        raise MissingMarkers(f"{readme}: {exc}") from None
+        raise MissingMarkers(f"{page}: {exc}") from None
     if new == text:
         return False
-    atomic_write(readme, lambda tmp: Path(tmp).write_text(new, encoding="utf-8"))
+    atomic_write(page, lambda tmp: Path(tmp).write_text(new, encoding="utf-8"))
     return True

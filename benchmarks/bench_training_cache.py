@@ -1,9 +1,9 @@
 """Benchmark of the training cache build (training_cache.py) against a single-process builder.
 
 Usage:
-    python scripts/bench_training_cache.py --rows 2000000 --rows 10000000 --workers 1 --workers 2
-    python scripts/bench_training_cache.py --rows 200000                # a quick check
-    python scripts/bench_training_cache.py --help
+    python benchmarks/bench_training_cache.py --rows 2000000 --rows 10000000 --workers 1 --workers 2
+    python benchmarks/bench_training_cache.py --rows 200000                # a quick check
+    python benchmarks/bench_training_cache.py --help
 
 For each ``--rows N`` it builds (once, kept in ``--workdir``) a realistic manifest: 14 languages in
 their own scripts with a skewed mix, transcripts of about 110 UTF-8 bytes, durations from the word
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scripts.process_memory import process_tree, pss_bytes, status_bytes
+from benchmarks.process_memory import process_tree, pss_bytes, status_bytes
 
 ROW_GROUP_ROWS = 262_144
 ROWS_PER_SHARD = 1000
@@ -335,11 +335,16 @@ def run_one(kind: str, manifest: Path, model: Path, out_dir: Path, workers: int)
     result["anon_after"] = status_bytes("RssAnon") - before_anon
     result["arrow_pool"] = pa.total_allocated_bytes()
     if kind == "mapped":
-        from sampler import DurationBucketBatchSampler
+        from sampler import BatchingSettings, DurationBucketBatchSampler
 
         t1 = time.perf_counter()
         sampler = DurationBucketBatchSampler(
-            cols.durations, cols.lang_codes, language_names=cols.lang_names, world_size=8, rank=0
+            cols.durations,
+            cols.lang_codes,
+            BatchingSettings.from_config(),
+            language_names=cols.lang_names,
+            world_size=8,
+            rank=0,
         )
         result["sampler_init"] = time.perf_counter() - t1
         t2 = time.perf_counter()

@@ -3,8 +3,8 @@
 (checkpoints.AtomicCheckpointIO), side by side in one run.
 
 Usage:
-    python scripts/bench_resume_memory.py                          # the full-size model, 2 ranks
-    MODEL_CONFIG=configs/tiny_tdt.yaml python scripts/bench_resume_memory.py --ranks 4
+    python benchmarks/bench_resume_memory.py                          # the full-size model, 2 ranks
+    MODEL_CONFIG=configs/tiny_tdt.yaml python benchmarks/bench_resume_memory.py --ranks 4
 
 It builds MODEL_CONFIG once and writes a step checkpoint of its shape with AdamW's two moments per
 parameter (7.6 GB at full size; ``--dir`` holds it), then starts ``--ranks`` processes at once per
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from scripts.process_memory import pss_bytes, status_bytes
+from benchmarks.process_memory import pss_bytes, status_bytes
 
 
 def write_checkpoint(path: Path) -> int:
@@ -36,7 +36,7 @@ def write_checkpoint(path: Path) -> int:
 
     tokenizer = Path(config.TOKENIZER_DIR)
     if not (tokenizer / "tokenizer.model").exists():
-        from scripts.bench_train_step import synthetic_tokenizer
+        from benchmarks.bench_train_step import synthetic_tokenizer
 
         tokenizer = synthetic_tokenizer(config.VOCAB_SIZE, path.parent / "tokenizer")
     model = asr_model.build_model(tokenizer_dir=tokenizer)
