@@ -29,6 +29,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 import config
+from process_control import UserError
 
 # Batches a packing lane holds (a lane is cut every _LANE_BATCHES x cap seconds of audio and at
 # bucket starts). The greedy loop runs about once per batch of a lane, vectorized across lanes; each
@@ -1004,6 +1005,10 @@ def _cap_joint(durations, token_lengths, flat, starts, frame_seconds, cap):
     return starts, cells
 
 
+class TooLittleData(UserError, ValueError):
+    """The data cannot fill one optimizer step on every rank; the message says what to change."""
+
+
 def _deal(
     cost: np.ndarray, world_size: int, grad_accum: int, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -1017,7 +1022,7 @@ def _deal(
     num = len(cost)
     steps_per_rank = num // world_size // grad_accum * grad_accum
     if steps_per_rank == 0:
-        raise ValueError(
+        raise TooLittleData(
             f"the epoch packs into only {num} batches, fewer than world_size x grad_accum = "
             f"{world_size} x {grad_accum}: raise epoch_size (EPOCH_SIZE), lower MAX_BATCH_DURATION, "
             "or use more data"

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import config
 import sampler as sampler_module
+from process_control import UserError
 from sampler import BatchingSettings, DurationBucketBatchSampler
 
 REPO = sampler_module.__file__.rsplit("/", 1)[0]
@@ -771,7 +772,8 @@ def test_a_bad_duration_anywhere_is_reported_with_its_row(n, data, bad):
 
 def test_an_epoch_too_small_for_every_rank_is_refused_with_a_fix():
     s = build(GOOD_D, GOOD_L, world_size=8, grad_accum=4)
-    with pytest.raises(ValueError, match="world_size x grad_accum"):
+    # a user error: reported as one line, not a traceback from every rank
+    with pytest.raises(UserError, match="world_size x grad_accum"):
         len(s)
 
 
