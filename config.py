@@ -644,7 +644,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _float,
         "Share of a transcript's letters in one script for that script to correct its language tag (make_train_val.py)",
         lambda v: None if 0.5 < v <= 1 else "expected a fraction above 0.5 and at most 1",
-        steps=("make_train_val",),
+        steps=("build_manifest", "make_train_val"),
     )
 
     # Sampler

@@ -53,6 +53,7 @@ import numpy as np
 import polars as pl
 import soundfile as sf
 
+import config
 from atomic_files import atomic_write
 from manifest_schema import ManifestError
 
@@ -263,7 +264,8 @@ def _strip_tags(texts: pl.Series) -> pl.Series:
 
 def _fill_languages(rows: pl.DataFrame, shards: Sequence[Shard]) -> pl.DataFrame:
     """Rows with neither a language of their own nor one from their shard get the language their
-    transcript's script names, where one does (Devanagari does not); the rest keep none."""
+    transcript's script names (SCRIPT_VOTE_THRESHOLD of its letters in one script), where one does
+    (Devanagari does not); the rest keep none."""
     from script_languages import detect_corrections
 
     shard_lang = pl.Series([s.lang for s in shards], dtype=pl.String).gather(rows["shard"])
@@ -273,7 +275,8 @@ def _fill_languages(rows: pl.DataFrame, shards: Sequence[Shard]) -> pl.DataFrame
         return rows
     where = missing.arg_true()
     texts = rows["transcription_native"].gather(where).fill_null("")
-    detected, _ = detect_corrections(texts, pl.Series([None] * len(where), dtype=pl.String), 0.9)
+    nothing = pl.Series([None] * len(where), dtype=pl.String)
+    detected, _ = detect_corrections(texts, nothing, config.SCRIPT_VOTE_THRESHOLD)
     return rows.with_columns(rows["segment_language"].scatter(where, detected))
 
 
