@@ -26,7 +26,8 @@ exist, does not decode, or whose duration differs from the row's by more than
 duration (for millions of rows whose durations are trusted); ``check=none`` trusts such rows
 entirely, as the shard build trusts audio_index.parquet (a missing file is then found only when
 training loads it, and counted as bad audio there). Tar shards, HF parquet files and
-Kaldi recordings with ``segments`` are written out once as FLAC under ``<audio dir>/<name>/``,
+Kaldi recordings with ``segments`` (and NeMo rows with an ``offset``, segments of their file) are
+written out once as FLAC under ``<audio dir>/<name>/``,
 each unit (tar, parquet file, recording) verified and then marked done, so a rerun skips it.
 
 A bad row is dropped and counted under its reason (``BAD_ROW_REASONS``) with its file and line
@@ -597,7 +598,7 @@ def read_nemo(
     (the row's ``shard_id`` field, when present, names its tar), written out once as FLAC, and the
     rows come as one batch; without, in batches of about ``_CHUNK_BYTES`` of the file."""
     if "tars" not in spec.options:
-        return _nemo_batches(spec, workers, progress)
+        return _nemo_batches(spec, out_dir, workers, progress)
     frame, bad = _read_json_rows(spec.path)
     if not frame.height and not bad:
         raise ManifestError(f"{spec.path}: no rows")
@@ -605,7 +606,9 @@ def read_nemo(
     return _nemo_tarred(spec, frame, out_dir, bad, workers, progress, fields)
 
 
-def _nemo_batches(spec: SourceSpec, workers: int, progress: bool) -> Iterator[SourceRows]:
+def _nemo_batches(
+    spec: SourceSpec, out_dir: Path, workers: int, progress: bool
+) -> Iterator[SourceRows]:
     from tqdm import tqdm
 
     path, first = spec.path, True
@@ -621,7 +624,7 @@ def _nemo_batches(spec: SourceSpec, workers: int, progress: bool) -> Iterator[So
             if frame.height:
                 frame, fields = _nemo_fields(spec, frame, bad, first=first)
                 first = False
-                yield _nemo_plain(spec, frame, bad, workers, fields)
+                yield _nemo_plain(spec, frame, bad, workers, fields, out_dir)
             elif bad:
                 yield SourceRows(pl.DataFrame(schema=ROW_SCHEMA), [], bad)
             bar.update(len(chunk))
@@ -656,6 +659,7 @@ def _nemo_fields(
         _as_string(frame, fields["text"]).alias("_text"),
         ids.alias("_id"),
         _lang_expr(spec, frame, fields["lang"]).alias("_lang"),
+        _as_float(frame, "offset").alias("_offset"),
     )
     no_audio = pl.col("_audio").is_null() | (pl.col("_audio") == "")
     missing = frame.filter(no_audio | pl.col("_text").is_null())
@@ -675,9 +679,11 @@ def _lang_expr(spec: SourceSpec, frame: pl.DataFrame, lang: str | None) -> pl.Ex
 
 
 def _nemo_plain(
-    spec: SourceSpec, frame: pl.DataFrame, bad: list, workers: int, fields: dict
+    spec: SourceSpec, frame: pl.DataFrame, bad: list, workers: int, fields: dict, out_dir: Path
 ) -> SourceRows:
-    """A batch of a plain NeMo manifest: audio paths resolved and checked, grouped by folder."""
+    """A batch of a plain NeMo manifest: audio paths resolved and checked, grouped by folder. A
+    row with an ``offset`` is a segment of its file, ``[offset, offset + duration)`` as NeMo reads
+    it: cut out once as FLAC (``_cut_segments``)."""
     path = spec.path
     base = str(path.parent.absolute())
     frame = frame.with_columns(
@@ -686,6 +692,8 @@ def _nemo_plain(
         .otherwise(pl.concat_str(pl.lit(base + "/"), pl.col("_audio")))
         .alias("_audio")
     )
+    segments = frame.filter(pl.col("_offset").is_not_null())
+    frame = frame.filter(pl.col("_offset").is_null())
     lines = frame.get_column("line")
     seconds, keep, audio_bad = _check_audio(
         frame.get_column("_audio"),
@@ -706,8 +714,73 @@ def _nemo_plain(
         frame.get_column("_duration").alias("duration_s"),
         names.alias("tar_member_name"),
     )
+    parts = [rows.select(list(ROW_SCHEMA))]
+    if segments.height:
+        cut, cut_shards = _cut_segments(spec, segments, bad, workers, fields, out_dir)
+        parts.append(cut.with_columns(pl.col("shard") + len(shards)).select(list(ROW_SCHEMA)))
+        shards += cut_shards
     bad.sort(key=lambda b: _origin_order(b["origin"]))
-    return SourceRows(rows.select(list(ROW_SCHEMA)), shards, bad)
+    return SourceRows(pl.concat(parts), shards, bad)
+
+
+def _cut_segments(
+    spec: SourceSpec,
+    frame: pl.DataFrame,
+    bad: list,
+    workers: int,
+    fields: dict,
+    out_dir: Path,
+) -> tuple[pl.DataFrame, list[Shard]]:
+    """Rows with an ``offset``: each file's segments written as ``<line>.flac`` into a folder of
+    its own under ``out_dir`` (``_cut_recording``: verified, done marker, skipped on a rerun)."""
+    import hashlib
+
+    recordings = sorted(set(frame.get_column("_audio").to_list()))
+
+    def folder_of(recording: str) -> str:
+        digest = hashlib.blake2b(recording.encode(), digest_size=6).hexdigest()
+        return str(out_dir / f"{Path(recording).stem}-{digest}")
+
+    wanted: dict[str, list] = {r: [] for r in recordings}
+    for line, audio, offset, duration in frame.select(
+        "line", "_audio", "_offset", "_duration"
+    ).iter_rows():
+        end = -1.0 if duration is None else offset + duration
+        wanted[audio].append((str(line), float(offset), end))
+    tasks = [(r, folder_of(r), wanted[r]) for r in recordings]
+    records = dict(zip(recordings, _in_processes(_cut_recording, tasks, workers)))
+    quality = fields["quality"]
+    shards = [
+        Shard(
+            f"{spec.name}/{Path(folder_of(r)).name}",
+            spec.name,
+            "",
+            Path(folder_of(r)),
+            quality is not None,
+        )
+        for r in recordings
+    ]
+    position = {r: k for k, r in enumerate(recordings)}
+    keep, shard, seconds = [], [], []
+    for line, audio, row_lang in frame.select("line", "_audio", "_lang").iter_rows():
+        record, origin = records[audio], f"{spec.path}:{line}"
+        if "error" in record:
+            bad.append(_bad(origin, record["error"], record["detail"], row_lang))
+        elif str(line) in record["bad"]:
+            bad.append(_bad(origin, "segment_past_end", record["bad"][str(line)], row_lang))
+        else:
+            keep.append(True)
+            shard.append(position[audio])
+            seconds.append(record["seconds"][str(line)])
+            continue
+        keep.append(False)
+    frame = frame.filter(pl.Series(keep, dtype=pl.Boolean))
+    rows = _standard_rows(frame, fields["speaker"], quality).with_columns(
+        pl.Series("shard", shard, dtype=pl.UInt32),
+        pl.Series("duration_s", seconds, dtype=pl.Float64),
+        (frame.get_column("line").cast(pl.String) + ".flac").alias("tar_member_name"),
+    )
+    return rows, shards
 
 
 def _unpack_tar(task: tuple[str, str]) -> dict:
@@ -1001,8 +1074,8 @@ def _cut_recording(task: tuple[str, str, list[tuple[str, float, float]]]) -> dic
     recording, folder, segments = task
     folder_path = Path(folder)
     done = _unit_done(folder_path)
-    if done is not None:
-        return done
+    if done is not None and all(u in done["seconds"] or u in done["bad"] for u, *_ in segments):
+        return done  # written before (asked for other segments now: cut again)
     folder_path.mkdir(parents=True, exist_ok=True)
     try:
         info = sf.info(recording)

@@ -365,3 +365,27 @@ def test_a_manifest_read_in_many_batches_gives_the_same_rows_and_lines(tmp_path,
     batched, batched_summary = build(tmp_path, f"nemo:{manifest}")
     assert batched.sort("segment_id").equals(whole.sort("segment_id")) and whole.height == 12
     assert bad_rows(batched_summary) == bad_rows(summary) == [(f"{manifest}:8", "not_json")]
+
+
+def test_nemo_rows_with_an_offset_are_cut_out_of_their_file(tmp_path):
+    long = tmp_path / "long.wav"
+    long.write_bytes(byod.audio(5.0, 1))  # 44.1 kHz stereo
+    rows = [
+        {"audio_filepath": "long.wav", "offset": 0.5, "duration": 1.5, "text": "first part"},
+        {"audio_filepath": "long.wav", "offset": 2.0, "duration": 2.0, "text": "second part"},
+        {"audio_filepath": "long.wav", "offset": 4.5, "duration": 2.0, "text": "past the end"},
+    ]
+    manifest = tmp_path / "segments.json"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    master, summary = build(tmp_path, f"nemo:{manifest}:lang=en")
+    assert master.sort("segment_id").get_column("duration").to_list() == pytest.approx([1.5, 2.0])
+    for row in master.iter_rows(named=True):
+        info = sf.info(row["audio_filepath"])
+        assert info.format == "FLAC" and info.samplerate == 44100
+        assert info.frames / info.samplerate == pytest.approx(row["duration"], abs=0.01)
+    assert bad_rows(summary) == [(f"{manifest}:3", "segment_past_end")]
+    # a rerun with one more segment cuts again instead of trusting the old marker
+    rows.append({"audio_filepath": "long.wav", "offset": 0.0, "duration": 0.5, "text": "start"})
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    master, _ = build(tmp_path, f"nemo:{manifest}:lang=en")
+    assert master.height == 3
