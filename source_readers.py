@@ -693,7 +693,8 @@ def _nemo_plain(
         .alias("_audio")
     )
     segments = frame.filter(pl.col("_offset").is_not_null())
-    frame = frame.filter(pl.col("_offset").is_null())
+    if segments.height:  # a filter copies every column: only when some row is a segment
+        frame = frame.filter(pl.col("_offset").is_null())
     lines = frame.get_column("line")
     seconds, keep, audio_bad = _check_audio(
         frame.get_column("_audio"),
