@@ -689,7 +689,7 @@ def _nemo_plain(
     frame = frame.with_columns(
         pl.when(pl.col("_audio").str.starts_with("/"))
         .then(pl.col("_audio"))
-        .otherwise(pl.concat_str(pl.lit(base + "/"), pl.col("_audio")))
+        .otherwise(pl.concat_str(pl.lit(base + "/"), pl.col("_audio").str.strip_prefix("./")))
         .alias("_audio")
     )
     segments = frame.filter(pl.col("_offset").is_not_null())

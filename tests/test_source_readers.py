@@ -87,6 +87,7 @@ def test_nemo_tar_patterns_expand_as_nemo_expands_them():
 def test_a_nemo_manifest_becomes_master_rows_with_resolved_audio_paths(tmp_path):
     utts = byod.utterances(3)
     manifest = byod.write_nemo_json(tmp_path / "cv", utts)
+    manifest.write_text(manifest.read_text().replace('"clips/', '"./clips/', 1))
     master, summary = build(tmp_path, f"nemo:{manifest}:name=cv")
     assert master.height == 6 and summary["rows_in"] == 6
     assert set(master.get_column("source")) == {"cv"}
