@@ -75,11 +75,10 @@ def test_a_bad_knob_is_one_line_from_rank_0_and_the_root_cause_of_torchruns_summ
 def test_a_manifest_whose_audio_is_all_missing_stops_before_training(job_env):
     root, env, data = job_env
     table = pq.read_table(data["manifest"])
-    moved = pc.replace_substring(table["tar_path"], str(data["manifest"].parent), "/nonexistent")
+    audio = "audio_filepath"
+    moved = pc.replace_substring(table[audio], str(data["manifest"].parent), "/nonexistent")
     manifest = root / "moved.parquet"
-    pq.write_table(
-        table.set_column(table.schema.get_field_index("tar_path"), "tar_path", moved), manifest
-    )
+    pq.write_table(table.set_column(table.schema.get_field_index(audio), audio, moved), manifest)
     log = root / "missing_audio.log"
     started = time.monotonic()
     rc, out = finish(
