@@ -806,10 +806,16 @@ class _Parts:
 
 
 def _add_shards(
-    parts: _Parts, shards_dir: Path, filters: Filters, workers: int, progress: bool
+    parts: _Parts,
+    shards_dir: Path,
+    found: tuple[list[Shard], list[dict[str, str]]],
+    filters: Filters,
+    workers: int,
+    progress: bool,
 ) -> None:
-    """The in-house shards under ``shards_dir``, read and assembled batch by batch."""
-    shards, misplaced = discover_shards(shards_dir)
+    """The in-house shards under ``shards_dir`` (``found``: what ``discover_shards`` found there),
+    read and assembled batch by batch."""
+    shards, misplaced = found
     parts.misplaced += misplaced
     parts.shards += len(shards)
     unreadable = []
@@ -947,12 +953,14 @@ def build_manifest(
 
     _prepare_output(output)
     shard_dirs = [s for s in specs if isinstance(s, Path)]
-    for directory in shard_dirs:
-        _warn_if_short_of_space(output, discover_shards(directory)[0])
+    # each tree is walked once: the space check and the build share what was found
+    found = {directory: discover_shards(directory) for directory in shard_dirs}
+    for shards, _ in found.values():
+        _warn_if_short_of_space(output, shards)
     parts = _Parts()
     for spec in specs:
         if isinstance(spec, Path):
-            _add_shards(parts, spec, filters, workers, progress)
+            _add_shards(parts, spec, found[spec], filters, workers, progress)
         else:
             _add_source(parts, spec, audio_dir, filters, workers, strict, progress)
     bad = parts.misplaced + sorted(parts.unreadable, key=lambda b: b["path"])
