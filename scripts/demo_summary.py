@@ -1,4 +1,6 @@
-"""The closing page of `make demo`: where every artifact went, the loss drop and the WER/CER table.
+"""The closing page of `make demo`: where every artifact went, the loss drop, the validation curve and
+the per-language WER/CER table; the run's own report (scripts/run_report.py) is written beside its
+metrics.
 
 Usage (scripts/demo.sh runs it with the demo's environment):
     python scripts/demo_summary.py
@@ -6,46 +8,21 @@ Usage (scripts/demo.sh runs it with the demo's environment):
 
 Training loss is noisy per micro-batch, so "start" and "end" are the means of the first and last
 ``--window`` logged optimizer steps of ``metrics.jsonl``. The exit status is 1 when end/start is above
-``--max-loss-ratio``, so a demo whose model did not learn does not look like a success.
+``--max-loss-ratio``, so a demo whose model did not learn does not look like a success. Paths and
+settings come from the run's own ``hparams.json`` where it recorded them, so a ``--run-dir`` of another
+run is described as that run was launched.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import json
 import sys
 from pathlib import Path
 
 import config
 from run_logging import run_directory
-
-
-def loss_curve(metrics_path: Path) -> list[tuple[int, float]]:
-    """(step, train/loss) of every logged optimizer step, in order, the last record of a step winning
-    (a resumed run logs the steps after its checkpoint again)."""
-    by_step: dict[int, float] = {}
-    with open(metrics_path, encoding="utf-8") as f:
-        for line in f:
-            record = json.loads(line)
-            if "train/loss" in record and record.get("step") is not None:
-                by_step[int(record["step"])] = float(record["train/loss"])
-    return sorted(by_step.items())
-
-
-def validation_curve(metrics_path: Path) -> list[tuple[int, float, float | None]]:
-    """(step, val/wer/all, val/loss or None) of every validation in ``metrics_path``, in step order
-    (the last record of a step winning)."""
-    by_step: dict[int, tuple[float, float | None]] = {}
-    with open(metrics_path, encoding="utf-8") as f:
-        for line in f:
-            record = json.loads(line)
-            if record.get("val/wer/all") is not None and record.get("step") is not None:
-                by_step[int(record["step"])] = (
-                    float(record["val/wer/all"]),
-                    record.get("val/loss"),
-                )
-    return [(step, wer, loss) for step, (wer, loss) in sorted(by_step.items())]
+from scripts import run_report
 
 
 def loss_drop(curve: list[tuple[int, float]], window: int) -> tuple[float, float, int]:
@@ -98,27 +75,41 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    data = Path(config.DATA_DIR)
     run_dir = args.run_dir or run_directory()
+    metrics = run_report.read_metrics(run_dir)
+    setting = metrics.settings.get
+
+    def path_of(knob: str) -> str:
+        return str(setting(knob) or getattr(config, knob))
+
+    data = Path(path_of("DATA_DIR"))
     wer_csv = args.wer_csv or data / "eval" / "wer_by_language.csv"
+    report = run_report.write_report(run_dir, run_dir / "report")
     artifacts = [
-        ("shards + extracted FLACs", config.SHARDS_DIR),
-        ("master manifest", config.MASTER_MANIFEST_PATH),
-        ("train / val manifests", f"{config.TRAIN_MANIFEST_PATH}, {config.VAL_MANIFEST_PATH}"),
+        ("shards + extracted FLACs", path_of("SHARDS_DIR")),
+        ("master manifest", path_of("MASTER_MANIFEST_PATH")),
+        (
+            "train / val manifests",
+            f"{path_of('TRAIN_MANIFEST_PATH')}, {path_of('VAL_MANIFEST_PATH')}",
+        ),
         ("build summaries", f"{data}/*.summary.json"),
-        ("tokenizer", config.TOKENIZER_DIR),
-        ("training caches (tokenized manifests)", f"{config.CACHE_DIR or data}/*.training-cache"),
-        ("checkpoints + final .nemo", config.CHECKPOINT_DIR),
+        ("tokenizer", path_of("TOKENIZER_DIR")),
+        (
+            "training caches (tokenized manifests)",
+            f"{setting('CACHE_DIR') or data}/*.training-cache",
+        ),
+        ("checkpoints + final .nemo", path_of("CHECKPOINT_DIR")),
         ("W&B offline run (wandb sync it)", f"{run_dir}/wandb"),
         ("metrics without W&B", run_dir / "metrics.jsonl"),
+        ("run report (PNG + markdown)", report),
         ("per-language WER/CER CSV", wer_csv),
         ("data report (PNG + markdown)", data / "report"),
     ]
     print("\nArtifacts:")
     for name, path in artifacts:
-        print(f"  {name:<32} {path}")
+        print(f"  {name:<38} {path}")
 
-    start, end, window = loss_drop(loss_curve(run_dir / "metrics.jsonl"), args.window)
+    start, end, window = loss_drop(metrics.series("train/loss"), args.window)
     ratio = end / start
     verdict = (
         "ok" if ratio <= args.max_loss_ratio else f"ABOVE the {args.max_loss_ratio:.0%} target"
@@ -128,21 +119,21 @@ def main(argv: list[str] | None = None) -> int:
         f"(last {window}); end/start = {ratio:.2f} ({verdict})"
     )
 
-    curve = validation_curve(run_dir / "metrics.jsonl")
-    if curve:
-        print(
-            f"\nValidation during training (every {config.EVAL_EVERY_STEPS} steps on "
-            f"{config.VAL_MANIFEST_PATH}):"
-        )
+    wer = metrics.series("val/wer/all")
+    val_loss = dict(metrics.series("val/loss"))
+    if wer:
+        steps = ", ".join(str(step) for step, _ in wer)
+        print(f"\nValidation during training (steps {steps} on {path_of('VAL_MANIFEST_PATH')}):")
         print(f"{'step':>6} {'WER %':>7} {'loss':>8}")
-        for step, wer, loss in curve:
-            print(f"{step:>6} {100 * wer:>7.1f} {'n/a' if loss is None else f'{loss:.3f}':>8}")
+        for step, value in wer:
+            loss = val_loss.get(step)
+            print(f"{step:>6} {100 * value:>7.1f} {'n/a' if loss is None else f'{loss:.3f}':>8}")
     else:
         print("\nValidation during training: none logged (EVAL_EVERY_STEPS=0?)")
 
     with open(wer_csv, encoding="utf-8", newline="") as f:
         rows = list(csv.DictReader(f))
-    print(f"\nPer-language WER/CER on {config.VAL_MANIFEST_PATH} (greedy decoding):")
+    print(f"\nPer-language WER/CER on {path_of('VAL_MANIFEST_PATH')} (greedy decoding):")
     print(format_table(rows))
     return 0 if ratio <= args.max_loss_ratio else 1
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import config
-from scripts import demo_summary
+from scripts import demo_summary, run_report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -164,7 +164,7 @@ def test_loss_drop_averages_both_ends_and_refuses_a_single_step():
         demo_summary.loss_drop(curve[:1], 10)
 
 
-def test_loss_curve_keeps_the_last_record_of_a_step_logged_twice(tmp_path):
+def test_the_loss_curve_keeps_the_last_record_of_a_step_logged_twice(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text(
         "\n".join(
@@ -178,4 +178,4 @@ def test_loss_curve_keeps_the_last_record_of_a_step_logged_twice(tmp_path):
         )
         + "\n"
     )
-    assert demo_summary.loss_curve(path) == [(1, 5.0), (2, 3.5)]
+    assert run_report.read_metrics(tmp_path).series("train/loss") == [(1, 5.0), (2, 3.5)]

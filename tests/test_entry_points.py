@@ -92,7 +92,9 @@ def test_shell_entry_points_have_a_help_that_runs_nothing(tmp_path, script):
 
 
 @pytest.mark.parametrize(
-    "script", [s for s, _ in STEP_SCRIPTS] + ["config.py", "scripts/demo_summary.py"]
+    "script",
+    [s for s, _ in STEP_SCRIPTS]
+    + ["config.py", "scripts/demo_summary.py", "scripts/run_report.py"],
 )
 @pytest.mark.parametrize("knob", ["VOCAB_SIZE=12k", "MAX_STEP=10"])
 def test_a_bad_or_misspelt_knob_is_one_line_and_exit_code_2_in_every_script(tmp_path, script, knob):

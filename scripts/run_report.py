@@ -1,0 +1,403 @@
+"""A report of one training run from its metrics.jsonl: PNG charts and a one-page report.md.
+
+Usage:
+    python scripts/run_report.py                       # the run of CHECKPOINT_DIR (its run.json)
+    python scripts/run_report.py runs/ft               # a run directory (holds metrics.jsonl)
+    python scripts/run_report.py /ckpt/ft --out /tmp/r # a CHECKPOINT_DIR; PNGs + report.md to /tmp/r
+
+Needs no W&B account and no network: it reads the file every run writes beside its W&B files
+(``WANDB_LOG_DIR/<run name>/metrics.jsonl``, with ``hparams.json``). It works on a run that is still
+going (a half-written last line is skipped) and on a finished one; a resumed run's repeated steps count
+once, the last record of a step winning.
+
+Written to ``--out`` (default ``<run dir>/report``):
+- ``training.png``: train/loss and train/lr per optimizer step, the unfreeze marked.
+- ``validation.png``: WER and CER per language at every validation (step 0 is the base when finetuning).
+- ``language_mix.png``: the realized share of each language against the sampler's target.
+- ``data_path.png``: padding efficiency, audio seconds per second, skipped steps and bad audio.
+- ``report.md``: the numbers to quote, with the charts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import config
+from atomic_files import atomic_write
+from checkpoints import read_run_record
+from run_logging import run_directory
+
+LOSS_WINDOW = 20  # optimizer steps averaged for the "loss now" and "loss at start" figures
+
+
+@dataclass
+class RunMetrics:
+    """The scalars of one run, one record per step (the last logged record of a step wins)."""
+
+    steps: dict[int, dict] = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
+    skipped_lines: int = 0
+
+    def series(self, key: str) -> list[tuple[int, float]]:
+        """(step, value) of every step that logged ``key`` with a number, in step order."""
+        out = []
+        for step in sorted(self.steps):
+            value = self.steps[step].get(key)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                out.append((step, float(value)))
+        return out
+
+    def keys_with_prefix(self, prefix: str) -> list[str]:
+        """The keys under ``prefix`` (e.g. ``val/wer/``) that any step logged, sorted, ``all`` first."""
+        found = {k for record in self.steps.values() for k in record if k.startswith(prefix)}
+        return sorted(found, key=lambda k: (not k.endswith("/all"), k))
+
+    def latest(self, key: str) -> float | None:
+        values = self.series(key)
+        return values[-1][1] if values else None
+
+
+def read_metrics(run_dir: Path) -> RunMetrics:
+    """The run's metrics.jsonl and hparams.json. A line that does not parse (the one a running job is
+    writing) is counted in ``skipped_lines``, not fatal; table records are left out."""
+    metrics = RunMetrics()
+    path = run_dir / "metrics.jsonl"
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                metrics.skipped_lines += 1
+                continue
+            if not isinstance(record, dict) or "table" in record or record.get("step") is None:
+                continue
+            step = int(record["step"])
+            # A step logs its training scalars and, at a validation, its val/ scalars in separate
+            # records: merge them; a later job's record of the same step (a resume) overrides.
+            metrics.steps.setdefault(step, {}).update(record)
+    hparams = run_dir / "hparams.json"
+    if hparams.is_file():
+        try:
+            metrics.settings = json.loads(hparams.read_text(encoding="utf-8"))
+        except ValueError:
+            metrics.settings = {}
+    return metrics
+
+
+def find_run_dir(target: Path | None) -> Path:
+    """The run directory that ``target`` names: a directory holding metrics.jsonl, or a
+    CHECKPOINT_DIR whose run.json names the run (under WANDB_LOG_DIR); default CHECKPOINT_DIR."""
+    target = Path(target or config.CHECKPOINT_DIR)
+    if (target / "metrics.jsonl").is_file():
+        return target
+    name = read_run_record(target).get("name")
+    if name:
+        run_dir = run_directory(name)
+        if (run_dir / "metrics.jsonl").is_file():
+            return run_dir
+        raise SystemExit(
+            f"run_report: {target}/run.json names run {name!r}, but {run_dir}/metrics.jsonl does not "
+            f"exist: set WANDB_LOG_DIR to where that run logged, or pass its run directory"
+        )
+    raise SystemExit(
+        f"run_report: {target} holds neither metrics.jsonl (a run directory) nor run.json (a "
+        f"CHECKPOINT_DIR): pass WANDB_LOG_DIR/<run name> or the run's CHECKPOINT_DIR"
+    )
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def _fmt(value: float | None, spec: str = ".3f", scale: float = 1.0) -> str:
+    return "n/a" if value is None else format(value * scale, spec)
+
+
+def unfreeze_step(metrics: RunMetrics) -> int | None:
+    """The run's UNFREEZE_STEP setting, else the first step logged in phase 2."""
+    value = metrics.settings.get("UNFREEZE_STEP")
+    if isinstance(value, (int, float)):
+        return int(value)
+    for step, phase in metrics.series("train/phase"):
+        if phase >= 2:
+            return step
+    return None
+
+
+def validation_table(metrics: RunMetrics, unit: str) -> list[tuple[str, list[tuple[int, float]]]]:
+    """(language, [(step, WER or CER)]) for every language validated, ``all`` first."""
+    return [
+        (key.rsplit("/", 1)[1], metrics.series(key))
+        for key in metrics.keys_with_prefix(f"val/{unit}/")
+    ]
+
+
+def language_mix(metrics: RunMetrics) -> list[tuple[str, float | None, float | None]]:
+    """(language, realized share, target share) at the newest step that logged them."""
+    langs = {k.split("/", 1)[1] for k in metrics.keys_with_prefix("lang_share/")}
+    langs |= {k.split("/", 1)[1] for k in metrics.keys_with_prefix("lang_target/")}
+    return [
+        (lang, metrics.latest(f"lang_share/{lang}"), metrics.latest(f"lang_target/{lang}"))
+        for lang in sorted(langs)
+    ]
+
+
+def plot_training(metrics: RunMetrics):
+    import matplotlib.pyplot as plt
+
+    loss, lr = metrics.series("train/loss"), metrics.series("train/lr")
+    if not loss and not lr:
+        return None
+    fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    if loss:
+        ax_loss.plot(*zip(*loss), lw=0.8, label="train/loss")
+    val = metrics.series("val/loss")
+    if val:
+        ax_loss.plot(*zip(*val), "o-", label="val/loss")
+    ax_loss.set_ylabel("loss")
+    if lr:
+        ax_lr.plot(*zip(*lr), color="tab:green")
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.set_xlabel("optimizer step")
+    unfreeze = unfreeze_step(metrics)
+    for ax in (ax_loss, ax_lr):
+        if unfreeze is not None:
+            ax.axvline(unfreeze, color="grey", ls="--", lw=1, label="unfreeze (phase 2)")
+        ax.grid(alpha=0.3)
+    ax_loss.legend(loc="upper right")
+    fig.suptitle("Loss and learning rate")
+    fig.tight_layout()
+    return fig
+
+
+def plot_validation(metrics: RunMetrics):
+    import matplotlib.pyplot as plt
+
+    tables = {unit: validation_table(metrics, unit) for unit in ("wer", "cer")}
+    if not any(series for _, series in tables["wer"]):
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, unit in zip(axes, ("wer", "cer")):
+        for lang, series in tables[unit]:
+            if series:
+                steps, values = zip(*series)
+                ax.plot(
+                    steps,
+                    [100 * v for v in values],
+                    "o-",
+                    lw=2.2 if lang == "all" else 1.2,
+                    label=lang,
+                )
+        ax.set_title(f"validation {unit.upper()} %")
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_language_mix(metrics: RunMetrics):
+    import matplotlib.pyplot as plt
+
+    mix = language_mix(metrics)
+    if not mix:
+        return None
+    langs = [lang for lang, _, _ in mix]
+    x = range(len(langs))
+    fig, ax = plt.subplots(figsize=(max(5, 0.8 * len(langs) + 2), 4))
+    ax.bar([i - 0.2 for i in x], [100 * (s or 0) for _, s, _ in mix], 0.4, label="realized")
+    ax.bar([i + 0.2 for i in x], [100 * (t or 0) for _, _, t in mix], 0.4, label="target")
+    ax.set_xticks(list(x), langs)
+    ax.set_ylabel("% of utterances")
+    ax.set_title("Language mix: realized (last 100 steps) vs target")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def plot_data_path(metrics: RunMetrics):
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("data/padding_efficiency", "padding efficiency"),
+        ("throughput/audio_s_per_s", "audio seconds per second"),
+        ("train/skipped_steps", "skipped optimizer steps (total)"),
+        ("data/bad_audio_total", "bad audio utterances (total)"),
+    ]
+    if not any(metrics.series(key) for key, _ in panels):
+        return None
+    fig, axes = plt.subplots(2, 2, figsize=(11, 6), sharex=True)
+    unfreeze = unfreeze_step(metrics)
+    for ax, (key, title) in zip(axes.flat, panels):
+        series = metrics.series(key)
+        if series:
+            ax.plot(*zip(*series), lw=0.8)
+            top = max(v for _, v in series)
+            # Efficiency is a share; counts start at 0: a flat line then reads as flat, not as noise.
+            ax.set_ylim(0, 1.02 if key == "data/padding_efficiency" else max(1.0, 1.1 * top))
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+        if unfreeze is not None:
+            ax.axvline(unfreeze, color="grey", ls="--", lw=1)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("optimizer step")
+    fig.tight_layout()
+    return fig
+
+
+def render_report(run_dir: Path, metrics: RunMetrics, charts: list[str]) -> str:
+    """The Markdown page: what a user quotes about the run, then the charts."""
+    settings = metrics.settings
+    steps = sorted(metrics.steps)
+    last_step = steps[-1] if steps else None
+    max_steps = settings.get("MAX_STEPS")
+    losses = [v for _, v in metrics.series("train/loss")]
+    window = min(LOSS_WINDOW, max(1, len(losses) // 2))
+    unfreeze = unfreeze_step(metrics)
+    lines = [f"# Run report: {run_dir.name}", ""]
+    progress = f"step {last_step}" + (f" of {max_steps}" if max_steps else "")
+    if max_steps and last_step is not None and last_step < max_steps:
+        progress += " (still going, or stopped early)"
+    lines += [
+        f"- Run directory: `{run_dir}`",
+        f"- Progress: {progress}; unfreeze at step {unfreeze if unfreeze is not None else 'n/a'}",
+        f"- Base model: `{settings.get('INIT_MODEL') or 'none (trained from scratch)'}`",
+        f"- Train loss: first {window} steps {_fmt(_mean(losses[:window]))}, "
+        f"last {window} steps {_fmt(_mean(losses[-window:]))}",
+        f"- Learning rate now: {_fmt(metrics.latest('train/lr'), '.3g')}",
+    ]
+    pad = [v for _, v in metrics.series("data/padding_efficiency")]
+    lines.append(f"- Padding efficiency: median {_fmt(statistics.median(pad) if pad else None)}")
+    rate = metrics.series("throughput/audio_s_per_s")
+    boundary = unfreeze if unfreeze is not None else math.inf
+    for label, values in (
+        ("phase 1 (encoder frozen)", [v for s, v in rate if s < boundary]),
+        ("phase 2", [v for s, v in rate if s >= boundary]),
+    ):
+        if values:
+            lines.append(
+                f"- Audio seconds per second, {label}: median {statistics.median(values):.1f}"
+            )
+    wait = [v for _, v in metrics.series("time/data_wait_fraction_max")]
+    if wait:
+        lines.append(f"- Data wait (worst rank): median {statistics.median(wait):.3f} of step time")
+    skipped = metrics.latest("train/skipped_steps")
+    bad = metrics.latest("data/bad_audio_total")
+    lines.append(
+        f"- Skipped optimizer steps: {_fmt(skipped, '.0f')}; bad audio utterances: {_fmt(bad, '.0f')}"
+    )
+    reasons = [
+        f"{key.rsplit('/', 1)[1]} {metrics.latest(key):.0f}"
+        for key in metrics.keys_with_prefix("data/bad_audio/")
+        if metrics.latest(key)
+    ]
+    if reasons:
+        lines.append(f"  - by reason: {', '.join(reasons)}")
+    if metrics.skipped_lines:
+        lines.append(f"- {metrics.skipped_lines} unreadable line(s) of metrics.jsonl left out")
+
+    for unit in ("wer", "cer"):
+        table = validation_table(metrics, unit)
+        if not any(series for _, series in table):
+            continue
+        lines += ["", f"## Validation {unit.upper()} %", ""]
+        first_step = min(s for _, series in table for s, _ in series)
+        first_label = "base (step 0)" if first_step == 0 and settings.get("INIT_MODEL") else "first"
+        lines += [
+            f"| language | {first_label} | best (step) | latest (step) |",
+            "|---|---|---|---|",
+        ]
+        for lang, series in table:
+            if not series:
+                continue
+            first = series[0][1] if series[0][0] == first_step else None
+            best_step, best = min(series, key=lambda sv: (sv[1], -sv[0]))
+            latest_step, latest = series[-1]
+            lines.append(
+                f"| {lang} | {_fmt(first, '.1f', 100)} | {100 * best:.1f} ({best_step}) "
+                f"| {100 * latest:.1f} ({latest_step}) |"
+            )
+    mix = language_mix(metrics)
+    if mix:
+        lines += [
+            "",
+            "## Language mix (last 100 steps)",
+            "",
+            "| language | realized % | target % |",
+        ]
+        lines.append("|---|---|---|")
+        for lang, share, target in mix:
+            lines.append(f"| {lang} | {_fmt(share, '.1f', 100)} | {_fmt(target, '.1f', 100)} |")
+    if charts:
+        lines += ["", "## Charts", ""] + [f"![{Path(c).stem}]({c})" for c in charts]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(run_dir: Path, out_dir: Path) -> Path:
+    """Charts and report.md of the run in ``run_dir`` into ``out_dir``; the path of report.md."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = read_metrics(run_dir)
+    if not metrics.steps:
+        raise SystemExit(
+            f"run_report: {run_dir}/metrics.jsonl holds no logged step yet: wait for the first "
+            f"optimizer step (LOG_EVERY_N_STEPS) and run it again"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    charts = []
+    for name, plot in (
+        ("training.png", plot_training),
+        ("validation.png", plot_validation),
+        ("language_mix.png", plot_language_mix),
+        ("data_path.png", plot_data_path),
+    ):
+        fig = plot(metrics)
+        if fig is None:  # nothing of it logged yet
+            continue
+        atomic_write(out_dir / name, lambda tmp, fig=fig: fig.savefig(tmp, format="png", dpi=110))
+        plt.close(fig)
+        charts.append(name)
+    text = render_report(run_dir, metrics, charts)
+    report = out_dir / "report.md"
+    atomic_write(report, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "run",
+        nargs="?",
+        type=Path,
+        default=None,
+        help="a run directory (holds metrics.jsonl) or a CHECKPOINT_DIR (default CHECKPOINT_DIR)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where the PNGs and report.md go (default RUN/report)",
+    )
+    args = parser.parse_args(argv)
+    run_dir = find_run_dir(args.run)
+    report = write_report(run_dir, args.out or run_dir / "report")
+    print(report.read_text(encoding="utf-8"))
+    print(f"run_report: wrote {report} and its charts beside it")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

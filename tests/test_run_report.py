@@ -1,0 +1,173 @@
+"""scripts/run_report.py: a report of any run from its metrics.jsonl, while it is going and after it
+ends, with no W&B account or network."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from scripts import run_report
+from tests.tiny_training_data import make_training_data, write_manifest
+from tests.torchrun_jobs import tiny_train_env, torchrun_command
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+CHARTS = ("training.png", "validation.png", "language_mix.png", "data_path.png")
+
+
+def write_run(run_dir: Path, records: list[dict], tail: str = "", **settings) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(r) + "\n" for r in records) + tail
+    (run_dir / "metrics.jsonl").write_text(text, encoding="utf-8")
+    (run_dir / "hparams.json").write_text(json.dumps(settings), encoding="utf-8")
+    return run_dir
+
+
+def training_record(step: int, **extra) -> dict:
+    return {
+        "step": step,
+        "train/loss": 10.0 / step,
+        "train/lr": 1e-3,
+        "train/phase": 1 if step < 5 else 2,
+        "data/padding_efficiency": 0.9,
+        "throughput/audio_s_per_s": 50.0 if step < 5 else 30.0,
+        "train/skipped_steps": 1,
+        "data/bad_audio_total": 2,
+        "data/bad_audio/missing": 2,
+        "lang_share/hi": 0.75,
+        "lang_target/hi": 0.5,
+        "lang_share/en": 0.25,
+        "lang_target/en": 0.5,
+        **extra,
+    }
+
+
+def test_the_report_quotes_base_best_and_latest_per_language(tmp_path):
+    records = [training_record(s) for s in range(1, 11)]  # phase 2 from step 5 on
+    records += [
+        {"step": 0, "val/wer/all": 0.8, "val/wer/hi": 0.9, "val/wer/en": 0.05},
+        {"step": 5, "val/wer/all": 0.4, "val/wer/hi": 0.5, "val/wer/en": 0.2},
+        {"step": 10, "val/wer/all": 0.5, "val/wer/hi": 0.55, "val/wer/en": 0.1},
+    ]
+    run = write_run(tmp_path / "ft", records, INIT_MODEL="base.nemo", MAX_STEPS=10)
+    report = run_report.write_report(run, tmp_path / "out").read_text()
+    assert "| language | base (step 0) | best (step) | latest (step) |" in report
+    assert "| all | 80.0 | 40.0 (5) | 50.0 (10) |" in report
+    assert "| en | 5.0 | 5.0 (0) | 10.0 (10) |" in report
+    assert "unfreeze at step 5" in report
+    assert "phase 1 (encoder frozen): median 50.0" in report and "phase 2: median 30.0" in report
+    assert "Skipped optimizer steps: 1; bad audio utterances: 2" in report
+    assert "by reason: missing 2" in report
+    assert "| hi | 75.0 | 50.0 |" in report
+    for chart in CHARTS:
+        assert (tmp_path / "out" / chart).read_bytes().startswith(PNG_MAGIC), chart
+        assert f"({chart})" in report
+
+
+def test_a_half_written_last_line_and_a_resumed_step_are_read_as_the_run_logged_them(tmp_path):
+    records = [training_record(1), training_record(2), training_record(2, **{"train/loss": 1.5})]
+    run = write_run(tmp_path / "run", records, tail='{"step": 3, "train/lo')
+    metrics = run_report.read_metrics(run)
+    assert metrics.series("train/loss") == [(1, 10.0), (2, 1.5)]
+    assert metrics.skipped_lines == 1
+    report = run_report.write_report(run, tmp_path / "out").read_text()
+    assert "1 unreadable line(s) of metrics.jsonl left out" in report
+    assert "first" in report  # from scratch: no base column
+    assert not (tmp_path / "out" / "validation.png").exists()  # nothing validated yet
+
+
+def test_a_checkpoint_dir_leads_to_its_run_through_run_json(tmp_path, monkeypatch):
+    logs = tmp_path / "wandb_logs"
+    write_run(logs / "ft", [training_record(1), training_record(2)])
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    (checkpoints / "run.json").write_text(json.dumps({"name": "ft", "wandb_id": "x"}))
+    monkeypatch.setattr(run_report.config, "WANDB_LOG_DIR", logs)
+    assert run_report.find_run_dir(checkpoints) == logs / "ft"
+
+
+def test_a_directory_that_holds_no_run_is_one_line_naming_it(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "scripts/run_report.py", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [
+        f"run_report: {tmp_path} holds neither metrics.jsonl (a run directory) nor run.json (a "
+        f"CHECKPOINT_DIR): pass WANDB_LOG_DIR/<run name> or the run's CHECKPOINT_DIR"
+    ]
+
+
+def report_of(checkpoint_dir: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "scripts/run_report.py", str(checkpoint_dir)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+@pytest.mark.slow
+def test_a_two_process_run_is_reported_while_it_trains_and_after_it_ends(tmp_path):
+    data = make_training_data(tmp_path, per_lang=12)
+    val = write_manifest(tmp_path / "val", 3, seed=1, name="val_manifest.parquet")
+    env = tiny_train_env(
+        data,
+        DATA_DIR=str(tmp_path),
+        VAL_MANIFEST_PATH=str(val),
+        MAX_STEPS="60",
+        UNFREEZE_STEP="20",
+        GRAD_ACCUM="1",
+        CHECKPOINT_EVERY="30",
+        EVAL_EVERY_STEPS="30",
+    )
+    job = subprocess.Popen(
+        torchrun_command(REPO / "train.py"),
+        cwd=REPO,
+        env=env,
+        stdout=open(tmp_path / "train.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    checkpoint_dir = tmp_path / "checkpoints"
+    try:
+        metrics = None
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and job.poll() is None:
+            found = list((tmp_path / "wandb_logs").glob("*/metrics.jsonl"))
+            if found and '"train/loss"' in found[0].read_text():
+                metrics = found[0]
+                break
+            time.sleep(0.1)
+        assert metrics is not None, (tmp_path / "train.log").read_text()[-3000:]
+        # Held mid-run (every process of the job paused), so the report reads a run that is going.
+        os.killpg(job.pid, signal.SIGSTOP)
+        try:
+            during = report_of(checkpoint_dir, env)
+        finally:
+            os.killpg(job.pid, signal.SIGCONT)
+        assert job.wait(timeout=400) == 0, (tmp_path / "train.log").read_text()[-3000:]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert during.returncode == 0, during.stderr
+    assert "(still going, or stopped early)" in during.stdout, during.stdout
+    after = report_of(checkpoint_dir, env)
+    assert after.returncode == 0, after.stderr
+    report = (metrics.parent / "report" / "report.md").read_text()
+    assert "Progress: step 60 of 60; unfreeze at step 20" in report
+    assert "| all |" in report and "(60) |" in report  # validations at 30 and 60, per language
+    for chart in CHARTS:
+        assert (metrics.parent / "report" / chart).read_bytes().startswith(PNG_MAGIC), chart
