@@ -17,14 +17,19 @@ of ``--batch-seconds`` of audio, on the GPU when there is one. An unreadable fil
 ``"error"`` instead of a text and is named on stderr; the exit status is 1 when any file failed.
 
 Output: JSONL to ``--out`` (written whole under a temporary name, then renamed) or to stdout; without
-``--out``, stdout shows ``lang<TAB>text<TAB>file`` lines instead when it is a terminal.
+``--out``, stdout shows ``lang<TAB>text<TAB>file`` lines instead when it is a terminal. Stdout carries
+nothing else: whatever NeMo, Lightning or any library prints while the model loads and decodes (to
+Python's stdout or to file descriptor 1) goes to stderr, so ``transcribe.py m.nemo a.wav > out.jsonl``
+is valid JSONL.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -58,11 +63,32 @@ def inputs_of(files: list[Path], manifest: Path | None) -> list[str]:
     return frame.select(audio_path_expr(frame.columns)).to_series().to_list()
 
 
+@contextlib.contextmanager
+def stdout_kept_for_results():
+    """Inside: everything written to stdout, by Python code or by C code on file descriptor 1,
+    goes to stderr. Yields a text stream on the original stdout, for the results alone."""
+    sys.stdout.flush()
+    results = os.fdopen(os.dup(1), "w", encoding="utf-8", closefd=True)
+    saved_fd1, saved_stdout = os.dup(1), sys.stdout
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        yield results
+    finally:
+        sys.stdout.flush()
+        results.flush()
+        os.dup2(saved_fd1, 1)
+        os.close(saved_fd1)
+        sys.stdout = saved_stdout
+        results.close()
+
+
 def transcribe(
     model, paths: list[str], *, batch_seconds: float = 120.0, device: str = "cpu"
 ) -> list[dict]:
     """One row per path, in input order: {"audio_filepath", "duration", "lang", "text"}, or
-    {"audio_filepath", "error"} for a file that could not be read."""
+    {"audio_filepath", "error"} for a file that could not be read ("file not found" when it does
+    not exist)."""
     import evaluation
     from dataset import AudioFileDataset
     from manifest_schema import leading_lang, strip_lang_tag
@@ -80,7 +106,8 @@ def transcribe(
     for i, path in enumerate(paths):
         hypothesis = texts.get(i)
         if hypothesis is None:
-            rows.append({"audio_filepath": path, "error": "unreadable or empty audio"})
+            error = "unreadable or empty audio" if Path(path).exists() else "file not found"
+            rows.append({"audio_filepath": path, "error": error})
             continue
         rows.append(
             {
@@ -117,9 +144,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="cpu or cuda (default cuda when available)")
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
     )
+    interactive = args.out is None and sys.stdout.isatty()
+    with stdout_kept_for_results() as results:
+        return run(args, results, interactive)
 
+
+def run(args: argparse.Namespace, results, interactive: bool) -> int:
+    """Load the model, transcribe, and write the rows to ``args.out`` or ``results``."""
     import torch
 
     import asr_model
@@ -141,12 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         atomic_write(args.out, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
         print(f"wrote {len(rows)} transcript(s) to {args.out}", file=sys.stderr)
-    elif sys.stdout.isatty():
+    elif interactive:
         for r in rows:
             if "error" not in r:
-                print(f"{r['lang'] or '?'}\t{r['text']}\t{r['audio_filepath']}")
+                results.write(f"{r['lang'] or '?'}\t{r['text']}\t{r['audio_filepath']}\n")
     else:
-        sys.stdout.write(text)
+        results.write(text)
     return 1 if failed else 0
 
 

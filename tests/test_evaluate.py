@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -605,7 +606,7 @@ def test_transcribe_writes_the_language_and_the_text_without_the_tag(tiny, monke
     rows = transcribe.transcribe(tiny.model, files, batch_seconds=1.0)  # one file per batch
     assert [r["audio_filepath"] for r in rows] == files  # input order
     assert rows[0]["lang"] == rows[1]["lang"] == "hi" and rows[0]["text"] == "नमस्ते दुनिया"
-    assert rows[2] == {"audio_filepath": files[2], "error": "unreadable or empty audio"}
+    assert rows[2] == {"audio_filepath": files[2], "error": "file not found"}
 
 
 def test_transcribe_script_runs_a_model_over_a_manifest_into_jsonl(tiny, capsys):
@@ -623,6 +624,28 @@ def test_transcribe_script_runs_a_model_over_a_manifest_into_jsonl(tiny, capsys)
     assert all("<|" not in r["text"] for r in rows)
     assert transcribe.main([str(tiny.nemo), str(tiny.root / "nope.flac")]) == 1
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_transcribe_stdout_piped_to_a_file_is_valid_jsonl_and_the_logs_go_to_stderr(tiny):
+    import polars as pl
+
+    from manifest_schema import nemo_json_frame
+
+    paths = nemo_json_frame(pl.read_parquet(tiny.manifest)).get_column("audio_filepath")
+    files = [paths[0], paths[1], str(tiny.root / "missing.flac")]
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts/transcribe.py"), str(tiny.nemo), *files],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 1  # one file failed
+    rows = [json.loads(line) for line in result.stdout.splitlines()]  # every line is JSON
+    assert [r["audio_filepath"] for r in rows] == files
+    assert rows[2]["error"] == "file not found"
+    assert f"cannot read {files[2]}: file not found" in result.stderr
+    assert "[NeMo" not in result.stdout
 
 
 @pytest.mark.parametrize(
