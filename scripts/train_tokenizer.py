@@ -65,6 +65,7 @@ from tqdm import tqdm
 import config
 from manifest_schema import is_nemo_json, lang_tag, split_lang_tags
 from process_control import UserError
+from training_cache import sentencepiece_model_without_paths
 
 log = logging.getLogger("train_tokenizer")
 
@@ -575,6 +576,10 @@ def train_tokenizer(
                 sentence_file, work / "tokenizer", vocab_size, user_symbols
             )
             sentence_file.unlink()
+            # SentencePiece records the temporary paths it trained with; without them the same
+            # tokenizer is the same bytes wherever it was trained.
+            model_file = work / "tokenizer.model"
+            model_file.write_bytes(sentencepiece_model_without_paths(model_file.read_bytes()))
             (work / "vocab.txt").write_text(
                 "\n".join(nemo_vocab_lines(work / "tokenizer.vocab", user_symbols)) + "\n",
                 encoding="utf-8",
