@@ -178,24 +178,51 @@ class TDT(ModelFamily):
     name = "TDT transducer"
     nemo_class = "EncDecRNNTBPEModel"
 
+    def vocabulary_heads(self, model) -> dict[str, torch.nn.Module]:
+        """The parts whose shape follows the vocabulary, by the names the log and the model card use."""
+        return {"decoder": model.decoder, "joint": model.joint}
+
+    def carry_heads(
+        self, old: dict[str, torch.nn.Module], new: dict[str, torch.nn.Module], old_pieces, pieces
+    ) -> dict[str, int]:
+        """The base's weights of ``old`` (``vocabulary_heads`` before the change) in ``new``."""
+        return carry_decoder_and_joint(
+            old["decoder"], old["joint"], old_pieces, new["decoder"], new["joint"], pieces
+        )
+
     def change_vocabulary(self, model, tokenizer_dir: Path, decoder_init: str) -> dict:
-        """NeMo's ``change_vocabulary`` (new decoder and joint), then, with ``decoder_init`` "carry",
-        the base model's weights in them (``carry_decoder_and_joint``)."""
+        """NeMo's ``change_vocabulary`` (new heads: ``vocabulary_heads``), then, with
+        ``decoder_init`` "carry", the base model's weights in every one of them (``carry_heads``).
+        ConfigError for "carry" when the base's tokenizer has no SentencePiece pieces to match by
+        string. Returns the carried, new and dropped piece counts, ``decoder_init`` and ``heads``
+        (the names of the parts the counts apply to)."""
+        from omegaconf import open_dict
+
         old_size, old_pieces = model.tokenizer.vocab_size, model_pieces(model)
-        old_decoder, old_joint = model.decoder, model.joint
-        # NeMo 3.0 replaces the TDT loss here with an RNN-T loss whose blank counts the durations:
-        # attach_loss rebuilds it from cfg.loss.
-        model.change_vocabulary(new_tokenizer_dir=str(tokenizer_dir), new_tokenizer_type="bpe")
-        if decoder_init == "carry" and old_pieces is not None:
-            counts = carry_decoder_and_joint(
-                old_decoder, old_joint, old_pieces, model.decoder, model.joint, model_pieces(model)
+        if decoder_init == "carry" and old_pieces is None:
+            raise config.ConfigError(
+                f"DECODER_INIT=carry matches the base model's rows to the pieces of "
+                f"TOKENIZER_DIR={tokenizer_dir} by their SentencePiece string, but the base's "
+                f"tokenizer ({type(model.tokenizer).__name__}) has no SentencePiece pieces: set "
+                f"DECODER_INIT=fresh (its {heads_phrase(self.vocabulary_heads(model))} then start "
+                f"from random), or start from a base with a SentencePiece tokenizer"
             )
+        old_heads = self.vocabulary_heads(model)
+        # NeMo 3.0 replaces the TDT loss here with an RNN-T loss whose blank counts the durations:
+        # attach_loss rebuilds it from cfg.loss. Its config is opened because NeMo sets
+        # cfg.tokenizer.dir, a key an aggregate tokenizer's config (one per language) lacks.
+        with open_dict(model.cfg):
+            model.change_vocabulary(new_tokenizer_dir=str(tokenizer_dir), new_tokenizer_type="bpe")
+        heads = self.vocabulary_heads(model)
+        if decoder_init == "carry":
+            counts = self.carry_heads(old_heads, heads, old_pieces, model_pieces(model))
             log.info(
                 "vocabulary changed from %d to %d pieces (TOKENIZER_DIR=%s): the base model's "
-                "decoder and joint are kept, %d piece rows carried, %d new, %d dropped",
+                "%s are kept, %d piece rows carried, %d new, %d dropped",
                 old_size,
                 model.tokenizer.vocab_size,
                 tokenizer_dir,
+                heads_phrase(heads),
                 counts["carried"],
                 counts["new"],
                 counts["dropped"],
@@ -203,14 +230,16 @@ class TDT(ModelFamily):
         else:
             counts = {"carried": 0, "new": model.tokenizer.vocab_size, "dropped": old_size}
             log.info(
-                "vocabulary changed from %d to %d pieces (TOKENIZER_DIR=%s): decoder and joint "
-                "are new (DECODER_INIT=%s)",
+                "vocabulary changed from %d to %d pieces (TOKENIZER_DIR=%s): %s are new "
+                "(DECODER_INIT=%s)",
                 old_size,
                 model.tokenizer.vocab_size,
                 tokenizer_dir,
+                heads_phrase(heads),
                 decoder_init,
             )
         counts["decoder_init"] = decoder_init
+        counts["heads"] = list(heads)
         return counts
 
     def attach_loss(self, model) -> None:
@@ -259,11 +288,21 @@ class TDT(ModelFamily):
 class HybridTDTCTC(TDT):
     """NeMo's hybrid TDT-CTC: the TDT transducer plus a CTC decoder on the same encoder, trained on
     (1 - w) x TDT loss + w x CTC loss, w = ``cfg.aux_ctc.ctc_loss_weight``, as NeMo's own training
-    step weighs them; greedy decoding uses the transducer. A vocabulary change gives the CTC decoder
-    new rows (NeMo's ``change_vocabulary``); the transducer's are carried as for TDT."""
+    step weighs them; greedy decoding uses the transducer. A vocabulary change carries the CTC
+    decoder's rows as the joint's (``carry_ctc_decoder``), beside the transducer's."""
 
     name = "hybrid TDT-CTC"
     nemo_class = "EncDecHybridRNNTCTCBPEModel"
+
+    def vocabulary_heads(self, model) -> dict[str, torch.nn.Module]:
+        return {**super().vocabulary_heads(model), "CTC decoder": model.ctc_decoder}
+
+    def carry_heads(
+        self, old: dict[str, torch.nn.Module], new: dict[str, torch.nn.Module], old_pieces, pieces
+    ) -> dict[str, int]:
+        counts = super().carry_heads(old, new, old_pieces, pieces)
+        carry_ctc_decoder(old["CTC decoder"], old_pieces, new["CTC decoder"], pieces)
+        return counts
 
     def loss_of_encoded(self, model, encoded, encoded_len, batch) -> torch.Tensor:
         loss = super().loss_of_encoded(model, encoded, encoded_len, batch)
@@ -280,6 +319,12 @@ class HybridTDTCTC(TDT):
 
     def describe_loss(self, model) -> str:
         return f"{super().describe_loss(model)} + CTC loss (weight {model.ctc_loss_weight:g})"
+
+
+def heads_phrase(heads) -> str:
+    """ "decoder and joint", "decoder, joint and CTC decoder": the parts, for a log line."""
+    names = list(heads)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 # The families, most specific first: a model belongs to the first that owns it.
@@ -356,7 +401,7 @@ def build_model(
     ``model_config`` YAML (its ``model:`` section; its ``target`` names the family, TDT without one)
     with ``tokenizer.dir`` set to ``tokenizer_dir``.
     Defaults come from INIT_MODEL, MODEL_CONFIG, TOKENIZER_DIR and DECODER_INIT.
-    ``model.vocabulary_change`` holds what ``use_tokenizer`` did to its decoder and joint.
+    ``model.vocabulary_change`` holds what ``use_tokenizer`` did to the parts sized by the vocabulary.
     """
     from nemo.collections.asr.models import ASRModel
     from omegaconf import OmegaConf, open_dict
@@ -443,38 +488,77 @@ def carry_decoder_and_joint(
       direction that could burst into insertions.
     Returns {"carried", "new", "dropped"} piece counts.
     """
-    old_index = {piece: i for i, piece in enumerate(old_pieces)}
-    shared = [(i, old_index[p]) for i, p in enumerate(pieces) if p in old_index]
-    new_ids = [i for i, p in enumerate(pieces) if p not in old_index]
+    rows = _PieceRows(old_pieces, pieces)
+    _copy_equal_shapes(decoder, old_decoder)
+    _copy_equal_shapes(joint, old_joint)
+
     v_old, v_new = len(old_pieces), len(pieces)
-    dst_rows = torch.tensor([i for i, _ in shared], dtype=torch.long)
-    src_rows = torch.tensor([j for _, j in shared], dtype=torch.long)
-
-    for new_module, old_module in ((decoder, old_decoder), (joint, old_joint)):
-        old_state = old_module.state_dict()
-        for name, tensor in new_module.state_dict().items():
-            if name in old_state and old_state[name].shape == tensor.shape:
-                tensor.copy_(old_state[name])
-
     embed, old_embed = decoder.prediction["embed"].weight, old_decoder.prediction["embed"].weight
-    embed[dst_rows] = old_embed[src_rows]
+    embed[rows.dst] = old_embed[rows.src]
     if embed.shape[0] > v_new and old_embed.shape[0] > v_old:
         embed[v_new] = old_embed[v_old]  # blank (NeMo's blank_as_pad: the padding row)
-    if new_ids:
-        embed[new_ids] = old_embed[:v_old].mean(dim=0)
+    if rows.new:
+        embed[rows.new] = old_embed[:v_old].mean(dim=0)
 
     out, old_out = joint.joint_net[-1], old_joint.joint_net[-1]
-    extra = joint.num_extra_outputs  # TDT durations after blank
+    # blank, then the TDT durations, after the pieces
+    _carry_output_rows(out, old_out, rows, tail=1 + joint.num_extra_outputs)
+    return rows.counts()
+
+
+@torch.no_grad()
+def carry_ctc_decoder(old_ctc, old_pieces: list[str], ctc, pieces: list[str]) -> dict[str, int]:
+    """Copy the base model's CTC decoder (NeMo's ConvASRDecoder: one 1x1 convolution with a row per
+    piece, then blank) into the one ``change_vocabulary`` built, as ``carry_decoder_and_joint``
+    does the joint's output: shared pieces by their string, blank moved to its new position, a new
+    piece the mean base piece row with the mean bias minus log(N). Its greedy CTC output is then
+    the base's before any update. Returns {"carried", "new", "dropped"} piece counts."""
+    rows = _PieceRows(old_pieces, pieces)
+    _copy_equal_shapes(ctc, old_ctc)
+    _carry_output_rows(ctc.decoder_layers[-1], old_ctc.decoder_layers[-1], rows, tail=1)
+    return rows.counts()
+
+
+class _PieceRows:
+    """Where each piece of a new vocabulary comes from: ``dst``/``src`` the new/old rows of the
+    pieces both vocabularies hold (matched by string), ``new`` the rows of pieces the base lacks."""
+
+    def __init__(self, old_pieces: list[str], pieces: list[str]):
+        old_index = {piece: i for i, piece in enumerate(old_pieces)}
+        shared = [(i, old_index[p]) for i, p in enumerate(pieces) if p in old_index]
+        self.dst = torch.tensor([i for i, _ in shared], dtype=torch.long)
+        self.src = torch.tensor([j for _, j in shared], dtype=torch.long)
+        self.new = [i for i, p in enumerate(pieces) if p not in old_index]
+        self.v_old, self.v_new = len(old_pieces), len(pieces)
+
+    def counts(self) -> dict[str, int]:
+        carried = len(self.dst)
+        return {"carried": carried, "new": len(self.new), "dropped": self.v_old - carried}
+
+
+def _copy_equal_shapes(module: torch.nn.Module, old_module: torch.nn.Module) -> None:
+    """Every tensor of ``old_module`` whose name and shape ``module`` shares (those that do not
+    depend on the vocabulary)."""
+    old_state = old_module.state_dict()
+    for name, tensor in module.state_dict().items():
+        if name in old_state and old_state[name].shape == tensor.shape:
+            tensor.copy_(old_state[name])
+
+
+def _carry_output_rows(out, old_out, rows: _PieceRows, *, tail: int) -> None:
+    """An output layer with a row per piece, then ``tail`` rows (blank, durations): shared rows by
+    piece, the tail moved after the new pieces, each new piece the mean base piece row with the
+    mean base bias minus log(N) (``carry_decoder_and_joint``)."""
+    v_old, v_new = rows.v_old, rows.v_new
     for new_param, old_param in ((out.weight, old_out.weight), (out.bias, old_out.bias)):
         if new_param is None:
             continue
-        new_param[dst_rows] = old_param[src_rows]
-        new_param[v_new : v_new + 1 + extra] = old_param[v_old : v_old + 1 + extra]
-    if new_ids:
-        out.weight[new_ids] = old_out.weight[:v_old].mean(dim=0)
+        new_param[rows.dst] = old_param[rows.src]
+        new_param[v_new : v_new + tail] = old_param[v_old : v_old + tail]
+    if rows.new:
+        out.weight[rows.new] = old_out.weight[:v_old].mean(dim=0)
         if out.bias is not None:
-            out.bias[new_ids] = old_out.bias[:v_old].mean() - math.log(len(new_ids))
-    return {"carried": len(shared), "new": len(new_ids), "dropped": v_old - len(shared)}
+            out.bias[rows.new] = old_out.bias[:v_old].mean() - math.log(len(rows.new))
 
 
 def make_encoder_forward_rank_local(model) -> None:

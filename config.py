@@ -551,9 +551,10 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         "carry",
         _choice("carry", "fresh"),
         "When TOKENIZER_DIR's vocabulary differs from the base model's: carry = keep the base's "
-        "decoder and joint, with the rows of pieces both vocabularies share, blank and durations "
-        "moved to their new ids and new pieces started below every base piece; fresh = NeMo's "
-        "change_vocabulary (a new decoder and joint)",
+        "decoder and joint (and a hybrid's CTC decoder), with the rows of pieces both vocabularies "
+        "share, blank and durations moved to their new ids and new pieces started below every base "
+        "piece (a base without SentencePiece pieces is refused); fresh = NeMo's change_vocabulary "
+        "(a new decoder and joint)",
         steps=("train",),
     )
     knob(

@@ -74,7 +74,8 @@ def _evaluation_rows(results: dict[str, dict[str, int]]) -> list[str]:
 
 
 def _vocabulary_lines(record: dict[str, Any]) -> list[str]:
-    """How the tokenizer and the decoder/joint relate to the base model's, when a record says."""
+    """How the tokenizer and the parts sized by the vocabulary relate to the base model's, when a
+    record says."""
     lines = []
     tokenizer = record.get("tokenizer") or {}
     extension = tokenizer.get("extension")
@@ -91,13 +92,16 @@ def _vocabulary_lines(record: dict[str, Any]) -> list[str]:
     elif tokenizer.get("mode"):
         lines.append(f"- tokenizer mode: {tokenizer['mode']} (learned from the training manifest)")
     change = record.get("vocabulary_change")
-    if change and change.get("decoder_init") == "carry":
-        lines.append(
-            f"- decoder and joint: the base model's, {change['carried']:,} piece rows carried, "
-            f"{change['new']:,} new, {change['dropped']:,} dropped"
-        )
-    elif change:
-        lines.append("- decoder and joint: new (DECODER_INIT=fresh), trained from random")
+    if change:
+        # Counts without "heads" are those of the transducer's decoder and joint.
+        heads = asr_model.heads_phrase(change.get("heads") or ("decoder", "joint"))
+        if change.get("decoder_init") == "carry":
+            lines.append(
+                f"- {heads}: the base model's, {change['carried']:,} piece rows carried, "
+                f"{change['new']:,} new, {change['dropped']:,} dropped"
+            )
+        else:
+            lines.append(f"- {heads}: new (DECODER_INIT=fresh), trained from random")
     return lines
 
 

@@ -16,7 +16,8 @@ dtypes and lengths, the code tables, the build summary). Rows whose tokens do no
 frames (``floor(duration / frame_seconds)``) or whose duration is not a positive number are dropped
 while it is built and counted in the summary.
 
-Keyed by content. The key covers the sha256 of the manifest's bytes, the tokenizer model's sha256,
+Keyed by content. The key covers the sha256 of the manifest's bytes, the tokenizer model's sha256
+(its pieces and settings, not the paths it was trained with),
 ``frame_seconds``, ``max_token_len`` and the format. A manifest with other content gets a new cache
 whatever its size and mtime; a ``touch`` or a copy of the same bytes reuses the cache (any cache
 in the directory with that key, whatever the copy is called). Hashing runs at about 1 GB/s; its
@@ -149,11 +150,29 @@ def tokenize_transcript(tokenizer, tag_id: int, transcript: str, max_token_len: 
     return [tag_id] + ids[: max_token_len - 1]
 
 
+def sentencepiece_model_without_paths(model: bytes) -> bytes:
+    """``model`` (a serialized SentencePiece ModelProto) without the paths of the files it was
+    trained from and into (the trainer's input, model prefix and seed pieces file, a normalization
+    rule file): what it encodes with and how it was trained, so the same pieces and settings give
+    the same bytes wherever they were trained."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    proto.ParseFromString(model)
+    for name in ("input", "model_prefix", "seed_sentencepieces_file"):
+        proto.trainer_spec.ClearField(name)
+    for spec in (proto.normalizer_spec, proto.denormalizer_spec):
+        spec.ClearField("normalization_rule_tsv")
+    return proto.SerializeToString(deterministic=True)
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
-    """sha256 of the SentencePiece model (or of the vocabulary for other tokenizers)."""
+    """sha256 of the SentencePiece model without the paths it was trained with
+    (``sentencepiece_model_without_paths``), or of the vocabulary for other tokenizers: two
+    trainings of the same tokenizer share their caches."""
     processor = getattr(tokenizer, "tokenizer", None)
     if hasattr(processor, "serialized_model_proto"):
-        blob = processor.serialized_model_proto()
+        blob = sentencepiece_model_without_paths(processor.serialized_model_proto())
     else:
         blob = "\n".join(tokenizer.ids_to_tokens(list(range(tokenizer.vocab_size)))).encode()
     return hashlib.sha256(blob).hexdigest()

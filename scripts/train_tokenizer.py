@@ -65,6 +65,7 @@ from tqdm import tqdm
 import config
 from manifest_schema import is_nemo_json, lang_tag, split_lang_tags
 from process_control import UserError
+from training_cache import sentencepiece_model_without_paths
 
 log = logging.getLogger("train_tokenizer")
 
@@ -308,6 +309,14 @@ def covered_characters(proto) -> set[str]:
     return {c for p in proto.pieces if p.type == NORMAL for c in p.piece}
 
 
+def has_new_characters(proto, sentences: list[str]) -> list[bool]:
+    """For each sentence, whether it holds a character no normal piece of ``proto`` has, judged
+    on the text as ``proto`` normalizes it (a space is then the whitespace marker its pieces hold)."""
+    covered = covered_characters(proto)
+    normalizer = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+    return [any(c not in covered for c in text) for text in normalizer.normalize(sentences)]
+
+
 def extend_model(
     base: bytes,
     sentences: list[str],
@@ -330,6 +339,7 @@ def extend_model(
     existing = {p.piece for p in proto.pieces}
     new_tags = [t for t in tags if t not in existing]
     appended: list[tuple[str, float]] = []
+    learned_from = 0
     if not tags_only:
         budget = vocab_size - base_size - len(new_tags)
         if budget <= 0:
@@ -338,7 +348,7 @@ def extend_model(
                 f"and there are {len(new_tags)} new tags; raise VOCAB_SIZE, or use "
                 f"TOKENIZER_MODE=tags to keep the base as it is"
             )
-        appended = _learn_new_pieces(proto, sentences, budget, work)
+        appended, learned_from = _learn_new_pieces(proto, sentences, budget, work)
     for piece, score in appended:
         entry = proto.pieces.add()
         entry.piece, entry.score, entry.type = piece, score, NORMAL
@@ -351,26 +361,29 @@ def extend_model(
         "appended_pieces": len(appended),
         "appended_characters": sum(1 for piece, _ in appended if len(piece) == 1),
         "appended_tags": len(new_tags),
+        "learned_from_sentences": learned_from,
     }
     return proto.SerializeToString(), counts
 
 
 def _learn_new_pieces(
     proto, sentences: list[str], budget: int, work: Path
-) -> list[tuple[str, float]]:
+) -> tuple[list[tuple[str, float]], int]:
     """Up to ``budget`` (piece, score) pairs, each holding a character ``proto`` has no piece for:
-    every such character, then merges in learned order."""
+    every such character, then merges in learned order; learned from the sentences that hold such
+    a character (``has_new_characters``) alone, whose count comes second."""
     covered = covered_characters(proto)
     existing = {p.piece for p in proto.pieces}
-    base_sp = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+    new = has_new_characters(proto, sentences)
     rule = proto.normalizer_spec.name
     if rule not in STANDARD_NORMALIZERS:
         # A custom normalizer: normalize as the base does, then learn from that text as it is.
+        base_sp = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
         sentences = [s.replace("\u2581", " ").strip() for s in base_sp.normalize(sentences)]
         rule = "identity"
-    new_text = [s for s in sentences if any(c not in covered for c in s)]
+    new_text = [s for s, is_new in zip(sentences, new) if is_new]
     if not new_text:
-        return []
+        return [], 0
     sentence_file = work / "new_sentences.txt"
     sentence_file.write_text("\n".join(new_text) + "\n", encoding="utf-8")
     target = budget + 64
@@ -406,10 +419,10 @@ def _learn_new_pieces(
         )
     merges = merges[: budget - len(chars)]
     if proto.trainer_spec.model_type == UNIGRAM:
-        return [(p.piece, p.score) for p in merges + chars]
+        return [(p.piece, p.score) for p in merges + chars], len(new_text)
     # BPE merges by score: every appended piece after every base piece, in learned order.
     lowest = min((p.score for p in proto.pieces if p.type == NORMAL), default=0.0)
-    return [(p.piece, lowest - 1.0 - i) for i, p in enumerate(merges + chars)]
+    return [(p.piece, lowest - 1.0 - i) for i, p in enumerate(merges + chars)], len(new_text)
 
 
 def check_extension(base: bytes, extended: bytes, sentences: list[str], limit: int = 2000) -> int:
@@ -421,8 +434,13 @@ def check_extension(base: bytes, extended: bytes, sentences: list[str], limit: i
     for i, piece in enumerate(base_proto.pieces):
         if new_sp.id_to_piece(i) != piece.piece:
             raise ValueError(f"base piece {i} {piece.piece!r} moved in the extended tokenizer")
-    covered = covered_characters(base_proto) | {" "}
-    same = [s for s in sentences if all(c in covered for c in s)][:limit]
+    same: list[str] = []
+    for start in range(0, len(sentences), 10 * limit):
+        chunk = sentences[start : start + 10 * limit]
+        same += [s for s, new in zip(chunk, has_new_characters(base_proto, chunk)) if not new]
+        if len(same) >= limit:
+            break
+    same = same[:limit]
     if base_sp.encode(same) != new_sp.encode(same):
         raise ValueError("the extended tokenizer segments text the base covers differently")
     return len(same)
@@ -575,6 +593,10 @@ def train_tokenizer(
                 sentence_file, work / "tokenizer", vocab_size, user_symbols
             )
             sentence_file.unlink()
+            # SentencePiece records the temporary paths it trained with; without them the same
+            # tokenizer is the same bytes wherever it was trained.
+            model_file = work / "tokenizer.model"
+            model_file.write_bytes(sentencepiece_model_without_paths(model_file.read_bytes()))
             (work / "vocab.txt").write_text(
                 "\n".join(nemo_vocab_lines(work / "tokenizer.vocab", user_symbols)) + "\n",
                 encoding="utf-8",
@@ -647,7 +669,8 @@ def print_summary(summary: dict, output_dir: Path) -> None:
         print(
             f"  base: {extension['base']}: {extension['base_pieces']} pieces kept with their ids; "
             f"appended {extension['appended_pieces']} pieces ({extension['appended_characters']} "
-            f"new characters) and {extension['appended_tags']} tags; "
+            f"new characters, learned from the {extension['learned_from_sentences']} sampled "
+            f"sentences that hold one) and {extension['appended_tags']} tags; "
             f"{extension['covered_sentences_checked']} sentences the base covers segment as before"
         )
     head = f"{'lang':<8} {'share':>7} {'unk rate':>9} {'tokens/s':>9}"

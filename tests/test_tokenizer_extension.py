@@ -231,3 +231,36 @@ def test_extend_without_a_base_says_to_set_init_model(corpus, tmp_path):
 def test_a_vocabulary_no_larger_than_the_base_is_an_error_naming_both_sizes(base, corpus, tmp_path):
     with pytest.raises(tt.TokenizerError, match="VOCAB_SIZE=80 leaves no room.*base has 90"):
         tt.train_tokenizer(corpus, tmp_path / "tok", vocab_size=80, mode="extend", base=str(base))
+
+
+def spy_on_learning(monkeypatch) -> list[list[str]]:
+    """The sentences of every SentencePiece training train_tokenizer.py runs, as they are run."""
+    learned: list[list[str]] = []
+    real = tt._train_spm
+
+    def spying(sentence_file, *args, **kwargs):
+        learned.append(Path(sentence_file).read_text(encoding="utf-8").splitlines())
+        return real(sentence_file, *args, **kwargs)
+
+    monkeypatch.setattr(tt, "_train_spm", spying)
+    return learned
+
+
+def test_appended_pieces_are_learned_only_from_sentences_with_a_new_character(
+    base, corpus, tmp_path, monkeypatch
+):
+    learned = spy_on_learning(monkeypatch)
+    summary = from_base(corpus, tmp_path / "tok", base)
+    assert learned and all(learned)
+    english = [line for lines in learned for line in lines if line.isascii()]
+    assert english == []  # English text, spaces included, is the base's
+    assert summary["extension"]["learned_from_sentences"] == len(learned[0])
+
+
+def test_english_text_against_an_english_base_learns_nothing(base, tmp_path, monkeypatch):
+    manifest = write_manifest(tmp_path / "en.parquet", english_rows(150, seed=5))
+    learned = spy_on_learning(monkeypatch)
+    summary = from_base(manifest, tmp_path / "tok", base)
+    assert learned == []
+    assert summary["extension"]["appended_pieces"] == 0
+    assert summary["extension"]["learned_from_sentences"] == 0

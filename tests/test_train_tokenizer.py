@@ -205,3 +205,13 @@ def test_help_shows_usage():
         check=True,
     ).stdout
     assert "python scripts/train_tokenizer.py" in out and "--vocab-size" in out
+
+
+def test_training_the_same_tokenizer_twice_writes_the_same_bytes(corpus, trained, tmp_path):
+    out, _ = trained
+    again = tmp_path / "elsewhere" / "tokenizer"
+    tt.train_tokenizer(
+        corpus, again, vocab_size=120, temperature=0.3, lang_weighting="count", seed=1
+    )
+    for name in ("tokenizer.model", "tokenizer.vocab", "vocab.txt"):
+        assert (again / name).read_bytes() == (out / name).read_bytes(), name

@@ -131,6 +131,25 @@ def test_other_settings_or_tokenizer_get_their_own_cache(tmp_path, tokenizer):
     assert len(caches(tmp_path)) == 3
 
 
+def test_the_same_tokenizer_trained_in_another_directory_reuses_the_cache(tmp_path, tokenizer):
+    from nemo.collections.common.tokenizers import SentencePieceTokenizer
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    proto.ParseFromString(tokenizer.tokenizer.serialized_model_proto())
+    # What SentencePiece records of a training in another temporary directory: its file paths.
+    del proto.trainer_spec.input[:]
+    proto.trainer_spec.input.append("/data/.tokenizer.tmp-x1y2z3/sentences.txt")
+    proto.trainer_spec.model_prefix = "/data/.tokenizer.tmp-x1y2z3/tokenizer"
+    (tmp_path / "again").mkdir()
+    (tmp_path / "again" / "tokenizer.model").write_bytes(proto.SerializeToString())
+    again = SentencePieceTokenizer(str(tmp_path / "again" / "tokenizer.model"))
+    path = write(tmp_path / "train.parquet", rows(30))
+    first = ensure(path, tokenizer)
+    second = ensure(path, again)
+    assert not second.built and second.path == first.path
+
+
 # ------------------------------------------------------------------------------------------ build
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf, open_dict
 
 import asr_model
 import config
@@ -73,7 +74,13 @@ def test_shared_pieces_blank_and_durations_carry_their_rows(carried):
     model, before, old_pieces, counts = carried
     new_pieces = asr_model.model_pieces(model)
     v_old, v_new = len(old_pieces), len(new_pieces)
-    assert counts == {"carried": v_old, "new": v_new - v_old, "dropped": 0, "decoder_init": "carry"}
+    assert counts == {
+        "carried": v_old,
+        "new": v_new - v_old,
+        "dropped": 0,
+        "decoder_init": "carry",
+        "heads": ["decoder", "joint"],
+    }
     embed, old_embed = (
         model.decoder.state_dict()["prediction.embed.weight"],
         before["decoder"]["prediction.embed.weight"],
@@ -216,3 +223,103 @@ def test_every_rank_starts_from_the_same_carried_weights_under_torchrun(tokenize
         for name, tensor in want.items():
             assert torch.equal(ranks[0][part][name], ranks[1][part][name]), f"{part}.{name}"
             assert torch.equal(ranks[0][part][name], tensor), f"{part}.{name} is not the transfer"
+
+
+HYBRID = REPO / "configs" / "tiny_hybrid_tdt_ctc.yaml"
+
+
+def hybrid_base_model(tokenizers):
+    """A tiny hybrid TDT-CTC base with the English tokenizer, whose CTC head favours some pieces."""
+    torch.manual_seed(0)
+    model = asr_model.build_model("", HYBRID, tokenizers["base"])
+    with torch.no_grad():
+        model.ctc_decoder.decoder_layers[-1].bias[5:15] += 3.0
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hybrid_carried(tokenizers):
+    base = hybrid_base_model(tokenizers)
+    before = state(base.ctc_decoder)
+    old_pieces = asr_model.model_pieces(base)
+    counts = asr_model.use_tokenizer(base, tokenizers["extended"], decoder_init="carry")
+    return base, before, old_pieces, counts
+
+
+def test_the_hybrid_ctc_decoder_carries_shared_piece_rows_and_moves_blank(hybrid_carried):
+    model, before, old_pieces, _ = hybrid_carried
+    new_pieces = asr_model.model_pieces(model)
+    v_old, v_new = len(old_pieces), len(new_pieces)
+    out = model.ctc_decoder.decoder_layers[-1]
+    old_w, old_b = before["decoder_layers.0.weight"], before["decoder_layers.0.bias"]
+    assert out.weight.shape[0] == v_new + 1
+    for i, piece in enumerate(old_pieces):
+        j = new_pieces.index(piece)
+        assert torch.equal(out.weight[j], old_w[i]) and out.bias[j] == old_b[i], piece
+    assert torch.equal(out.weight[v_new], old_w[v_old]) and out.bias[v_new] == old_b[v_old]
+    n_new = v_new - v_old
+    assert torch.allclose(out.weight[v_old:v_new], old_w[:v_old].mean(dim=0).expand(n_new, -1, -1))
+    expected = float(old_b[:v_old].mean()) - math.log(n_new)
+    assert torch.allclose(out.bias[v_old:v_new], torch.full((n_new,), expected))
+
+
+def test_the_extended_hybrid_ctc_head_decodes_as_the_base_before_any_update(
+    tokenizers, hybrid_carried
+):
+    model = hybrid_carried[0].eval()
+    base = hybrid_base_model(tokenizers)
+    torch.manual_seed(1)
+    signal_ = 0.1 * torch.randn(2, 32000)
+    lengths = torch.tensor([32000, 24000])
+
+    def ctc_pieces(m) -> list[list[str]]:
+        encoded, _ = m.forward(input_signal=signal_, input_signal_length=lengths)
+        ids = m.ctc_decoder(encoder_output=encoded).argmax(dim=-1)
+        blank = m.ctc_decoder.num_classes_with_blank - 1
+        pieces = asr_model.model_pieces(m)
+        return [["<blank>" if i == blank else pieces[i] for i in row.tolist()] for row in ids]
+
+    with torch.no_grad():
+        before = ctc_pieces(base)
+        assert any(p != "<blank>" for row in before for p in row), "the base must emit pieces"
+        assert ctc_pieces(model) == before
+
+
+def test_the_hybrid_model_card_says_the_ctc_decoder_was_carried(hybrid_carried):
+    counts = hybrid_carried[3]
+    card = model_card.render({"vocabulary_change": counts}, hybrid_carried[0], "m.nemo")
+    assert (
+        f"- decoder, joint and CTC decoder: the base model's, 40 piece rows carried, "
+        f"{counts['new']} new, 0 dropped" in card
+    )
+
+
+def aggregate_base(root: Path):
+    """A tiny TDT base with NeMo's aggregate tokenizer (one SentencePiece model per language, as
+    multilingual bases have): no pieces of its own; and the English tokenizer directory."""
+    en = make_training_data(root / "en", per_lang=4, langs=("en",), vocab_size=30)
+    hi = make_training_data(root / "hi", per_lang=4, langs=("hi",), vocab_size=40)
+    cfg = OmegaConf.load(TINY).model
+    with open_dict(cfg):
+        cfg.tokenizer = {
+            "type": "agg",
+            "langs": {
+                "en": {"dir": str(en["tokenizer"]), "type": "bpe"},
+                "hi": {"dir": str(hi["tokenizer"]), "type": "bpe"},
+            },
+        }
+    return asr_model.TDT().new_model(cfg), en["tokenizer"]
+
+
+def test_carry_from_a_base_without_sentencepiece_pieces_is_refused_naming_decoder_init(tmp_path):
+    model, tokenizer_dir = aggregate_base(tmp_path)
+    with pytest.raises(config.ConfigError, match="AggregateTokenizer.*set DECODER_INIT=fresh"):
+        asr_model.use_tokenizer(model, tokenizer_dir, decoder_init="carry")
+
+
+def test_decoder_init_fresh_gives_an_aggregate_tokenizer_base_the_new_vocabulary(tmp_path):
+    model, tokenizer_dir = aggregate_base(tmp_path)
+    counts = asr_model.use_tokenizer(model, tokenizer_dir, decoder_init="fresh")
+    assert counts["decoder_init"] == "fresh" and counts["carried"] == 0
+    assert asr_model.tokenizer_matches(model, tokenizer_dir)
+    assert model.joint.joint_net[-1].out_features == 30 + 1 + model.joint.num_extra_outputs
