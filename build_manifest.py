@@ -33,6 +33,10 @@ Reported, not dropped (the summary's ``duplicate_segment_ids`` and ``shared_audi
 shards): a segment_id kept in several rows (in one shard or several; make_train_val.py keeps one),
 and an audio file several segment_ids name with the same transcript.
 
+A build that keeps no row, or an imported source none of whose rows can be used, is a
+ManifestError with the reasons (and, for audio not found, the folder relative paths resolve
+against): no master is written.
+
 Before any shard is read, the output directory must take a file, and a warning says when its file
 system has less free space than the shards' metadata and index files take (the master holds about
 as much). The master and its summary are written as one set (``atomic_files.write_together``): a
@@ -859,8 +863,16 @@ def _add_source(
 ) -> None:
     """An imported source (``source_readers``): its rows go through the same filters, cleaning,
     tags and accounting as a shard's; its bad rows are dropped under their reasons."""
-    report = {"source": str(spec), "name": spec.name, "rows_read": 0, "bad_rows": 0}
-    examples, skipped = [], []
+    report = {
+        "source": str(spec),
+        "name": spec.name,
+        "rows_read": 0,
+        "bad_rows": 0,
+        "rows_kept": 0,
+        "language_unknown": 0,
+        "with_lang": str(SourceSpec(spec.kind, spec.path, {**spec.options, "lang": "xx"})),
+    }
+    examples, skipped, reasons = [], [], {}
     batches = read_source(spec, audio_dir, workers=workers, strict=strict, progress=progress)
     for batch in _read_ahead(batches):
         skipped += batch.bad_files
@@ -876,13 +888,65 @@ def _add_source(
             parts.kept.append(kept)
             parts.drops.append(drops)
             parts.shared.append(shared)
+            report["rows_kept"] += kept.height
+            report["language_unknown"] += drops.filter(
+                pl.col("reason") == "language_unknown"
+            ).height
         parts.drops.append(bad.with_columns(pl.col("lang").str.to_lowercase()))
         parts.rows_in += batch.rows.height + bad.height
         report["rows_read"] += batch.rows.height + bad.height
         report["bad_rows"] += bad.height
+        for b in batch.bad:
+            reasons[b["reason"]] = reasons.get(b["reason"], 0) + 1
         examples += batch.bad[: MAX_BAD_ROWS - len(examples)]
     parts.unreadable += skipped
+    if report["bad_rows"] == report["rows_read"]:  # the reader could use none of its rows
+        raise ManifestError(
+            _nothing_imported(spec, report["rows_read"], reasons, examples, skipped)
+        )
     parts.sources.append(report | {"bad_row_examples": examples, "files_skipped": skipped})
+
+
+def _nothing_imported(
+    spec: SourceSpec, rows: int, reasons: dict[str, int], examples: list, skipped: list
+) -> str:
+    """One line on why no row of ``spec`` could be imported, with the first bad row and, when
+    its audio was not found, where relative paths were looked for."""
+    if not rows:
+        files = "; ".join(f"{b['path']}: {b['reason']}" for b in skipped[:3])
+        return f"source {spec}: no rows" + (f" ({files})" if files else "")
+    counts = ", ".join(f"{r} {n:,}" for r, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
+    first = examples[0]
+    line = (
+        f"source {spec}: none of its {rows:,} rows could be imported ({counts}); the first: "
+        f"{first['origin']}: {first['reason']} ({first['detail']})"
+    )
+    if first["reason"] == "audio_not_found" and "tars" not in spec.options:
+        folder = spec.path.absolute() if spec.kind == "kaldi" else spec.path.absolute().parent
+        what = "wav.scp paths" if spec.kind == "kaldi" else "audio paths"
+        line += (
+            f". Relative {what} resolve against {folder} (the {spec.kind} source's folder), not "
+            f"the working directory: write them relative to it, or absolute"
+        )
+    return line
+
+
+def _nothing_left(drops: pl.DataFrame, filters: Filters, specs: Sequence) -> str:
+    """One line on why every row read was dropped (no master is written then)."""
+    dropped = counts_by(drops, "reason")
+    counts = ", ".join(f"{r} {n:,}" for r, n in sorted(dropped.items(), key=lambda kv: -kv[1]))
+    top = max(dropped, key=dropped.get)
+    hint = {
+        "language_unknown": "give each source its language with :lang=xx (e.g. hf:DIR:lang=hi)",
+        "language_not_selected": f"LANGUAGES={','.join(filters.languages)} selects none of them",
+        "duration_too_short": f"MIN_DURATION={filters.min_duration:g} s is above all of them",
+        "duration_too_long": f"MAX_DURATION={filters.max_duration:g} s is below all of them",
+        "quality_below_min": f"MIN_QUALITY={filters.min_quality:g} is above all of them",
+    }.get(top, f"see the reasons in {Path(__file__).name} --help")
+    return (
+        f"no row is left of the {len(drops):,} read from {', '.join(map(str, specs))} "
+        f"(dropped: {counts}): {hint}; no master manifest was written"
+    )
 
 
 def _read_ahead(items: Iterator) -> Iterator:
@@ -985,6 +1049,8 @@ def build_manifest(
     languages_without_rows = check_language_selection(
         filters.languages, languages_seen, "build_manifest.py"
     )
+    if not kept.height:
+        raise ManifestError(_nothing_left(drops, filters, specs))
     dropped = counts_by(drops, "reason")
     assert parts.rows_in == kept.height + sum(dropped.values()), "row accounting broke"
     # The master is written on a thread while the summary is counted; both become visible together.
@@ -1104,6 +1170,12 @@ def format_summary(summary: dict[str, Any], output: Path) -> str:
             lines.append(f"  BAD ROW {b['origin']}: {b['reason']} ({b['detail']})")
         if source["bad_rows"] > 10:
             lines.append(f"  ... and {source['bad_rows'] - 10:,} more (the summary lists 20)")
+        if source.get("language_unknown"):
+            lines.append(
+                f"  {source['language_unknown']:,} rows name no language and their script "
+                f"names none (language_unknown): add :lang=xx to the source, e.g. "
+                f"--source '{source['with_lang']}'"
+            )
     if summary.get("languages_without_rows"):
         lines.append(
             f"WARNING: LANGUAGES lists {', '.join(summary['languages_without_rows'])}, which no "

@@ -14,7 +14,8 @@ Options: ``name`` (the ``source`` column and the group ids; default the file or 
 the first of ``FIELDS``), ``tars`` (NeMo's ``{a..b}`` or ``_OP_a..b_CL_`` pattern of a tarred
 manifest's tar files), ``check`` (``header``, the default, ``exists`` or ``none``: see below).
 
-Per row: the language comes from the ``lang`` option, else the row's field, else the transcript's
+Per row: the segment_id is ``<name>/<own id>``, or ``<name>:<place>`` without one (``RowIds``);
+the language comes from the ``lang`` option, else the row's field, else the transcript's
 writing system (``script_languages``); the duration from the field, else the audio header; the
 speaker from the field (for the leak-free split); the quality score from ``quality_field`` or a
 ``tx_quality_score`` field (MIN_QUALITY applies only to sources with a score).
@@ -81,6 +82,8 @@ BAD_ROW_REASONS = (
     "audio_command",
     "duration_mismatch",
     "segment_past_end",
+    "segment_invalid",
+    "not_utf8",
 )
 DONE_MARKER = ".written.json"  # in each unit's output folder, once all its audio is verified
 MAX_EXAMPLES = 20  # bad rows listed per source in the summary; the rest are counted
@@ -172,6 +175,11 @@ def parse_source(text: str) -> SourceSpec:
     spec = SourceSpec(kind, Path(path), options)
     if not spec.path.exists():
         raise ManifestError(f"source {text!r}: {spec.path} does not exist")
+    if kind != "shards" and (not spec.name or "/" in spec.name or ":" in spec.name):
+        raise ManifestError(
+            f"source {text!r}: its name {spec.name!r} must be non-empty without '/' or ':' (it "
+            f"begins every segment_id of the source): give it one with name=..."
+        )
     return spec
 
 
@@ -279,6 +287,43 @@ def _fill_languages(rows: pl.DataFrame, shards: Sequence[Shard]) -> pl.DataFrame
     nothing = pl.Series([None] * len(where), dtype=pl.String)
     detected, _ = detect_corrections(texts, nothing, config.SCRIPT_VOTE_THRESHOLD)
     return rows.with_columns(rows["segment_language"].scatter(where, detected))
+
+
+class RowIds:
+    """The segment_ids of one source's rows, in the order the source lists them.
+
+    A row whose own id (``id_field``) is set, and not taken by an earlier row of the source, gets
+    ``<name>/<own id>``; any other row gets ``<name>:<where>``, its place in the source (its line,
+    or its parquet file and row). A name holds neither "/" nor ":" and is unique in a build
+    (``parse_source``, ``build_manifest.sources_of``), so the two forms never meet and two sources
+    never share an id, whatever ids they carry; the same files give the same ids on every rerun.
+    An own id repeated within a source (FLEURS numbers sentences, not recordings) does not make
+    two recordings one: the later rows take their place instead. Own ids already taken are
+    remembered as 64-bit hashes across batches; a hash collision only gives a row its place-id.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self._taken = np.empty(0, dtype=np.uint64)
+
+    def assign(self, own: pl.Series, where: pl.Series) -> pl.Series:
+        own = own.cast(pl.String).str.strip_chars()
+        hashes = own.hash().to_numpy()
+        before = np.zeros(len(own), bool)
+        if len(self._taken):
+            at = np.minimum(np.searchsorted(self._taken, hashes), len(self._taken) - 1)
+            before = self._taken[at] == hashes
+        usable = (own.is_not_null() & (own != "")).fill_null(False).to_numpy()
+        first = own.is_first_distinct().to_numpy()
+        take = usable & first & ~before
+        new = np.unique(hashes[take])
+        self._taken = np.insert(self._taken, np.searchsorted(self._taken, new), new)
+        return pl.select(
+            pl.when(pl.lit(pl.Series(take)))
+            .then(pl.concat_str(pl.lit(f"{self.name}/"), pl.lit(own)))
+            .otherwise(pl.concat_str(pl.lit(f"{self.name}:"), pl.lit(where.cast(pl.String))))
+            .alias("segment_id")
+        ).to_series()
 
 
 def _bad(origin: str, reason: str, detail: str, lang: str | None = None) -> dict:
@@ -602,7 +647,7 @@ def read_nemo(
     frame, bad = _read_json_rows(spec.path)
     if not frame.height and not bad:
         raise ManifestError(f"{spec.path}: no rows")
-    frame, fields = _nemo_fields(spec, frame, bad, first=True)
+    frame, fields = _nemo_fields(spec, frame, bad, first=True, ids=RowIds(spec.name))
     return _nemo_tarred(spec, frame, out_dir, bad, workers, progress, fields)
 
 
@@ -611,7 +656,7 @@ def _nemo_batches(
 ) -> Iterator[SourceRows]:
     from tqdm import tqdm
 
-    path, first = spec.path, True
+    path, first, ids = spec.path, True, RowIds(spec.name)
     with tqdm(
         total=path.stat().st_size,
         desc=f"reading {spec.name}",
@@ -622,7 +667,7 @@ def _nemo_batches(
         for first_line, chunk in _json_chunks(path):
             frame, bad = _parse_json_chunk(first_line, chunk, path)
             if frame.height:
-                frame, fields = _nemo_fields(spec, frame, bad, first=first)
+                frame, fields = _nemo_fields(spec, frame, bad, first=first, ids=ids)
                 first = False
                 yield _nemo_plain(spec, frame, bad, workers, fields, out_dir)
             elif bad:
@@ -633,7 +678,7 @@ def _nemo_batches(
 
 
 def _nemo_fields(
-    spec: SourceSpec, frame: pl.DataFrame, bad: list, first: bool
+    spec: SourceSpec, frame: pl.DataFrame, bad: list, first: bool, ids: RowIds
 ) -> tuple[pl.DataFrame, dict]:
     """``frame`` with ``_audio``, ``_duration``, ``_text`` and ``_id`` columns, its rows without an
     audio path or a transcript moved to ``bad``; and the fields found. The first batch must have
@@ -647,17 +692,12 @@ def _nemo_fields(
         "speaker": _pick(spec, "speaker", columns),
         "quality": _pick(spec, "quality", columns),
     }
-    id_field = _pick(spec, "id", columns)
-    ids = (
-        _as_string(frame, id_field)
-        if id_field
-        else pl.concat_str(pl.lit(f"{spec.name}:"), pl.col("line").cast(pl.String))
-    )
+    own = frame.with_columns(_as_string(frame, _pick(spec, "id", columns)).alias("_own"))["_own"]
     frame = frame.with_columns(
         _as_string(frame, audio).str.strip_chars().alias("_audio"),
         _as_float(frame, _pick(spec, "duration", columns)).alias("_duration"),
         _as_string(frame, fields["text"]).alias("_text"),
-        ids.alias("_id"),
+        ids.assign(own, frame.get_column("line")).alias("_id"),
         _lang_expr(spec, frame, fields["lang"]).alias("_lang"),
         _as_float(frame, "offset").alias("_offset"),
     )
@@ -669,7 +709,28 @@ def _nemo_fields(
         else:
             detail = f"no {fields['text'] or ' / '.join(FIELDS['text'])}"
             bad.append(_bad(f"{path}:{number}", "transcript_missing", detail, row_lang))
-    return frame.filter(~no_audio & pl.col("_text").is_not_null()), fields
+    usable = ~no_audio & pl.col("_text").is_not_null()
+    if "offset" in frame.columns:
+        offset, duration = pl.col("_offset"), pl.col("_duration")
+        invalid = (
+            (pl.col("offset").is_not_null() & offset.is_null())
+            | ~offset.is_finite()
+            | (offset < 0)
+            | (offset.is_not_null() & (~duration.is_finite() | (duration <= 0)))
+        ).fill_null(False)
+        wrong = frame.filter(usable & invalid)
+        for number, given, start, seconds, row_lang in wrong.select(
+            "line", pl.col("offset").cast(pl.String), "_offset", "_duration", "_lang"
+        ).iter_rows():
+            detail = (
+                f"offset {given!r} is not a number"
+                if start is None
+                else _valid_segment(start, None if seconds is None else start + seconds)
+                or f"duration {seconds:g} s: expected a number > 0"
+            )
+            bad.append(_bad(f"{path}:{number}", "segment_invalid", detail, row_lang))
+        usable = usable & ~invalid
+    return frame.filter(usable), fields
 
 
 def _lang_expr(spec: SourceSpec, frame: pl.DataFrame, lang: str | None) -> pl.Expr:
@@ -785,13 +846,14 @@ def _cut_segments(
 
 
 def _unpack_tar(task: tuple[str, str]) -> dict:
-    """Write a tar's audio members as FLAC into ``folder`` (each verified by decoding), then the
-    done marker: ``{"members": {member: [file, seconds]}, "bad": {member: reason}}``."""
+    """Write a tar's audio members as FLAC into ``folder`` (each verified by decoding) as
+    ``<_file_name(member)>.flac``, then the done marker: ``{"members": {member: [file, seconds]},
+    "bad": {member: reason}}``."""
     tar_path, folder = task
     folder_path = Path(folder)
     done = _unit_done(folder_path)
-    if done is not None:
-        return done
+    if done is not None and len({f for f, _ in done["members"].values()}) == len(done["members"]):
+        return done  # (a marker whose members share a file was written flattening their names)
     folder_path.mkdir(parents=True, exist_ok=True)
     members, bad = {}, {}
     try:
@@ -800,8 +862,8 @@ def _unpack_tar(task: tuple[str, str]) -> dict:
                 if not info.isfile():
                     continue
                 data = tar.extractfile(info).read()
-                flat = info.name.replace("/", "__")
-                out = flat.rsplit(".", 1)[0] + ".flac"
+                # the whole member name, extension and folders included: one file per member
+                out = f"{_file_name(info.name)}.flac"
                 try:
                     members[info.name] = [out, _audio_bytes_to_flac(data, folder_path / out)]
                 except ValueError as exc:
@@ -984,7 +1046,7 @@ def read_hf_parquet(
         for record in _in_processes(_write_parquet_audio, tasks, workers):
             results.append(record)
             bar.update(1)
-    parts, shards, bad = [], [], []
+    parts, shards, bad, ids = [], [], [], RowIds(spec.name)
     for (file, schema, column, folder), record in zip(metas, results):
         if "error" in record:
             bad_files.append({"path": str(file), "reason": record["error"]})
@@ -1002,17 +1064,16 @@ def read_hf_parquet(
         id_field = _pick(spec, "id", columns)
         duration = _pick(spec, "duration", columns)
         row = pl.int_range(0, n, dtype=pl.UInt32)
+        own = frame.with_columns(_as_string(frame, id_field).alias("_own"))["_own"]
+        rel = file.relative_to(base).with_suffix("").as_posix()
+        where = pl.select(pl.concat_str(pl.lit(f"{rel}:"), row.cast(pl.String)))
         frame = frame.with_columns(
             row.alias("_row"),
             pl.Series("_seconds", record["seconds"], dtype=pl.Float64),
             _as_float(frame, duration).alias("_duration"),
             _as_string(frame, text).alias("_text"),
             _lang_expr(spec, frame, lang).alias("_lang"),
-            (
-                _as_string(frame, id_field)
-                if id_field
-                else pl.concat_str(pl.lit(f"{spec.name}:{file.stem}:"), row.cast(pl.String))
-            ).alias("_id"),
+            ids.assign(own, where.to_series()).alias("_id"),
         )
         langs = frame.get_column("_lang")
         keep = np.ones(n, bool)
@@ -1053,30 +1114,86 @@ def read_hf_parquet(
 
 
 # --- Kaldi data directory --------------------------------------------------------------------
-def _kaldi_table(path: Path, required: bool) -> dict[str, tuple[str, int]]:
-    """``key -> (rest of the line, line number)`` of a Kaldi table file (``key value...``)."""
+def _kaldi_lines(path: Path, undecodable: list) -> Iterator[tuple[int, str, str]]:
+    """``(line number, key, rest of the line)`` of a Kaldi table file, fields split on any
+    whitespace (Kaldi's tables take spaces and tabs alike). A line that is not UTF-8 goes into
+    ``undecodable`` as ``(key, "file:line", why)``, its key read with surrogate escapes so that it
+    still matches the same bytes in the other files."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            parts = raw.split(maxsplit=1)
+            if not parts:
+                continue
+            try:
+                key = parts[0].decode("utf-8")
+                rest = parts[1].decode("utf-8").strip() if len(parts) > 1 else ""
+            except UnicodeDecodeError as exc:
+                key = parts[0].decode("utf-8", "surrogateescape")
+                why = f"not UTF-8 ({exc.reason}, byte {exc.object[exc.start : exc.start + 1]!r})"
+                undecodable.append(
+                    (key, f"{path}:{number}", f"{why}: re-encode {path.name} as UTF-8")
+                )
+                continue
+            yield number, key, rest
+
+
+def _kaldi_table(
+    path: Path, required: bool, undecodable: dict[str, tuple[str, str]]
+) -> dict[str, tuple[str, int]]:
+    """``key -> (rest of the line, line number)`` of a Kaldi table file (``key value...``); the
+    keys of its lines that are not UTF-8 go into ``undecodable`` as ``key -> (file:line, why)``."""
     if not path.is_file():
         if required:
             raise ManifestError(f"{path} not found: a Kaldi data directory needs wav.scp and text")
         return {}
-    table = {}
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            key, _, rest = line.strip().partition(" ")
-            if key:
-                table[key] = (rest.strip(), number)
+    lost: list = []
+    table = {key: (rest, number) for number, key, rest in _kaldi_lines(path, lost)}
+    for key, origin, why in lost:
+        undecodable.setdefault(key, (origin, why))
     return table
 
 
+_PLAIN_NAME = re.compile(r"[\w+-][\w.+-]*")
+_UNSAFE = re.compile(r"[^\w.+-]")
+
+
+def _file_name(key: str) -> str:
+    """A file name of its own for ``key`` (an utterance, recording or tar member): the key itself
+    when it is a plain name without "__"; else its characters outside letters, digits and
+    ``._+-`` as "_", then "__" and a digest of the key. A plain name never holds "__" and every
+    other name does, so two keys get one name only through a 48-bit digest collision."""
+    if _PLAIN_NAME.fullmatch(key) and "__" not in key and len(key) <= 200:
+        return key
+    import hashlib
+
+    digest = hashlib.blake2b(key.encode("utf-8", "surrogateescape"), digest_size=6).hexdigest()
+    return f"{_UNSAFE.sub('_', key)[:100]}__{digest}"
+
+
+def _valid_segment(start: float, end: float | None) -> str | None:
+    """Why ``[start, end)`` (seconds; end None: to the end of the file) cannot be a segment, or
+    None: soundfile reads a negative start from the file's end, so it would cut the wrong audio."""
+    if not np.isfinite(start) or start < 0:
+        return f"start {start:g} s: expected a number >= 0"
+    if end is not None and (not np.isfinite(end) or end <= start):
+        return f"segment {start:g}-{end:g} s: expected an end after its start"
+    return None
+
+
 def _cut_recording(task: tuple[str, str, list[tuple[str, float, float]]]) -> dict:
-    """Write each (utterance, start, end) of one recording to ``<folder>/<utt>.flac`` (end -1: to
-    the recording's end), then the done marker: ``{"seconds": {utt: s}, "bad": {utt: reason},
-    "recording_seconds": s}``. A segment ending past the recording's end is bad."""
+    """Write each (utterance, start, end) of one recording to ``<folder>/<_file_name(utt)>.flac``
+    (end -1: to the recording's end), then the done marker: ``{"seconds": {utt: s}, "files":
+    {utt: file}, "bad": {utt: reason}, "recording_seconds": s}``. A segment ending past the
+    recording's end is bad."""
     recording, folder, segments = task
     folder_path = Path(folder)
     done = _unit_done(folder_path)
-    if done is not None and all(u in done["seconds"] or u in done["bad"] for u, *_ in segments):
-        return done  # written before (asked for other segments now: cut again)
+    if (
+        done is not None
+        and "files" in done
+        and all(u in done["seconds"] or u in done["bad"] for u, *_ in segments)
+    ):
+        return done  # written before (asked for other segments now, or named otherwise: cut again)
     folder_path.mkdir(parents=True, exist_ok=True)
     try:
         info = sf.info(recording)
@@ -1084,10 +1201,10 @@ def _cut_recording(task: tuple[str, str, list[tuple[str, float, float]]]) -> dic
         reason = "audio_not_found" if not os.path.exists(recording) else "audio_unreadable"
         return {"error": reason, "detail": f"{recording}: {exc}"}
     total = info.frames / info.samplerate
-    seconds, bad = {}, {}
+    seconds, files, bad = {}, {}, {}
     for utt, start, end in segments:
         end = total if end < 0 else end
-        if end > total + DURATION_TOLERANCE or start >= min(end, total):
+        if start < 0 or end > total + DURATION_TOLERANCE or start >= min(end, total):
             bad[utt] = f"segment {start:g}-{end:g} s, the recording holds {total:.3f} s"
             continue
         first, last = (
@@ -1095,11 +1212,26 @@ def _cut_recording(task: tuple[str, str, list[tuple[str, float, float]]]) -> dic
             int(round(min(end, total) * info.samplerate)),
         )
         samples, rate = sf.read(recording, start=first, stop=last, always_2d=True, dtype="float32")
-        _write_flac(folder_path / f"{utt.replace('/', '__')}.flac", samples, rate, info.subtype)
+        files[utt] = f"{_file_name(utt)}.flac"
+        _write_flac(folder_path / files[utt], samples, rate, info.subtype)
         seconds[utt] = len(samples) / rate
-    record = {"recording": recording, "seconds": seconds, "bad": bad, "recording_seconds": total}
+    record = {
+        "recording": recording,
+        "seconds": seconds,
+        "files": files,
+        "bad": bad,
+        "recording_seconds": total,
+    }
     _mark_done(folder_path, record)
     return record
+
+
+def _seconds(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if np.isfinite(value) and value > 0 else None
 
 
 def read_kaldi(
@@ -1107,47 +1239,54 @@ def read_kaldi(
 ) -> SourceRows:
     """A Kaldi data directory: ``wav.scp`` (recording -> audio file; a command ending in "|" is not
     run: convert those first) and ``text``; optional ``segments`` (cut out once as FLAC),
-    ``utt2spk``, ``utt2lang`` and ``utt2dur``."""
+    ``utt2spk``, ``utt2lang`` and ``utt2dur`` (a value that is not a positive number is ignored:
+    the audio header gives the duration). Fields are separated by any whitespace. A line that is
+    not UTF-8 makes the utterances it speaks of bad rows (``not_utf8``) with its file and line."""
     directory = spec.path
-    wav = _kaldi_table(directory / "wav.scp", True)
-    texts = _kaldi_table(directory / "text", True)
-    speakers = _kaldi_table(directory / "utt2spk", False)
-    langs = _kaldi_table(directory / "utt2lang", False)
-    durs = _kaldi_table(directory / "utt2dur", False)
     segments_path = directory / "segments"
+    segmented = segments_path.is_file()
+    bad_recordings: dict[str, tuple[str, str]] = {}
+    bad_utts: dict[str, tuple[str, str]] = {}
+    wav = _kaldi_table(directory / "wav.scp", True, bad_recordings)
+    texts = _kaldi_table(directory / "text", True, bad_utts)
+    speakers = _kaldi_table(directory / "utt2spk", False, bad_utts)
+    langs = _kaldi_table(directory / "utt2lang", False, bad_utts)
+    durs = _kaldi_table(directory / "utt2dur", False, bad_utts)
     fixed = spec.options.get("lang")
     bad: list[dict] = []
 
     def lang_of(utt: str) -> str | None:
         return fixed or langs.get(utt, (None,))[0]
 
-    utterances = []  # (utt, recording, start, end, origin)
-    if segments_path.is_file():
-        with open(segments_path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                parts = line.split()
-                if not parts:
-                    continue
-                try:
-                    utt, recording, start, end = (
-                        parts[0],
-                        parts[1],
-                        float(parts[2]),
-                        float(parts[3]),
-                    )
-                except (IndexError, ValueError):
-                    bad.append(
-                        _bad(f"{segments_path}:{number}", "audio_path_missing", line.strip())
-                    )
-                    continue
-                utterances.append((utt, recording, start, end, f"{segments_path}:{number}"))
+    utterances = []  # (utt, recording, start, end, line, origin)
+    if segmented:
+        listing: list = []
+        for number, utt, rest in _kaldi_lines(segments_path, listing):
+            origin = f"{segments_path}:{number}"
+            parts = rest.split()
+            try:
+                recording, start, end = parts[0], float(parts[1]), float(parts[2])
+            except (IndexError, ValueError):
+                bad.append(_bad(origin, "audio_path_missing", f"{utt} {rest}"))
+                continue
+            problem = _valid_segment(start, None if end < 0 else end)
+            if problem is not None:
+                bad.append(_bad(origin, "segment_invalid", problem, lang_of(utt)))
+                continue
+            utterances.append((utt, recording, start, end, number, origin))
     else:
+        listing = [(r, origin, why) for r, (origin, why) in bad_recordings.items()]
+        bad_recordings = {}
         utterances = [
-            (r, r, 0.0, -1.0, f"{directory / 'wav.scp'}:{n}") for r, (_, n) in wav.items()
+            (r, r, 0.0, -1.0, n, f"{directory / 'wav.scp'}:{n}") for r, (_, n) in wav.items()
         ]
+    bad += [_bad(origin, "not_utf8", why) for _, origin, why in listing]
     kept, by_recording = [], {}
-    for utt, recording, start, end, origin in utterances:
-        if recording not in wav:
+    for utt, recording, start, end, line, origin in utterances:
+        undecodable = bad_utts.get(utt) or bad_recordings.get(recording)
+        if undecodable is not None:
+            bad.append(_bad(undecodable[0], "not_utf8", undecodable[1], lang_of(utt)))
+        elif recording not in wav:
             bad.append(
                 _bad(
                     origin, "audio_not_found", f"recording {recording} not in wav.scp", lang_of(utt)
@@ -1170,17 +1309,21 @@ def read_kaldi(
                 )
             )
         else:
-            kept.append((utt, recording, start, end, origin))
+            kept.append((utt, recording, start, end, line, origin))
             by_recording.setdefault(recording, []).append((utt, start, end))
+    segment_ids = RowIds(spec.name).assign(
+        pl.Series([u for u, *_ in kept], dtype=pl.String),
+        pl.Series([line for *_, line, _ in kept], dtype=pl.UInt32),
+    )
 
     def resolve(recording: str) -> str:
         audio = Path(wav[recording][0])
         return str(audio if audio.is_absolute() else (directory / audio).absolute())
 
     records: dict[str, dict] = {}
-    if segments_path.is_file():
+    if segmented:
         recordings = sorted(by_recording)
-        folders = {r: str(out_dir / r.replace("/", "__")) for r in recordings}
+        folders = {r: str(out_dir / _file_name(r)) for r in recordings}
         tasks = [(resolve(r), folders[r], by_recording[r]) for r in recordings]
         from tqdm import tqdm
 
@@ -1198,7 +1341,7 @@ def read_kaldi(
         ]
         position = {r: k for k, r in enumerate(recordings)}
         rows = []
-        for utt, recording, start, end, origin in kept:
+        for (utt, recording, start, end, line, origin), segment_id in zip(kept, segment_ids):
             record = records[recording]
             if "error" in record:
                 bad.append(_bad(origin, record["error"], record["detail"], lang_of(utt)))
@@ -1208,20 +1351,20 @@ def read_kaldi(
                 rows.append(
                     (
                         position[recording],
-                        utt,
+                        segment_id,
                         texts[utt][0],
                         lang_of(utt),
                         speakers.get(utt, (None,))[0],
                         record["seconds"][utt],
                         None,
-                        f"{utt.replace('/', '__')}.flac",
+                        record["files"][utt],
                     )
                 )
         frame = pl.DataFrame(rows, schema=ROW_SCHEMA, orient="row")
     else:
         paths = pl.Series([resolve(r) for r, *_ in kept], dtype=pl.String)
         given = pl.Series(
-            [float(durs[u][0]) if u in durs else None for u, *_ in kept], dtype=pl.Float64
+            [_seconds(durs[u][0]) if u in durs else None for u, *_ in kept], dtype=pl.Float64
         )
         origins = [o for *_, o in kept]
         seconds, keep, audio_bad = _check_audio(
@@ -1237,7 +1380,7 @@ def read_kaldi(
         frame = pl.DataFrame(
             {
                 "shard": shard,
-                "segment_id": [u for u, *_ in kept],
+                "segment_id": segment_ids,
                 "transcription_native": [texts[u][0] for u, *_ in kept],
                 "segment_language": [lang_of(u) for u, *_ in kept],
                 "speaker_id": [speakers.get(u, (None,))[0] for u, *_ in kept],

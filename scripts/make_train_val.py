@@ -23,7 +23,8 @@ asserted and printed, and written to ``<train manifest minus .parquet>.summary.j
    Devanagari or anything else. ``lang`` and the ``<|lang|>`` prefix of ``text`` always change
    together. The confusion table (given -> corrected) is printed and stored in the summary.
 2. LANGUAGES (when set) is applied to the corrected tags: ``language_not_selected``.
-3. Deduplication: one row per segment_id, the best tx_quality_score kept (``duplicate_segment_id``);
+3. Deduplication: one row per segment_id, the best tx_quality_score kept (``duplicate_segment_id``),
+   then one per audio file (``duplicate_audio``: rows naming the same file are the same utterance);
    then rows with the same (lang, text, duration) as a better one (``duplicate_text``), unless
    ``--keep-duplicate-texts``. Ties break on shard_id, segment_id, so reruns keep the same rows.
 4. Split. Rows are grouped by speaker_id where the manifest has one (non-null), else by shard_id;
@@ -380,9 +381,12 @@ def mark_unselected_languages(
 
 
 def mark_duplicates(frame: pl.DataFrame, keep_duplicate_texts: bool) -> pl.DataFrame:
-    """Step 3: among the rows not dropped yet, one per segment_id (``duplicate_segment_id``), then
-    one per (lang, text, duration) (``duplicate_text``) unless ``keep_duplicate_texts``; the best
-    tx_quality_score wins, ties broken on shard_id, segment_id, audio_filepath, row."""
+    """Step 3: among the rows not dropped yet, one per utterance: one per segment_id
+    (``duplicate_segment_id``; build_manifest.py makes an imported row's id unique to its source,
+    so only a shard's re-delivered utterance shares one), then one per audio file
+    (``duplicate_audio``), then one per (lang, text, duration) (``duplicate_text``) unless
+    ``keep_duplicate_texts``; the best tx_quality_score wins, ties broken on shard_id,
+    segment_id, audio_filepath, row."""
     best_first = ["tx_quality_score", "shard_id", "segment_id", "audio_filepath", "row"]
     descending = [True, False, False, False, False]
     alive = frame.filter(pl.col("reason").is_null()).sort(
@@ -390,6 +394,8 @@ def mark_duplicates(frame: pl.DataFrame, keep_duplicate_texts: bool) -> pl.DataF
     )
     dup_id = alive.filter(~pl.col("segment_id").is_first_distinct()).get_column("row")
     alive = alive.filter(pl.col("segment_id").is_first_distinct())
+    dup_audio = alive.filter(~pl.col("audio_filepath").is_first_distinct()).get_column("row")
+    alive = alive.filter(pl.col("audio_filepath").is_first_distinct())
     dup_text = (
         alive.filter(~pl.struct("lang", "text", "duration").is_first_distinct()).get_column("row")
         if not keep_duplicate_texts
@@ -398,6 +404,8 @@ def mark_duplicates(frame: pl.DataFrame, keep_duplicate_texts: bool) -> pl.DataF
     return frame.with_columns(
         pl.when(pl.col("row").is_in(dup_id.implode()))
         .then(pl.lit("duplicate_segment_id"))
+        .when(pl.col("row").is_in(dup_audio.implode()))
+        .then(pl.lit("duplicate_audio"))
         .when(pl.col("row").is_in(dup_text.implode()))
         .then(pl.lit("duplicate_text"))
         .otherwise("reason")

@@ -98,9 +98,12 @@ def write_nemo_tarred(root: Path, utts: list[dict], n_tars: int = 2) -> tuple[Pa
     return manifest, str(root / f"audio_{{0..{n_tars - 1}}}.tar")
 
 
-def write_hf_parquet(root: Path, utts: list[dict], files: int = 2) -> Path:
+def write_hf_parquet(
+    root: Path, utts: list[dict], files: int = 2, ids: list | None = None, locale: bool = True
+) -> Path:
     """root/data/train-0000k-of-0000n.parquet as ``datasets`` writes them: an ``audio`` struct of
-    bytes and path, ``sentence``, ``locale`` and ``client_id`` (Common Voice's names)."""
+    bytes and path, ``sentence``, ``locale`` (unless not ``locale``) and ``client_id`` (Common
+    Voice's names); with ``ids``, an ``id`` column holding them (one per utterance, in order)."""
     folder = root / "data"
     folder.mkdir(parents=True, exist_ok=True)
     for f in range(files):
@@ -117,8 +120,11 @@ def write_hf_parquet(root: Path, utts: list[dict], files: int = 2) -> Path:
                 "sentence": [u["text"] for u in part],
                 "locale": [u["lang"] for u in part],
                 "client_id": [u["speaker"] for u in part],
+                **({"id": ids[f::files]} if ids is not None else {}),
             }
         )
+        if not locale:
+            table = table.drop_columns(["locale"])
         pq.write_table(table, folder / f"train-{f:05d}-of-{files:05d}.parquet")
     return folder
 

@@ -502,10 +502,15 @@ def test_languages_from_the_environment_are_matched_in_lower_case(tmp_path):
 
 def test_language_codes_that_would_break_the_tag_are_dropped(tmp_path):
     write_shard(
-        tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a", "segment_language": "hi|>en"}]
+        tmp_path / "shards",
+        "src",
+        "hi",
+        "s0",
+        [{"segment_id": "a", "segment_language": "hi|>en"}, {"segment_id": "b"}],
     )
-    _, summary = build(tmp_path / "shards", tmp_path)
+    manifest, summary = build(tmp_path / "shards", tmp_path)
     assert drops_of(summary) == {"invalid_language": 1}
+    assert manifest.get_column("segment_id").to_list() == ["b"]
 
 
 def test_summary_accounts_for_every_row_per_reason_and_language(tmp_path):

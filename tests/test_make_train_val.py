@@ -218,6 +218,15 @@ def test_exact_duplicates_of_lang_text_and_duration_are_dropped(tmp_path):
     assert summary["dropped"] == {"duplicate_text": 1}
 
 
+def test_rows_naming_one_audio_file_are_one_utterance_even_keeping_duplicate_texts(tmp_path):
+    same_audio = row("b", quality=0.9) | {"audio_filepath": row("a")["audio_filepath"]}
+    train, _, summary = run(
+        tmp_path, [row("a", quality=0.5), same_audio, row("c")], keep_duplicate_texts=True
+    )
+    assert sorted(train.get_column("segment_id")) == ["b", "c"]
+    assert summary["dropped"] == {"duplicate_audio": 1}
+
+
 def test_keep_duplicate_texts_keeps_them(tmp_path):
     train, _, summary = run(tmp_path, [row("a"), row("b")], keep_duplicate_texts=True)
     assert train.height == 2 and summary["dropped"] == {}

@@ -279,9 +279,11 @@ def test_kaldi_segments_are_cut_out_of_their_recordings(tmp_path):
     seconds = {u["id"]: u["seconds"] for u in utts}
     for row in master.iter_rows(named=True):
         info = sf.info(row["audio_filepath"])
-        utt = row["segment_id"].split("-", 2)[-1]
-        assert info.frames / info.samplerate == pytest.approx(seconds[utt], abs=0.01)
-        assert row["speaker_id"] == row["segment_id"].rsplit("-", 1)[0]
+        utt = row["segment_id"].removeprefix("kaldi/")  # <source name>/<Kaldi utterance id>
+        assert info.frames / info.samplerate == pytest.approx(
+            seconds[utt.split("-", 2)[-1]], abs=0.01
+        )
+        assert row["speaker_id"] == utt.rsplit("-", 1)[0]
     assert set(master.get_column("lang")) == {"en", "hi"}
 
 
@@ -390,3 +392,200 @@ def test_nemo_rows_with_an_offset_are_cut_out_of_their_file(tmp_path):
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
     master, _ = build(tmp_path, f"nemo:{manifest}:lang=en")
     assert master.height == 3
+
+
+# --- identity of imported rows ---------------------------------------------------------------
+def split(tmp_path, **kwargs) -> dict:
+    from scripts import make_train_val as mtv
+
+    options = dict(val_per_lang=3, seed=1, languages=(), allow_short_val=True)
+    return mtv.make_train_val(
+        tmp_path / "master.parquet",
+        tmp_path / "train.parquet",
+        tmp_path / "val.parquet",
+        **(options | kwargs),
+    )
+
+
+def numbered_utterances(lang: str, n: int) -> list[dict]:
+    utts = byod.utterances(n, langs=(lang,))
+    for i, u in enumerate(utts):
+        u["text"] = f"{u['text']} {i}" if lang == "hi" else u["text"]  # no two texts alike
+    return utts
+
+
+def test_two_sources_numbering_their_rows_alike_keep_every_row_through_the_split(tmp_path):
+    sources = []
+    for lang in ("en", "hi"):
+        utts = numbered_utterances(lang, 12)
+        folder = byod.write_hf_parquet(tmp_path / lang, utts, files=1, ids=list(range(12)))
+        sources.append(f"hf:{folder}:name={lang}")
+    master, summary = build(tmp_path, *sources)
+    assert master.height == 24 and master.get_column("segment_id").n_unique() == 24
+    assert summary["duplicate_segment_ids"]["ids"] == 0
+    assert set(master.filter(pl.col("source") == "hi").get_column("segment_id")) == {
+        f"hi/{i}" for i in range(12)
+    }
+    result = split(tmp_path)
+    assert result["rows_in"] == 24 and result["dropped"] == {}
+    assert result["kept_by_lang"]["hi"] + result["val_by_lang"]["hi"] == 12
+
+
+def test_segment_ids_of_an_imported_source_are_the_same_on_a_rerun(tmp_path):
+    manifest = byod.write_nemo_json(tmp_path / "cv", byod.utterances(3))
+    first, _ = build(tmp_path, f"nemo:{manifest}:name=cv")
+    again, _ = build(tmp_path, f"nemo:{manifest}:name=cv")
+    assert first.get_column("segment_id").to_list() == again.get_column("segment_id").to_list()
+    assert first.get_column("segment_id").to_list()[:2] == ["cv:1", "cv:2"]  # line numbers
+
+
+def test_rows_whose_id_field_is_null_take_their_place_in_the_source_as_id(tmp_path):
+    utts = numbered_utterances("en", 4)
+    folder = byod.write_hf_parquet(tmp_path / "hf", utts, files=1, ids=["a", None, "", "1"])
+    master, _ = build(tmp_path, f"hf:{folder}:name=h")
+    assert sorted(master.get_column("segment_id")) == [
+        "h/1",
+        "h/a",
+        "h:train-00000-of-00001:1",
+        "h:train-00000-of-00001:2",
+    ]
+
+
+def test_an_own_id_repeated_within_a_source_does_not_merge_two_recordings(tmp_path):
+    # FLEURS' id numbers sentences: several speakers read the same one
+    utts = numbered_utterances("en", 3)
+    manifest = byod.write_nemo_json(tmp_path / "f", utts)
+    rows = [json.loads(x) | {"id": 7} for x in manifest.read_text().splitlines()]
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    master, summary = build(tmp_path, f"nemo:{manifest}:name=f")
+    assert sorted(master.get_column("segment_id")) == ["f/7", "f:2", "f:3"]
+    assert summary["duplicate_segment_ids"]["ids"] == 0
+    assert split(tmp_path, val_per_lang=0)["dropped"] == {}
+
+
+def test_a_source_name_with_a_slash_or_colon_is_refused(tmp_path):
+    (tmp_path / "a:b.json").write_text("")
+    with pytest.raises(ManifestError, match="name 'a:b' must be non-empty without '/' or ':'"):
+        source_readers.parse_source(f"nemo:{tmp_path}/a:b.json")
+
+
+# --- Kaldi tables ----------------------------------------------------------------------------
+def test_kaldi_tables_separated_by_tabs_import_every_utterance(tmp_path):
+    directory = byod.write_kaldi(tmp_path / "kaldi", byod.utterances(2))
+    for name in ("wav.scp", "segments", "text", "utt2spk", "utt2lang"):
+        path = directory / name
+        path.write_text(
+            "".join(line.replace(" ", "\t", 1) + "\n" for line in path.read_text().splitlines())
+        )
+    master, summary = build(tmp_path, f"kaldi:{directory}")
+    assert master.height == 4 and not bad_rows(summary)
+    assert master.get_column("speaker_id").null_count() == 0
+
+
+def test_a_kaldi_line_that_is_not_utf8_is_a_bad_row_with_file_and_line(tmp_path):
+    directory = byod.write_kaldi(tmp_path / "kaldi", byod.utterances(2, langs=("en",)))
+    text = directory / "text"
+    lines = text.read_bytes().splitlines()
+    key = lines[1].split()[0]
+    lines[1] = key + " caf\xe9 au lait".encode("latin-1")
+    text.write_bytes(b"\n".join(lines) + b"\n")
+    master, summary = build(tmp_path, f"kaldi:{directory}:lang=en")
+    assert master.height == 1
+    assert bad_rows(summary) == [(f"{text}:2", "not_utf8")]
+    assert f"kaldi/{key.decode()}" not in master.get_column("segment_id").to_list()
+
+
+# --- tar members -----------------------------------------------------------------------------
+def test_tar_members_whose_names_flatten_alike_are_each_imported_with_their_own_audio(tmp_path):
+    import io
+    import tarfile
+
+    members = {"spk1/utt.wav": 1.0, "spk1__utt.wav": 1.3, "x.wav": 1.6, "x.flac": 1.9}
+    with tarfile.open(tmp_path / "audio_0.tar", "w") as tar:
+        for k, (name, seconds) in enumerate(members.items()):
+            data = byod.audio(seconds, k, "FLAC" if name.endswith(".flac") else "WAV")
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    manifest = tmp_path / "tarred.json"
+    rows = [
+        {"audio_filepath": name, "duration": seconds, "text": f"utterance {k}", "shard_id": 0}
+        for k, (name, seconds) in enumerate(members.items())
+    ]
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    master, summary = build(tmp_path, f"nemo:{manifest}:tars={tmp_path}/audio_{{0..0}}.tar")
+    assert master.height == 4 and not summary["dropped"]
+    assert master.get_column("audio_filepath").n_unique() == 4
+    for row in master.iter_rows(named=True):
+        info = sf.info(row["audio_filepath"])
+        assert info.frames / info.samplerate == pytest.approx(row["duration"], abs=0.01)
+
+
+# --- offsets ---------------------------------------------------------------------------------
+def test_a_negative_nemo_offset_is_a_bad_row_with_its_reason_and_line(tmp_path):
+    (tmp_path / "long.wav").write_bytes(byod.audio(3.0, 0))
+    rows = [
+        {"audio_filepath": "long.wav", "offset": 0.5, "duration": 1.0, "text": "kept"},
+        {"audio_filepath": "long.wav", "offset": -0.5, "duration": 0.4, "text": "before start"},
+        {"audio_filepath": "long.wav", "offset": "soon", "duration": 0.4, "text": "no number"},
+    ]
+    manifest = tmp_path / "segments.json"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    master, summary = build(tmp_path, f"nemo:{manifest}:lang=en")
+    assert master.get_column("text").to_list() == ["<|en|> kept"]
+    assert bad_rows(summary) == [
+        (f"{manifest}:2", "segment_invalid"),
+        (f"{manifest}:3", "segment_invalid"),
+    ]
+    details = [b["detail"] for b in summary["sources"][0]["bad_row_examples"]]
+    assert "start -0.5 s" in details[0] and "'soon' is not a number" in details[1]
+
+
+def test_a_kaldi_segment_starting_before_zero_is_a_bad_row(tmp_path):
+    directory = byod.write_kaldi(tmp_path / "kaldi", byod.utterances(2, langs=("en",)))
+    with open(directory / "segments", "a") as f:
+        f.write("early rec_en-spk0 -0.5 0.4\n")
+    with open(directory / "text", "a") as f:
+        f.write("early too early\n")
+    master, summary = build(tmp_path, f"kaldi:{directory}:lang=en")
+    assert master.height == 2
+    assert bad_rows(summary) == [(f"{directory / 'segments'}:3", "segment_invalid")]
+
+
+# --- a source that gives nothing -------------------------------------------------------------
+def test_paths_relative_to_the_working_directory_exit_non_zero_naming_the_folder_tried(
+    tmp_path, monkeypatch, capsys
+):
+    data = tmp_path / "corpus"
+    manifest = byod.write_nemo_json(data, byod.utterances(2, langs=("en",)))
+    (tmp_path / "lists").mkdir()
+    moved = manifest.rename(tmp_path / "lists" / "train.json")  # paths stay relative to corpus/
+    monkeypatch.chdir(data)
+    output = tmp_path / "m.parquet"
+    code = bm.main(["--source", f"nemo:{moved}", "--output", str(output), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code != 0 and not output.exists()
+    assert f"resolve against {moved.parent}" in err
+    assert f"{moved.parent}/clips/en000.wav" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_build_that_keeps_no_row_exits_non_zero_with_the_reason(tmp_path, monkeypatch, capsys):
+    manifest = byod.write_nemo_json(tmp_path, byod.utterances(2, langs=("en",)))
+    import config
+
+    monkeypatch.setattr(config, "MIN_DURATION", 5.0)  # the clips hold 1.0 and 1.3 s
+    output = tmp_path / "m.parquet"
+    code = bm.main(["--source", f"nemo:{manifest}", "--output", str(output), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code != 0 and not output.exists()
+    assert "no row is left" in err and "duration_too_short 2" in err
+    assert "MIN_DURATION=5 s" in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_hf_source_without_a_language_column_is_told_to_add_lang(tmp_path):
+    hi = byod.write_hf_parquet(tmp_path / "hi", numbered_utterances("hi", 3), locale=False)
+    en = byod.write_nemo_json(tmp_path / "en", byod.utterances(2, langs=("en",)))
+    master, summary = build(tmp_path, f"hf:{hi}:name=hi", f"nemo:{en}:name=en")
+    assert summary["dropped"] == {"language_unknown": 3}
+    printed = bm.format_summary(summary, tmp_path / "master.parquet")
+    assert f"add :lang=xx to the source, e.g. --source 'hf:{hi}:name=hi,lang=xx'" in printed
