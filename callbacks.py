@@ -654,6 +654,21 @@ class EpochBoundarySyncCallback(_pl.Callback):
         trainer.strategy.barrier("epoch_boundary")
 
 
+def log_base_and_final(base: dict | None, final: dict | None) -> None:
+    """One line: validation WER per language of the base (step 0) and of the last validation."""
+    table = evaluation.base_and_final_rates(base, final)
+    if table:
+        _log.info(
+            "validation WER per language, base (step 0) -> step %d: %s",
+            final["step"],
+            ", ".join(
+                f"{lang} {bw:.3f} -> {fw:.3f}"
+                for lang, (bw, fw, _, _) in table.items()
+                if bw is not None and fw is not None
+            ),
+        )
+
+
 class PerLanguageWERCallback(_pl.Callback):
     """Validation every ``every_n_steps`` optimizer steps (EVAL_EVERY_STEPS, default CHECKPOINT_EVERY;
     0 = off): greedy WER and CER per language and the loss on VAL_MANIFEST_PATH, all of it
@@ -668,7 +683,9 @@ class PerLanguageWERCallback(_pl.Callback):
     goes to ``pl_module.last_evaluation`` (every checkpoint and the model card carry it); a run whose
     last step is not a multiple of ``every_n_steps`` is validated once more at its end. Decoding
     uses ``evaluation.decode`` (our dataset and collate, one encoder forward for text and loss) and
-    tells the ProgressWatchdog after each batch that the rank is alive.
+    tells the ProgressWatchdog after each batch that the rank is alive. ``at_start``: validate once
+    more at step 0 of a fresh run (not a resume), before any update; the result is also kept as
+    ``pl_module.base_evaluation``, and the end of the run logs base vs final per language.
     """
 
     def __init__(
@@ -679,7 +696,9 @@ class PerLanguageWERCallback(_pl.Callback):
         max_batch_seconds: float | None = None,
         examples_per_lang: int = 3,
         with_loss: bool = True,
+        at_start: bool = False,
     ):
+        self.at_start = at_start
         self.every_n_steps = int(
             _config.EVAL_EVERY_STEPS if every_n_steps is None else every_n_steps
         )
@@ -742,6 +761,10 @@ class PerLanguageWERCallback(_pl.Callback):
                 if self.samples_per_lang <= 0
                 else f"up to {self.samples_per_lang} per language",
             )
+        if self.at_start and trainer.global_step == 0:
+            # The base as it is, before any update: every per-language curve starts from it.
+            if self.evaluate(trainer, pl_module):
+                pl_module.base_evaluation = pl_module.last_evaluation
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -763,6 +786,11 @@ class PerLanguageWERCallback(_pl.Callback):
             and not getattr(pl_module, "stop_agreed", False)
         ):
             self.evaluate(trainer, pl_module)
+        if trainer.is_global_zero:
+            log_base_and_final(
+                getattr(pl_module, "base_evaluation", None),
+                getattr(pl_module, "last_evaluation", None),
+            )
 
     def evaluate(self, trainer, pl_module) -> dict[str, evaluation.ErrorCounts]:
         """Decode this rank's share, gather, and (rank 0) log. Every rank must call it."""

@@ -880,6 +880,15 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         steps=("train",),
     )
     knob(
+        "EVAL_BASE",
+        "auto",
+        _choice("auto", "1", "0"),
+        "Validate at step 0, before the first update: auto = when finetuning (INIT_MODEL set), so every "
+        "per-language WER curve starts from the base and the model card shows base vs finetuned; "
+        "1 = always; 0 = never. A resumed job does not repeat it",
+        steps=("train",),
+    )
+    knob(
         "EVAL_SAMPLES_PER_LANG",
         0,
         _int,
@@ -1081,6 +1090,7 @@ PHASE2_WARMUP: int
 WEIGHT_DECAY: float
 GRAD_CLIP: float
 EVAL_EVERY_STEPS: int
+EVAL_BASE: str
 EVAL_SAMPLES_PER_LANG: int
 SEED: int
 PRECISION: str

@@ -238,3 +238,24 @@ def manifest_texts(dataset) -> list[str]:
 
     texts = pq.read_table(dataset.manifest_path, columns=["text"]).column("text").to_pylist()
     return [texts[int(r)] for r in dataset.manifest_rows]
+
+
+def base_and_final_rates(base: dict | None, final: dict | None) -> dict[str, tuple]:
+    """{language: (base WER, final WER, base CER, final CER)} of two validations (``last_evaluation``
+    dicts), for the languages both scored; {} when either is missing or both are the same step."""
+    if not base or not final or base.get("step") == final.get("step"):
+        return {}
+
+    def rates(counts: dict) -> tuple[float | None, float | None]:
+        words, chars = counts.get("words", 0), counts.get("chars", 0)
+        return (
+            counts.get("word_edits", 0) / words if words else None,
+            counts.get("char_edits", 0) / chars if chars else None,
+        )
+
+    out = {}
+    for lang, counts in (final.get("results") or {}).items():
+        if lang in (base.get("results") or {}):
+            (bw, bc), (fw, fc) = rates(base["results"][lang]), rates(counts)
+            out[lang] = (bw, fw, bc, fc)
+    return out

@@ -17,6 +17,7 @@ from typing import Any
 
 import asr_model
 from atomic_files import write_together
+from evaluation import base_and_final_rates
 
 # The settings a reader needs to judge or repeat the training, in this order.
 TRAINING_SETTINGS = (
@@ -69,6 +70,27 @@ def _evaluation_rows(results: dict[str, dict[str, int]]) -> list[str]:
             f"| {lang} | {c.get('utterances', 0):,} | {words:,} | {_rate(share('word_edits'))} | "
             f"{_rate(share('substitutions'))} | {_rate(share('deletions'))} | "
             f"{_rate(share('insertions'))} | {_rate(share('char_edits', chars))} |"
+        )
+    return rows
+
+
+def _base_comparison_rows(base: dict[str, Any] | None, final: dict[str, Any]) -> list[str]:
+    """Base (the validation at step 0) against this model, per language, when the run has both."""
+    table = base_and_final_rates(base, final)
+    if not table:
+        return []
+    rows = [
+        "",
+        f"Before and after: the base model as validated at step 0 (before any update) and this "
+        f"model at step {final.get('step')}, on the same utterances:",
+        "",
+        "| language | base WER | WER | change | base CER | CER |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for lang, (bw, fw, bc, fc) in table.items():
+        change = f"{fw - bw:+.4f}" if bw is not None and fw is not None else "n/a"
+        rows.append(
+            f"| {lang} | {_rate(bw)} | {_rate(fw)} | {change} | {_rate(bc)} | {_rate(fc)} |"
         )
     return rows
 
@@ -176,6 +198,7 @@ def render(record: dict[str, Any], model, nemo_name: str) -> str:
             + "):",
             "",
             *_evaluation_rows(evaluation["results"]),
+            *_base_comparison_rows(record.get("base_evaluation"), evaluation),
         ]
     else:
         lines.append(

@@ -128,6 +128,8 @@ def build_callbacks() -> list[pl.Callback]:
             every_n_steps=config.EVAL_EVERY_STEPS,
             samples_per_lang=config.EVAL_SAMPLES_PER_LANG,
             max_batch_seconds=config.MAX_BATCH_DURATION,
+            at_start=config.EVAL_BASE == "1"
+            or (config.EVAL_BASE == "auto" and bool(config.INIT_MODEL)),
         ),
         callbacks.TrainingMetricsCallback(),
         callbacks.OptimizerStepProgressBar(),

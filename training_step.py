@@ -196,6 +196,9 @@ class TrainingModule(pl.LightningModule):
         # {"step", "results": {lang: ErrorCounts fields}, "loss"} of the newest validation
         # (callbacks.PerLanguageWERCallback): in every checkpoint and the model card
         self.last_evaluation: dict | None = None
+        # The same for the validation at step 0 (EVAL_BASE): the base model before any update, so the
+        # run's summary and the model card can state base vs finetuned per language.
+        self.base_evaluation: dict | None = None
         self._portable: dict | None = None  # asr_model.portable_description, made at the first save
         self._training_hours: dict[str, float] | None = None
 
@@ -216,12 +219,15 @@ class TrainingModule(pl.LightningModule):
         checkpoint[RUN_RECORD_KEY] = self.run_record()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.last_evaluation = checkpoint.get(RUN_RECORD_KEY, {}).get("evaluation")
+        record = checkpoint.get(RUN_RECORD_KEY, {})
+        self.last_evaluation = record.get("evaluation")
+        self.base_evaluation = record.get("base_evaluation")
 
     def run_record(self) -> dict:
         """The run as a model card tells it: its name and W&B id, how the vocabulary changed from the
         base model's (the tokenizer's mode, the carried and new rows), settings (numbers as numbers),
-        hours of training audio per language, the step, the world size and the newest validation."""
+        hours of training audio per language, the step, the world size, the newest validation and the
+        validation at step 0 (the base, when EVAL_BASE ran it)."""
         if self._training_hours is None and self.dataset is not None:
             names, codes = self.dataset.lang_names, self.dataset.lang_codes
             seconds = np.bincount(codes, weights=self.dataset.durations, minlength=len(names))
@@ -239,6 +245,7 @@ class TrainingModule(pl.LightningModule):
             "step": int(trainer.global_step) if trainer is not None else None,
             "world_size": int(trainer.world_size) if trainer is not None else None,
             "evaluation": self.last_evaluation,
+            "base_evaluation": self.base_evaluation,
         }
 
     def on_fit_start(self):
