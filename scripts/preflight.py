@@ -15,9 +15,10 @@ A rank that fails a check does not hold up the others: the report still comes, n
   tdt-loss     the start-up check of train.py: NeMo's numba TDT and RNN-T kernels against tdt_loss.py,
                and what one loss costs with TDT_LOSS=numba and =torch (CUDA)
   caches       the training caches of TRAIN_MANIFEST_PATH and VAL_MANIFEST_PATH for this tokenizer
-  step         the configured model's heaviest micro-batch at MAX_BATCH_DURATION (the sampler's
-               longest utterances at the manifest's p99.9 tokens per second), one optimizer step in
-               each phase in PRECISION: fits or not, peak memory, step time
+  step         the configured model's heaviest micro-batch at MAX_BATCH_DURATION (the packed batch
+               of the sampler's epoch plan with the most padded frames, with the tokens of its most
+               joint cells), one optimizer step in each phase in PRECISION: fits or not, peak
+               memory, step time
   max-batch    the largest MAX_BATCH_DURATION whose heaviest micro-batch fits in 90% of the GPU's
                memory (max_batch.py's bisection; CUDA, --no-search skips it)
   all-reduce   bus bandwidth between the ranks (NCCL on GPU, gloo on CPU) and what the model's
@@ -334,19 +335,18 @@ def outside_torchrun():
         os.environ.update(saved)
 
 
-def heaviest_shape(node: Node):
-    """The heaviest micro-batch at MAX_BATCH_DURATION: from the manifest's durations and token
-    lengths when its training cache is there, else from max_batch's synthetic corpus."""
-    from max_batch import BatchShape, heaviest_batch_shape
-    from sampler import heaviest_batch
+def heaviest_shape(node: Node, max_batch_duration: float):
+    """The sampler's heaviest micro-batch at ``max_batch_duration`` (max_batch.py): from the
+    training manifest when its training cache is there, else from max_batch's synthetic corpus."""
+    import max_batch
 
     if node.dataset is not None:
-        durations, tokens = heaviest_batch(
-            node.dataset.durations, node.dataset.token_lengths, config.MAX_BATCH_DURATION
-        )
-        shape = BatchShape(durations, tokens)
-        return shape, "the manifest's longest utterances at its p99.9 tokens per second"
-    return heaviest_batch_shape(config.MAX_BATCH_DURATION, 5.0), "synthetic, 5 tokens a second"
+        shape = max_batch.manifest_batch_shape(node.dataset, max_batch_duration)
+        return shape, "the heaviest batch the sampler packs from the manifest"
+    return (
+        max_batch.heaviest_batch_shape(max_batch_duration, 5.0),
+        "synthetic, 5 tokens a second",
+    )
 
 
 def check_step(node: Node) -> Check:
@@ -356,7 +356,7 @@ def check_step(node: Node) -> Check:
 
     device = node.device
     precision = max_batch.step_precision(device)
-    shape, source = heaviest_shape(node)
+    shape, source = heaviest_shape(node, config.MAX_BATCH_DURATION)
     batch = max_batch.make_batch(shape, node.model.tokenizer)
     described = f"{shape.describe()} ({source}), {precision}"
     if device.type == "cpu":
@@ -427,16 +427,11 @@ def check_max_batch(node: Node, args) -> Check:
         return Check("max-batch", "skip", "needs a CUDA device")
     if args.no_search:
         return Check("max-batch", "skip", "--no-search")
-    tps = 5.0
-    if node.dataset is not None:
-        from sampler import token_density
-
-        tps = token_density(node.dataset.durations, node.dataset.token_lengths)
     with outside_torchrun():
         best = max_batch.find_max_batch_duration(
             node.model,
             node.model.tokenizer,
-            tps,
+            lambda seconds: heaviest_shape(node, seconds)[0],
             args.max_search,
             node.device,
             config.PRECISION,
