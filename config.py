@@ -700,9 +700,8 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         0.0,
         _float,
         "Most transducer-joint cells (utterances x encoder frames x (tokens + 1), padded) in a "
-        "micro-batch; a batch over it is cut. 0 = those of the heaviest batch the max-batch finder "
-        "tests (MAX_BATCH_DURATION of the longest utterances at the manifest's p99.9 tokens per "
-        "second); below 0 = no cap",
+        "micro-batch; a batch over it is cut. 0 = those of MAX_BATCH_DURATION seconds of copies of "
+        "the manifest's longest utterance at its p99.9 tokens per second; below 0 = no cap",
         steps=("train",),
     )
     knob(

@@ -1,10 +1,13 @@
 """The sampler's heaviest micro-batch, real optimizer steps on it, and the largest MAX_BATCH_DURATION
 a GPU holds: what preflight checks a node with and what the step benchmark times.
 
-The heaviest micro-batch is the sampler's first (most expensive) at a MAX_BATCH_DURATION, in the
-longest duration bucket: from a manifest's durations and token lengths when one is at hand
-(``sampler.heaviest_batch``), else from a synthetic corpus of 200k utterances (lognormal durations,
-median 6 s, clipped to MIN_DURATION..MAX_DURATION) with a given number of tokens per second.
+The heaviest micro-batch at a MAX_BATCH_DURATION is ``sampler.heaviest_packed_batch``: the packed
+batch of the sampler's own epoch plan with the most padded encoder frames, its utterances given the
+tokens of the plan's most joint cells, so that no batch training deals is heavier in padded frames
+or in joint cells. It is taken from a manifest's durations, languages and token lengths when one is
+at hand (``manifest_batch_shape``), else from a synthetic corpus of 200k utterances
+(``synthetic_corpus``: lognormal durations, median 6 s, clipped to MIN_DURATION..MAX_DURATION) with
+a given number of tokens per second.
 
 Steps are Lightning ``Trainer.fit`` on that batch repeated, one optimizer step per batch, with the
 given precision, ACCELERATOR and GRAD_CLIP; ``warmup`` steps are dropped.
@@ -33,7 +36,7 @@ import torch
 
 import config
 from dataset import AsrBatch
-from sampler import BatchingSettings, DurationBucketBatchSampler, token_density
+from sampler import BatchingSettings, heaviest_packed_batch, token_density
 from training_cache import tag_token_id
 from training_step import TrainingModule
 
@@ -63,34 +66,53 @@ class BatchShape:
         )
 
 
-def heaviest_batch_shape(
-    max_batch_duration: float, tokens_per_second: float, seed: int = 0
-) -> BatchShape:
-    """Durations and token counts of the sampler's first (most expensive) micro-batch on a synthetic corpus."""
+def synthetic_corpus(
+    tokens_per_second: float, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(durations, languages, token lengths) of 200k synthetic utterances: lognormal durations
+    (median 6 s, sigma 0.6) clipped to MIN_DURATION..MAX_DURATION, languages of LANGS at random,
+    ``1 + tokens_per_second x duration`` tokens (at least 2, at most MAX_TOKEN_LEN and the frames)."""
     rng = np.random.default_rng(seed)
     n = 200_000
     durations = np.clip(
         rng.lognormal(np.log(6.0), 0.6, n), config.MIN_DURATION, config.MAX_DURATION
     )
     languages = np.array(LANGS)[rng.integers(0, len(LANGS), n)]
-    edges = DurationBucketBatchSampler(
-        durations, languages, BatchingSettings.from_config(seed=seed), world_size=1, rank=0
-    ).boundaries
-    # The longest bucket: by the sampler's linear cost a batch of many short utterances can cost as
-    # much, but the transducer joint (B x T x U) and attention (T^2) make the longest the heaviest.
-    longest = durations >= edges[-1] if len(edges) else np.ones(n, dtype=bool)
-    durations, languages = durations[longest], languages[longest]
-    settings = BatchingSettings.from_config(
-        boundaries=edges, max_batch_duration=max_batch_duration, seed=seed
+    frames = (durations / config.ENCODER_FRAME_SECONDS).astype(np.int64)
+    tokens = np.clip(
+        1 + np.round(tokens_per_second * durations).astype(np.int64),
+        2,
+        np.maximum(2, np.minimum(config.MAX_TOKEN_LEN, frames)),
     )
-    sampler = DurationBucketBatchSampler(durations, languages, settings, world_size=1, rank=0)
-    rows = next(iter(sampler))
-    chosen = sorted((float(durations[i]) for i in rows), reverse=True)
-    tokens = []
-    for d in chosen:
-        frames = int(d / config.ENCODER_FRAME_SECONDS)
-        tokens.append(max(2, min(1 + round(tokens_per_second * d), config.MAX_TOKEN_LEN, frames)))
-    return BatchShape(chosen, tokens)
+    return durations, languages, tokens
+
+
+def heaviest_batch_shape(
+    max_batch_duration: float, tokens_per_second: float, seed: int = 0
+) -> BatchShape:
+    """The sampler's heaviest micro-batch (``sampler.heaviest_packed_batch``) on the synthetic
+    corpus at ``tokens_per_second``."""
+    durations, languages, tokens = synthetic_corpus(tokens_per_second, seed)
+    settings = BatchingSettings.from_config(max_batch_duration=max_batch_duration, seed=seed)
+    return BatchShape(*heaviest_packed_batch(durations, languages, tokens, settings))
+
+
+def manifest_batch_shape(dataset, max_batch_duration: float) -> BatchShape:
+    """The sampler's heaviest micro-batch (``sampler.heaviest_packed_batch``) on a loaded
+    training manifest (a ``dataset.LocalShardDataset``) at ``max_batch_duration``, the other
+    batching knobs as configured."""
+    settings = BatchingSettings.from_config(
+        max_batch_duration=max_batch_duration, frame_seconds=dataset.frame_seconds
+    )
+    return BatchShape(
+        *heaviest_packed_batch(
+            dataset.durations,
+            dataset.lang_codes,
+            dataset.token_lengths,
+            settings,
+            language_names=dataset.lang_names,
+        )
+    )
 
 
 def manifest_token_density(manifest: Path, tokenizer, quantile: float = 0.999) -> float:
@@ -341,10 +363,11 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def fits(
-    model, tokenizer, cap: float, tokens_per_second: float, device: torch.device, precision: str
+    model, tokenizer, shape: BatchShape, device: torch.device, precision: str
 ) -> tuple[bool, int]:
-    """(fits with headroom, peak allocated bytes or 0 after an out-of-memory) for phase 2 at ``cap`` seconds."""
-    batch = make_batch(heaviest_batch_shape(cap, tokens_per_second), tokenizer)
+    """(fits with headroom, peak allocated bytes or 0 after an out-of-memory) for phase 2 on a batch
+    of ``shape``."""
+    batch = make_batch(shape, tokenizer)
     total = torch.cuda.get_device_properties(device).total_memory
     peak, ok = 0, False
     try:
@@ -382,17 +405,24 @@ def bisect_max_batch_duration(
 def find_max_batch_duration(
     model,
     tokenizer,
-    tokens_per_second: float,
+    shape_at: Callable[[float], BatchShape],
     max_search: float,
     device: torch.device,
     precision: str,
 ) -> float | None:
+    """The largest MAX_BATCH_DURATION (bisection, see the module docstring) whose heaviest batch,
+    ``shape_at(seconds)`` (``manifest_batch_shape`` of the training manifest when one is loaded,
+    else ``heaviest_batch_shape``), fits."""
     total = torch.cuda.get_device_properties(device).total_memory
 
     def fits_at(cap: float) -> bool:
-        ok, peak = fits(model, tokenizer, cap, tokens_per_second, device, precision)
+        shape = shape_at(cap)
+        ok, peak = fits(model, tokenizer, shape, device, precision)
         detail = f"peak {peak / 2**30:.1f} of {total / 2**30:.1f} GiB" if peak else "out of memory"
-        print(f"  {cap:6.0f} s: {'fits' if ok else 'does not fit'} ({detail})", flush=True)
+        print(
+            f"  {cap:6.0f} s: {'fits' if ok else 'does not fit'} ({shape.describe()}; {detail})",
+            flush=True,
+        )
         return ok
 
     return bisect_max_batch_duration(fits_at, config.MAX_DURATION, max_search)

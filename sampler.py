@@ -121,10 +121,11 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
     n x T x (u + 1) (the joint's logits, and its fp32 gradient NeMo keeps until backward, grow with
     them, not with the seconds of audio): a batch packed by seconds that exceeds it is cut into
     consecutive parts that fit (its utterances stay, in their order, so padding and the language
-    mix barely move). The default cap (``joint_cell_cap``) is the cells of the heaviest batch the
-    max-batch finder (max_batch.py) tests: MAX_BATCH_DURATION seconds of the longest
-    utterances at the manifest's 99.9th-percentile tokens per second. A lone utterance over the cap
-    is a batch of its own (``epoch_stats()["over_joint_cap_batches"]``).
+    mix barely move). The default cap (``joint_cell_cap``) is the cells of MAX_BATCH_DURATION
+    seconds of copies of the longest utterance at the manifest's 99.9th-percentile tokens per
+    second (``joint_cap_batch``). A lone utterance over the cap is a batch of its own
+    (``epoch_stats()["over_joint_cap_batches"]``). ``heaviest_packed_batch`` bounds every packed
+    batch in padded frames and joint cells: what preflight and the max-batch finder test.
 
     Guarantees (each has a test in tests/test_sampler.py):
 
@@ -948,16 +949,16 @@ def token_density(
     return float(np.quantile(density, quantile))
 
 
-def heaviest_batch(
+def joint_cap_batch(
     durations: np.ndarray,
     token_lengths: np.ndarray,
     max_batch_duration: float,
     quantile: float = 0.999,
 ) -> tuple[list[float], list[int]]:
-    """The heaviest micro-batch the sampler can draw from these utterances, as (durations, tokens):
-    the longest utterance repeated to fill ``max_batch_duration`` seconds (at least once), each with
-    the tokens of the ``quantile`` tokens-per-second of the manifest. The max-batch finder and the
-    step benchmark test this batch; ``joint_cell_cap`` is its joint cells."""
+    """The batch whose joint cells are the default joint cap, as (durations, tokens): the longest
+    utterance repeated to fill ``max_batch_duration`` seconds (at least once), each with the tokens
+    of the ``quantile`` tokens-per-second of the manifest. Not the heaviest batch the packer deals
+    (a fill by the sum of seconds pads more): that is ``heaviest_packed_batch``."""
     longest = float(np.max(durations))
     density = token_density(durations, token_lengths, quantile)
     n = max(1, int(max_batch_duration // longest))
@@ -972,9 +973,54 @@ def joint_cell_cap(
     frame_seconds: float,
     quantile: float = 0.999,
 ) -> float:
-    """The joint cells of ``heaviest_batch``: the default MAX_BATCH_JOINT_CELLS."""
-    batch = heaviest_batch(durations, token_lengths, max_batch_duration, quantile)
+    """The joint cells of ``joint_cap_batch``: the default MAX_BATCH_JOINT_CELLS."""
+    batch = joint_cap_batch(durations, token_lengths, max_batch_duration, quantile)
     return batch_joint_cells(*batch, frame_seconds)
+
+
+def heaviest_packed_batch(
+    durations: Any,
+    languages: Any,
+    token_lengths: Any,
+    settings: BatchingSettings,
+    *,
+    language_names: Sequence[str] | None = None,
+    epochs: int = 1,
+) -> tuple[list[float], list[int]]:
+    """A micro-batch at least as heavy as every batch the sampler packs from these utterances with
+    ``settings`` in epochs 0 .. ``epochs`` - 1, as (durations, tokens): n copies of the longest
+    packed utterance, n the fewest whose padded encoder frames (n x ceil(longest / frame_seconds))
+    reach the most of any packed batch, each with the fewest tokens that reach the most joint cells
+    of any packed batch. So its padded frames, its joint cells and its longest
+    utterance are each >= those of every batch dealt to any rank at any world size or grad_accum
+    (those only choose among the packed batches); it overstates the padded frames by less than one
+    utterance. The most padded frames can come from a bucket of short utterances (the frame
+    rounding and a sparse tail pad them), the most joint cells from a token-dense one: the packer
+    fills by seconds of audio, not padded frames. Preflight's step, the max-batch search and the
+    step benchmark test this batch."""
+    sampler = DurationBucketBatchSampler(
+        durations,
+        languages,
+        dataclasses.replace(settings, grad_accum=1),
+        language_names=language_names,
+        token_lengths=token_lengths,
+    )
+    tokens = sampler.token_lengths
+    most_frames = most_cells = longest = 0.0
+    for epoch in range(max(1, epochs)):
+        sampler.set_epoch(epoch)
+        plan = sampler._plan()
+        starts = plan.offsets[:-1]
+        batch_longest = np.maximum.reduceat(sampler.durations[plan.flat], starts)
+        padded = np.diff(plan.offsets) * np.ceil(batch_longest / sampler.frame_seconds)
+        most_tokens = np.maximum.reduceat(tokens[plan.flat], starts)
+        most_frames = max(most_frames, float(padded.max()))
+        most_cells = max(most_cells, float(np.max(padded * (most_tokens + 1))))
+        longest = max(longest, float(batch_longest.max()))
+    frames = math.ceil(longest / sampler.frame_seconds)
+    n = max(1, math.ceil(most_frames / frames))
+    needed = max(1, math.ceil(most_cells / (n * frames)) - 1)
+    return [longest] * n, [needed] * n
 
 
 def _batch_audio(durations, flat, starts) -> tuple[np.ndarray, np.ndarray]:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 import asr_model
+import collectives
 import config
 import process_control
 
@@ -258,10 +259,9 @@ class TrainingModule(pl.LightningModule):
     # ---- data -----------------------------------------------------------------------------------
     def train_dataloader(self):
         rank, world_size = self.trainer.global_rank, self.trainer.world_size
-        if (
-            dist.is_available()
-            and dist.is_initialized()
-            and (dist.get_rank(), dist.get_world_size()) != (rank, world_size)
+        if collectives.is_distributed() and (dist.get_rank(), dist.get_world_size()) != (
+            rank,
+            world_size,
         ):
             raise RuntimeError(
                 f"Lightning says rank {rank}/{world_size} but torch.distributed says "
@@ -363,7 +363,7 @@ class TrainingModule(pl.LightningModule):
             device=self.device,
         )
         flags = torch.cat([bad.sum().reshape(1).to(self.device), local])
-        if dist.is_available() and dist.is_initialized():
+        if collectives.is_distributed():
             dist.all_reduce(flags)
         params = [p for p in self.parameters() if p.grad is not None]
         grad_norm = (
@@ -483,7 +483,7 @@ class TrainingModule(pl.LightningModule):
         all ranks at every step boundary (and in every checkpoint) for one small all-reduce per step.
         Only BatchNorm in train mode: the frozen encoder's statistics must not change by a single bit.
         """
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not collectives.is_distributed() or dist.get_world_size() == 1:
             return
         norms = [
             m

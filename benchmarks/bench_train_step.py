@@ -270,7 +270,12 @@ def main(argv: list[str] | None = None) -> int:
             f"searching MAX_BATCH_DURATION (phase 2, peak allocated <= {HEADROOM:.0%} of device memory):"
         )
         best = find_max_batch_duration(
-            model, model.tokenizer, args.tokens_per_second, args.max_search, device, precision
+            model,
+            model.tokenizer,
+            lambda seconds: heaviest_batch_shape(seconds, args.tokens_per_second),
+            args.max_search,
+            device,
+            precision,
         )
         if best is None:
             print(

@@ -8,21 +8,25 @@ Usage (the training job's environment exported: the same knobs, manifests and mo
 One line per check, ``ok`` / ``warn`` / ``fail`` / ``skip``, the figure, and after ``->`` what to do;
 under torchrun the line of the worst rank, with how the ranks split. The block between the rules is
 what to paste into an issue. Exit 0 when nothing failed, 1 when a check failed, 2 for a bad knob.
+A rank that fails a check does not hold up the others: the report still comes, naming the rank.
 
   gpu          the device torch sees, its memory (free and total), the driver against torch's CUDA
+  model        the configured model (INIT_MODEL or MODEL_CONFIG) built on every rank
   tdt-loss     the start-up check of train.py: NeMo's numba TDT and RNN-T kernels against tdt_loss.py,
                and what one loss costs with TDT_LOSS=numba and =torch (CUDA)
   caches       the training caches of TRAIN_MANIFEST_PATH and VAL_MANIFEST_PATH for this tokenizer
-  step         the configured model's heaviest micro-batch at MAX_BATCH_DURATION (the sampler's
-               longest utterances at the manifest's p99.9 tokens per second), one optimizer step in
-               each phase in PRECISION: fits or not, peak memory, step time
+  step         the configured model's heaviest micro-batch at MAX_BATCH_DURATION (the packed batch
+               of the sampler's epoch plan with the most padded frames, with the tokens of its most
+               joint cells), one optimizer step in each phase in PRECISION: fits or not, peak
+               memory, step time
   max-batch    the largest MAX_BATCH_DURATION whose heaviest micro-batch fits in 90% of the GPU's
                memory (max_batch.py's bisection; CUDA, --no-search skips it)
   all-reduce   bus bandwidth between the ranks (NCCL on GPU, gloo on CPU) and what the model's
                gradients cost per optimizer step, as a share of the step
   data         audio seconds per second one rank's DataLoader (NUM_WORKERS workers, the real
-               sampler) delivers from the storage as it is, the files dropped from the page cache
-               first (cold) where the OS allows, against what the step consumes
+               sampler; without a training cache a random sample of the manifest's rows) delivers
+               from the storage as it is, the files dropped from the page cache first (cold) where
+               the OS allows, against what the step consumes; unreadable audio fails it
   checkpoints  free space in CHECKPOINT_DIR for the next KEEP_CHECKPOINTS saves at the model's size
   wandb        the W&B server in the resolved mode (an unreachable one: the run logs offline)
 
@@ -331,19 +335,18 @@ def outside_torchrun():
         os.environ.update(saved)
 
 
-def heaviest_shape(node: Node):
-    """The heaviest micro-batch at MAX_BATCH_DURATION: from the manifest's durations and token
-    lengths when its training cache is there, else from max_batch's synthetic corpus."""
-    from max_batch import BatchShape, heaviest_batch_shape
-    from sampler import heaviest_batch
+def heaviest_shape(node: Node, max_batch_duration: float):
+    """The sampler's heaviest micro-batch at ``max_batch_duration`` (max_batch.py): from the
+    training manifest when its training cache is there, else from max_batch's synthetic corpus."""
+    import max_batch
 
     if node.dataset is not None:
-        durations, tokens = heaviest_batch(
-            node.dataset.durations, node.dataset.token_lengths, config.MAX_BATCH_DURATION
-        )
-        shape = BatchShape(durations, tokens)
-        return shape, "the manifest's longest utterances at its p99.9 tokens per second"
-    return heaviest_batch_shape(config.MAX_BATCH_DURATION, 5.0), "synthetic, 5 tokens a second"
+        shape = max_batch.manifest_batch_shape(node.dataset, max_batch_duration)
+        return shape, "the heaviest batch the sampler packs from the manifest"
+    return (
+        max_batch.heaviest_batch_shape(max_batch_duration, 5.0),
+        "synthetic, 5 tokens a second",
+    )
 
 
 def check_step(node: Node) -> Check:
@@ -353,7 +356,7 @@ def check_step(node: Node) -> Check:
 
     device = node.device
     precision = max_batch.step_precision(device)
-    shape, source = heaviest_shape(node)
+    shape, source = heaviest_shape(node, config.MAX_BATCH_DURATION)
     batch = max_batch.make_batch(shape, node.model.tokenizer)
     described = f"{shape.describe()} ({source}), {precision}"
     if device.type == "cpu":
@@ -424,16 +427,11 @@ def check_max_batch(node: Node, args) -> Check:
         return Check("max-batch", "skip", "needs a CUDA device")
     if args.no_search:
         return Check("max-batch", "skip", "--no-search")
-    tps = 5.0
-    if node.dataset is not None:
-        from sampler import token_density
-
-        tps = token_density(node.dataset.durations, node.dataset.token_lengths)
     with outside_torchrun():
         best = max_batch.find_max_batch_duration(
             node.model,
             node.model.tokenizer,
-            tps,
+            lambda seconds: heaviest_shape(node, seconds)[0],
             args.max_search,
             node.device,
             config.PRECISION,
@@ -463,9 +461,25 @@ def check_all_reduce(node: Node) -> Check:
 
     if node.world_size == 1:
         return Check("all-reduce", "skip", "one process (torchrun --nproc_per_node N measures it)")
-    grads = sum(p.numel() for p in node.model.parameters() if p.requires_grad) * 4
-    size = min(grads, 256 * 2**20)
-    buffer = torch.ones(size // 4, dtype=torch.float32, device=node.device)
+    buffer, why = None, "no model (see the model line)"
+    if node.model is not None:
+        try:
+            grads = sum(p.numel() for p in node.model.parameters() if p.requires_grad) * 4
+            size = min(grads, 256 * 2**20)
+            buffer = torch.ones(size // 4, dtype=torch.float32, device=node.device)
+        except Exception as exc:  # noqa: BLE001  (this rank's line says why; the others skip too)
+            why = first_line(exc)
+    missing = failing_ranks(node, buffer is not None)
+    if missing:
+        if node.model is None:
+            return Check("all-reduce", "skip", why)
+        if buffer is None:
+            return Check("all-reduce", "fail", f"cannot take part: {why}")
+        return Check(
+            "all-reduce",
+            "skip",
+            f"not measured: rank(s) {', '.join(map(str, missing))} cannot take part",
+        )
     times = []
     for i in range(6):
         dist.barrier()
@@ -525,26 +539,86 @@ def drop_from_page_cache(paths) -> int:
     return dropped
 
 
-def check_data(node: Node, args) -> Check:
+def manifest_sample(manifest: Path, count: int, rank: int, world_size: int):
+    """(audio paths, durations, languages) of up to ``count`` rows of ``manifest`` drawn at random
+    (SEED), a different share of one draw per rank: the data check's reads without a training cache."""
+    import numpy as np
+    import polars as pl
+    import pyarrow.parquet as pq
+
+    import manifest_schema
+
+    columns = manifest_schema.audio_columns(pq.read_schema(manifest).names)
+    frame = pl.read_parquet(manifest, columns=[*columns, "duration", "lang"])
+    order = np.random.default_rng(config.SEED).permutation(len(frame))
+    rows = order[rank::world_size][:count]
+    picked = frame[rows].select(manifest_schema.audio_path_expr(columns), "duration", "lang")
+    return (
+        picked[manifest_schema.AUDIO_COLUMN].to_list(),
+        picked["duration"].to_numpy(),
+        picked["lang"].to_list(),
+    )
+
+
+def data_reader(node: Node, args):
+    """(DataLoader, the audio paths it reads in order, what it reads): the real sampler over the
+    training cache when there is one, else a random sample of the manifest's rows in micro-batches
+    of MAX_BATCH_DURATION seconds, NUM_WORKERS workers either way."""
+    import numpy as np
+
+    from dataset import AudioFileDataset, SignalSafeDataLoader, collate_asr_batch
     from sampler import BatchingSettings
     from training_step import build_dataloader
 
-    if node.dataset is None:
-        return Check("data", "skip", "no training cache of TRAIN_MANIFEST_PATH (see caches)")
-    workers = config.NUM_WORKERS
-    loader, sampler = build_dataloader(
-        node.dataset,
-        BatchingSettings.from_config(),
-        world_size=node.world_size,
-        rank=node.rank,
-        pin_memory=node.device.type == "cuda",
+    if node.dataset is not None:
+        loader, sampler = build_dataloader(
+            node.dataset,
+            BatchingSettings.from_config(),
+            world_size=node.world_size,
+            rank=node.rank,
+            pin_memory=node.device.type == "cuda",
+        )
+        planned = []
+        for indices in sampler:
+            planned.extend(indices)
+            if len(planned) >= args.data_files:
+                break
+        return loader, [node.dataset.audio_path(int(i)) for i in planned], "the training sampler"
+    manifest = Path(config.TRAIN_MANIFEST_PATH)
+    if not manifest.is_file():
+        raise FileNotFoundError(
+            f"no manifest at {manifest}: build it with build_manifest.py and "
+            "scripts/make_train_val.py (or set TRAIN_MANIFEST_PATH)"
+        )
+    paths, durations, langs = manifest_sample(manifest, args.data_files, node.rank, node.world_size)
+    if not paths:
+        raise FileNotFoundError(
+            f"{manifest} has no rows: rebuild it with scripts/make_train_val.py"
+        )
+    dataset = AudioFileDataset(
+        paths, durations, langs, duration_tolerance=config.AUDIO_DURATION_TOLERANCE
     )
-    planned = []
-    for indices in sampler:
-        planned.extend(indices)
-        if len(planned) >= args.data_files:
-            break
-    paths = [node.dataset.audio_path(int(i)) for i in planned]
+    # Consecutive rows up to MAX_BATCH_DURATION seconds each (at least one row): the reads and
+    # decodes of a training micro-batch, without the sampler that needs the cache's token lengths.
+    batch_of = np.cumsum(durations) // config.MAX_BATCH_DURATION
+    cuts = np.flatnonzero(np.diff(batch_of)) + 1
+    batches = [part.tolist() for part in np.split(np.arange(len(paths)), cuts)]
+    workers = config.NUM_WORKERS
+    loader = SignalSafeDataLoader(
+        dataset,
+        batch_sampler=batches,
+        collate_fn=collate_asr_batch,
+        num_workers=workers,
+        pin_memory=node.device.type == "cuda",
+        prefetch_factor=2 if workers > 0 else None,
+        timeout=config.COLLECTIVE_TIMEOUT_MINUTES * 60 if workers > 0 else 0,
+    )
+    return loader, paths, f"{len(paths)} rows of {manifest.name} at random, no training cache"
+
+
+def check_data(node: Node, args) -> Check:
+    workers = config.NUM_WORKERS
+    loader, paths, source = data_reader(node, args)
     cold = drop_from_page_cache(paths)
     state = "cold" if cold == len(paths) else f"{cold} of {len(paths)} files dropped from cache"
     start = time.perf_counter()
@@ -560,7 +634,7 @@ def check_data(node: Node, args) -> Check:
         good += len(batch.durations)
         bad += sum(batch.bad_audio.values())
         batches += 1
-        if now - start > args.data_seconds or good + bad >= len(planned):
+        if now - start > args.data_seconds or good + bad >= len(paths):
             break
     elapsed = (time.perf_counter() - first) if first is not None else 0.0
     del loader
@@ -582,7 +656,7 @@ def check_data(node: Node, args) -> Check:
     rate = audio / elapsed
     figure = (
         f"{rate:.0f} audio s/s per rank (NUM_WORKERS={workers}, {state}, "
-        f"{batches} micro-batches, first after {first - start:.1f} s)"
+        f"{batches} micro-batches of {source}, first after {first - start:.1f} s)"
     )
     advice_bad = ""
     if bad:
@@ -671,12 +745,49 @@ def check_wandb() -> Check:
 
 
 def guarded(name: str, fn, *args) -> Check:
-    """``fn(*args)``; an unexpected error is that check's failure, not the end of the report."""
+    """``fn(*args)``; an error is that check's failure, not the end of the report: a condition the
+    user can fix (``process_control.USER_ERRORS``: too little data, a bad knob, a missing file) with
+    the fix its message gives, anything else as an unexpected error."""
+    import process_control
+
     try:
         return fn(*args)
+    except process_control.USER_ERRORS as exc:
+        what, _, fix = str(exc).strip().splitlines()[0].rpartition(": ")
+        return Check(name, "fail", what or fix, fix if what else "")
     except Exception as exc:  # noqa: BLE001
         logging.getLogger("preflight").debug("check %s", name, exc_info=True)
         return Check(name, "fail", first_line(exc), "an unexpected error: please report it")
+
+
+def failing_ranks(node: Node, ok: bool) -> list[int]:
+    """The ranks whose ``ok`` is False; a collective: every rank calls it at the same point of
+    ``run_checks``, whatever failed before, so that a check with collectives runs on all or none."""
+    from collectives import all_gather_objects
+
+    if node.world_size == 1:
+        return [] if ok else [node.rank]
+    return [rank for rank, fine in enumerate(all_gather_objects(bool(ok))) if not fine]
+
+
+def build_model(node: Node) -> Check:
+    """The configured model on this rank's device (``node.model``), or the reason it cannot be built."""
+    import asr_model
+
+    try:
+        node.model = asr_model.build_model()
+    except Exception as exc:  # noqa: BLE001
+        node.model = None
+        return Check("model", "fail", first_line(exc), "check INIT_MODEL / MODEL_CONFIG")
+    if node.device.type == "cuda":
+        node.model.to(node.device)
+    parameters = sum(p.numel() for p in node.model.parameters())
+    return Check(
+        "model",
+        "ok",
+        f"{config.INIT_MODEL or config.MODEL_CONFIG}: {asr_model.family(node.model).name}, "
+        f"{parameters / 1e6:.1f} M parameters",
+    )
 
 
 def load_dataset(node: Node):
@@ -684,7 +795,7 @@ def load_dataset(node: Node):
     from dataset import LocalShardDataset
 
     manifest = Path(config.TRAIN_MANIFEST_PATH)
-    if not manifest.is_file():
+    if node.model is None or not manifest.is_file():
         return None
     if training_cache_of(manifest, node.model.tokenizer) is None:
         return None
@@ -693,33 +804,38 @@ def load_dataset(node: Node):
 
 
 def run_checks(node: Node, args) -> list[Check]:
-    """Every check of this rank, in report order (collectives in the same order on every rank)."""
-    import asr_model
+    """Every check of this rank, in report order.
 
-    checks = [guarded("gpu", check_gpu, node)]
-    try:
-        node.model = asr_model.build_model()
-    except Exception as exc:  # noqa: BLE001
-        failed = Check("model", "fail", first_line(exc), "check INIT_MODEL / MODEL_CONFIG")
-        skipped = [
-            Check(name, "skip", "no model")
-            for name in ("tdt-loss", "caches", "step", "max-batch", "data", "checkpoints")
+    Every rank runs the same collectives in the same order, whatever fails: the per-GPU checks
+    (tdt-loss, step, max-batch) run rank-local (``collectives.rank_local``), and the ranks agree
+    (``failing_ranks``) before the all-reduce check whether every one of them can run it. A rank's
+    failure is its own line, which the merged report names by rank."""
+    from collectives import rank_local
+
+    checks = [guarded("gpu", check_gpu, node), build_model(node)]
+    if node.model is None:
+        checks += [
+            Check(name, "skip", "no model (see the model line)")
+            for name in ("tdt-loss", "caches", "step", "max-batch")
         ]
-        return [*checks, failed, *skipped, guarded("wandb", check_wandb)]
-    if node.device.type == "cuda":
-        node.model.to(node.device)
-    checks.append(guarded("tdt-loss", check_tdt_loss, node))
-    checks.append(guarded("caches", check_caches, node))
-    try:
-        node.dataset = load_dataset(node)
-    except Exception:  # noqa: BLE001  (the caches line says what is missing)
-        node.dataset = None
-    checks.append(guarded("step", check_step, node))
-    checks.append(guarded("max-batch", check_max_batch, node, args))
+    else:
+        checks.append(guarded("tdt-loss", check_tdt_loss, node))
+        checks.append(guarded("caches", check_caches, node))
+        try:
+            node.dataset = load_dataset(node)
+        except Exception:  # noqa: BLE001  (the caches line says what is missing)
+            node.dataset = None
+        with rank_local():
+            checks.append(guarded("step", check_step, node))
+            checks.append(guarded("max-batch", check_max_batch, node, args))
     checks.append(guarded("all-reduce", check_all_reduce, node))
     checks.append(guarded("data", check_data, node, args))
     if node.rank == 0:
-        checks.append(guarded("checkpoints", check_checkpoints, node))
+        checks.append(
+            guarded("checkpoints", check_checkpoints, node)
+            if node.model is not None
+            else Check("checkpoints", "skip", "no model (see the model line)")
+        )
         checks.append(guarded("wandb", check_wandb))
     return checks
 

@@ -3,18 +3,47 @@ the largest MAX_BATCH_DURATION."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 
 import config
 import max_batch
+from sampler import BatchingSettings, DurationBucketBatchSampler
 
 
-def test_timed_batch_is_the_samplers_heaviest_in_the_longest_bucket():
+def padded_frames_and_joint_cells(durations, tokens) -> tuple[float, float]:
+    frames = len(durations) * math.ceil(max(durations) / config.ENCODER_FRAME_SECONDS)
+    return float(frames), float(frames * (max(tokens) + 1))
+
+
+def test_the_tested_batch_is_as_heavy_as_every_batch_dealt_to_any_rank():
+    # The synthetic corpus piles utterances up at MAX_DURATION (20 s): 4 copies of the longest fill
+    # 80 s, while a sum-of-seconds fill of slightly shorter ones pads 5 x 18-19 s in the top bucket.
     shape = max_batch.heaviest_batch_shape(90.0, tokens_per_second=5.0)
-    assert min(shape.durations) >= config.BUCKET_BOUNDARIES[-1]
-    assert max(shape.durations) <= config.MAX_DURATION
-    assert 90.0 - config.MAX_DURATION < shape.audio_seconds <= 90.0
-    assert shape.tokens == [1 + round(5.0 * d) for d in shape.durations]
+    tested = padded_frames_and_joint_cells(shape.durations, shape.tokens)
+    rng = np.random.default_rng(0)
+    n = 200_000
+    durations = np.clip(
+        rng.lognormal(np.log(6.0), 0.6, n), config.MIN_DURATION, config.MAX_DURATION
+    )
+    languages = np.array(max_batch.LANGS)[rng.integers(0, len(max_batch.LANGS), n)]
+    frames = (durations / config.ENCODER_FRAME_SECONDS).astype(np.int64)
+    tokens = np.clip(1 + np.round(5.0 * durations).astype(np.int64), 2, np.minimum(512, frames))
+    settings = BatchingSettings.from_config(max_batch_duration=90.0, seed=0, grad_accum=4)
+    longest = float(durations.max())
+    copies_of_longest = int(90.0 // longest) * math.ceil(longest / config.ENCODER_FRAME_SECONDS)
+    heavier_than_copies = 0
+    for rank in range(8):
+        sampler = DurationBucketBatchSampler(
+            durations, languages, settings, world_size=8, rank=rank, token_lengths=tokens
+        )
+        for batch in sampler:
+            dealt = padded_frames_and_joint_cells(durations[batch], tokens[batch])
+            assert dealt[0] <= tested[0] and dealt[1] <= tested[1], (rank, batch, dealt, tested)
+            heavier_than_copies += dealt[0] > copies_of_longest
+    assert heavier_than_copies > 0, "the corpus must pad more than copies of its longest utterance"
 
 
 @pytest.mark.parametrize("limit", [20.0, 37.0, 90.0, 412.5, 600.0])

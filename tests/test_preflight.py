@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from collections import namedtuple
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import asr_model
 import config
 from scripts import preflight
 from tests.tiny_training_data import make_training_data
-from tests.torchrun_jobs import tiny_train_env, torchrun_command
+from tests.torchrun_jobs import run_torchrun, tiny_train_env, torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "preflight.py"
@@ -71,6 +72,7 @@ def test_a_cpu_node_with_its_data_in_place_passes_and_says_what_it_skipped(corpu
     assert code == 0, out[-3000:]
     assert {name: verdict(line) for name, line in lines.items()} == {
         "gpu": "skip",
+        "model": "ok",
         "tdt-loss": "skip",
         "caches": "ok",
         "step": "ok",
@@ -107,14 +109,41 @@ def test_unreadable_audio_fails_the_data_check_and_the_exit_code(corpus, tmp_pat
     assert "1 failed (data)" in out
 
 
-def test_without_a_training_cache_the_data_check_is_skipped_and_caches_warn(corpus, tmp_path):
+def test_without_a_training_cache_the_data_check_reads_a_sample_of_the_manifest(corpus, tmp_path):
     _, data, env = corpus
     manifest = tmp_path / "other.parquet"
     shutil.copy(data["manifest"], manifest)
-    code, lines, out = preflight_run(dict(env, TRAIN_MANIFEST_PATH=str(manifest)))
+    code, lines, out = preflight_run(
+        dict(env, TRAIN_MANIFEST_PATH=str(manifest)), "--consume-audio-per-second", "0.01"
+    )
     assert code == 0, out[-3000:]
     assert verdict(lines["caches"]) == "warn" and "build_training_cache.py" in lines["caches"]
-    assert verdict(lines["data"]) == "skip"
+    assert verdict(lines["data"]) == "ok", lines["data"]
+    assert "of other.parquet at random, no training cache" in lines["data"]
+
+
+def test_without_a_training_cache_unreachable_audio_fails_the_data_check(corpus, tmp_path):
+    root, data, env = corpus
+    manifest = tmp_path / "other.parquet"
+    shutil.copy(data["manifest"], manifest)
+    moved = tmp_path / "shards"
+    shutil.move(root / "shards", moved)
+    try:
+        code, lines, out = preflight_run(dict(env, TRAIN_MANIFEST_PATH=str(manifest)))
+    finally:
+        shutil.move(moved, root / "shards")
+    assert code == 1, out[-3000:]
+    assert verdict(lines["data"]) == "fail" and "DATA_DIR" in lines["data"], lines["data"]
+
+
+def test_too_little_data_for_the_ranks_is_a_fail_line_with_the_fix(corpus):
+    _, _, env = corpus
+    code, lines, out = preflight_run(dict(env, GRAD_ACCUM="1000"))
+    assert code == 1, out[-3000:]
+    assert verdict(lines["data"]) == "fail", lines["data"]
+    assert "fewer than world_size x grad_accum = 1 x 1000" in lines["data"]
+    assert "-> raise epoch_size (EPOCH_SIZE)" in lines["data"]
+    assert "unexpected error" not in out and "Traceback" not in out, out[-3000:]
 
 
 @pytest.mark.slow
@@ -127,6 +156,45 @@ def test_under_torchrun_the_all_reduce_is_measured_and_every_rank_reports(corpus
     assert verdict(lines["all-reduce"]) == "ok", out[-3000:]
     assert re.search(r"gloo over 2 ranks: [\d.]+ GB/s bus bandwidth", lines["all-reduce"])
     assert "[2 ok]" in lines["step"]
+
+
+RANK_1_WITHOUT_MODEL = textwrap.dedent(
+    """
+    import os, sys
+    import asr_model
+    from scripts import preflight
+    if os.environ["RANK"] == "1":
+        def broken(*args, **kwargs):
+            raise RuntimeError("rank 1 cannot build its model")
+        asr_model.build_model = broken
+    sys.exit(preflight.main(sys.argv[1:]))
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_a_check_is_named_in_the_report_instead_of_hanging_the_others(
+    corpus, tmp_path
+):
+    _, _, env = corpus
+    probe = tmp_path / "probe_preflight.py"
+    probe.write_text(RANK_1_WITHOUT_MODEL)
+    # Shorter than the test's limit: a collective left waiting would end the job, not the report.
+    env = dict(env, COLLECTIVE_TIMEOUT_MINUTES="3", PYTHONPATH=str(REPO))
+    result = run_torchrun(probe, env, REPO, timeout=170, log_path=tmp_path / "preflight.log")
+    lines = dict(
+        (found.group(2), found.group(0))
+        for found in re.finditer(r"^(ok|warn|fail|skip)\s+(\S+)\s.*$", result.stdout, re.M)
+    )
+    assert "model" in lines, result.stdout[-3000:]
+    assert lines["model"].startswith("fail  model        rank 1: RuntimeError: rank 1 cannot"), (
+        lines["model"]
+    )
+    assert "[1 ok, 1 fail]" in lines["model"]
+    assert verdict(lines["all-reduce"]) == "skip", lines["all-reduce"]
+    assert "not measured: rank(s) 1 cannot take part" in lines["all-reduce"]
+    assert verdict(lines["step"]) == "skip" and "[1 ok, 1 skip]" in lines["step"], lines["step"]
+    assert result.returncode != 0
 
 
 def test_driver_rule_follows_torchs_cuda_major():

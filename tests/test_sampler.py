@@ -828,9 +828,9 @@ def test_the_cap_keeps_padding_and_language_mix_within_a_point():
         assert abs(a["realized_share"][lang] - b["realized_share"][lang]) < 0.01
 
 
-def test_the_default_cap_is_the_heaviest_batch_the_max_batch_finder_tests():
+def test_the_default_cap_is_max_batch_duration_of_the_longest_utterance_at_p999_density():
     durations, _, tokens = token_dense_corpus()
-    batch_durations, batch_tokens = sampler_module.heaviest_batch(durations, tokens, 90.0)
+    batch_durations, batch_tokens = sampler_module.joint_cap_batch(durations, tokens, 90.0)
     assert batch_durations == [durations.max()] * int(90.0 // durations.max())
     density = np.quantile(tokens / durations, 0.999)
     assert batch_tokens[0] == int(np.ceil(density * durations.max()))
