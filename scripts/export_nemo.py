@@ -24,6 +24,12 @@ newest are usually the best, and where validation is noisy or the run overfits l
 leave out a worse checkpoint that "newest" would average in. Training keeps the
 KEEP_BEST_CHECKPOINTS best whatever KEEP_CHECKPOINTS prunes: set it to N to average N.
 
+An average is kept only when it scores better than the best single checkpoint (NeMo's own guidance
+for checkpoint averaging): both are decoded greedily on the validation set (``--manifest``, default
+VAL_MANIFEST_PATH), their WER is printed, and the better one is exported, the single checkpoint on a
+tie; the model card says which was kept and both scores. Without a validation manifest the average is
+exported unscored, with a warning; ``--no-compare`` skips the comparison.
+
 The model card (``<name>.model-card.md``: base model, hours per language, tokenizer, settings, the
 newest validation WER/CER) comes from the newest checkpoint's run record; it names the averaged
 checkpoints. NeMo's ``save_to`` writes the .nemo; the .nemo and its card appear together.
@@ -129,6 +135,23 @@ def average_weights(paths: list[Path]) -> dict:
     }
 
 
+def best_single(paths: list[Path]) -> Path:
+    """The single checkpoint an average of ``paths`` must beat: the run's lowest validation WER
+    among the step checkpoints of their directory (run.json), else the newest of ``paths``."""
+    import checkpoints
+
+    best = checkpoints.best_checkpoints(1, paths[-1].parent)
+    return best[0] if best else paths[-1]
+
+
+def validation_wer(model, manifest: Path, device: str) -> float:
+    """The model's greedy WER over every utterance of ``manifest`` (the ``all`` row of evaluate.py)."""
+    from scripts import evaluate
+
+    results, _ = evaluate.evaluate(model, manifest, device=device, progress=False)
+    return results["all"].wer
+
+
 def main(argv: list[str] | None = None) -> int:
     import config
 
@@ -157,6 +180,18 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the .nemo path (default: the newest checkpoint's, .nemo; .avgN.nemo when averaging)",
     )
+    parser.add_argument(
+        "--manifest",
+        type=Path,
+        default=None,
+        help="the validation set an average is scored on against the best single checkpoint "
+        "(default VAL_MANIFEST_PATH)",
+    )
+    parser.add_argument(
+        "--no-compare",
+        action="store_true",
+        help="export the average without scoring it against the best single checkpoint",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -182,9 +217,50 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"export_nemo: error: {exc}", file=sys.stderr)
         return 2
+    selected = selection(args.checkpoint, paths)
+    manifest = Path(args.manifest or config.VAL_MANIFEST_PATH)
+    if len(paths) > 1 and not args.no_compare:
+        if not manifest.is_file():
+            print(
+                f"export_nemo: warning: no validation manifest at {manifest}: the average is "
+                f"exported unscored (give --manifest to keep it only when it beats the best single "
+                f"checkpoint, or --no-compare)",
+                file=sys.stderr,
+            )
+        else:
+            single = best_single(paths)
+            try:
+                single_model = asr_model.load_trained_model(single, "cpu")
+                average_wer = validation_wer(model, manifest, "cpu")
+                single_wer = validation_wer(single_model, manifest, "cpu")
+            except UserError as exc:
+                print(f"export_nemo: error: scoring on {manifest}: {exc}", file=sys.stderr)
+                return 2
+            print(
+                f"scored on {manifest}: the mean of {len(paths)} WER {average_wer:.4f}, the best "
+                f"single checkpoint {single.name} WER {single_wer:.4f}"
+            )
+            scores = (
+                f"validation WER {average_wer:.4f} for the mean of {len(paths)}, "
+                f"{single_wer:.4f} for {single.name}"
+            )
+            if average_wer < single_wer:
+                selected += f"; kept over the best single checkpoint ({scores})"
+                print(f"keeping the average: it beats {single.name}")
+            else:
+                print(f"keeping {single.name}: the average of {len(paths)} does not beat it")
+                selected = (
+                    f"{single.name}, the best single checkpoint, kept over the mean of "
+                    f"{len(paths)} ({scores})"
+                )
+                model, paths, newest = single_model, [single], single
+                record = checkpoints.read_checkpoint(single, mmap=True).get(
+                    training_step.RUN_RECORD_KEY, {}
+                )
+                out = args.out or single.with_suffix(".nemo")
     if len(paths) > 1:
         record = {**record, "averaged": [p.name for p in paths]}
-    record = {**record, "selected": selection(args.checkpoint, paths)}
+    record = {**record, "selected": selected}
     model_card.export_nemo(model, out, record)
     what = f"the mean of {', '.join(p.name for p in paths)}" if len(paths) > 1 else str(newest)
     print(f"exported {what} -> {out} (and {out.name.removesuffix('.nemo')}.model-card.md)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -696,3 +697,76 @@ def test_transcribe_reads_the_audio_of_a_parquet_manifest_like_its_nemo_json(tin
     from_parquet = transcribe.inputs_of([], tiny.manifest)
     assert from_parquet == transcribe.inputs_of([], json_manifest)
     assert len(from_parquet) == 12 and all(Path(p).is_file() for p in from_parquet)
+
+
+def _averaging_run(tiny, name: str) -> Path:
+    """Three step checkpoints of one run (weights shifted apart) with their validation WERs."""
+    directory = tiny.root / name
+    directory.mkdir()
+    for step, shift in ((100, 0.0), (200, 0.02), (300, 0.04)):
+        _step_checkpoint(tiny, directory, step, shift)
+    (directory / "run.json").write_text(
+        json.dumps(
+            {
+                "name": "r",
+                "wandb_id": "x",
+                "validation": {"100": {"wer": 0.5}, "200": {"wer": 0.3}, "300": {"wer": 0.4}},
+            }
+        )
+    )
+    return directory
+
+
+@pytest.mark.parametrize(("average_wins", "kept"), [(True, "avg3"), (False, "single")])
+def test_an_average_is_kept_only_when_it_beats_the_best_single_checkpoint(
+    tiny, monkeypatch, capsys, average_wins, kept
+):
+    directory = _averaging_run(tiny, f"compare-{kept}")
+    monkeypatch.setattr(config, "CHECKPOINT_DIR", directory)
+    scored = []
+
+    def fake_wer(model, manifest, device):
+        scored.append(manifest)
+        # the average is scored first, then the best single checkpoint
+        return (0.2 if average_wins else 0.35) if len(scored) == 1 else 0.3
+
+    monkeypatch.setattr(export_nemo, "validation_wer", fake_wer)
+    assert export_nemo.main(["last", "--average", "3", "--manifest", str(tiny.manifest)]) == 0
+    out = capsys.readouterr().out
+    assert scored == [tiny.manifest, tiny.manifest]
+    assert "the best single checkpoint step_00000200.ckpt WER 0.3000" in out
+    if average_wins:
+        card = (directory / "step_00000300.avg3.model-card.md").read_text()
+        assert "kept over the best single checkpoint" in card
+        assert not (directory / "step_00000200.nemo").exists()
+    else:
+        assert "keeping step_00000200.ckpt: the average of 3 does not beat it" in out
+        card = (directory / "step_00000200.model-card.md").read_text()
+        assert "step_00000200.ckpt, the best single checkpoint, kept over the mean of 3" in card
+        assert not (directory / "step_00000300.avg3.nemo").exists()
+
+
+def test_averaging_scores_both_models_on_the_validation_manifest(tiny, monkeypatch, capsys):
+    directory = _averaging_run(tiny, "compare-real")
+    monkeypatch.setattr(config, "CHECKPOINT_DIR", directory)
+    assert export_nemo.main(["best", "--average", "2", "--manifest", str(tiny.manifest)]) == 0
+    out = capsys.readouterr().out
+    scored = re.search(
+        r"the mean of 2 WER ([\d.]+), the best single checkpoint (\S+) WER ([\d.]+)", out
+    )
+    assert scored and scored.group(2) == "step_00000200.ckpt"
+    average, single = float(scored.group(1)), float(scored.group(3))
+    kept_average = (directory / "step_00000300.avg2.nemo").exists()
+    assert kept_average == (average < single)
+    assert (directory / "step_00000200.nemo").exists() == (not kept_average)
+
+
+def test_without_a_validation_manifest_the_average_is_exported_unscored_with_a_warning(
+    tiny, monkeypatch, capsys
+):
+    directory = _averaging_run(tiny, "compare-none")
+    monkeypatch.setattr(config, "CHECKPOINT_DIR", directory)
+    monkeypatch.setattr(config, "VAL_MANIFEST_PATH", tiny.root / "no-val.parquet")
+    assert export_nemo.main(["last", "--average", "3"]) == 0
+    assert "the average is exported unscored" in capsys.readouterr().err
+    assert (directory / "step_00000300.avg3.nemo").exists()
