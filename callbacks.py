@@ -681,7 +681,8 @@ class PerLanguageWERCallback(_pl.Callback):
     ``val/examples`` (lang, reference, hypothesis; up to ``examples_per_lang`` per language). W&B keeps
     the best (lowest) ``val/wer/*``, ``val/cer/*`` and ``val/loss`` as the run's summary. The result
     goes to ``pl_module.last_evaluation`` (every checkpoint and the model card carry it); a run whose
-    last step is not a multiple of ``every_n_steps`` is validated once more at its end. Decoding
+    last step is not a multiple of ``every_n_steps`` is validated once more at its end. A step in
+    which the ranks agreed to stop (``stop_agreed``) is not validated: they save it and exit. Decoding
     uses ``evaluation.decode`` (our dataset and collate, one encoder forward for text and loss) and
     tells the ProgressWatchdog after each batch that the rank is alive. ``at_start``: validate once
     more at step 0 of a fresh run (not a resume), before any update; the result is also kept as
@@ -771,6 +772,10 @@ class PerLanguageWERCallback(_pl.Callback):
         if step == self._seen_step:
             return
         self._seen_step = step
+        # Ranks that agreed to stop in this step save it and exit (StepOnlyModelCheckpoint, next):
+        # a validation pass would spend the little time a preempted job has left.
+        if getattr(pl_module, "stop_agreed", False):
+            return
         if self.every_n_steps > 0 and step % self.every_n_steps == 0:
             self.evaluate(trainer, pl_module)
 

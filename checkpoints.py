@@ -7,9 +7,13 @@ resume restores, and the run's ledger, CHECKPOINT_DIR/run.json: its identity (``
 and W&B id, so a resumed job continues the same run) and the validation WER of each checkpoint
 (``record_validation``, ``best_checkpoints``), which keeps the best checkpoint through pruning.
 
-One directory, one run: a fresh run refuses a CHECKPOINT_DIR that holds another run's step files,
-and so does a resume of a checkpoint from elsewhere (``check_directory_for_run``), so ``last`` and
-``best`` always mean the checkpoints of the run that directory belongs to.
+One directory, one run, one timeline: a fresh run refuses a CHECKPOINT_DIR that holds another run's
+step files, and so does a resume of a checkpoint from elsewhere (``check_directory_for_run``); a
+resume of a checkpoint trained with other run-defining settings is refused unless RESUME_CHANGES
+names them (``check_resume_settings``); ``plan_resume`` says what RESUME_FROM means for the
+directory (a fresh start, a continuation, the requeue of a branch or rewind, a branch, a rewind),
+and ``apply_resume_plan`` moves the step files a rewind abandons (or that cannot be read) into a
+folder beside them, so ``last``, ``best`` and pruning only ever see the run's current timeline.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import shutil
 import time
 import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -206,12 +211,54 @@ def find_last_checkpoint(checkpoint_dir: Path | None = None) -> Path | None:
 def resolve_resume_from(
     resume_from: str | None = None, checkpoint_dir: Path | None = None
 ) -> str | None:
-    """``ckpt_path`` for trainer.fit from RESUME_FROM: '' -> None (fresh start); 'last' -> the newest
-    step checkpoint in CHECKPOINT_DIR (None, logged, when there is none yet, so a restart loop can
-    always pass RESUME_FROM=last); otherwise a path that must exist."""
+    """``ckpt_path`` for trainer.fit from RESUME_FROM (``plan_resume(...).path``): '' -> None (fresh
+    start); 'last' -> the newest readable step checkpoint in CHECKPOINT_DIR (None, logged, when
+    there is none yet, so a restart loop can always pass RESUME_FROM=last); otherwise a path that
+    must exist, or, for the requeue of a run that began there, the run's own newest checkpoint."""
+    return plan_resume(resume_from, checkpoint_dir).path
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """What RESUME_FROM means for CHECKPOINT_DIR now.
+
+    ``path``: the checkpoint trainer.fit resumes (None: a fresh start). ``kind``: ``fresh``,
+    ``continue`` (the directory's newest readable checkpoint), ``branch`` (a checkpoint of another
+    directory, into one without step files) or ``rewind`` (an older checkpoint of the directory).
+    ``set_aside``: step files that leave the directory before the run starts (``apply_resume_plan``)
+    because they are not on the timeline that continues: the later steps a rewind abandons, newer
+    checkpoints that cannot be read, or, for a fresh start, a directory of only unreadable ones;
+    ``aside_name`` names the folder they go to.
+    """
+
+    path: str | None
+    kind: str
+    set_aside: tuple[Path, ...] = ()
+    aside_name: str = ""
+
+
+def _step_of(path: Path) -> int:
+    return int(re.match(r"step_(\d+)", Path(path).name).group(1))
+
+
+def _same_file(a: str | Path, b: str | Path) -> bool:
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
+def plan_resume(resume_from: str | None = None, checkpoint_dir: Path | None = None) -> ResumePlan:
+    """The ``ResumePlan`` of RESUME_FROM (default: config.RESUME_FROM) in CHECKPOINT_DIR. Moves and
+    writes nothing, so every rank computes it and they agree (``apply_resume_plan`` acts, rank 0).
+
+    A RESUME_FROM path equal to the ``started_from`` that run.json records (the checkpoint the
+    directory's run branched or rewound from) is the requeue of that run with the same environment:
+    it continues from the run's own newest checkpoint, never from its starting point again."""
     resume_from = config.RESUME_FROM if resume_from is None else resume_from
+    directory = Path(checkpoint_dir or config.CHECKPOINT_DIR)
     if not resume_from:
-        return None
+        found = step_checkpoints(directory)
+        if found and all(checkpoint_problem(p) is not None for p in found):
+            return ResumePlan(None, "fresh", tuple(run_files(directory)), "unreadable")
+        return ResumePlan(None, "fresh")
     if resume_from == "best":
         raise CheckpointError(
             "RESUME_FROM=best: a resume continues a run from its newest state (RESUME_FROM=last). "
@@ -219,40 +266,112 @@ def resolve_resume_from(
             "names it) with an empty CHECKPOINT_DIR: that starts a new run from it"
         )
     if resume_from == "last":
-        directory = Path(checkpoint_dir or config.CHECKPOINT_DIR)
-        candidates = step_checkpoints(directory)[::-1]
-        if not candidates:
-            log.warning(
-                "RESUME_FROM=last: no step checkpoint (step_*.ckpt) in CHECKPOINT_DIR=%s; starting fresh",
-                directory,
-            )
-            return None
-        # A requeue loop must not fail forever on one bad file: take the newest that is complete.
-        for path in candidates:
-            problem = checkpoint_problem(path)
-            if problem is None:
-                if path != candidates[0]:
-                    log.warning(
-                        "RESUME_FROM=last: the newest checkpoint %s cannot be used (%s); resuming "
-                        "from %s instead",
-                        candidates[0],
-                        checkpoint_problem(candidates[0]),
-                        path,
-                    )
-                else:
-                    log.info("RESUME_FROM=last: resuming from %s", path)
-                return str(path)
-        raise CheckpointError(
-            f"RESUME_FROM=last: none of the {len(candidates)} step checkpoints in CHECKPOINT_DIR="
-            f"{directory} can be opened (newest {candidates[0].name}: "
-            f"{checkpoint_problem(candidates[0])}); set RESUME_FROM= to start fresh"
-        )
+        return _newest_readable(directory, "RESUME_FROM=last")
+    # Before the file must exist: pruning may have removed the checkpoint a rewind began at.
+    started = read_run_record(directory).get("started_from")
+    if started and _same_file(resume_from, started) and step_checkpoints(directory):
+        plan = _newest_readable(directory, f"RESUME_FROM={resume_from} (where this run began)")
+        if plan.path is not None:
+            return plan
     if not Path(resume_from).is_file():
         raise FileNotFoundError(
             f"RESUME_FROM={resume_from}: no such checkpoint file; give a step_*.ckpt path, "
             f"'last' (newest in CHECKPOINT_DIR) or leave it empty"
         )
-    return resume_from
+    if Path(resume_from).resolve().parent != directory.resolve():
+        return ResumePlan(resume_from, "branch")
+    later = [p for p in run_files(directory) if _step_of(p) > _step_of(Path(resume_from))]
+    if later:
+        return ResumePlan(resume_from, "rewind", tuple(later), f"after_{Path(resume_from).stem}")
+    return ResumePlan(resume_from, "continue")
+
+
+def _newest_readable(directory: Path, what: str) -> ResumePlan:
+    candidates = step_checkpoints(directory)[::-1]
+    if not candidates:
+        log.warning(
+            "%s: no step checkpoint (step_*.ckpt) in CHECKPOINT_DIR=%s; starting fresh",
+            what,
+            directory,
+        )
+        return ResumePlan(None, "fresh")
+    # A requeue loop must not fail forever on one bad file: take the newest that is complete.
+    for path in candidates:
+        if checkpoint_problem(path) is None:
+            if path == candidates[0]:
+                log.info("%s: resuming from %s", what, path)
+                return ResumePlan(str(path), "continue")
+            log.warning(
+                "%s: the newest checkpoint %s cannot be used (%s); resuming from %s instead",
+                what,
+                candidates[0],
+                checkpoint_problem(candidates[0]),
+                path,
+            )
+            later = [p for p in run_files(directory) if _step_of(p) > _step_of(path)]
+            return ResumePlan(str(path), "continue", tuple(later), "unreadable")
+    raise CheckpointError(
+        f"{what}: none of the {len(candidates)} step checkpoints in CHECKPOINT_DIR="
+        f"{directory} can be opened (newest {candidates[0].name}: "
+        f"{checkpoint_problem(candidates[0])}); set RESUME_FROM= to start fresh (they are moved "
+        f"into a folder unreadable_<time> beside them)"
+    )
+
+
+def apply_resume_plan(plan: ResumePlan, checkpoint_dir: Path | None = None) -> Path | None:
+    """On global rank 0: move ``plan.set_aside`` into CHECKPOINT_DIR/<aside_name>_<UTC time>/ with
+    the validation scores run.json holds for them (a run.json of their own there); for a rewind,
+    the run's record becomes that of a new timeline: a new W&B run (and metrics directory) named
+    <name>-from-step_<step>, whose history starts after that step, ``started_from`` the
+    rewound-to checkpoint. Other ranks do nothing. Returns the folder (None: nothing moved)."""
+    if int(os.environ.get("RANK", "0")) != 0 or not (plan.set_aside or plan.kind == "rewind"):
+        return None
+    directory = Path(checkpoint_dir or config.CHECKPOINT_DIR)
+    record = read_run_record(directory)
+    scores = record.get("validation", {})
+    moved = {str(_step_of(p)) for p in plan.set_aside}
+    aside = None
+    if plan.set_aside:
+        aside = directory / f"{plan.aside_name}_{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+        aside.mkdir(parents=True, exist_ok=True)
+        for path in plan.set_aside:
+            path.rename(aside / path.name)
+        _write_run_record(
+            {**record, "validation": {k: v for k, v in scores.items() if k in moved}}, aside
+        )
+        log.warning(
+            "moved %d step file(s) of CHECKPOINT_DIR=%s that the %s does not continue (%s) into %s",
+            len(plan.set_aside),
+            directory,
+            "rewind" if plan.kind == "rewind" else "run",
+            ", ".join(p.name for p in plan.set_aside),
+            aside,
+        )
+    live = {k: v for k, v in scores.items() if k not in moved}
+    if plan.kind == "rewind":
+        base = record.get("base_name") or record.get("name") or new_run_name()
+        if config.WANDB_RUN_NAME and config.WANDB_RUN_NAME not in (base, record.get("name")):
+            base = config.WANDB_RUN_NAME  # a new name, meant (RESUME_CHANGES)
+        name = f"{base}-from-{Path(plan.path).stem}"
+        record = {
+            "name": name,
+            "wandb_id": secrets.token_hex(6),
+            "base_name": base,
+            "started_from": os.path.abspath(plan.path),
+        }
+        log.warning(
+            "rewind to %s: the run goes on as W&B run %r (metrics under WANDB_LOG_DIR/%s)",
+            plan.path,
+            name,
+            name,
+        )
+    elif plan.kind == "fresh":
+        record = {}
+    if live or record:
+        _write_run_record({**record, **({"validation": live} if live else {})}, directory)
+    elif (directory / RUN_RECORD).exists():
+        (directory / RUN_RECORD).unlink()
+    return aside
 
 
 def resolve_model_path(model: str) -> Path:
@@ -347,22 +466,30 @@ def run_identity(
     A job that resumes a checkpoint of CHECKPOINT_DIR reuses the pair recorded in CHECKPOINT_DIR/
     run.json by the job that wrote it, so W&B continues the same run (Lightning's WandbLogger passes
     resume="allow") and metrics.jsonl stays one file across crashes and requeues; an explicit
-    WANDB_RUN_NAME that differs from the record starts a new run under that name, and so does a
-    checkpoint resumed from another directory (a branch of its run). A fresh job takes
-    WANDB_RUN_NAME (else run-<UTC time>) and a new id, and global rank 0 records them.
+    WANDB_RUN_NAME that names neither the record's run nor the name it was started under
+    (``base_name``, a rewind's) starts a new run under that name (RESUME_CHANGES allowed it). A
+    checkpoint resumed from another directory starts a new run (a branch of its run) and records
+    it as ``started_from``, so the branch's requeue, which names it again, continues the branch
+    (``plan_resume``). A fresh job takes WANDB_RUN_NAME (else run-<UTC time>) and a new id, and
+    global rank 0 records them.
     """
     directory = Path(checkpoint_dir or config.CHECKPOINT_DIR)
     saved = read_run_record(directory)
     inside = resume_path is None or Path(resume_path).resolve().parent == directory.resolve()
+    if resume_path is not None and saved.get("started_from"):
+        inside = inside or _same_file(resume_path, saved["started_from"])
     if resuming and inside and {"name", "wandb_id"} <= saved.keys():
-        if not config.WANDB_RUN_NAME or config.WANDB_RUN_NAME == saved["name"]:
+        if config.WANDB_RUN_NAME in ("", saved["name"], saved.get("base_name")):
             return saved["name"], saved["wandb_id"]
     name = new_run_name()
     identity = (name, secrets.token_hex(6))
     if int(os.environ.get("RANK", "0")) == 0:
-        record = {"name": identity[0], "wandb_id": identity[1]}
-        if resuming and inside and "validation" in saved:
-            record["validation"] = saved["validation"]  # the scores of the checkpoints still here
+        record: dict[str, Any] = {"name": identity[0], "wandb_id": identity[1]}
+        if resuming and inside:
+            # the scores of the checkpoints still here, and where the timeline began
+            record |= {k: saved[k] for k in ("validation", "started_from") if k in saved}
+        elif resuming:
+            record["started_from"] = os.path.abspath(resume_path)
         _write_run_record(record, directory)
     return identity
 
@@ -377,21 +504,24 @@ def run_files(checkpoint_dir: Path | None = None) -> list[Path]:
 
 
 def check_directory_for_run(
-    resume_path: str | Path | None, checkpoint_dir: Path | None = None
+    resume_path: str | Path | None,
+    checkpoint_dir: Path | None = None,
+    set_aside: tuple[Path, ...] = (),
 ) -> None:
     """CheckpointError when this job would write into another run's CHECKPOINT_DIR: a fresh run
     (``resume_path`` None) where step files exist, or a resume of a checkpoint from another directory
     into one that holds step files. Its overwritten and mixed checkpoints would make ``last`` and
-    ``best`` name another run's files."""
+    ``best`` name another run's files. Files the job moves aside first (``set_aside``, of its
+    ``ResumePlan``) do not count."""
     directory = Path(checkpoint_dir or config.CHECKPOINT_DIR)
     if resume_path is not None and Path(resume_path).resolve().parent == directory.resolve():
         return
-    files = run_files(directory)
+    files = [p for p in run_files(directory) if p not in set_aside]
     if not files:
         return
     name = read_run_record(directory).get("name")
     owner = f"run {name!r}" if name else "another run"
-    newest = step_checkpoints(directory)[-1:] or files[-1:]
+    newest = [p for p in files if p.suffix == ".ckpt"][-1:] or files[-1:]
     what = (
         f"a resume of {resume_path} (a checkpoint of another directory) there"
         if resume_path is not None
@@ -401,6 +531,61 @@ def check_directory_for_run(
         f"CHECKPOINT_DIR={directory} holds {owner} ({len(files)} step files, newest "
         f"{newest[0].name}): {what} would overwrite and mix with its checkpoints. Continue that run "
         f"with RESUME_FROM=last, or give this run its own CHECKPOINT_DIR (or DATA_DIR)"
+    )
+
+
+def run_defining_changes(recorded: dict[str, Any]) -> list[str]:
+    """How this job's run-defining settings (config.RUN_DEFINING_SETTINGS) differ from ``recorded``,
+    the ``run_record`` a step checkpoint carries, as ``NAME 'old' -> 'new'``, leaving out those
+    RESUME_CHANGES names. MODEL_CONFIG counts only while INIT_MODEL is empty (it builds the model
+    then); an empty WANDB_RUN_NAME continues the recorded run's name, and so does the name itself."""
+    settings = recorded.get("settings") or {}
+    now = config.run_settings()
+    changes = []
+    for name in config.RUN_DEFINING_SETTINGS:
+        if name in config.RESUME_CHANGES or name not in settings:
+            continue
+        old, new = settings[name], now[name]
+        if name == "MODEL_CONFIG" and (now["INIT_MODEL"] or settings.get("INIT_MODEL")):
+            continue
+        if name == "WANDB_RUN_NAME":
+            same = new in ("", old, (recorded.get("run") or {}).get("name"))
+        elif name in ("TOKENIZER_DIR", "MODEL_CONFIG", "TRAIN_MANIFEST_PATH"):
+            same = old is not None and new is not None and _same_file(old, new)
+        else:
+            same = old == new
+        if not same:
+            changes.append(f"{name} {old!r} -> {new!r}")
+    return changes
+
+
+def check_resume_settings(resume_path: str | Path, checkpoint_dir: Path | None = None) -> None:
+    """CheckpointError when the step checkpoint ``resume_path`` was trained with other run-defining
+    settings than this job's (``run_defining_changes``): it would continue that run as if it were
+    this one (and a wrong CHECKPOINT_DIR would rename it, overwrite its settings and mix metrics).
+    One line: the changes, both directories, and RESUME_CHANGES to say a change is meant."""
+    recorded = read_checkpoint(Path(resume_path), mmap=True).get("run_record") or {}
+    if not recorded.get("settings"):
+        log.warning(
+            "%s records no settings: its INIT_MODEL, tokenizer and train manifest are not compared "
+            "with this job's",
+            resume_path,
+        )
+        return
+    changes = run_defining_changes(recorded)
+    if not changes:
+        return
+    directory = Path(checkpoint_dir or config.CHECKPOINT_DIR)
+    source = config.KNOBS["CHECKPOINT_DIR"].source
+    name = (recorded.get("run") or {}).get("name")
+    names = ",".join(c.split(" ", 1)[0] for c in changes)
+    raise CheckpointError(
+        f"RESUME_FROM={config.RESUME_FROM} resolves to {resume_path} (in "
+        f"{Path(resume_path).resolve().parent}) of run {name!r}, trained with other settings than "
+        f"this job's: {'; '.join(changes)}; CHECKPOINT_DIR={directory}"
+        f"{' (derived from DATA_DIR)' if source != 'env' else ''}. If that is another run, point "
+        f"CHECKPOINT_DIR at this run's own directory; to continue it with these settings, set "
+        f"RESUME_CHANGES={names}"
     )
 
 

@@ -111,6 +111,27 @@ def _languages(raw: str) -> tuple[str, ...]:
     return codes
 
 
+# What makes a run the run it is: a resume whose checkpoint was trained with other values is
+# refused unless RESUME_CHANGES names them (checkpoints.check_resume_settings).
+RUN_DEFINING_SETTINGS = (
+    "INIT_MODEL",
+    "TOKENIZER_DIR",
+    "MODEL_CONFIG",
+    "TRAIN_MANIFEST_PATH",
+    "WANDB_RUN_NAME",
+)
+
+
+def _run_defining_settings(raw: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(n.strip().upper() for n in raw.split(",") if n.strip()))
+    unknown = [n for n in names if n not in RUN_DEFINING_SETTINGS]
+    if unknown:
+        raise ValueError(
+            f"expected comma-separated names of {', '.join(RUN_DEFINING_SETTINGS)} (not {unknown})"
+        )
+    return names
+
+
 def _sources(raw: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in raw.split(";") if part.strip())
 
@@ -527,6 +548,15 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         "",
         _str,
         "A checkpoint path, or 'last' for the newest in CHECKPOINT_DIR; empty = start fresh",
+        steps=("train",),
+    )
+    knob(
+        "RESUME_CHANGES",
+        (),
+        _run_defining_settings,
+        "Run-defining settings a resume may change from its checkpoint's (comma-separated, of "
+        + ", ".join(RUN_DEFINING_SETTINGS)
+        + "); any other change is refused, so a wrong CHECKPOINT_DIR cannot continue another run",
         steps=("train",),
     )
     knob(
@@ -1046,6 +1076,7 @@ WANDB_RUN_NAME: str
 INIT_MODEL: str
 MODEL_CONFIG: Path
 RESUME_FROM: str
+RESUME_CHANGES: tuple[str, ...]
 VOCAB_SIZE: int
 TOKENIZER_MODE: str
 DECODER_INIT: str

@@ -314,18 +314,28 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
                 f"sampler state has epoch={epoch}, position={position}: expected both >= 0"
             )
         if position > 0:
-            mine = self._plan_settings()
+            mine = _comparable(self._plan_settings())
+            older = [k for k in _SETTINGS_BEFORE_THEY_EXISTED if k not in state]
+            theirs = _comparable({**_SETTINGS_BEFORE_THEY_EXISTED, **state})
             clashes = [
-                f"{k}: checkpoint {state[k]!r}, this run {mine[k]!r}"
+                f"{k}: checkpoint {theirs[k]!r}"
+                + (" (written before the setting existed)" if k in older else "")
+                + f", this run {mine[k]!r}"
                 for k in mine
-                if k in state and _differs(state[k], mine[k])
+                if k in theirs and _differs(theirs[k], mine[k])
             ]
             if clashes:
-                raise ValueError(
+                exact = [
+                    _SETTINGS_BEFORE_THEY_EXISTED_KNOBS[k]
+                    for k in older
+                    if any(c.startswith(f"{k}:") for c in clashes)
+                ]
+                raise SamplerStateError(
                     f"cannot continue epoch {epoch} at micro-batch {position}: the epoch plan depends on "
                     + "; ".join(clashes)
-                    + ". Resume with the checkpoint's settings (e.g. the same number of ranks), or restart "
-                    "the epoch from its beginning (position 0) or at the next epoch."
+                    + ". Resume with the checkpoint's settings (e.g. the same number of ranks"
+                    + (f"; {' '.join(exact)} reproduces its plan" if exact else "")
+                    + "), or from a checkpoint at an epoch boundary."
                 )
         self.set_epoch(epoch)
         self._epoch, self._position = epoch, position
@@ -337,6 +347,8 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
             )
 
     def _plan_settings(self) -> dict[str, Any]:
+        """What the epoch plan depends on besides the data (``state_dict`` saves it with the
+        position); keys added later get an entry in ``_SETTINGS_BEFORE_THEY_EXISTED``."""
         return {
             "seed": self.seed,
             "world_size": self.world_size,
@@ -595,6 +607,30 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
 
 
 # ---- pure helpers ---------------------------------------------------------------------------
+
+
+# What a state saved before a plan setting existed planned with: the joint cap and its cost term
+# came later, and before them no batch was cut and the cost had no joint term. A resume compares
+# these with its own settings like any other (a missing key is no licence to differ), and the
+# refusal names the knobs that reproduce the older plan.
+_SETTINGS_BEFORE_THEY_EXISTED = {"max_joint_cells": 0.0, "cost_joint": 0.0}
+_SETTINGS_BEFORE_THEY_EXISTED_KNOBS = {
+    "max_joint_cells": "MAX_BATCH_JOINT_CELLS=-1",
+    "cost_joint": "BATCH_COST_JOINT=0",
+}
+
+
+def _comparable(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with equal plans written alike: every joint cap <= 0 means no cap."""
+    out = dict(settings)
+    if "max_joint_cells" in out:
+        out["max_joint_cells"] = max(float(out["max_joint_cells"]), 0.0)
+    return out
+
+
+class SamplerStateError(UserError, ValueError):
+    """A saved sampler state this run cannot continue exactly; the message names each setting that
+    differs and what to do."""
 
 
 def _differs(a: Any, b: Any) -> bool:

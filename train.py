@@ -248,7 +248,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def check_inputs() -> str | None:
     """Everything the run needs that can be checked before a model is built or downloaded (minutes
     at full size): the manifests and their split, the tokenizer, INIT_MODEL or MODEL_CONFIG, and
-    RESUME_FROM with the CHECKPOINT_DIR it writes into. Returns the checkpoint to resume (None:
+    RESUME_FROM with the CHECKPOINT_DIR it writes into (``checkpoints.plan_resume``: a requeue
+    continues its run's newest checkpoint, a rewind moves the later steps aside) and the
+    run-defining settings against the checkpoint's. Returns the checkpoint to resume (None:
     fresh); a problem is a UserError naming the variable."""
     from manifest_schema import check_same_split
 
@@ -257,9 +259,13 @@ def check_inputs() -> str | None:
     if val is not None:
         check_same_split(train, val)
     asr_model.check_model_inputs()
-    ckpt_path = checkpoints.resolve_resume_from()
-    checkpoints.check_directory_for_run(ckpt_path)
-    return ckpt_path
+    plan = checkpoints.plan_resume()
+    checkpoints.check_directory_for_run(plan.path, set_aside=plan.set_aside)
+    if plan.path is not None:
+        checkpoints.check_resume_settings(plan.path)
+    # Only once every check passed: a refused job leaves the directory as it found it.
+    checkpoints.apply_resume_plan(plan)
+    return plan.path
 
 
 def steps_left(ckpt_path: str | None) -> int:

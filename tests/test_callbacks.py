@@ -1063,6 +1063,29 @@ def test_an_agreed_stop_saves_that_step_and_stops_unless_it_is_the_last(
         assert not saver.preempted and trainer.global_step == max_steps and saved == []
 
 
+class RecordedValidation(callbacks.PerLanguageWERCallback):
+    """The validation schedule of PerLanguageWERCallback, each pass recorded instead of run."""
+
+    def __init__(self, every_n_steps: int):
+        super().__init__(every_n_steps=every_n_steps, manifest_path="unused.parquet")
+        self.validated: list[int] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._seen_step = trainer.global_step
+
+    def evaluate(self, trainer, pl_module):
+        self.validated.append(trainer.global_step)
+        return {}
+
+
+def test_a_stop_agreed_in_a_validation_step_saves_and_stops_without_validating(tmp_path):
+    validation = RecordedValidation(every_n_steps=2)
+    trainer, _ = fit(tmp_path, max_steps=6, every=100, extra=[StopAgreedAt(4), validation])
+    assert trainer.global_step == 4
+    assert validation.validated == [2]  # step 4 was due, and the ranks had agreed to stop
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*.ckpt")) == ["step_00000004.ckpt"]
+
+
 def test_the_phase_2_rewrap_frees_the_old_ddp_buckets_before_allocating_new_ones():
     import weakref
     from types import SimpleNamespace

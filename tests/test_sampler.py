@@ -850,3 +850,48 @@ def test_the_first_step_holds_the_batch_dearest_with_its_joint():
     )
     costs = [len(b) * durations[b].max() + 0.01 * joint_cells(b, durations, tokens) for b in s]
     assert costs[0] == pytest.approx(max(costs))
+
+
+def state_saved_before_the_joint_cap(durations, langs, tokens, position: int) -> dict:
+    """The state a sampler saved before the joint cap existed: its plan cut no batch and its cost had
+    no joint term (this version's MAX_BATCH_JOINT_CELLS=-1, BATCH_COST_JOINT=0), and the state had
+    no key for either."""
+    older = make(
+        durations, langs, token_lengths=tokens, frame_seconds=0.08, max_joint_cells=-1, cost_joint=0
+    )
+    state = older.state_dict() | {"position": position}
+    del state["max_joint_cells"], state["cost_joint"]
+    return state
+
+
+def test_a_mid_epoch_state_from_before_the_joint_cap_is_refused_under_the_capped_plan():
+    durations, langs, tokens = token_dense_corpus()
+    state = state_saved_before_the_joint_cap(durations, langs, tokens, position=30)
+    capped = make(durations, langs, token_lengths=tokens, frame_seconds=0.08, max_joint_cells=0)
+    with pytest.raises(
+        sampler_module.SamplerStateError,
+        match=r"max_joint_cells: checkpoint 0\.0 \(written before the setting existed\), this run "
+        r".*cost_joint: checkpoint 0\.0 \(written before the setting existed\), this run 0\.001.*"
+        r"MAX_BATCH_JOINT_CELLS=-1 BATCH_COST_JOINT=0 reproduces its plan",
+    ):
+        capped.load_state_dict(state)
+
+
+def test_a_state_from_before_the_joint_cap_continues_exactly_under_the_settings_it_had():
+    durations, langs, tokens = token_dense_corpus()
+    plan = list(
+        make(
+            durations,
+            langs,
+            token_lengths=tokens,
+            frame_seconds=0.08,
+            max_joint_cells=-1,
+            cost_joint=0,
+        )
+    )
+    state = state_saved_before_the_joint_cap(durations, langs, tokens, position=30)
+    resumed = make(
+        durations, langs, token_lengths=tokens, frame_seconds=0.08, max_joint_cells=-1, cost_joint=0
+    )
+    resumed.load_state_dict(state)
+    assert list(resumed) == plan[30:]
