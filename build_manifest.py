@@ -11,7 +11,9 @@ with ``segment_id, shard_id, text, duration, lang, audio_filepath, source`` (the
 ``tx_quality_score, speaker_id``): the shards' rows sorted by ``(shard_id, segment_id)``, then each
 imported source's (``--source``, see source_readers.py) in its own order, so that a rerun writes the
 same rows in the same order, plus ``<output minus .parquet>.summary.json`` with rows read, kept and
-dropped per reason and per language, and every shard that could not be read.
+dropped per reason and per language, and every shard that could not be read; per imported source,
+every row it lost (bad in the reader, or dropped by a check below) per reason, the first of each
+with its file and line.
 
 A row is kept when, checked in this order (the first failing check names the drop reason):
     no_audio_index          its segment_id has an audio_index entry (the join is on segment_id)
@@ -91,7 +93,14 @@ from manifest_schema import (
     tagged_text_expr,
     write_manifest_file,
 )
-from source_readers import BAD_ROW_REASONS, Shard, SourceSpec, parse_source, read_source
+from source_readers import (
+    BAD_ROW_REASONS,
+    Shard,
+    SourceSpec,
+    origin_order,
+    parse_source,
+    read_source,
+)
 from source_readers import MAX_EXAMPLES as MAX_BAD_ROWS
 from transcript_cleaning import WARM_UP_TEXTS, clean_text_column
 
@@ -588,12 +597,60 @@ def _is_sorted(frame: pl.DataFrame, columns: list[str]) -> bool:
     return frame.select(in_order.fill_null(True).all()).item()
 
 
+_DETAIL_COLUMNS = ["duration_s", "tx_quality_score", "transcription_native", "tar_member_name"]
+
+
+def _drop_detail(filters: Filters) -> pl.Expr:
+    """What made a dropped row fail its check (``reason``), in words, for the summary's examples;
+    reads ``reason``, ``lang`` and ``_DETAIL_COLUMNS``."""
+    reason, duration = pl.col("reason"), pl.col("duration_s").round(3)
+    text = pl.col("transcription_native").str.slice(0, 60)
+    detail = pl.when(reason == "language_unknown").then(
+        pl.lit("no language given, and the transcript's script names none")
+    )
+    for name, words in (
+        ("invalid_language", pl.format("language '{}' is not a code like hi or en-in", "lang")),
+        ("language_not_selected", pl.format("language {} is not in LANGUAGES", "lang")),
+        ("duration_missing", pl.lit("no duration")),
+        (
+            "duration_too_short",
+            pl.format("{} s, below MIN_DURATION={} s", duration, pl.lit(filters.min_duration)),
+        ),
+        (
+            "duration_too_long",
+            pl.format("{} s, above MAX_DURATION={} s", duration, pl.lit(filters.max_duration)),
+        ),
+        ("quality_missing", pl.lit("no tx_quality_score")),
+        ("quality_not_finite", pl.format("tx_quality_score {}", "tx_quality_score")),
+        (
+            "quality_below_min",
+            pl.format(
+                "tx_quality_score {}, below MIN_QUALITY={}",
+                pl.col("tx_quality_score").round(3),
+                pl.lit(filters.min_quality),
+            ),
+        ),
+        ("transcript_missing", pl.lit("no transcript")),
+        ("empty_after_cleaning", pl.format("transcript '{}' has no words left", text)),
+        (
+            "shared_audio_other_text",
+            pl.format(
+                "its audio {} is another row's too, with another transcript", "tar_member_name"
+            ),
+        ),
+    ):
+        detail = detail.when(reason == name).then(words)
+    return detail.otherwise(pl.lit(""))
+
+
 def assemble_manifest(
     joined: pl.DataFrame, shards: Sequence[Shard], filters: Filters, workers: int = 1
 ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
     """(manifest rows sorted by shard_id and segment_id, one (lang, reason) row per dropped row,
     the audio files several kept segment_ids name: ``shard_id, tar_member_name, segment_ids,
-    texts_differ``; those whose transcripts differ were dropped as ``shared_audio_other_text``)."""
+    texts_differ``; those whose transcripts differ were dropped as ``shared_audio_other_text``).
+    Rows with an ``origin`` (an imported source's) keep it in their drop row, with a ``detail``.
+    """
 
     def per_shard(values: list[str]) -> pl.Expr:  # a shard's constant, looked up by position
         return pl.lit(pl.Series(values, dtype=pl.String)).gather(pl.col("shard"))
@@ -602,9 +659,11 @@ def assemble_manifest(
     scored = pl.Series([s.scored for s in shards], dtype=pl.Boolean).gather(joined["shard"])
     frame = joined.with_columns(lang, lang_ok, scored.alias("scored"))
     frame = frame.with_columns(_drop_reason(filters).alias("reason"))
+    traced = "origin" in joined.columns
     # columns are chosen before rows: a filter copies every column it is given
     candidates = (
         frame.select(
+            *(["origin"] if traced else []),
             "shard",
             "segment_id",
             "transcription_native",
@@ -631,10 +690,14 @@ def assemble_manifest(
         .alias("reason")
     )
     candidates, shared = _shared_audio(candidates, shards)
+    needed, drop_columns = ["lang", "reason"], ["lang", "reason"]
+    if traced:  # columns are chosen before rows here too
+        needed += ["origin", *_DETAIL_COLUMNS]
+        drop_columns += ["origin", _drop_detail(filters).alias("detail")]
     drops = pl.concat(
         [
-            frame.select("lang", "reason").filter(pl.col("reason").is_not_null()),
-            candidates.select("lang", "reason").filter(pl.col("reason").is_not_null()),
+            part.select(needed).filter(pl.col("reason").is_not_null()).select(drop_columns)
+            for part in (frame, candidates)
         ]
     )
     kept = candidates.filter(pl.col("reason").is_null()).select(
@@ -862,17 +925,22 @@ def _add_source(
     progress: bool,
 ) -> None:
     """An imported source (``source_readers``): its rows go through the same filters, cleaning,
-    tags and accounting as a shard's; its bad rows are dropped under their reasons."""
+    tags and accounting as a shard's. Its report counts every row it loses, in the reader (a bad
+    row) or in the filters, under the reason, and lists the first ``MAX_BAD_ROWS`` of each reason
+    with the file and line (or parquet row) it came from: ``rows_read - rows_kept ==
+    rows_dropped == sum(dropped.values())``."""
     report = {
         "source": str(spec),
         "name": spec.name,
         "rows_read": 0,
-        "bad_rows": 0,
         "rows_kept": 0,
+        "rows_dropped": 0,
+        "dropped": {},
         "language_unknown": 0,
         "with_lang": str(SourceSpec(spec.kind, spec.path, {**spec.options, "lang": "xx"})),
     }
-    examples, skipped, reasons = [], [], {}
+    examples: dict[str, list[dict]] = {}  # reason -> its first rows in file order
+    skipped, reader_bad, reader_reasons, reader_examples = [], 0, {}, []
     batches = read_source(spec, audio_dir, workers=workers, strict=strict, progress=progress)
     for batch in _read_ahead(batches):
         skipped += batch.bad_files
@@ -883,28 +951,59 @@ def _add_source(
             },
             schema={"lang": pl.String, "reason": DROP_REASON},
         )
+        found = [batch.bad]
         if batch.rows.height:
             kept, drops, shared = assemble_manifest(batch.rows, batch.shards, filters, workers)
             parts.kept.append(kept)
-            parts.drops.append(drops)
+            parts.drops.append(drops.select("lang", "reason"))
             parts.shared.append(shared)
             report["rows_kept"] += kept.height
             report["language_unknown"] += drops.filter(
                 pl.col("reason") == "language_unknown"
             ).height
+            found.append(_first_drops(drops, MAX_BAD_ROWS))
+            for reason, n in counts_by(drops, "reason").items():
+                report["dropped"][reason] = report["dropped"].get(reason, 0) + n
         parts.drops.append(bad.with_columns(pl.col("lang").str.to_lowercase()))
         parts.rows_in += batch.rows.height + bad.height
         report["rows_read"] += batch.rows.height + bad.height
-        report["bad_rows"] += bad.height
+        reader_bad += bad.height
         for b in batch.bad:
-            reasons[b["reason"]] = reasons.get(b["reason"], 0) + 1
-        examples += batch.bad[: MAX_BAD_ROWS - len(examples)]
+            reader_reasons[b["reason"]] = reader_reasons.get(b["reason"], 0) + 1
+            report["dropped"][b["reason"]] = report["dropped"].get(b["reason"], 0) + 1
+        reader_examples += batch.bad[: MAX_BAD_ROWS - len(reader_examples)]
+        for b in (b for rows in found for b in rows):
+            examples.setdefault(b["reason"], []).append(b)
+        for reason, rows in examples.items():
+            examples[reason] = sorted(rows, key=lambda b: origin_order(b["origin"]))[:MAX_BAD_ROWS]
     parts.unreadable += skipped
-    if report["bad_rows"] == report["rows_read"]:  # the reader could use none of its rows
+    if reader_bad == report["rows_read"]:  # the reader could use none of its rows
         raise ManifestError(
-            _nothing_imported(spec, report["rows_read"], reasons, examples, skipped)
+            _nothing_imported(spec, report["rows_read"], reader_reasons, reader_examples, skipped)
         )
-    parts.sources.append(report | {"bad_row_examples": examples, "files_skipped": skipped})
+    report["rows_dropped"] = report["rows_read"] - report["rows_kept"]
+    assert report["rows_dropped"] == sum(report["dropped"].values()), "source accounting broke"
+    report["dropped"] = dict(sorted(report["dropped"].items()))
+    listed = sorted(
+        (b for rows in examples.values() for b in rows), key=lambda b: origin_order(b["origin"])
+    )
+    parts.sources.append(report | {"dropped_examples": listed, "files_skipped": skipped})
+
+
+def _first_drops(drops: pl.DataFrame, n: int) -> list[dict]:
+    """The first ``n`` dropped rows of each reason in file order (file, then line or row), as
+    ``{"origin", "reason", "detail", "lang"}``; sorted in polars, however many rows were dropped."""
+    if not drops.height:
+        return []
+    place = pl.col("origin").str.extract(r"^(.*)(?::| row )(\d+)$", 1)
+    number = pl.col("origin").str.extract(r"(\d+)$", 1).cast(pl.UInt64)
+    first = (
+        drops.sort(place, number, maintain_order=True)
+        .group_by("reason", maintain_order=True)
+        .head(n)
+        .select("origin", pl.col("reason").cast(pl.String), "detail", "lang")
+    )
+    return first.to_dicts()
 
 
 def _nothing_imported(
@@ -1163,13 +1262,10 @@ def format_summary(summary: dict[str, Any], output: Path) -> str:
         lines.append(f"UNREADABLE {b['path']}: {b['reason']}")
     for source in summary.get("sources", []):
         lines.append(
-            f"source {source['name']}: {source['rows_read']:,} rows read, {source['bad_rows']:,} "
-            f"bad rows dropped"
+            f"source {source['name']}: {source['rows_read']:,} rows read, "
+            f"{source['rows_kept']:,} kept, {source['rows_dropped']:,} dropped"
         )
-        for b in source["bad_row_examples"][:10]:
-            lines.append(f"  BAD ROW {b['origin']}: {b['reason']} ({b['detail']})")
-        if source["bad_rows"] > 10:
-            lines.append(f"  ... and {source['bad_rows'] - 10:,} more (the summary lists 20)")
+        lines += _dropped_rows_lines(source)
         if source.get("language_unknown"):
             lines.append(
                 f"  {source['language_unknown']:,} rows name no language and their script "
@@ -1183,6 +1279,28 @@ def format_summary(summary: dict[str, Any], output: Path) -> str:
         )
     lines.append(f"wrote {output} and {summary_path(output).name}")
     return "\n".join(lines)
+
+
+PRINTED_PER_REASON = 3  # dropped rows printed per reason and source; the summary lists more
+
+
+def _dropped_rows_lines(source: dict[str, Any]) -> list[str]:
+    """The first dropped rows of each reason of an imported source, in file order, with where
+    they are; then how many more of each reason the summary counts."""
+    shown: dict[str, int] = {}
+    lines = []
+    for b in source["dropped_examples"]:
+        if shown.get(b["reason"], 0) < PRINTED_PER_REASON:
+            shown[b["reason"]] = shown.get(b["reason"], 0) + 1
+            detail = f" ({b['detail']})" if b["detail"] else ""
+            lines.append(f"  DROPPED {b['origin']}: {b['reason']}{detail}")
+    for reason, n in sorted(source["dropped"].items(), key=lambda kv: -kv[1]):
+        if n > shown.get(reason, 0):
+            lines.append(
+                f"  ... and {n - shown.get(reason, 0):,} more {reason} (the summary lists the "
+                f"first {MAX_BAD_ROWS} of each reason)"
+            )
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:

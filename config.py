@@ -670,6 +670,16 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         steps=("make_train_val",),
     )
     knob(
+        "VAL_WARN_FRACTION",
+        1 / 3,
+        _float,
+        "A split that puts more than this share of a language's rows into validation warns, "
+        "naming the flag that keeps more for training (make_train_val.py)",
+        lambda v: None if 0 <= v <= 1 else "expected a fraction between 0 and 1",
+        steps=("make_train_val",),
+        shown="1/3",
+    )
+    knob(
         "SCRIPT_VOTE_THRESHOLD",
         0.9,
         _float,
@@ -1091,6 +1101,7 @@ MAX_TOKEN_LEN: int
 AUDIO_DURATION_TOLERANCE: float
 VAL_PER_LANG: int
 VAL_MAX_FRACTION: float
+VAL_WARN_FRACTION: float
 SCRIPT_VOTE_THRESHOLD: float
 BUCKET_BOUNDARIES: tuple[float, ...] | str
 MAX_BATCH_DURATION: float

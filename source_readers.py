@@ -125,9 +125,10 @@ class SourceSpec:
 @dataclass
 class SourceRows:
     """What a reader gives build_manifest.py: ``rows`` in the columns it filters (``shard`` is a
-    position in ``shards``; ``tar_member_name`` the audio file's name in its shard's directory),
-    the bad rows ``{"origin", "reason", "detail", "lang"}`` and the files skipped
-    ``{"path", "reason"}``."""
+    position in ``shards``; ``tar_member_name`` the audio file's name in its shard's directory;
+    ``origin`` its file and line, or parquet file and row, written as a bad row's is, so that a
+    row the filters drop later is reported with its place too), the bad rows ``{"origin",
+    "reason", "detail", "lang"}`` and the files skipped ``{"path", "reason"}``."""
 
     rows: pl.DataFrame
     shards: list[Shard]
@@ -144,6 +145,7 @@ ROW_SCHEMA = {
     "duration_s": pl.Float64,
     "tx_quality_score": pl.Float64,
     "tar_member_name": pl.String,
+    "origin": pl.String,
 }
 
 
@@ -252,8 +254,8 @@ def _as_float(frame: pl.DataFrame, column: str | None) -> pl.Expr:
 
 
 def _standard_rows(frame: pl.DataFrame, speaker: str | None, quality: str | None) -> pl.DataFrame:
-    """The ``_id``, ``_text`` and ``_lang`` columns a reader prepared, and the ``speaker`` and
-    ``quality`` fields, as ``ROW_SCHEMA`` columns (``shard``, ``duration_s`` and
+    """The ``_id``, ``_text``, ``_lang`` and ``_origin`` columns a reader prepared, and the
+    ``speaker`` and ``quality`` fields, as ``ROW_SCHEMA`` columns (``shard``, ``duration_s`` and
     ``tar_member_name`` come from the caller); a transcript loses a leading language tag."""
     return frame.select(
         pl.col("_id").cast(pl.String).alias("segment_id"),
@@ -263,6 +265,7 @@ def _standard_rows(frame: pl.DataFrame, speaker: str | None, quality: str | None
         pl.col("_lang").cast(pl.String).alias("segment_language"),
         _as_string(frame, speaker).alias("speaker_id"),
         _as_float(frame, quality).alias("tx_quality_score"),
+        pl.col("_origin").alias("origin"),
     )
 
 
@@ -451,13 +454,17 @@ def _check_audio(
                     langs[i],
                 )
             )
-    bad.sort(key=lambda b: _origin_order(b["origin"]))
+    bad.sort(key=lambda b: origin_order(b["origin"]))
     return pl.Series("duration_s", given_np), keep, bad
 
 
-def _origin_order(origin: str) -> tuple[str, int]:
-    path, _, number = origin.rpartition(":")
-    return (path, int(number)) if number.isdigit() else (origin, 0)
+def origin_order(origin: str) -> tuple[str, int]:
+    """The sort key of a row's origin, ``file:line`` or ``file row N``: file, then line or row."""
+    match = _ORIGIN.fullmatch(origin)
+    return (match[1], int(match[2])) if match else (origin, 0)
+
+
+_ORIGIN = re.compile(r"(.*)(?::| row )(\d+)")
 
 
 def _write_flac(path: Path, data: np.ndarray, rate: int, subtype: str | None) -> None:
@@ -699,6 +706,7 @@ def _nemo_fields(
         _as_string(frame, fields["text"]).alias("_text"),
         ids.assign(own, frame.get_column("line")).alias("_id"),
         _lang_expr(spec, frame, fields["lang"]).alias("_lang"),
+        pl.concat_str(pl.lit(f"{path}:"), pl.col("line").cast(pl.String)).alias("_origin"),
         _as_float(frame, "offset").alias("_offset"),
     )
     no_audio = pl.col("_audio").is_null() | (pl.col("_audio") == "")
@@ -781,7 +789,7 @@ def _nemo_plain(
         cut, cut_shards = _cut_segments(spec, segments, bad, workers, fields, out_dir)
         parts.append(cut.with_columns(pl.col("shard") + len(shards)).select(list(ROW_SCHEMA)))
         shards += cut_shards
-    bad.sort(key=lambda b: _origin_order(b["origin"]))
+    bad.sort(key=lambda b: origin_order(b["origin"]))
     return SourceRows(pl.concat(parts), shards, bad)
 
 
@@ -954,7 +962,7 @@ def _nemo_tarred(
         pl.coalesce(frame["_duration"], frame["seconds"]).alias("duration_s"),
         frame["file"].alias("tar_member_name"),
     )
-    bad.sort(key=lambda b: _origin_order(b["origin"]))
+    bad.sort(key=lambda b: origin_order(b["origin"]))
     return SourceRows(rows.select(list(ROW_SCHEMA)), shards, bad, bad_files)
 
 
@@ -1074,6 +1082,7 @@ def read_hf_parquet(
             _as_string(frame, text).alias("_text"),
             _lang_expr(spec, frame, lang).alias("_lang"),
             ids.assign(own, where.to_series()).alias("_id"),
+            pl.concat_str(pl.lit(f"{file} row "), row.cast(pl.String)).alias("_origin"),
         )
         langs = frame.get_column("_lang")
         keep = np.ones(n, bool)
@@ -1358,6 +1367,7 @@ def read_kaldi(
                         record["seconds"][utt],
                         None,
                         record["files"][utt],
+                        origin,
                     )
                 )
         frame = pl.DataFrame(rows, schema=ROW_SCHEMA, orient="row")
@@ -1387,11 +1397,12 @@ def read_kaldi(
                 "duration_s": seconds,
                 "tx_quality_score": pl.Series([None] * len(kept), dtype=pl.Float64),
                 "tar_member_name": names,
+                "origin": origins,
             },
             schema=ROW_SCHEMA,
         ).filter(pl.Series(keep))
     frame = frame.with_columns(
         pl.col("transcription_native").map_batches(_strip_tags, return_dtype=pl.String)
     )
-    bad.sort(key=lambda b: _origin_order(b["origin"]))
+    bad.sort(key=lambda b: origin_order(b["origin"]))
     return SourceRows(frame, shards, bad)

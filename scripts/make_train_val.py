@@ -33,6 +33,9 @@ asserted and printed, and written to ``<train manifest minus .parquet>.summary.j
    versions - and taken into validation in that order while they fit every one of their
    languages' quota: --val-per-lang rows, but at most VAL_MAX_FRACTION of the language's rows.
    A language whose groups do not fit exactly ends a little short; the summary says by how much.
+   A language that gives validation more than VAL_WARN_FRACTION (a third) of its rows is warned
+   about on stderr, one line each, with its train and validation rows and the flags that keep
+   more for training (a small corpus under the default 50 % cap is the usual case).
 
 Outputs are written atomically and sorted like the master manifest (shard_id, segment_id): the
 same inputs give byte-identical outputs.
@@ -43,6 +46,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -266,11 +270,15 @@ def make_train_val(
             f"nothing to train on; check LANGUAGES={','.join(languages) or '(all)'} and the master"
         )
     train, val, split = split_by_groups(kept, val_per_lang, max_val_fraction, seed, allow_short_val)
+    large_val = large_validation_shares(train, val, config.VAL_WARN_FRACTION)
+    for line in format_large_validation(large_val, config.VAL_WARN_FRACTION):
+        print(f"make_train_val: warning: {line}", file=sys.stderr)
     summary = {
         **count_rows(rows_in, frame, train, val, split["quota"]),
         **tags,
         "split": {
             **{k: v for k, v in split.items() if k != "quota"},
+            "large_val_share": large_val,
             "seed": seed,
             "val_per_lang": val_per_lang,
             "max_val_fraction": max_val_fraction,
@@ -484,6 +492,38 @@ def split_by_groups(
             "quota": quota,
         },
     )
+
+
+def large_validation_shares(
+    train: pl.DataFrame, val: pl.DataFrame, fraction: float
+) -> dict[str, dict[str, int]]:
+    """``{lang: {"train": n, "val": m}}`` of the languages with more than ``fraction`` of their
+    split rows in validation."""
+    train_rows, val_rows = counts_by(train, "lang"), counts_by(val, "lang")
+    return {
+        lang: {"train": train_rows.get(lang, 0), "val": n}
+        for lang, n in sorted(val_rows.items())
+        if n > fraction * (n + train_rows.get(lang, 0))
+    }
+
+
+def format_large_validation(large: dict[str, dict[str, int]], fraction: float) -> list[str]:
+    """One line per language of ``large_validation_shares``: its rows on each side, and the flags
+    that would keep its validation within ``fraction``."""
+    cap = math.floor(fraction * 100) / 100
+    lines = []
+    for lang, rows in large.items():
+        total = rows["train"] + rows["val"]
+        fits = math.floor(fraction * total)
+        lines.append(
+            f"{lang}: {rows['val']:,} rows in validation and {rows['train']:,} in train "
+            f"({rows['val'] / total:.0%} of its rows in validation, over "
+            f"VAL_WARN_FRACTION={fraction:.3g}): to train on more of them pass --max-val-fraction "
+            f"{cap:g}"
+            + (f" or --val-per-lang {fits}" if fits else "")
+            + " (and --allow-short-val if a language then gets no validation row)"
+        )
+    return lines
 
 
 def _why_no_validation(

@@ -16,6 +16,7 @@ import soundfile as sf
 TEXTS = {
     "en": ["hello world", "good morning", "the cat sat", "open the door", "read a book"],
     "hi": ["नमस्ते दुनिया", "सुप्रभात", "बिल्ली बैठी", "दरवाज़ा खोलो", "किताब पढ़ो"],
+    "ta": ["வணக்கம் உலகம்", "காலை வணக்கம்", "பூனை அமர்ந்தது", "கதவைத் திற", "புத்தகம் படி"],
 }
 
 

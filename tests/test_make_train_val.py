@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -568,3 +569,58 @@ def test_a_nemo_json_given_as_the_master_is_refused_with_the_import_command(tmp_
     master.write_text('{"audio_filepath": "a.wav", "text": "x", "duration": 1.0}\n')
     with pytest.raises(mtv.SplitError, match="build_manifest.py --source nemo:"):
         mtv.load_master(master)
+
+
+# --- a validation share worth a warning ----------------------------------------------------------
+def split_imported_corpus(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
+    """A first-time user's path: 20 utterances each of en, hi and ta (four speakers a language)
+    in a NeMo JSON manifest, imported with build_manifest.py, then split with make_train_val.py at
+    its defaults plus ``flags``."""
+    from tests import byod_factory as byod
+
+    utts = byod.utterances(20, ("en", "hi", "ta"))
+    for u in utts:
+        u["text"] = f"{u['text']} {u['id'][2:]}"  # no two alike: deduplication keeps all
+    manifest = byod.write_nemo_json(tmp_path / "nemo", utts)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "MASTER_MANIFEST_PATH": str(tmp_path / "master.parquet"),
+        "TRAIN_MANIFEST_PATH": str(tmp_path / "train.parquet"),
+        "VAL_MANIFEST_PATH": str(tmp_path / "val.parquet"),
+        "IMPORTED_AUDIO_DIR": str(tmp_path / "imported"),
+    }
+    for name in ("VAL_PER_LANG", "VAL_MAX_FRACTION", "VAL_WARN_FRACTION", "LANGUAGES"):
+        env.pop(name, None)
+    build = [sys.executable, "build_manifest.py", "--no-progress", "--source", f"nemo:{manifest}"]
+    subprocess.run(build, cwd=REPO, env=env, check=True, capture_output=True, timeout=120)
+    split = [sys.executable, "scripts/make_train_val.py", *flags]
+    result = subprocess.run(split, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_a_language_giving_validation_over_a_third_of_its_rows_is_warned_about_with_the_fix(
+    tmp_path,
+):
+    result = split_imported_corpus(tmp_path)
+    warnings = [line for line in result.stderr.splitlines() if "warning" in line]
+    summary = json.loads((tmp_path / "train.summary.json").read_text())
+    assert summary["split"]["large_val_share"] == {
+        lang: {"train": 10, "val": 10} for lang in ("en", "hi", "ta")
+    }
+    assert warnings == [
+        f"make_train_val: warning: {lang}: 10 rows in validation and 10 in train (50% of its rows "
+        f"in validation, over VAL_WARN_FRACTION=0.333): to train on more of them pass "
+        f"--max-val-fraction 0.33 or --val-per-lang 6 (and --allow-short-val if a language then "
+        f"gets no validation row)"
+        for lang in ("en", "hi", "ta")
+    ]
+
+
+def test_the_flag_the_warning_names_keeps_validation_within_a_third(tmp_path):
+    result = split_imported_corpus(tmp_path, "--max-val-fraction", "0.33")
+    summary = json.loads((tmp_path / "train.summary.json").read_text())
+    assert "warning" not in result.stderr
+    assert summary["split"]["large_val_share"] == {}
+    assert summary["val_by_lang"] == {"en": 5, "hi": 5, "ta": 5}

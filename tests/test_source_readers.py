@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -15,6 +18,8 @@ import build_manifest as bm
 import source_readers
 from manifest_schema import ManifestError, summary_path
 from tests import byod_factory as byod
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def build(tmp_path, *sources, **kwargs):
@@ -35,8 +40,8 @@ def build(tmp_path, *sources, **kwargs):
     return pl.read_parquet(output), summary
 
 
-def bad_rows(summary) -> list[tuple[str, str]]:
-    return [(b["origin"], b["reason"]) for s in summary["sources"] for b in s["bad_row_examples"]]
+def dropped_rows(summary) -> list[tuple[str, str]]:
+    return [(b["origin"], b["reason"]) for s in summary["sources"] for b in s["dropped_examples"]]
 
 
 # --- source specs --------------------------------------------------------------------------
@@ -111,7 +116,7 @@ def test_bad_nemo_rows_are_dropped_counted_and_reported_with_file_and_line(tmp_p
     lines.append(json.dumps({"audio_filepath": "clips/absent.wav", "text": "x", "duration": 1.0}))
     manifest.write_text("\n".join(lines) + "\n")
     master, summary = build(tmp_path, f"nemo:{manifest}")
-    assert bad_rows(summary) == [
+    assert dropped_rows(summary) == [
         (f"{manifest}:2", "duration_mismatch"),
         (f"{manifest}:3", "not_json"),
         (f"{manifest}:6", "audio_path_missing"),
@@ -121,7 +126,7 @@ def test_bad_nemo_rows_are_dropped_counted_and_reported_with_file_and_line(tmp_p
     assert master.height == 3
     assert summary["rows_in"] == 8 and summary["dropped"]["not_json"] == 1
     printed = bm.format_summary(summary, tmp_path / "master.parquet")
-    assert f"BAD ROW {manifest}:3: not_json" in printed
+    assert f"DROPPED {manifest}:3: not_json" in printed
 
 
 def test_strict_makes_the_first_bad_row_an_error_and_writes_nothing(tmp_path):
@@ -150,7 +155,7 @@ def test_check_exists_trusts_given_durations_but_still_finds_missing_files(tmp_p
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
     master, summary = build(tmp_path, f"nemo:{manifest}:check=exists")
     assert master.sort("segment_id").get_column("duration").to_list() == [9.0, 1.3]
-    assert bad_rows(summary) == [(f"{manifest}:3", "audio_not_found")]
+    assert dropped_rows(summary) == [(f"{manifest}:3", "audio_not_found")]
 
 
 def test_check_none_trusts_rows_with_durations_and_reads_the_rest(tmp_path):
@@ -161,7 +166,7 @@ def test_check_none_trusts_rows_with_durations_and_reads_the_rest(tmp_path):
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
     master, summary = build(tmp_path, f"nemo:{manifest}:check=none")
     assert master.sort("segment_id").get_column("duration").to_list() == pytest.approx([1.0, 1.3])
-    assert not bad_rows(summary)
+    assert not dropped_rows(summary)
 
 
 def test_language_comes_from_the_option_then_the_field_then_the_script(tmp_path):
@@ -199,7 +204,7 @@ def test_a_tarred_nemo_manifest_is_written_out_once_as_flac(tmp_path):
     utts = byod.utterances(3)
     manifest, tars = byod.write_nemo_tarred(tmp_path / "tarred", utts)
     master, summary = build(tmp_path, f"nemo:{manifest}:tars={tars},name=t")
-    assert master.height == 6 and not summary["sources"][0]["bad_rows"]
+    assert master.height == 6 and not summary["sources"][0]["rows_dropped"]
     for row in master.iter_rows(named=True):
         info = sf.info(row["audio_filepath"])
         assert row["audio_filepath"].endswith(".flac") and info.format == "FLAC"
@@ -224,7 +229,7 @@ def test_a_tarred_row_whose_member_is_in_no_tar_is_a_bad_row(tmp_path):
     )
     master, summary = build(tmp_path, f"nemo:{manifest}:tars={tars}")
     assert master.height == 2
-    assert bad_rows(summary) == [(f"{manifest}:3", "audio_not_found")]
+    assert dropped_rows(summary) == [(f"{manifest}:3", "audio_not_found")]
 
 
 # --- Hugging Face parquet ------------------------------------------------------------------
@@ -267,7 +272,7 @@ def test_an_hf_file_without_audio_is_skipped_and_an_undecodable_row_reported(tmp
             "reason": "no audio column (a struct with the encoded bytes)",
         }
     ]
-    assert bad_rows(summary) == [(f"{folder / 'b.parquet'} row 1", "audio_unreadable")]
+    assert dropped_rows(summary) == [(f"{folder / 'b.parquet'} row 1", "audio_unreadable")]
 
 
 # --- Kaldi ---------------------------------------------------------------------------------
@@ -298,7 +303,7 @@ def test_kaldi_bad_lines_are_reported_with_file_and_line(tmp_path):
     master, summary = build(tmp_path, f"kaldi:{directory}:lang=en")
     segments = directory / "segments"
     assert master.height == 2
-    assert bad_rows(summary) == [
+    assert dropped_rows(summary) == [
         (f"{segments}:3", "segment_past_end"),
         (f"{segments}:4", "audio_command"),
         (f"{segments}:5", "transcript_missing"),
@@ -345,7 +350,7 @@ def test_the_cli_imports_a_source_and_prints_its_bad_rows(tmp_path, capsys):
         ["--source", f"nemo:{manifest}", "--output", str(tmp_path / "m.parquet"), "--no-progress"]
     )
     out = capsys.readouterr().out
-    assert code == 0 and f"BAD ROW {manifest}:3: not_json" in out
+    assert code == 0 and f"DROPPED {manifest}:3: not_json" in out
     assert pl.read_parquet(tmp_path / "m.parquet").height == 2
 
 
@@ -367,7 +372,7 @@ def test_a_manifest_read_in_many_batches_gives_the_same_rows_and_lines(tmp_path,
     monkeypatch.setattr(source_readers, "_CHUNK_BYTES", 400)  # a few lines per batch
     batched, batched_summary = build(tmp_path, f"nemo:{manifest}")
     assert batched.sort("segment_id").equals(whole.sort("segment_id")) and whole.height == 12
-    assert bad_rows(batched_summary) == bad_rows(summary) == [(f"{manifest}:8", "not_json")]
+    assert dropped_rows(batched_summary) == dropped_rows(summary) == [(f"{manifest}:8", "not_json")]
 
 
 def test_nemo_rows_with_an_offset_are_cut_out_of_their_file(tmp_path):
@@ -386,7 +391,7 @@ def test_nemo_rows_with_an_offset_are_cut_out_of_their_file(tmp_path):
         info = sf.info(row["audio_filepath"])
         assert info.format == "FLAC" and info.samplerate == 44100
         assert info.frames / info.samplerate == pytest.approx(row["duration"], abs=0.01)
-    assert bad_rows(summary) == [(f"{manifest}:3", "segment_past_end")]
+    assert dropped_rows(summary) == [(f"{manifest}:3", "segment_past_end")]
     # a rerun with one more segment cuts again instead of trusting the old marker
     rows.append({"audio_filepath": "long.wav", "offset": 0.0, "duration": 0.5, "text": "start"})
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -478,7 +483,7 @@ def test_kaldi_tables_separated_by_tabs_import_every_utterance(tmp_path):
             "".join(line.replace(" ", "\t", 1) + "\n" for line in path.read_text().splitlines())
         )
     master, summary = build(tmp_path, f"kaldi:{directory}")
-    assert master.height == 4 and not bad_rows(summary)
+    assert master.height == 4 and not dropped_rows(summary)
     assert master.get_column("speaker_id").null_count() == 0
 
 
@@ -491,7 +496,7 @@ def test_a_kaldi_line_that_is_not_utf8_is_a_bad_row_with_file_and_line(tmp_path)
     text.write_bytes(b"\n".join(lines) + b"\n")
     master, summary = build(tmp_path, f"kaldi:{directory}:lang=en")
     assert master.height == 1
-    assert bad_rows(summary) == [(f"{text}:2", "not_utf8")]
+    assert dropped_rows(summary) == [(f"{text}:2", "not_utf8")]
     assert f"kaldi/{key.decode()}" not in master.get_column("segment_id").to_list()
 
 
@@ -533,11 +538,11 @@ def test_a_negative_nemo_offset_is_a_bad_row_with_its_reason_and_line(tmp_path):
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
     master, summary = build(tmp_path, f"nemo:{manifest}:lang=en")
     assert master.get_column("text").to_list() == ["<|en|> kept"]
-    assert bad_rows(summary) == [
+    assert dropped_rows(summary) == [
         (f"{manifest}:2", "segment_invalid"),
         (f"{manifest}:3", "segment_invalid"),
     ]
-    details = [b["detail"] for b in summary["sources"][0]["bad_row_examples"]]
+    details = [b["detail"] for b in summary["sources"][0]["dropped_examples"]]
     assert "start -0.5 s" in details[0] and "'soon' is not a number" in details[1]
 
 
@@ -549,7 +554,7 @@ def test_a_kaldi_segment_starting_before_zero_is_a_bad_row(tmp_path):
         f.write("early too early\n")
     master, summary = build(tmp_path, f"kaldi:{directory}:lang=en")
     assert master.height == 2
-    assert bad_rows(summary) == [(f"{directory / 'segments'}:3", "segment_invalid")]
+    assert dropped_rows(summary) == [(f"{directory / 'segments'}:3", "segment_invalid")]
 
 
 # --- a source that gives nothing -------------------------------------------------------------
@@ -589,3 +594,86 @@ def test_an_hf_source_without_a_language_column_is_told_to_add_lang(tmp_path):
     assert summary["dropped"] == {"language_unknown": 3}
     printed = bm.format_summary(summary, tmp_path / "master.parquet")
     assert f"add :lang=xx to the source, e.g. --source 'hf:{hi}:name=hi,lang=xx'" in printed
+
+
+# --- the summary of what each source lost ----------------------------------------------------
+def run_build(tmp_path, *sources: str, **settings: str) -> tuple[str, dict]:
+    """build_manifest.py as a user runs it (config knobs as environment variables): its printed
+    summary and its summary JSON."""
+    output = tmp_path / "master.parquet"
+    args = [sys.executable, "build_manifest.py", "--no-progress", "--output", str(output)]
+    args += [arg for source in sources for arg in ("--source", source)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "IMPORTED_AUDIO_DIR": str(tmp_path / "imported"),
+        "LANGUAGES": "",
+        "MIN_DURATION": "0.1",
+        "MAX_DURATION": "30",
+        "MIN_QUALITY": "0",
+        **settings,
+    }
+    result = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout, json.loads(summary_path(output).read_text())
+
+
+def test_every_row_a_source_loses_is_counted_and_listed_with_its_file_and_line(tmp_path):
+    nemo_utts = byod.utterances(3)
+    for u in nemo_utts:
+        u["seconds"] = 1.3
+    manifest = byod.write_nemo_json(tmp_path / "nemo", nemo_utts)
+    lines = manifest.read_text().splitlines()
+    lines[2] = "{not json"
+    empty = json.loads(lines[4])
+    empty["text"] = "<noise> ..."
+    lines[4] = json.dumps(empty, ensure_ascii=False)
+    manifest.write_text("\n".join(lines) + "\n")
+    hf_utts = byod.utterances(5)  # the 1.0 s clips: data/train-00000 row 0, train-00001 row 2
+    folder = byod.write_hf_parquet(tmp_path / "hf", hf_utts, ids=[u["id"] for u in hf_utts])
+
+    out, summary = run_build(
+        tmp_path, f"nemo:{manifest}:name=cv", f"hf:{folder}:name=fl", MIN_DURATION="1.1"
+    )
+
+    cv, fl = summary["sources"]
+    first, second = (folder / f"train-0000{k}-of-00002.parquet" for k in (0, 1))
+    assert [(b["origin"], b["reason"]) for b in cv["dropped_examples"]] == [
+        (f"{manifest}:3", "not_json"),
+        (f"{manifest}:5", "empty_after_cleaning"),
+    ]
+    assert [(b["origin"], b["reason"]) for b in fl["dropped_examples"]] == [
+        (f"{first} row 0", "duration_too_short"),
+        (f"{second} row 2", "duration_too_short"),
+    ]
+    assert (cv["rows_read"], cv["rows_kept"], cv["rows_dropped"]) == (6, 4, 2)
+    assert (fl["rows_read"], fl["rows_kept"], fl["rows_dropped"]) == (10, 8, 2)
+    assert cv["dropped"] == {"empty_after_cleaning": 1, "not_json": 1}
+    assert summary["rows_in"] - summary["rows_out"] == sum(summary["dropped"].values()) == 4
+    assert "source cv: 6 rows read, 4 kept, 2 dropped" in out
+    assert f"DROPPED {manifest}:5: empty_after_cleaning (transcript '<noise> ...'" in out
+    assert f"DROPPED {second} row 2: duration_too_short (1.0 s, below MIN_DURATION=1.1 s)" in out
+
+
+def test_a_kaldi_row_a_filter_drops_is_listed_with_its_segments_line(tmp_path):
+    directory = byod.write_kaldi(tmp_path / "kaldi", byod.utterances(2))
+    out, summary = run_build(tmp_path, f"kaldi:{directory}", LANGUAGES="hi")
+    segments = directory / "segments"
+    (source,) = summary["sources"]
+    assert source["dropped"] == {"language_not_selected": 2}
+    assert [b["origin"] for b in source["dropped_examples"]] == [
+        f"{segments}:1",
+        f"{segments}:2",
+    ]
+    assert f"DROPPED {segments}:1: language_not_selected (language en is not in LANGUAGES)" in out
+
+
+def test_a_source_losing_many_rows_prints_a_few_of_each_reason_and_counts_the_rest(tmp_path):
+    utts = byod.utterances(10)
+    manifest = byod.write_nemo_json(tmp_path, utts)
+    out, summary = run_build(tmp_path, f"nemo:{manifest}", MIN_DURATION="1.5")
+    (source,) = summary["sources"]
+    short = sum(u["seconds"] < 1.5 for u in utts)
+    assert source["dropped"] == {"duration_too_short": short} and short > 3
+    assert out.count("DROPPED") == 3
+    assert f"... and {short - 3} more duration_too_short" in out
