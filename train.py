@@ -296,6 +296,9 @@ def run(argv: list[str] | None = None) -> int:
         process_control.die_with_parent()  # torchrun's agent: no rank outlives its launcher
     process_control.install_stop_handlers()
     ckpt_path = check_inputs()
+    if env["rank"] == 0:
+        for line in config.schedule_warnings():
+            log.warning(line)
     if steps_left(ckpt_path) == 0:
         if env["rank"] == 0:
             log.info(

@@ -692,11 +692,21 @@ def load_dataset(node: Node):
     return dataset if len(dataset) else None
 
 
+def check_schedule() -> Check:
+    """The training-schedule knobs train.py warns about (config.schedule_warnings), before the run."""
+    problems = config.schedule_warnings()
+    if not problems:
+        return Check(
+            "schedule", "ok", f"MAX_STEPS={config.MAX_STEPS}, UNFREEZE_STEP={config.UNFREEZE_STEP}"
+        )
+    return Check("schedule", "warn", "; ".join(problems))
+
+
 def run_checks(node: Node, args) -> list[Check]:
     """Every check of this rank, in report order (collectives in the same order on every rank)."""
     import asr_model
 
-    checks = [guarded("gpu", check_gpu, node)]
+    checks = [guarded("gpu", check_gpu, node), check_schedule()]
     try:
         node.model = asr_model.build_model()
     except Exception as exc:  # noqa: BLE001
