@@ -752,6 +752,7 @@ class PerLanguageWERCallback(_pl.Callback):
         self.indices = np.zeros(0, dtype=np.int64)
         self.references: dict[int, str] = {}
         self.last_results: dict[str, evaluation.ErrorCounts] = {}
+        self.excluded: dict[str, dict[str, tuple[int, list[str]]]] = {}
         self._seen_step = 0
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -782,7 +783,13 @@ class PerLanguageWERCallback(_pl.Callback):
             self.indices = np.arange(len(self.dataset))
         texts = evaluation.manifest_texts(self.dataset)
         self.references = {int(i): texts[int(i)] for i in self.indices}
+        self.excluded = evaluation.excluded_rows(self.dataset)
         if trainer.is_global_zero:
+            if self.excluded:
+                _log.warning(
+                    "validation leaves out rows it cannot score, per language: %s",
+                    evaluation.describe_excluded(self.excluded),
+                )
             for logger in trainer.loggers:
                 define_metric = getattr(getattr(logger, "experiment", None), "define_metric", None)
                 if callable(define_metric):
@@ -883,6 +890,7 @@ class PerLanguageWERCallback(_pl.Callback):
             "step": int(trainer.global_step),
             "loss": loss,
             "results": {lang: dataclasses.asdict(c) for lang, c in results.items()},
+            "excluded": evaluation.describe_excluded(self.excluded),
         }
         if trainer.is_global_zero:
             seconds = time.perf_counter() - started

@@ -259,3 +259,45 @@ def base_and_final_rates(base: dict | None, final: dict | None) -> dict[str, tup
             (bw, bc), (fw, fc) = rates(base["results"][lang]), rates(counts)
             out[lang] = (bw, fw, bc, fc)
     return out
+
+
+EXCLUSION_REASONS = {
+    "infeasible_tokens_gt_frames": "more tokens than encoder frames",
+    "bad_duration": "no valid duration",
+}
+
+
+def excluded_rows(dataset) -> dict[str, dict[str, tuple[int, list[str]]]]:
+    """{language: {reason: (rows, the first few segment_ids)}} of the manifest rows a
+    ``LocalShardDataset`` left out (it cannot score them: see ``EXCLUSION_REASONS``); {} for a
+    dataset that leaves none out. Ids come from the training cache's listed rows; a cache that
+    lists none gives counts alone."""
+    summary = getattr(dataset, "load_summary", None) or {}
+    counts = summary.get("dropped_by_lang") or {}
+    if not counts:
+        return {}
+    listed = summary.get("dropped_rows_by_lang") or {}
+    rows = sorted({r for by in listed.values() for rs in by.values() for r in rs})
+    ids: dict[int, str] = {}
+    if rows:
+        import pyarrow.parquet as pq
+
+        column = pq.read_table(dataset.manifest_path, columns=["segment_id"]).column(0)
+        ids = {r: str(column[r].as_py()) for r in rows if r < len(column)}
+    return {
+        lang: {
+            reason: (n, [ids.get(r, f"row {r}") for r in listed.get(lang, {}).get(reason, [])])
+            for reason, n in by_reason.items()
+        }
+        for lang, by_reason in sorted(counts.items())
+    }
+
+
+def describe_excluded(excluded: dict[str, dict[str, tuple[int, list[str]]]]) -> str:
+    """One line: per language, how many rows were left out, why, and the first ids."""
+    parts = []
+    for lang, by_reason in excluded.items():
+        for reason, (n, ids) in by_reason.items():
+            named = f": {', '.join(ids)}{', ...' if n > len(ids) else ''}" if ids else ""
+            parts.append(f"{lang} {n} ({EXCLUSION_REASONS.get(reason, reason)}{named})")
+    return "; ".join(parts)

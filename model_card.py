@@ -198,6 +198,11 @@ def render(record: dict[str, Any], model, nemo_name: str) -> str:
             + "):",
             "",
             *_evaluation_rows(evaluation["results"]),
+            *(
+                ["", f"Left out, not scored (rows per language): {evaluation['excluded']}"]
+                if evaluation.get("excluded")
+                else []
+            ),
             *_base_comparison_rows(record.get("base_evaluation"), evaluation),
         ]
     else:

@@ -84,6 +84,9 @@ log = logging.getLogger("training_cache")
 # Manifest columns the cache reads besides the audio's (``manifest_schema.audio_columns``); the
 # others (segment_id, source, scores) are never loaded.
 MANIFEST_COLUMNS = ("text", "duration", "lang", "shard_id")
+# Manifest rows listed per language and reason among those the cache drops (the summary's
+# ``dropped_rows_by_lang``), so the infeasible rows of a validation set can be named.
+DROPPED_ROWS_LISTED = 5
 # Bump when the cache's files or their meaning change, so old caches are not reused.
 CACHE_FORMAT = 1
 CACHE_SUFFIX = ".training-cache"
@@ -437,6 +440,7 @@ def _build_part(task: _Task) -> dict[str, Any]:
     part.mkdir(parents=True, exist_ok=True)
     tables: dict[str, dict[str, int]] = {"lang": {}, "shard": {}, "audio_dir": {}}
     counts: dict[str, dict[str, int]] = {}
+    dropped_rows: dict[str, dict[str, list[int]]] = {}
     files = {
         name: open(part / f"{name}.bin", "wb")
         for name in (*_FIXED_DTYPES, "token_ids", "member_lengths", "token_lengths")
@@ -491,6 +495,15 @@ def _build_part(task: _Task) -> dict[str, Any]:
                 for code in np.flatnonzero(per_lang):
                     by_reason = counts.setdefault(lang_names[code], {})
                     by_reason[reason] = by_reason.get(reason, 0) + int(per_lang[code])
+            for reason, mask in (
+                ("infeasible_tokens_gt_frames", infeasible),
+                ("bad_duration", bad_duration),
+            ):
+                for row in np.flatnonzero(mask):  # few: only the first of each are kept
+                    listed = dropped_rows.setdefault(lang_names[lang_code[row]], {})
+                    listed = listed.setdefault(reason, [])
+                    if len(listed) < DROPPED_ROWS_LISTED:
+                        listed.append(int(first_row + row))
             rows = np.flatnonzero(keep)
             take = pa.array(rows)
             dirs, members = audio_dirs_and_names(
@@ -532,6 +545,7 @@ def _build_part(task: _Task) -> dict[str, Any]:
     return {
         "tables": {name: list(table) for name, table in tables.items()},
         "counts": counts,
+        "dropped_rows": dropped_rows,
         "kept": kept_rows,
         "rows": first_row - task.first_row,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -573,6 +587,7 @@ class _Assembler:
         self.files = {name: open(out_dir / f"{name}.bin", "wb") for name in self.dtypes}
         self.tables: dict[str, dict[str, int]] = {name: {} for name in _CODE_COLUMNS}
         self.counts: dict[str, dict[str, int]] = {}
+        self.dropped_rows: dict[str, dict[str, list[int]]] = {}
         self.lengths = dict.fromkeys(self.dtypes, 0)
         self.member_end = 0
         self.token_end = 0
@@ -613,6 +628,10 @@ class _Assembler:
             mine = self.counts.setdefault(lang, {})
             for reason, n in by_reason.items():
                 mine[reason] = mine.get(reason, 0) + n
+        for lang, by_reason in result.get("dropped_rows", {}).items():
+            for reason, rows in by_reason.items():  # parts come in manifest order
+                listed = self.dropped_rows.setdefault(lang, {}).setdefault(reason, [])
+                listed.extend(rows[: DROPPED_ROWS_LISTED - len(listed)])
         shutil.rmtree(part_dir)
 
     def close(self) -> dict[str, dict]:
@@ -732,6 +751,7 @@ def build(
         summary = _summary(
             manifest_path, rows, assembler.counts, frame_seconds, max_token_len, tokenizer
         )
+        summary["dropped_rows_by_lang"] = assembler.dropped_rows
         summary.update(
             build_seconds=round(time.monotonic() - t0, 3),
             build_workers=workers,

@@ -22,8 +22,9 @@ The manifest is a parquet manifest of this pipeline, or a NeMo JSON manifest (on
 
 The CSV (default: ``<model stem>.<manifest stem>.wer.csv`` beside the model) has one row per language
 plus ``all``: lang, utterances, words, word_edits (= substitutions + deletions + insertions, also
-given), wer, chars, char_edits, cer, bad_audio. The table shows each kind of word edit per reference
-word (sub + del + ins = WER).
+given), wer, chars, char_edits, cer, bad_audio, excluded (rows of a parquet manifest left out unscored:
+more tokens than encoder frames, or no valid duration; the first ids are printed below the table).
+The table shows each kind of word edit per reference word (sub + del + ins = WER).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ CSV_COLUMNS = (
     "char_edits",
     "cer",
     "bad_audio",
+    "excluded",
 )
 
 
@@ -104,8 +106,9 @@ def evaluate(
     progress: bool = True,
     lang: str | None = None,
 ) -> tuple[dict, dict[str, int]]:
-    """(ErrorCounts per language + 'all', bad-audio count per language) of ``model`` on ``manifest``
-    (parquet, or NeMo JSON: see ``scoring_set``)."""
+    """(ErrorCounts per language + 'all', bad-audio count per language, the rows left out unscored:
+    ``evaluation.excluded_rows``) of ``model`` on ``manifest`` (parquet, or NeMo JSON: see
+    ``scoring_set``)."""
     import numpy as np
 
     import evaluation
@@ -138,10 +141,14 @@ def evaluate(
         [texts[i] for i in done], [hyps[i] for i in done], [langs[i] for i in done]
     )
     bad["all"] = sum(bad.values())
-    return results, bad
+    return results, bad, evaluation.excluded_rows(dataset)
 
 
-def result_rows(results: dict, bad: dict[str, int]) -> list[dict]:
+def result_rows(results: dict, bad: dict[str, int], excluded: dict | None = None) -> list[dict]:
+    left_out = {
+        lang: sum(n for n, _ in by_reason.values()) for lang, by_reason in (excluded or {}).items()
+    }
+    left_out["all"] = sum(left_out.values())
     return [
         {
             "lang": lang,
@@ -156,6 +163,7 @@ def result_rows(results: dict, bad: dict[str, int]) -> list[dict]:
             "char_edits": c.char_edits,
             "cer": round(c.cer, 6),
             "bad_audio": bad.get(lang, 0),
+            "excluded": left_out.get(lang, 0),
         }
         for lang, c in results.items()
     ]
@@ -164,7 +172,7 @@ def result_rows(results: dict, bad: dict[str, int]) -> list[dict]:
 def format_table(rows: list[dict]) -> str:
     lines = [
         f"{'lang':<8} {'utts':>7} {'words':>9} {'WER':>8} {'sub':>7} {'del':>7} {'ins':>7} "
-        f"{'CER':>8} {'bad':>5}"
+        f"{'CER':>8} {'bad':>5} {'excl':>5}"
     ]
     for r in rows:
         shares = [
@@ -174,7 +182,7 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             f"{r['lang']:<8} {r['utterances']:>7} {r['words']:>9} {r['wer']:>8.4f} "
             + " ".join(f"{v:>7.4f}" for v in shares)
-            + f" {r['cer']:>8.4f} {r['bad_audio']:>5}"
+            + f" {r['cer']:>8.4f} {r['bad_audio']:>5} {r.get('excluded', 0):>5}"
         )
     return "\n".join(lines)
 
@@ -252,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         model = asr_model.load_trained_model(model_path, device)
-        results, bad = evaluate(
+        results, bad, excluded = evaluate(
             model,
             manifest,
             per_lang=args.per_lang,
@@ -264,12 +272,16 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"evaluate: error: {exc}", file=sys.stderr)
         return 2
-    rows = result_rows(results, bad)
+    rows = result_rows(results, bad, excluded)
     write_csv(rows, out)
     print(
         f"{model_path} on {manifest} (greedy decoding, corpus-level rates, language tags stripped):"
     )
     print(format_table(rows))
+    if excluded:
+        from evaluation import describe_excluded
+
+        print(f"excluded, not scored (excl): {describe_excluded(excluded)}")
     print(f"wrote {out}")
     return 0
 

@@ -148,7 +148,7 @@ def validation_wer(model, manifest: Path, device: str) -> float:
     """The model's greedy WER over every utterance of ``manifest`` (the ``all`` row of evaluate.py)."""
     from scripts import evaluate
 
-    results, _ = evaluate.evaluate(model, manifest, device=device, progress=False)
+    results, _, _ = evaluate.evaluate(model, manifest, device=device, progress=False)
     return results["all"].wer
 
 

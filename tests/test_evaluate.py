@@ -770,3 +770,31 @@ def test_without_a_validation_manifest_the_average_is_exported_unscored_with_a_w
     assert export_nemo.main(["last", "--average", "3"]) == 0
     assert "the average is exported unscored" in capsys.readouterr().err
     assert (directory / "step_00000300.avg3.nemo").exists()
+
+
+def with_infeasible_rows(manifest: Path, out: Path, rows: list[int]) -> list[str]:
+    """A copy of ``manifest`` whose ``rows`` claim 0.05 s (one encoder frame: fewer frames than their
+    tokens), so they cannot be scored; their segment_ids."""
+    import polars as pl
+
+    frame = pl.read_parquet(manifest).with_row_index("i")
+    frame = frame.with_columns(
+        pl.when(pl.col("i").is_in(rows)).then(0.05).otherwise(pl.col("duration")).alias("duration")
+    ).drop("i")
+    frame.write_parquet(out)
+    return [frame.get_column("segment_id")[r] for r in rows]
+
+
+def test_rows_evaluate_cannot_score_are_counted_per_language_and_named(tiny, capsys):
+    manifest = tiny.root / "with-infeasible.parquet"
+    ids = with_infeasible_rows(tiny.manifest, manifest, [0, 1])
+    out = tiny.root / "with-infeasible.csv"
+    assert evaluate.main([str(tiny.nemo), "--manifest", str(manifest), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = {r["lang"]: r for r in read_csv(out)}
+    assert rows["hi"]["excluded"] == "2"  # rows 0 and 1 are Hindi
+    assert int(rows["all"]["excluded"]) == sum(
+        int(r["excluded"]) for k, r in rows.items() if k != "all"
+    )
+    assert "excl" in printed.splitlines()[1]
+    assert f"hi 2 (more tokens than encoder frames: {ids[0]}, {ids[1]})" in printed

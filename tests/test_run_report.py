@@ -3,6 +3,7 @@ ends, with no W&B account or network."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,11 +12,12 @@ import sys
 import time
 from pathlib import Path
 
+import polars as pl
 import pytest
 
 from scripts import run_report
 from tests.tiny_training_data import make_training_data, write_manifest
-from tests.torchrun_jobs import tiny_train_env, torchrun_command
+from tests.torchrun_jobs import signal_every_process, tiny_train_env, torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -123,6 +125,12 @@ def report_of(checkpoint_dir: Path, env: dict) -> subprocess.CompletedProcess:
 def test_a_two_process_run_is_reported_while_it_trains_and_after_it_ends(tmp_path):
     data = make_training_data(tmp_path, per_lang=12)
     val = write_manifest(tmp_path / "val", 3, seed=1, name="val_manifest.parquet")
+    # one validation row claims 0.05 s: fewer encoder frames than tokens, so it cannot be scored
+    rows = pl.read_parquet(val).with_row_index("i")
+    infeasible = rows.get_column("segment_id")[0]
+    rows.with_columns(
+        pl.when(pl.col("i") == 0).then(0.05).otherwise(pl.col("duration")).alias("duration")
+    ).drop("i").write_parquet(val)
     env = tiny_train_env(
         data,
         DATA_DIR=str(tmp_path),
@@ -153,16 +161,22 @@ def test_a_two_process_run_is_reported_while_it_trains_and_after_it_ends(tmp_pat
             time.sleep(0.1)
         assert metrics is not None, (tmp_path / "train.log").read_text()[-3000:]
         # Held mid-run (every process of the job paused), so the report reads a run that is going.
-        os.killpg(job.pid, signal.SIGSTOP)
+        held = signal_every_process(env, signal.SIGSTOP)
         try:
             during = report_of(checkpoint_dir, env)
         finally:
-            os.killpg(job.pid, signal.SIGCONT)
+            for pid in held:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
         assert job.wait(timeout=400) == 0, (tmp_path / "train.log").read_text()[-3000:]
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
     assert during.returncode == 0, during.stderr
+    log = (tmp_path / "train.log").read_text()
+    assert "validation leaves out rows it cannot score, per language: " in log
+    named = log.split("validation leaves out rows it cannot score, per language: ", 1)[1]
+    assert f"(more tokens than encoder frames: {infeasible}" in named.splitlines()[0]
     assert "(still going, or stopped early)" in during.stdout, during.stdout
     after = report_of(checkpoint_dir, env)
     assert after.returncode == 0, after.stderr
