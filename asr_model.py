@@ -52,6 +52,27 @@ class _DropMessages(logging.Filter):
         return not any(part in message for part in self.parts)
 
 
+class _SummarizeVocabulary(logging.Filter):
+    """NeMo's ``change_vocabulary`` logs every piece of the new vocabulary in one line (hundreds of
+    pieces at full size); it becomes their count and the first few."""
+
+    PREFIX, SUFFIX, SHOWN = "Changed decoder to output to [", "] vocabulary.", 8
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith(self.PREFIX) and message.endswith(self.SUFFIX):
+            import ast
+
+            try:
+                pieces = ast.literal_eval(message[len(self.PREFIX) - 1 : -len(self.SUFFIX) + 1])
+            except (ValueError, SyntaxError):
+                return True
+            shown = ", ".join(map(repr, pieces[: self.SHOWN]))
+            record.msg = f"Changed decoder to output to {len(pieces)} pieces ({shown}, ...)"
+            record.args = None
+        return True
+
+
 def quiet_harmless_messages() -> None:
     """Silence, each by its message, what NeMo and its telemetry print that does not apply here, so
     a run shows stages, progress, real warnings and results. Idempotent; called on import."""
@@ -66,6 +87,10 @@ def quiet_harmless_messages() -> None:
         # validation: two lines each time, by design.
         "CUDA graphs enabled for",
         "CUDA graphs disabled for",
+        # Validation is this app's (callbacks.PerLanguageWERCallback), not NeMo's validation_ds.
+        "If you intend to do validation, please call the ModelPT.setup_validation_data()",
+        # change_vocabulary registers the new tokenizer's files over the base's, as it should.
+        "You tried to register an artifact under config key=tokenizer.",
     )
     if not torch.cuda.is_available():
         # CUDA graphs for greedy decoding cannot apply without CUDA; on a GPU the note stays (it
@@ -74,8 +99,16 @@ def quiet_harmless_messages() -> None:
     nemo_logger = logging.getLogger("nemo_logger")
     if not any(isinstance(f, _DropMessages) for f in nemo_logger.filters):
         nemo_logger.addFilter(_DropMessages(harmless))
-    # NeMo's OneLogger telemetry is off in this app: its "no exporters" notes are not warnings.
-    logging.getLogger("nv_one_logger").setLevel(logging.ERROR)
+        nemo_logger.addFilter(_SummarizeVocabulary())
+    # NeMo's OneLogger telemetry is off in this app: its notes ("no exporters", "skipping ...
+    # because OneLogger is not enabled", on every rank) say nothing to a user. A level on the parent
+    # is not enough: once OneLogger is set up, its get_logger gives each module's logger a level of
+    # its own (INFO), which wins. So nothing of it propagates to the run's log at all.
+    one_logger = logging.getLogger("nv_one_logger")
+    one_logger.setLevel(logging.ERROR)
+    one_logger.propagate = False
+    if not one_logger.handlers:
+        one_logger.addHandler(logging.NullHandler())
     # NeMo's prediction network is a 1-layer LSTM built with its dropout argument; PyTorch warns
     # that the LSTM's inter-layer dropout then does nothing, while NeMo applies dropout itself.
     warnings.filterwarnings(

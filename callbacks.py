@@ -309,24 +309,40 @@ class OptimizerStepProgressBar(TQDMProgressBar):
     48/5000) | loss 1.2345 | lr 3.00e-04 | phase 1]``: the same unit as the checkpoint names, where a
     micro-batch counter would run GRAD_ACCUM times faster.
 
-    ``refresh_rate`` (micro-batches between updates) defaults to 1 on a terminal and to 100 when stdout
-    is a file (SLURM logs), where every update is a new line.
+    On a terminal the bar updates every ``refresh_rate`` micro-batches (default 1). When stdout is a
+    file or a pipe (SLURM logs, ``> train.log``) there is no bar, whose carriage returns and
+    redraws garble a log: every ``refresh_rate`` micro-batches (default 100) and at the last step,
+    rank 0 logs one plain line, ``step 12/32 (37%) | micro-batch 49 (...) | ... | 0.52 steps/s,
+    ETA 0:00:38``. Rates and the ETA count only the steps this process trained: a resumed run's
+    earlier steps took no time here.
     """
 
-    def __init__(self, refresh_rate: int | None = None, **kwargs: Any):
+    def __init__(self, refresh_rate: int | None = None, plain: bool | None = None, **kwargs: Any):
         import sys
 
+        self.plain = not sys.stdout.isatty() if plain is None else plain
         if refresh_rate is None:
-            refresh_rate = 1 if sys.stdout.isatty() else 100
+            refresh_rate = 100 if self.plain else 1
         super().__init__(refresh_rate=refresh_rate, **kwargs)
+        self._start_step = 0
+        self._start_time = time.monotonic()
 
     @property
     def train_description(self) -> str:
         return "step"
 
     def on_train_start(self, trainer, pl_module) -> None:
+        self._start_step = trainer.global_step
+        self._start_time = time.monotonic()
+        if self.plain:
+            from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+
+            self.train_progress_bar = Tqdm(disable=True)
+            return
         self.train_progress_bar = self.init_train_tqdm()
         self.train_progress_bar.reset(total=trainer.max_steps if trainer.max_steps > 0 else None)
+        # tqdm's rate is (n - initial) / elapsed: the resumed steps are not this process's work.
+        self.train_progress_bar.initial = trainer.global_step
         self._set_n(trainer.global_step)
 
     def on_train_epoch_start(self, trainer, *_: Any) -> None:
@@ -340,6 +356,21 @@ class OptimizerStepProgressBar(TQDMProgressBar):
         if not bar.disable:
             bar.n = n
             bar.refresh()
+
+    def rate_line(self, step: int, max_steps: int) -> str:
+        """``0.52 steps/s, ETA 0:00:38`` from the steps this process trained (empty before one)."""
+        import datetime
+
+        done = step - self._start_step
+        elapsed = time.monotonic() - self._start_time
+        if done <= 0 or elapsed <= 0:
+            return ""
+        rate = done / elapsed
+        text = f"{rate:.3g} steps/s"
+        if max_steps > 0:
+            eta = datetime.timedelta(seconds=round(max(0, max_steps - step) / rate))
+            text += f", ETA {eta}"
+        return text
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         progress = trainer.fit_loop.epoch_loop.batch_progress
@@ -361,18 +392,22 @@ class OptimizerStepProgressBar(TQDMProgressBar):
         if lr is None and trainer.optimizers:
             lr = float(trainer.optimizers[0].param_groups[0]["lr"])
         epoch_total = trainer.num_training_batches
-        self.train_progress_bar.set_postfix_str(
-            progress_postfix(
-                progress.total.processed,
-                trainer.current_epoch,
-                progress.current.processed,
-                int(epoch_total) if epoch_total and math.isfinite(epoch_total) else None,
-                loss,
-                lr,
-                getattr(pl_module, "phase", None),
-            ),
-            refresh=False,
+        postfix = progress_postfix(
+            progress.total.processed,
+            trainer.current_epoch,
+            progress.current.processed,
+            int(epoch_total) if epoch_total and math.isfinite(epoch_total) else None,
+            loss,
+            lr,
+            getattr(pl_module, "phase", None),
         )
+        if self.plain:
+            step, total = trainer.global_step, trainer.max_steps
+            head = f"step {step}/{total} ({step / total:.0%})" if total > 0 else f"step {step}"
+            rate = self.rate_line(step, total)
+            _log.info("%s | %s%s", head, postfix, f" | {rate}" if rate else "")
+            return
+        self.train_progress_bar.set_postfix_str(postfix, refresh=False)
         self._set_n(trainer.global_step)
 
 

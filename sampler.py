@@ -499,6 +499,16 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         cost = counts * max_dur * (1.0 + self.cost_quadratic * max_dur) + self.cost_joint * cells
         batch_bucket = np.searchsorted(bucket_starts, starts, side="right").astype(np.int16)
 
+        if len(cost) < self.world_size * self.grad_accum:
+            raise TooLittleData(
+                too_little_data_message(
+                    len(cost),
+                    self.world_size,
+                    self.grad_accum,
+                    self.epoch_size,
+                    self.max_batch_duration,
+                )
+            )
         steps, dropped = _deal(cost, self.world_size, self.grad_accum, self._rng(3, epoch))
         rank_batches = steps[:, self.rank].astype(np.int32)
         packing = _Packing(
@@ -1089,6 +1099,28 @@ def _cap_joint(durations, token_lengths, flat, starts, frame_seconds, cap):
 
 class TooLittleData(UserError, ValueError):
     """The data cannot fill one optimizer step on every rank; the message says what to change."""
+
+
+def too_little_data_message(
+    num_batches: int, world_size: int, grad_accum: int, epoch_size: int, max_batch_duration: float
+) -> str:
+    """What to change when an epoch of ``epoch_size`` utterances packs into fewer micro-batches
+    than one optimizer step takes on every rank, with values computed for each knob: the largest
+    GRAD_ACCUM that fits, the EPOCH_SIZE and MAX_BATCH_DURATION that give one step (batches grow
+    about linearly with utterances and shrink with the cap)."""
+    need = world_size * grad_accum
+    fixes = []
+    if num_batches >= world_size:
+        fixes.append(f"GRAD_ACCUM={num_batches // world_size}")
+    # A fifth more than the linear estimate: packing per duration bucket leaves partial batches.
+    fixes.append(f"EPOCH_SIZE={math.ceil(1.2 * epoch_size * need / max(num_batches, 1))}")
+    shrink = num_batches / need / 1.2
+    fixes.append(f"MAX_BATCH_DURATION={math.floor(max_batch_duration * shrink * 10) / 10:g}")
+    return (
+        f"an epoch of {epoch_size} utterances packs into {num_batches} micro-batches, fewer than "
+        f"the {need} of one optimizer step (world size {world_size} x GRAD_ACCUM={grad_accum}): "
+        f"set {' or '.join(fixes)}, or add data"
+    )
 
 
 def _deal(

@@ -109,6 +109,21 @@ def distributed_env() -> dict:
     }
 
 
+def single_process_hint(env: dict) -> str | None:
+    """The warning for ``python train.py`` (no torchrun) where several GPUs are visible: the run
+    would use one of them. None under torchrun, on CPU, or with one GPU."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or env["world_size"] > 1 or config.ACCELERATOR == "cpu":
+        return None
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        return None
+    return (
+        f"{gpus} GPUs are visible but train.py runs as one process on one of them: start it with "
+        f"torchrun --nproc_per_node {gpus} train.py to use them all (CUDA_VISIBLE_DEVICES=0 to "
+        "use one on purpose)"
+    )
+
+
 def build_callbacks() -> list[pl.Callback]:
     """The trainer's callbacks (callbacks.py), each given the knobs it uses. TrainingMetricsCallback
     comes after PerLanguageWERCallback so an evaluation's time counts in its step's time, not as
@@ -304,6 +319,10 @@ def run(argv: list[str] | None = None) -> int:
         process_control.die_with_parent()  # torchrun's agent: no rank outlives its launcher
     process_control.install_stop_handlers()
     ckpt_path = check_inputs()
+    if env["rank"] == 0:
+        hint = single_process_hint(env)
+        for line in ([hint] if hint else []) + config.schedule_warnings():
+            log.warning(line)
     if steps_left(ckpt_path) == 0:
         if env["rank"] == 0:
             log.info(

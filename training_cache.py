@@ -317,7 +317,7 @@ def _hash_file(path: Path, size: int, progress: bool) -> str:
             desc=f"hashing {path.name}",
             unit="B",
             unit_scale=True,
-            disable=not progress,
+            disable=None if progress else True,  # None: no bar where stderr is a log file
             leave=False,
         ) as bar,
     ):
@@ -714,7 +714,10 @@ def build(
             gc.unfreeze()
             results = pool.imap(_build_part, tasks)
         with tqdm(
-            total=rows, desc="building training cache", unit="utt", disable=not progress
+            total=rows,
+            desc="building training cache",
+            unit="utt",
+            disable=None if progress else True,  # None: no bar where stderr is a log file
         ) as bar:
             for task, result in zip(tasks, results):
                 assembler.add(Path(task.part_dir), result)

@@ -93,7 +93,7 @@ FINAL_NEMO="$DEMO_DIR/checkpoints/step_$(printf %08d "$MAX_STEPS").nemo"
 if [[ ! -e "$FINAL_NEMO" ]] && compgen -G "$DEMO_DIR/checkpoints/step_*.ckpt" >/dev/null; then
   export RESUME_FROM=last   # an interrupted demo run continues from its newest checkpoint
 fi
-stage train "$FINAL_NEMO" $PY -m torch.distributed.run --standalone --nproc_per_node 2 train.py
+stage train "$FINAL_NEMO" $PY scripts/launch.py --standalone --nproc_per_node 2 train.py
 stage evaluate "$DEMO_DIR/eval/wer_by_language.csv" \
   $PY scripts/evaluate.py "$FINAL_NEMO" --manifest "$DEMO_DIR/val_manifest_v2.parquet" \
   --out "$DEMO_DIR/eval/wer_by_language.csv"

@@ -803,6 +803,16 @@ def load_dataset(node: Node):
     return dataset if len(dataset) else None
 
 
+def check_schedule() -> Check:
+    """The training-schedule knobs train.py warns about (config.schedule_warnings), before the run."""
+    problems = config.schedule_warnings()
+    if not problems:
+        return Check(
+            "schedule", "ok", f"MAX_STEPS={config.MAX_STEPS}, UNFREEZE_STEP={config.UNFREEZE_STEP}"
+        )
+    return Check("schedule", "warn", "; ".join(problems))
+
+
 def run_checks(node: Node, args) -> list[Check]:
     """Every check of this rank, in report order.
 
@@ -812,7 +822,7 @@ def run_checks(node: Node, args) -> list[Check]:
     failure is its own line, which the merged report names by rank."""
     from collectives import rank_local
 
-    checks = [guarded("gpu", check_gpu, node), build_model(node)]
+    checks = [guarded("gpu", check_gpu, node), check_schedule(), build_model(node)]
     if node.model is None:
         checks += [
             Check(name, "skip", "no model (see the model line)")

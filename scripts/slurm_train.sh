@@ -207,7 +207,9 @@ set +e
 # USR1 (forwarded by srun from the batch step) and SIGTERM (scancel, preemption) reach torchrun, which
 # passes them on to every rank and waits PREEMPT_SAVE_SECONDS for them: the ranks finish their current
 # optimizer step, save it as a step checkpoint and exit with code 75 (see docs/operations.md, "Checkpoints and resume").
-"$PY" -m torch.distributed.run \
+# scripts/launch.py is torchrun with the same arguments, whose deliberate ends (a user error, a saved
+# stop) finish on the run's own line instead of torchrun's traceback; a crash keeps the traceback.
+"$PY" "$REPO_DIR/scripts/launch.py" \
     --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
     --shutdown-timeout="${PREEMPT_SAVE_SECONDS:-240}" \
     --nnodes="$NNODES" \

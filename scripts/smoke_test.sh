@@ -29,6 +29,21 @@ export EVAL_EVERY_STEPS=4 EVAL_SAMPLES_PER_LANG=${EVAL_SAMPLES_PER_LANG:-20} CHE
 metrics="$WANDB_LOG_DIR/smoke/metrics.jsonl"
 say() { echo "[smoke] $*"; }
 fail() { say "FAILED: $*"; say "logs: $SMOKE_DIR"; exit 1; }
+# Interrupted (Ctrl-C, kill, a job's time limit): stop the train.py it started and wait for it, so
+# no run outlives the script. train.py runs in the background and is waited for, since bash runs a
+# trap only after a foreground child ends.
+pid=
+stop() {
+    trap - INT TERM
+    if [[ -n "$pid" ]]; then
+        kill -TERM "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+    fi
+    say "interrupted: stopped train.py; logs: $SMOKE_DIR"
+    exit "$1"
+}
+trap 'stop 130' INT
+trap 'stop 143' TERM
 
 say "training in $SMOKE_DIR (log: train.log); SIGTERM once step 10 is logged"
 RESUME_FROM= "$PY" train.py >"$SMOKE_DIR/train.log" 2>&1 &
@@ -40,6 +55,7 @@ $(tail -20 "$SMOKE_DIR/train.log")"; }
 done
 kill -TERM "$pid"
 set +e; wait "$pid"; rc=$?; set -e
+pid=
 [[ $rc == 75 ]] || fail "after SIGTERM train.py exited with $rc, not 75 (tail of train.log):
 $(tail -20 "$SMOKE_DIR/train.log")"
 saved=$(ls "$CHECKPOINT_DIR"/step_*.ckpt | tail -1)
@@ -49,8 +65,11 @@ grep -q "step 4: validation on" "$SMOKE_DIR/train.log" || fail "no validation at
 say "$(grep -m1 -o 'step 4: validation on.*' "$SMOKE_DIR/train.log")"
 
 say "resuming to step 50 (log: resume.log)"
-RESUME_FROM=last "$PY" train.py >"$SMOKE_DIR/resume.log" 2>&1 || fail "the resume failed (tail of resume.log):
+RESUME_FROM=last "$PY" train.py >"$SMOKE_DIR/resume.log" 2>&1 &
+pid=$!
+wait "$pid" || fail "the resume failed (tail of resume.log):
 $(tail -20 "$SMOKE_DIR/resume.log")"
+pid=
 [[ -f "$CHECKPOINT_DIR/step_00000050.nemo" ]] || fail "no step_00000050.nemo after the resume"
 "$PY" - "$metrics" <<'PY'
 import json, sys

@@ -585,7 +585,10 @@ def train_tokenizer(
             sentence_file = work / "sentences.txt"
             with open(sentence_file, "w", encoding="utf-8") as f:
                 for start in tqdm(
-                    range(0, len(chosen), 100_000), desc="writing sampled sentences", unit="100k"
+                    range(0, len(chosen), 100_000),
+                    desc="writing sampled sentences",
+                    unit="100k",
+                    disable=None,  # no bar in a log file, where its redraws are garbage
                 ):
                     f.write("\n".join(rests[chosen[start : start + 100_000]].tolist()))
                     f.write("\n")

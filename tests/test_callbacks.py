@@ -695,12 +695,32 @@ def test_bad_audio_counts_accumulate_across_steps(tmp_path):
 
 
 def test_progress_bar_counts_optimizer_steps_of_max_steps_then_micro_batches(tmp_path, capsys):
-    bar = callbacks.OptimizerStepProgressBar(refresh_rate=1)
+    bar = callbacks.OptimizerStepProgressBar(refresh_rate=1, plain=False)
     fit(tmp_path, max_steps=4, extra=[callbacks.TrainingMetricsCallback(), bar], progress=True)
     assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (4, 4)
     out = capsys.readouterr().out
     assert "step: 100%" in out and "4/4" in out
     assert f"micro-batch {4 * GRAD_ACCUM} (epoch" in out and "| lr 2.50e-03 | phase 1" in out
+
+
+def test_without_a_terminal_progress_is_plain_log_lines(tmp_path, capsys, caplog):
+    bar = callbacks.OptimizerStepProgressBar(refresh_rate=2, plain=True)
+    with caplog.at_level("INFO", logger="callbacks"):
+        fit(tmp_path, max_steps=4, extra=[callbacks.TrainingMetricsCallback(), bar], progress=True)
+    out = capsys.readouterr()
+    assert "\r" not in out.out + out.err and "\x1b" not in out.out + out.err
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert lines[-1].startswith("step 4/4 (100%) | micro-batch"), lines
+    assert "steps/s, ETA 0:00:00" in lines[-1], lines
+
+
+def test_the_rate_counts_only_the_steps_this_process_trained(monkeypatch):
+    bar = callbacks.OptimizerStepProgressBar(plain=True)
+    clock = iter([100.0, 110.0])
+    monkeypatch.setattr(callbacks.time, "monotonic", lambda: next(clock))
+    bar._start_step, bar._start_time = 5000, 100.0  # what on_train_start records on a resume
+    assert bar.rate_line(5000, 6000) == ""
+    assert bar.rate_line(5005, 6000) == "0.5 steps/s, ETA 0:33:10"
 
 
 def test_a_resumed_job_continues_the_run_it_resumes(tmp_path, monkeypatch):

@@ -349,3 +349,46 @@ def test_default_workers_share_the_nodes_cores_among_its_ranks(
     knobs = config.read_config({"LOCAL_WORLD_SIZE": str(local_ranks)})
     assert knobs["NUM_WORKERS"].value == workers and knobs["NUM_WORKERS"].source == "derived"
     assert config.read_config({"NUM_WORKERS": "6"})["NUM_WORKERS"].value == 6
+
+
+def schedule(monkeypatch, **values):
+    for name, value in values.items():
+        monkeypatch.setattr(config, name, value)
+    return config.schedule_warnings()
+
+
+def test_a_schedule_that_fits_the_run_has_no_warning(monkeypatch):
+    assert (
+        schedule(monkeypatch, MAX_STEPS=1000, UNFREEZE_STEP=400, WARMUP_STEPS=40, PHASE2_WARMUP=60)
+        == []
+    )
+
+
+def test_a_warmup_longer_than_phase_1_names_both_knobs_and_a_warmup_that_fits(monkeypatch):
+    # UNFREEZE_STEP=0: there is no phase 1, so its warmup never runs
+    assert (
+        schedule(monkeypatch, MAX_STEPS=3, UNFREEZE_STEP=0, WARMUP_STEPS=5000, PHASE2_WARMUP=1)
+        == []
+    )
+    lines = schedule(monkeypatch, MAX_STEPS=300, UNFREEZE_STEP=100, WARMUP_STEPS=5000)
+    assert len(lines) == 1
+    assert lines[0].startswith("WARMUP_STEPS=5000 is longer than phase 1 (100 optimizer steps")
+    assert lines[0].endswith("set WARMUP_STEPS=10 (a tenth of phase 1)")
+
+
+def test_a_phase_2_warmup_longer_than_phase_2_names_a_warmup_that_fits(monkeypatch):
+    (line,) = schedule(
+        monkeypatch, MAX_STEPS=150, UNFREEZE_STEP=100, WARMUP_STEPS=10, PHASE2_WARMUP=3000
+    )
+    assert line.startswith("PHASE2_WARMUP=3000 is longer than phase 2 (50 optimizer steps")
+    assert line.endswith("set PHASE2_WARMUP=5 (a tenth of phase 2)")
+
+
+def test_an_encoder_never_unfrozen_is_said_with_a_step_that_unfreezes_it(monkeypatch):
+    lines = schedule(monkeypatch, MAX_STEPS=3, UNFREEZE_STEP=40000, WARMUP_STEPS=5000)
+    assert any(line.startswith("WARMUP_STEPS=5000 is longer than phase 1 (3 ") for line in lines)
+    assert any(
+        line.startswith("UNFREEZE_STEP=40000 >= MAX_STEPS=3: the encoder stays frozen")
+        and "set UNFREEZE_STEP=1" in line
+        for line in lines
+    )

@@ -289,3 +289,45 @@ def test_train_py_asks_for_expandable_cuda_segments_unless_set():
         [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True
     )
     assert out.stdout.strip() == "max_split_size_mb:512"
+
+
+def test_plain_python_train_py_with_several_gpus_visible_warns_to_use_torchrun(monkeypatch):
+    import train
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(config, "ACCELERATOR", "auto")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    one_process = {"world_size": 1}
+    assert train.single_process_hint(one_process).startswith(
+        "8 GPUs are visible but train.py runs as one process on one of them: start it with "
+        "torchrun --nproc_per_node 8 train.py"
+    )
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert train.single_process_hint(one_process) is None
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert train.single_process_hint(one_process) is None
+
+
+def test_smoke_test_interrupted_leaves_no_process_behind(tmp_path):
+    import signal
+
+    from tests.torchrun_jobs import job_processes
+
+    data = make_training_data(tmp_path, per_lang=8, vocab_size=64)
+    env = tiny_train_env(data, DATA_DIR=str(tmp_path / "data"), SMOKE_DIR=str(tmp_path / "smoke"))
+    env.pop("NUM_WORKERS")
+    script = subprocess.Popen(
+        ["bash", "scripts/smoke_test.sh"], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while len(job_processes(env)) < 2 and time.monotonic() < deadline:  # the script and train.py
+        time.sleep(0.5)
+    assert len(job_processes(env)) >= 2, "train.py did not start"
+    script.send_signal(signal.SIGTERM)
+    out, _ = script.communicate(timeout=120)
+    deadline = time.monotonic() + 30
+    while job_processes(env) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert job_processes(env) == [], out
+    assert script.returncode == 143 and "interrupted: stopped train.py" in out, out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import lightning.pytorch as pl
@@ -372,10 +373,53 @@ def test_harmless_nemo_messages_are_dropped_by_their_text_and_the_rest_kept():
     )
     assert not passes("Using RNNT Loss : tdt")
     assert passes("Could not load the tokenizer from /data/tok")  # a real problem stays
-    assert logging.getLogger("nv_one_logger.api.config").getEffectiveLevel() == logging.ERROR
+    for harmless in (
+        "If you intend to do validation, please call the ModelPT.setup_validation_data() or ...",
+        "You tried to register an artifact under config key=tokenizer.model_path but an artifact",
+    ):
+        assert not passes(harmless)
     with warnings.catch_warnings(record=True) as caught:
         torch.nn.LSTM(4, 4, num_layers=1, dropout=0.2)
     assert not [w for w in caught if "dropout option" in str(w.message)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.warn("a warning nobody silenced", UserWarning)
     assert caught
+
+
+def test_one_logger_notes_reach_no_log_even_from_a_module_logger_with_its_own_level():
+    import asr_model
+
+    asr_model.quiet_harmless_messages()
+    # What nv_one_logger's get_logger does once OneLogger is set up: a level on the module's logger.
+    module_logger = logging.getLogger("nv_one_logger.core.internal.safe_execution")
+    module_logger.setLevel(logging.INFO)
+    seen = []
+    run_log = logging.Handler()  # what train.py's logging.basicConfig puts on the root logger
+    run_log.emit = seen.append
+    logging.getLogger().addHandler(run_log)
+    try:
+        module_logger.warning(
+            "Skipping execution of on_app_start because OneLogger is not enabled."
+        )
+    finally:
+        logging.getLogger().removeHandler(run_log)
+    assert seen == []
+
+
+def test_nemos_vocabulary_dump_becomes_its_count_and_first_pieces():
+    import asr_model
+
+    pieces = ["<unk>", "<|en|>"] + [f"p{i}" for i in range(300)]
+    record = logging.LogRecord(
+        "nemo_logger",
+        logging.INFO,
+        __file__,
+        1,
+        f"Changed decoder to output to {pieces} vocabulary.",
+        None,
+        None,
+    )
+    assert asr_model._SummarizeVocabulary().filter(record)
+    assert record.getMessage() == (
+        "Changed decoder to output to 302 pieces ('<unk>', '<|en|>', 'p0', 'p1', 'p2', 'p3', 'p4', 'p5', ...)"
+    )

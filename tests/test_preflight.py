@@ -72,6 +72,7 @@ def test_a_cpu_node_with_its_data_in_place_passes_and_says_what_it_skipped(corpu
     assert code == 0, out[-3000:]
     assert {name: verdict(line) for name, line in lines.items()} == {
         "gpu": "skip",
+        "schedule": "ok",
         "model": "ok",
         "tdt-loss": "skip",
         "caches": "ok",
@@ -257,3 +258,11 @@ def test_gpus_torch_cannot_use_fail_and_a_cpu_run_skips_the_gpu_check(monkeypatc
     monkeypatch.setattr(config, "ACCELERATOR", "gpu")
     check = preflight.check_gpu(node)
     assert check.verdict == "fail" and "no GPU" in check.advice, check.line()
+
+
+def test_a_warmup_longer_than_the_run_warns_in_the_schedule_check(monkeypatch):
+    monkeypatch.setattr(config, "WARMUP_STEPS", 5000)
+    monkeypatch.setattr(config, "MAX_STEPS", 3)
+    check = preflight.check_schedule()
+    assert check.verdict == "warn"
+    assert "WARMUP_STEPS=5000 is longer than phase 1 (3 optimizer steps" in check.figure

@@ -895,3 +895,20 @@ def test_a_state_from_before_the_joint_cap_continues_exactly_under_the_settings_
     )
     resumed.load_state_dict(state)
     assert list(resumed) == plan[30:]
+
+
+def test_too_little_data_names_values_of_each_knob_that_give_one_optimizer_step():
+    import re
+
+    durations, languages = corpus({"hi": 30, "en": 30})
+    settings = dict(world_size=8, rank=0, grad_accum=4, max_batch_duration=60.0)
+    with pytest.raises(sampler_module.TooLittleData) as caught:
+        list(make(durations, languages, **settings))
+    message = str(caught.value)
+    assert "\n" not in message and "world size 8 x GRAD_ACCUM=4" in message, message
+    fixes = dict(re.findall(r"([A-Z_]+)=([\d.]+)", message.split(": set ", 1)[1]))
+    assert set(fixes) == {"GRAD_ACCUM", "EPOCH_SIZE", "MAX_BATCH_DURATION"}, message
+    for knob, value in fixes.items():
+        field = knob.lower()
+        fixed = make(durations, languages, **{**settings, field: type(BASE[field])(float(value))})
+        assert len(list(fixed)) >= fixed.grad_accum, f"{knob}={value} still too little: {message}"

@@ -1,0 +1,100 @@
+"""torchrun, ending on one line where the run ended cleanly: a user error or a saved stop.
+
+Usage (the arguments are torchrun's, unchanged):
+    python scripts/launch.py --nproc_per_node 8 train.py
+    python scripts/launch.py --nproc_per_node 8 scripts/preflight.py
+
+torchrun prints a Python traceback and a failure summary of about 25 lines whenever a rank exits
+non-zero (``ChildFailedError``) or torchrun itself receives a signal (``SignalException``), even
+when train.py ended on purpose: a setting it refused (one ``error: ...`` line, exit 2) or a stop
+signal after which every rank saved its step (exit 75). Here, in those two cases, the last line is
+the run's own: ``error: <what is wrong and what to do>``, or ``stopped: ...``, with the same exit
+status. Anything else (a crash, a rank killed, an exit status the project does not use) keeps
+torchrun's whole summary and traceback, so a real failure is never hidden.
+
+After a stop signal (SIGINT, SIGTERM, SIGUSR1) torchrun passes it to every rank and waits
+``--shutdown-timeout`` seconds for them; each rank saves its step and exits 75, saying so in its own
+lines. The exit status here is then 75.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from process_control import PREEMPTED_EXIT_CODE, STOP_SIGNALS, USER_ERROR_EXIT_CODE
+
+CLEAN_EXITS = (USER_ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE)
+
+
+def clean_exit(failures: dict) -> int | None:
+    """The exit status a group of failed ranks (``ChildFailedError.failures``: rank -> ProcessFailure)
+    ended with when that end was deliberate, else None. Deliberate: the first failure (torchrun's
+    root cause) exited 2 or 75, and every other rank did too or was stopped by torchrun with SIGTERM
+    after it."""
+    if not failures:
+        return None
+    first = min(failures.values(), key=lambda f: (f.timestamp, f.local_rank))
+    if first.exitcode not in CLEAN_EXITS:
+        return None
+    others_ok = all(
+        f.exitcode in CLEAN_EXITS or f.exitcode == -signal.SIGTERM for f in failures.values()
+    )
+    return first.exitcode if others_ok else None
+
+
+def error_line(failures: dict) -> str:
+    """``error: <message>`` of the root cause, as the rank printed it (its recorded message without
+    the exception's class name), or a line naming the ranks when none was recorded."""
+    first = min(failures.values(), key=lambda f: (f.timestamp, f.local_rank))
+    message = first.message
+    if isinstance(message, dict):  # the error file's form (process_control records it so)
+        message = message.get("message")
+    if isinstance(message, str) and message and not message.startswith("To enable traceback"):
+        head, sep, rest = message.partition(": ")
+        return f"error: {rest if sep and head.isidentifier() else message}"
+    return f"error: rank {first.local_rank} exited {first.exitcode} (its error line is above)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    parser = get_args_parser()
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    args = parser.parse_args(argv)
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        code = clean_exit(exc.failures)
+        if code is None:
+            raise  # a real failure: torchrun's whole summary
+        sys.stdout.flush()
+        if code == USER_ERROR_EXIT_CODE:
+            print(error_line(exc.failures), file=sys.stderr)
+        else:
+            print(
+                f"stopped: every rank saved its step and exited {code}; RESUME_FROM=last continues "
+                f"the run",
+                file=sys.stderr,
+            )
+        return code
+    except SignalException as exc:
+        if exc.sigval not in STOP_SIGNALS:
+            raise
+        sys.stdout.flush()
+        print(
+            f"stopped by {exc.sigval.name}: every rank was told to save its step and exit "
+            f"{PREEMPTED_EXIT_CODE} (their lines above say whether they did); RESUME_FROM=last "
+            f"continues the run",
+            file=sys.stderr,
+        )
+        return PREEMPTED_EXIT_CODE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

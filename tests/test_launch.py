@@ -1,0 +1,113 @@
+"""scripts/launch.py: torchrun whose deliberate ends (a user error, a saved stop) finish on the run's own
+line and exit status, while a crash keeps torchrun's whole summary."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from scripts import launch
+from tests.tiny_training_data import make_training_data
+from tests.torchrun_jobs import free_port, tiny_train_env
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def launch_command(script: Path) -> list[str]:
+    return [
+        sys.executable,
+        str(REPO / "scripts" / "launch.py"),
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(script),
+    ]
+
+
+def failure(rank: int, exitcode: int, timestamp: int, message="") -> SimpleNamespace:
+    return SimpleNamespace(local_rank=rank, exitcode=exitcode, timestamp=timestamp, message=message)
+
+
+def test_only_a_user_error_or_a_saved_stop_with_ranks_stopped_after_it_counts_as_clean():
+    assert launch.clean_exit({0: failure(0, 2, 5), 1: failure(1, -signal.SIGTERM, 6)}) == 2
+    assert launch.clean_exit({0: failure(0, 75, 5), 1: failure(1, 75, 5)}) == 75
+    assert launch.clean_exit({0: failure(0, 1, 5), 1: failure(1, -signal.SIGTERM, 6)}) is None
+    assert launch.clean_exit({0: failure(0, 2, 5), 1: failure(1, -signal.SIGKILL, 6)}) is None
+    assert launch.clean_exit({0: failure(0, -signal.SIGSEGV, 4), 1: failure(1, 2, 5)}) is None
+
+
+def test_the_error_line_is_the_root_causes_message_as_the_rank_printed_it():
+    recorded = {"message": "TooLittleData: raise EPOCH_SIZE", "extraInfo": {}}
+    assert launch.error_line({1: failure(1, 2, 9), 0: failure(0, 2, 5, recorded)}) == (
+        "error: raise EPOCH_SIZE"
+    )
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_training_data(tmp_path_factory.mktemp("launch"), per_lang=4)
+
+
+def test_a_user_error_under_torchrun_ends_on_its_one_line_and_exit_2(data, tmp_path):
+    # GRAD_ACCUM 4 x 2 ranks on an epoch of one batch: train.py refuses it on every rank
+    env = tiny_train_env(data, DATA_DIR=str(tmp_path), GRAD_ACCUM="4", MAX_BATCH_DURATION="90")
+    result = subprocess.run(
+        launch_command(REPO / "train.py"), env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the epoch packs into only "), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+
+
+def test_a_crash_keeps_torchruns_summary_and_traceback(tmp_path):
+    crash = tmp_path / "crash.py"
+    crash.write_text("raise RuntimeError('a real bug')\n")
+    result = subprocess.run(
+        launch_command(crash), capture_output=True, text=True, timeout=120, env=dict(os.environ)
+    )
+    assert result.returncode == 1
+    assert "ChildFailedError" in result.stderr and "a real bug" in result.stderr
+
+
+def test_ctrl_c_ends_on_one_stopped_line_and_exit_75_after_the_ranks_saved(data, tmp_path):
+    env = tiny_train_env(
+        data, DATA_DIR=str(tmp_path), MAX_STEPS="100000", GRAD_ACCUM="1", CHECKPOINT_EVERY="5"
+    )
+    log = tmp_path / "launch.log"
+    with open(log, "w") as out:
+        job = subprocess.Popen(
+            launch_command(REPO / "train.py"),
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 240
+        checkpoints = tmp_path / "checkpoints"
+        while not list(checkpoints.glob("step_*.ckpt")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert list(checkpoints.glob("step_*.ckpt")), log.read_text()[-3000:]  # training runs
+        os.killpg(job.pid, signal.SIGINT)  # a terminal's Ctrl-C: every process of the group
+        assert job.wait(timeout=180) == 75
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert (
+        text.strip().splitlines()[-1].startswith("stopped by SIGINT: every rank was told to save")
+    )
+    assert "Traceback" not in text and "SignalException" not in text
+    assert "stop signal: saved" in text  # the ranks saved the step they were in
