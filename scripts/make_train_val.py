@@ -475,8 +475,9 @@ def split_by_groups(
         raise SplitError(
             f"no validation rows for {', '.join(empty_val)} "
             f"({_why_no_validation(kept, empty_val, lang_rows, smallest, quota)}); the split would "
-            f"score nothing there. Lower --val-per-lang / VAL_MAX_FRACTION, add data, or pass "
-            f"--allow-short-val"
+            f"score nothing there. Validation takes whole speaker groups: raise --val-per-lang to at "
+            f"least {max(smallest[lang] for lang in empty_val)} (the smallest such group; "
+            f"--max-val-fraction must allow it too), add speakers, or pass --allow-short-val"
         )
     assert val.join(train, on="group", how="semi").is_empty(), "a group is in both splits"
     assert val.join(train, on="segment_id", how="semi").is_empty(), "a segment_id is in both splits"

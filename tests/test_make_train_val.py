@@ -430,6 +430,17 @@ def test_a_language_with_one_speaker_gets_no_validation_and_that_is_an_error(tmp
     assert summary["val_by_lang"] == {"hi": 2} and summary["val_shortfall"] == {"ta": 2}
 
 
+def test_a_quota_below_the_smallest_speaker_says_how_far_to_raise_it_and_that_value_works(
+    tmp_path,
+):
+    rows = [row(f"t{k}", f"வணக்கம் {k}", "ta", speaker=f"ta{k % 3}") for k in range(9)]
+    rows += [row(f"h{k}", f"नमस्ते {k}", "hi", speaker=f"s{k}") for k in range(10)]
+    with pytest.raises(mtv.SplitError, match=r"raise --val-per-lang to at least 3 \(the smallest"):
+        run(tmp_path, rows, val_per_lang=2, allow_short_val=False)
+    _, val, summary = run(tmp_path, rows, val_per_lang=3, allow_short_val=False)
+    assert summary["val_by_lang"]["ta"] == 3
+
+
 def test_speakers_recorded_in_two_languages_still_give_each_language_validation(tmp_path):
     # every ur speaker also speaks English: 2 ur rows beside 20, 8, 5, ... en rows. A speaker group
     # goes whole to one side and en may take only 3, so no ur speaker fits every quota at once:
