@@ -494,6 +494,14 @@ def run_identity(
     return identity
 
 
+def record_log_dir(log_dir: Path, checkpoint_dir: Path | None = None) -> None:
+    """Note in run.json the directory the run's metrics.jsonl is in (``log_dir``)."""
+    data = read_run_record(checkpoint_dir)
+    if data.get("log_dir") != str(Path(log_dir).resolve()):
+        data["log_dir"] = str(Path(log_dir).resolve())
+        _write_run_record(data, checkpoint_dir)
+
+
 def run_files(checkpoint_dir: Path | None = None) -> list[Path]:
     """What a run leaves in CHECKPOINT_DIR under names another run would reuse: its step
     checkpoints and step_*.nemo exports, oldest checkpoint first."""

@@ -273,6 +273,43 @@ def run_directory(run_name: str | None = None, log_dir: Path | None = None) -> P
     return log_dir / name
 
 
+RUN_ID_FILE = "wandb_id"
+
+
+def own_run_directory(run_dir: Path, run_id: str, resuming: bool) -> Path:
+    """``run_dir``, unless another run logs there: then ``<run_dir>-<run_id>``, with a warning.
+
+    A run directory names its W&B run id in ``wandb_id`` (written by global rank 0 at its first
+    job). A directory naming another id, or one holding metrics.jsonl without an id that this job
+    does not resume, belongs to another run of the same name (WANDB_RUN_NAME reused in another
+    CHECKPOINT_DIR): writing there would append this run's steps to that run's metrics.jsonl and
+    overwrite its hparams.json. The directory chosen is recorded in run.json (``log_dir``), where
+    scripts/run_report.py finds it."""
+    marker = run_dir / RUN_ID_FILE
+    try:
+        owner = marker.read_text(encoding="utf-8").strip()
+    except OSError:
+        owner = None
+    theirs = (owner is not None and owner != run_id) or (
+        owner is None and not resuming and (run_dir / "metrics.jsonl").exists()
+    )
+    chosen = run_dir.with_name(f"{run_dir.name}-{run_id}") if theirs else run_dir
+    if int(os.environ.get("RANK", "0")) == 0:
+        if theirs:
+            log.warning(
+                "%s holds another run's metrics (W&B id %s): this run (id %s) logs to %s instead",
+                run_dir,
+                owner or "not recorded",
+                run_id,
+                chosen,
+            )
+        chosen.mkdir(parents=True, exist_ok=True)
+        if not (chosen / RUN_ID_FILE).exists():
+            (chosen / RUN_ID_FILE).write_text(run_id + "\n", encoding="utf-8")
+        checkpoints.record_log_dir(chosen)
+    return chosen
+
+
 def build_loggers(run_dir: Path | None = None, resume_path: str | None = None) -> list[Logger]:
     """[ResilientWandbLogger (unless WANDB_MODE resolves to disabled), JsonlMetricsLogger] for one run.
 
@@ -283,7 +320,7 @@ def build_loggers(run_dir: Path | None = None, resume_path: str | None = None) -
     """
     resuming = resume_path is not None
     name, run_id = checkpoints.run_identity(resuming, resume_path=resume_path)
-    run_dir = Path(run_dir or run_directory(name))
+    run_dir = Path(run_dir or own_run_directory(run_directory(name), run_id, resuming))
     loggers: list[Logger] = []
     mode = config.wandb_mode()
     if mode != "disabled":

@@ -92,13 +92,15 @@ def read_metrics(run_dir: Path) -> RunMetrics:
 
 def find_run_dir(target: Path | None) -> Path:
     """The run directory that ``target`` names: a directory holding metrics.jsonl, or a
-    CHECKPOINT_DIR whose run.json names the run (under WANDB_LOG_DIR); default CHECKPOINT_DIR."""
+    CHECKPOINT_DIR whose run.json names the run's log directory (or its name, under WANDB_LOG_DIR);
+    default CHECKPOINT_DIR."""
     target = Path(target or config.CHECKPOINT_DIR)
     if (target / "metrics.jsonl").is_file():
         return target
-    name = read_run_record(target).get("name")
+    record = read_run_record(target)
+    name = record.get("name")
     if name:
-        run_dir = run_directory(name)
+        run_dir = Path(record.get("log_dir") or run_directory(name))
         if (run_dir / "metrics.jsonl").is_file():
             return run_dir
         raise SystemExit(

@@ -155,3 +155,25 @@ def test_with_every_checkpoint_unreadable_resume_from_empty_starts_fresh_as_the_
     assert steps(directory) == [1]
     (aside,) = directory.glob("unreadable_*")
     assert steps(aside) == [1, 2, 3]
+
+
+def test_a_new_run_reusing_a_run_name_logs_beside_the_other_runs_metrics_not_into_them(first_run):
+    root, _, env = first_run
+    logs = root / "shared_logs"
+    knobs = dict(WANDB_LOG_DIR=str(logs), WANDB_RUN_NAME="ft", MAX_STEPS="2")
+    first = train({**env, "DATA_DIR": str(root / "ft_one")}, **knobs)
+    assert first.returncode == 0, first.stdout[-3000:]
+    theirs = (logs / "ft" / "metrics.jsonl").read_text()
+    second = train({**env, "DATA_DIR": str(root / "ft_two")}, **knobs)
+    assert second.returncode == 0, second.stdout[-3000:]
+    assert (logs / "ft" / "metrics.jsonl").read_text() == theirs  # not one line added
+    record = json.loads((root / "ft_two" / "checkpoints" / "run.json").read_text())
+    mine = Path(record["log_dir"])
+    assert mine == logs / f"ft-{record['wandb_id']}" and (mine / "metrics.jsonl").is_file()
+    assert f"{logs / 'ft'} holds another run's metrics" in second.stdout
+    from scripts import run_report
+
+    assert run_report.find_run_dir(root / "ft_two" / "checkpoints") == mine
+    # the first run's requeue continues in its own directory
+    again = train({**env, "DATA_DIR": str(root / "ft_one")}, RESUME_FROM="last", **knobs)
+    assert again.returncode == 0 and "holds another run's metrics" not in again.stdout
