@@ -11,10 +11,11 @@ What it does:
 - Model: ``asr_model.build_model`` (INIT_MODEL, else MODEL_CONFIG) with TOKENIZER_DIR when that holds a
   tokenizer, else a synthetic multilingual BPE tokenizer of ``--vocab-size`` pieces (default
   VOCAB_SIZE) trained once into ``--work-dir``.
-- Batch: the sampler's most expensive micro-batch at MAX_BATCH_DURATION (its first, see sampler.py)
-  in the longest duration bucket of a synthetic corpus of 200k utterances (lognormal durations,
-  median 6 s, clipped to MIN_DURATION..MAX_DURATION), with ``--tokens-per-second`` tokens per
-  utterance second plus the language tag, and noise as audio.
+- Batch: a micro-batch as heavy as every batch the sampler packs at MAX_BATCH_DURATION
+  (``sampler.heaviest_packed_batch``: copies of the longest utterance, as many as reach the most
+  padded encoder frames of any packed batch) from a synthetic corpus of 200k utterances (lognormal
+  durations, median 6 s, clipped to MIN_DURATION..MAX_DURATION), with ``--tokens-per-second`` tokens
+  per utterance second plus the language tag, and noise as audio.
 - Steps: Lightning ``Trainer.fit`` on that batch repeated, one optimizer step per batch, with
   PRECISION, ACCELERATOR and GRAD_CLIP; ``--warmup`` steps are dropped, the median of ``--steps``
   is reported. Phase 1: ``TrainingModule.enter_phase(1)`` freezes the encoder at every batch start; for NeMo the

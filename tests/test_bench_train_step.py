@@ -16,7 +16,8 @@ def test_bench_times_both_phases_against_nemo_and_prints_the_ratio(tmp_path, mon
     monkeypatch.setattr(config, "MAX_BATCH_DURATION", 20.0)
     assert bench.main(["--steps", "1", "--warmup", "1"]) == 0
     out = capsys.readouterr().out
-    assert "B parameters" in out and "1 utterances, 20.0 s of audio" in out
+    # at MAX_BATCH_DURATION 20: two copies of the 20 s longest reach the most padded frames packed
+    assert "B parameters" in out and "2 utterances, 40.0 s of audio, longest 20.0 s" in out
     for phase in (1, 2):
         assert (
             f"phase {phase} project: median step" in out
