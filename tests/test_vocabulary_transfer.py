@@ -372,3 +372,18 @@ def test_a_run_from_scratch_does_not_validate_at_step_0(tmp_path):
     metrics = next((tmp_path / "run" / "wandb_logs").glob("*/metrics.jsonl"))
     validated = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in validated if "val/wer/all" in r] == [2]
+
+
+@pytest.mark.parametrize(("tokenizer", "warned"), [("replaced", True), ("extended", False)])
+def test_a_finetune_whose_tokenizer_does_not_extend_the_base_is_warned_with_the_fix(
+    tokenizers, tmp_path, caplog, tokenizer, warned
+):
+    import logging
+
+    base_model(tokenizers).save_to(str(tmp_path / "base.nemo"))
+    with caplog.at_level(logging.WARNING, logger="asr_model"):
+        asr_model.build_model(str(tmp_path / "base.nemo"), tokenizer_dir=tokenizers[tokenizer])
+    lines = [r.getMessage() for r in caplog.records if "is not an extension" in r.getMessage()]
+    assert bool(lines) == warned
+    if warned:
+        assert f"INIT_MODEL={tmp_path / 'base.nemo'} python scripts/train_tokenizer.py" in lines[0]
