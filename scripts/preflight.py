@@ -877,12 +877,17 @@ def merge(per_rank: list[list[Check]]) -> list[Check]:
 def header(node: Node) -> str:
     import torch
 
+    import max_batch
+
+    precision = max_batch.step_precision(node.device)
+    if precision != config.PRECISION:
+        precision += f" (the CPU's; PRECISION={config.PRECISION} is for GPUs)"
     return (
         f"preflight {datetime.datetime.now().isoformat(timespec='seconds')} on "
         f"{platform.node()}: {node.world_size} process(es), {os.cpu_count()} cores, torch "
         f"{torch.__version__}, Python {platform.python_version()}; model "
         f"{config.INIT_MODEL or config.MODEL_CONFIG}, MAX_BATCH_DURATION={config.MAX_BATCH_DURATION:g}, "
-        f"GRAD_ACCUM={config.GRAD_ACCUM}, NUM_WORKERS={config.NUM_WORKERS}, PRECISION={config.PRECISION}"
+        f"GRAD_ACCUM={config.GRAD_ACCUM}, NUM_WORKERS={config.NUM_WORKERS}, PRECISION={precision}"
     )
 
 

@@ -266,3 +266,23 @@ def test_a_warmup_longer_than_the_run_warns_in_the_schedule_check(monkeypatch):
     check = preflight.check_schedule()
     assert check.verdict == "warn"
     assert "WARMUP_STEPS=5000 is longer than phase 1 (3 optimizer steps" in check.figure
+
+
+def test_the_header_names_the_precision_a_cpu_step_runs_with(monkeypatch):
+    import dataclasses
+    from types import SimpleNamespace
+
+    import torch
+
+    import config
+    from scripts import preflight
+
+    knob = config.KNOBS["PRECISION"]
+    monkeypatch.setitem(config.KNOBS, "PRECISION", dataclasses.replace(knob, source="default"))
+    monkeypatch.setattr(config, "PRECISION", "bf16-mixed")
+    node = SimpleNamespace(world_size=1, device=torch.device("cpu"))
+    assert "PRECISION=32-true (the CPU's; PRECISION=bf16-mixed is for GPUs)" in preflight.header(
+        node
+    )
+    monkeypatch.setitem(config.KNOBS, "PRECISION", dataclasses.replace(knob, source="env"))
+    assert preflight.header(node).endswith("PRECISION=bf16-mixed")
