@@ -1102,20 +1102,26 @@ class TooLittleData(UserError, ValueError):
 
 
 def too_little_data_message(
-    num_batches: int, world_size: int, grad_accum: int, epoch_size: int, max_batch_duration: float
+    num_batches: int,
+    world_size: int,
+    grad_accum: int,
+    epoch_size: int,
+    max_batch_duration: float,
 ) -> str:
     """What to change when an epoch of ``epoch_size`` utterances packs into fewer micro-batches
     than one optimizer step takes on every rank, with values computed for each knob: the largest
     GRAD_ACCUM that fits, the EPOCH_SIZE and MAX_BATCH_DURATION that give one step (batches grow
-    about linearly with utterances and shrink with the cap)."""
+    about linearly with utterances and shrink with the cap). MAX_BATCH_DURATION is named only where
+    a value can work: an epoch of at least one utterance per micro-batch of the step."""
     need = world_size * grad_accum
     fixes = []
     if num_batches >= world_size:
         fixes.append(f"GRAD_ACCUM={num_batches // world_size}")
     # A fifth more than the linear estimate: packing per duration bucket leaves partial batches.
     fixes.append(f"EPOCH_SIZE={math.ceil(1.2 * epoch_size * need / max(num_batches, 1))}")
-    shrink = num_batches / need / 1.2
-    fixes.append(f"MAX_BATCH_DURATION={math.floor(max_batch_duration * shrink * 10) / 10:g}")
+    shrunk = math.floor(max_batch_duration * num_batches / need / 1.2 * 10) / 10
+    if epoch_size >= need and shrunk >= 0.1:
+        fixes.append(f"MAX_BATCH_DURATION={shrunk:g}")
     return (
         f"an epoch of {epoch_size} utterances packs into {num_batches} micro-batches, fewer than "
         f"the {need} of one optimizer step (world size {world_size} x GRAD_ACCUM={grad_accum}): "

@@ -142,8 +142,13 @@ def test_too_little_data_for_the_ranks_is_a_fail_line_with_the_fix(corpus):
     code, lines, out = preflight_run(dict(env, GRAD_ACCUM="1000"))
     assert code == 1, out[-3000:]
     assert verdict(lines["data"]) == "fail", lines["data"]
-    assert "fewer than world_size x grad_accum = 1 x 1000" in lines["data"]
-    assert "-> raise epoch_size (EPOCH_SIZE)" in lines["data"]
+    assert (
+        "fewer than the 1000 of one optimizer step (world size 1 x GRAD_ACCUM=1000)"
+        in lines["data"]
+    )
+    assert "-> set GRAD_ACCUM=" in lines["data"] and " or EPOCH_SIZE=" in lines["data"]
+    # fewer utterances than micro-batches needed: no MAX_BATCH_DURATION can give one step
+    assert "MAX_BATCH_DURATION=" not in lines["data"], lines["data"]
     assert "unexpected error" not in out and "Traceback" not in out, out[-3000:]
 
 
