@@ -773,7 +773,7 @@ def test_a_bad_duration_anywhere_is_reported_with_its_row(n, data, bad):
 def test_an_epoch_too_small_for_every_rank_is_refused_with_a_fix():
     s = build(GOOD_D, GOOD_L, world_size=8, grad_accum=4)
     # a user error: reported as one line, not a traceback from every rank
-    with pytest.raises(UserError, match="world_size x grad_accum"):
+    with pytest.raises(UserError, match=r"world size 8 x GRAD_ACCUM=4\): set EPOCH_SIZE="):
         len(s)
 
 
