@@ -67,7 +67,8 @@ def test_a_user_error_under_torchrun_ends_on_its_one_line_and_exit_2(data, tmp_p
     )
     assert result.returncode == 2, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: the epoch packs into only "), result.stderr[-3000:]
+    assert last.startswith("error: an epoch of "), result.stderr[-3000:]
+    assert "micro-batches, fewer than the 8 of one optimizer step" in last
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
 
 
