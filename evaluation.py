@@ -282,7 +282,13 @@ def excluded_rows(dataset) -> dict[str, dict[str, tuple[int, list[str]]]]:
     if rows:
         import pyarrow.parquet as pq
 
-        column = pq.read_table(dataset.manifest_path, columns=["segment_id"]).column(0)
+        # On the calling thread alone: DataLoader workers fork from this process later, and a fork
+        # must not inherit Arrow's thread pools mid-work.
+        column = (
+            pq.ParquetFile(dataset.manifest_path, pre_buffer=False)
+            .read(columns=["segment_id"], use_threads=False)
+            .column(0)
+        )
         ids = {r: str(column[r].as_py()) for r in rows if r < len(column)}
     return {
         lang: {
