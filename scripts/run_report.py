@@ -100,12 +100,17 @@ def find_run_dir(target: Path | None) -> Path:
     record = read_run_record(target)
     name = record.get("name")
     if name:
-        run_dir = Path(record.get("log_dir") or run_directory(name))
-        if (run_dir / "metrics.jsonl").is_file():
-            return run_dir
+        # Where the run logged (run.json's log_dir), else its name under WANDB_LOG_DIR: a data tree
+        # mounted elsewhere since is found through WANDB_LOG_DIR.
+        candidates = [Path(record["log_dir"])] if record.get("log_dir") else []
+        candidates.append(run_directory(name))
+        for run_dir in candidates:
+            if (run_dir / "metrics.jsonl").is_file():
+                return run_dir
         raise SystemExit(
-            f"run_report: {target}/run.json names run {name!r}, but {run_dir}/metrics.jsonl does not "
-            f"exist: set WANDB_LOG_DIR to where that run logged, or pass its run directory"
+            f"run_report: {target}/run.json names run {name!r}, but no metrics.jsonl is in "
+            f"{' or '.join(str(c) for c in candidates)}: set WANDB_LOG_DIR to where that run "
+            f"logged, or pass its run directory"
         )
     raise SystemExit(
         f"run_report: {target} holds neither metrics.jsonl (a run directory) nor run.json (a "

@@ -95,6 +95,17 @@ def test_a_checkpoint_dir_leads_to_its_run_through_run_json(tmp_path, monkeypatc
     assert run_report.find_run_dir(checkpoints) == logs / "ft"
 
 
+def test_a_run_whose_recorded_log_dir_moved_is_found_under_wandb_log_dir(tmp_path, monkeypatch):
+    logs = tmp_path / "mounted_elsewhere"
+    write_run(logs / "ft", [training_record(1), training_record(2)])
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    record = {"name": "ft", "wandb_id": "x", "log_dir": str(tmp_path / "old_mount" / "ft")}
+    (checkpoints / "run.json").write_text(json.dumps(record))
+    monkeypatch.setattr(run_report.config, "WANDB_LOG_DIR", logs)
+    assert run_report.find_run_dir(checkpoints) == logs / "ft"
+
+
 def test_a_directory_that_holds_no_run_is_one_line_naming_it(tmp_path):
     result = subprocess.run(
         [sys.executable, "scripts/run_report.py", str(tmp_path)],
