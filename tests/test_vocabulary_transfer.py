@@ -325,39 +325,11 @@ def test_decoder_init_fresh_gives_an_aggregate_tokenizer_base_the_new_vocabulary
     assert model.joint.joint_net[-1].out_features == 30 + 1 + model.joint.num_extra_outputs
 
 
-@pytest.mark.slow
-def test_a_finetune_validates_the_base_at_step_0_and_states_base_vs_finetuned(tokenizers, tmp_path):
+def validated_run(tmp_path: Path, data: dict, **knobs: str) -> tuple[str, list[int]]:
+    """A 2-process tiny run of two optimizer steps validated at step 2 (and ``knobs``): its output
+    and the steps its metrics.jsonl holds a validation of."""
     import json
 
-    data = make_training_data(tmp_path, per_lang=8, langs=("hi", "en"), vocab_size=120)
-    val = write_manifest(tmp_path / "val", 3, langs=("hi", "en"), seed=1, name="val.parquet")
-    base_model(tokenizers).save_to(str(tmp_path / "base.nemo"))
-    env = tiny_train_env(
-        {**data, "tokenizer": tokenizers["extended"]},
-        DATA_DIR=str(tmp_path / "run"),
-        INIT_MODEL=str(tmp_path / "base.nemo"),
-        VAL_MANIFEST_PATH=str(val),
-        MAX_STEPS="2",
-        UNFREEZE_STEP="1",
-        GRAD_ACCUM="1",
-        EVAL_EVERY_STEPS="2",
-    )
-    result = run_torchrun(REPO / "train.py", env, REPO, 300, tmp_path / "train.log")
-    assert result.returncode == 0, result.stdout[-3000:]
-    metrics = next((tmp_path / "run" / "wandb_logs").glob("*/metrics.jsonl"))
-    validated = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in validated if "val/wer/all" in r] == [0, 2]
-    assert "validation WER per language, base (step 0) -> step 2: " in result.stdout
-    card = (tmp_path / "run" / "checkpoints" / "step_00000002.model-card.md").read_text()
-    assert "| language | base WER | WER | change | base CER | CER |" in card
-    assert "| en | " in card.split("Before and after", 1)[1]
-
-
-@pytest.mark.slow
-def test_a_run_from_scratch_does_not_validate_at_step_0(tmp_path):
-    import json
-
-    data = make_training_data(tmp_path, per_lang=8, langs=("hi", "en"), vocab_size=64)
     val = write_manifest(tmp_path / "val", 3, langs=("hi", "en"), seed=1, name="val.parquet")
     env = tiny_train_env(
         data,
@@ -366,12 +338,37 @@ def test_a_run_from_scratch_does_not_validate_at_step_0(tmp_path):
         MAX_STEPS="2",
         GRAD_ACCUM="1",
         EVAL_EVERY_STEPS="2",
+        **knobs,
     )
     result = run_torchrun(REPO / "train.py", env, REPO, 300, tmp_path / "train.log")
     assert result.returncode == 0, result.stdout[-3000:]
     metrics = next((tmp_path / "run" / "wandb_logs").glob("*/metrics.jsonl"))
-    validated = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in validated if "val/wer/all" in r] == [2]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return result.stdout, [r["step"] for r in records if "val/wer/all" in r]
+
+
+@pytest.mark.slow
+def test_a_finetune_validates_the_base_at_step_0_and_states_base_vs_finetuned(tokenizers, tmp_path):
+    data = make_training_data(tmp_path, per_lang=8, langs=("hi", "en"), vocab_size=120)
+    base_model(tokenizers).save_to(str(tmp_path / "base.nemo"))
+    out, validated = validated_run(
+        tmp_path,
+        {**data, "tokenizer": tokenizers["extended"]},
+        INIT_MODEL=str(tmp_path / "base.nemo"),
+        UNFREEZE_STEP="1",
+    )
+    assert validated == [0, 2]
+    assert "validation WER per language, base (step 0) -> step 2: " in out
+    card = (tmp_path / "run" / "checkpoints" / "step_00000002.model-card.md").read_text()
+    assert "| language | base WER | WER | change | base CER | CER |" in card
+    assert "| en | " in card.split("Before and after", 1)[1]
+
+
+@pytest.mark.slow
+def test_a_run_from_scratch_does_not_validate_at_step_0(tmp_path):
+    data = make_training_data(tmp_path, per_lang=8, langs=("hi", "en"), vocab_size=64)
+    _, validated = validated_run(tmp_path, data)
+    assert validated == [2]
 
 
 @pytest.mark.parametrize(("tokenizer", "warned"), [("replaced", True), ("extended", False)])
