@@ -204,6 +204,10 @@ class ModelFamily:
     def describe_loss(self, model) -> str:
         raise NotImplementedError
 
+    def piece_rows(self, model) -> list[torch.nn.Parameter]:
+        """The parameters with a row per piece, piece id i at row i (``new_piece_parameters``)."""
+        raise NotImplementedError
+
 
 class TDT(ModelFamily):
     """Parakeet-TDT: a FastConformer encoder, an LSTM prediction network and a joint with token and
@@ -217,12 +221,25 @@ class TDT(ModelFamily):
         return {"decoder": model.decoder, "joint": model.joint}
 
     def carry_heads(
-        self, old: dict[str, torch.nn.Module], new: dict[str, torch.nn.Module], old_pieces, pieces
+        self,
+        old: dict[str, torch.nn.Module],
+        new: dict[str, torch.nn.Module],
+        old_pieces,
+        pieces,
+        prior: torch.Tensor | None = None,
     ) -> dict[str, int]:
-        """The base's weights of ``old`` (``vocabulary_heads`` before the change) in ``new``."""
+        """The base's weights of ``old`` (``vocabulary_heads`` before the change) in ``new``;
+        ``prior``: the new pieces' log shares (``new_piece_prior``), None for equal shares."""
         return carry_decoder_and_joint(
-            old["decoder"], old["joint"], old_pieces, new["decoder"], new["joint"], pieces
+            old["decoder"], old["joint"], old_pieces, new["decoder"], new["joint"], pieces, prior
         )
+
+    def piece_rows(self, model) -> list[torch.nn.Parameter]:
+        """The parameters with a row per piece (in piece-id order from row 0): the prediction
+        network's embedding, the joint's output weight and bias."""
+        out = model.joint.joint_net[-1]
+        rows = [model.decoder.prediction["embed"].weight, out.weight]
+        return rows + ([out.bias] if out.bias is not None else [])
 
     def change_vocabulary(self, model, tokenizer_dir: Path, decoder_init: str) -> dict:
         """NeMo's ``change_vocabulary`` (new heads: ``vocabulary_heads``), then, with
@@ -249,18 +266,35 @@ class TDT(ModelFamily):
             model.change_vocabulary(new_tokenizer_dir=str(tokenizer_dir), new_tokenizer_type="bpe")
         heads = self.vocabulary_heads(model)
         if decoder_init == "carry":
-            counts = self.carry_heads(old_heads, heads, old_pieces, model_pieces(model))
+            pieces = model_pieces(model)
+            new_rows = _PieceRows(old_pieces, pieces).new
+            prior = None
+            if config.NEW_PIECE_BIAS == "frequency" and new_rows:
+                prior = new_piece_prior(tokenizer_dir, pieces, new_rows)
+                if prior is None:
+                    log.warning(
+                        "NEW_PIECE_BIAS=frequency, but TOKENIZER_DIR=%s holds no piece counts of "
+                        "its tokenizer (made before scripts/train_tokenizer.py counted them): the "
+                        "new pieces start at equal shares; train the tokenizer again to count them",
+                        tokenizer_dir,
+                    )
+            counts = self.carry_heads(old_heads, heads, old_pieces, pieces, prior)
+            model.new_piece_rows = new_rows
             log.info(
                 "vocabulary changed from %d to %d pieces (TOKENIZER_DIR=%s): the base model's "
-                "%s are kept, %d piece rows carried, %d new, %d dropped",
+                "%s are kept, %d piece rows carried, %d new (their output biases %s), %d dropped",
                 old_size,
                 model.tokenizer.vocab_size,
                 tokenizer_dir,
                 heads_phrase(heads),
                 counts["carried"],
                 counts["new"],
+                "from their share of the tokenizer's sampled text"
+                if prior is not None
+                else "equal, log(1/N)",
                 counts["dropped"],
             )
+            counts["new_piece_prior"] = "frequency" if prior is not None else "equal"
         else:
             counts = {"carried": 0, "new": model.tokenizer.vocab_size, "dropped": old_size}
             log.info(
@@ -332,11 +366,21 @@ class HybridTDTCTC(TDT):
         return {**super().vocabulary_heads(model), "CTC decoder": model.ctc_decoder}
 
     def carry_heads(
-        self, old: dict[str, torch.nn.Module], new: dict[str, torch.nn.Module], old_pieces, pieces
+        self,
+        old: dict[str, torch.nn.Module],
+        new: dict[str, torch.nn.Module],
+        old_pieces,
+        pieces,
+        prior: torch.Tensor | None = None,
     ) -> dict[str, int]:
-        counts = super().carry_heads(old, new, old_pieces, pieces)
-        carry_ctc_decoder(old["CTC decoder"], old_pieces, new["CTC decoder"], pieces)
+        counts = super().carry_heads(old, new, old_pieces, pieces, prior)
+        carry_ctc_decoder(old["CTC decoder"], old_pieces, new["CTC decoder"], pieces, prior)
         return counts
+
+    def piece_rows(self, model) -> list[torch.nn.Parameter]:
+        out = model.ctc_decoder.decoder_layers[-1]
+        ctc = [out.weight] + ([out.bias] if out.bias is not None else [])
+        return super().piece_rows(model) + ctc
 
     def loss_of_encoded(self, model, encoded, encoded_len, batch) -> torch.Tensor:
         loss = super().loss_of_encoded(model, encoded, encoded_len, batch)
@@ -526,9 +570,41 @@ def use_tokenizer(model, tokenizer_dir: Path, decoder_init: str | None = None) -
     return counts
 
 
+def new_piece_prior(tokenizer_dir: Path, pieces: list[str], new_rows: list[int]):
+    """The log share of each new piece (``new_rows``, in that order) among the new pieces'
+    occurrences in the text the tokenizer was trained on (``training_cache.read_piece_counts``: the
+    training language mix), add-one smoothed, so the shares sum to 1; None when
+    ``tokenizer_dir`` holds no counts for its tokenizer (one made before pieces were counted):
+    the new pieces then start with equal shares."""
+    from training_cache import read_piece_counts
+
+    counts = read_piece_counts(tokenizer_dir) if new_rows else None
+    if counts is None or len(counts) != len(pieces):
+        return None
+    smoothed = torch.tensor([float(counts[i]) + 1.0 for i in new_rows], dtype=torch.float64)
+    return (smoothed / smoothed.sum()).log().float()
+
+
+def new_piece_parameters(model) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(parameter, rows) for every row of a piece the base model lacked (``model.new_piece_rows``,
+    set by a carried vocabulary change): the rows NEW_PIECE_LR_SCALE speeds up. Empty for a model
+    built fresh, a base used with its own vocabulary, or DECODER_INIT=fresh (every row is new)."""
+    rows = getattr(model, "new_piece_rows", None)
+    if not rows:
+        return []
+    index = torch.tensor(rows, dtype=torch.long)
+    return [(p, index.to(p.device)) for p in family(model).piece_rows(model)]
+
+
 @torch.no_grad()
 def carry_decoder_and_joint(
-    old_decoder, old_joint, old_pieces: list[str], decoder, joint, pieces: list[str]
+    old_decoder,
+    old_joint,
+    old_pieces: list[str],
+    decoder,
+    joint,
+    pieces: list[str],
+    prior: torch.Tensor | None = None,
 ) -> dict[str, int]:
     """Copy the base model's prediction network and joint into the ones ``change_vocabulary`` built.
 
@@ -537,17 +613,20 @@ def carry_decoder_and_joint(
     - Rows of pieces both vocabularies hold (matched by piece string): the embedding row of the
       prediction network, the joint's output row and bias. Blank (the last embedding row, the
       output after the pieces) and the TDT duration outputs move to their new positions.
-    - A new piece starts as the average base piece, pushed down by log(N) for N new pieces: its
-      embedding row is the mean of the base's piece embeddings (an average context for the LSTM,
-      not a random direction it never saw), its output row the mean of the base's piece output
-      rows and its bias their mean bias minus log(N). Its logit is then the mean of the base's
-      piece logits minus log(N), below the largest of them for every input: at step 0 no new piece
-      wins, and the model decodes exactly as the base does. By Jensen's inequality all N new
-      pieces together hold at most 1/V of the base pieces' probability (V base pieces), so the loss
-      of the base's own text barely moves either. And every new row starts where the others are,
-      not tens of nats below them, so the optimizer (whose steps are about the LR whatever the
-      gradient) needs no thousands of steps to bring a new piece into play; none starts as a random
-      direction that could burst into insertions.
+    - A new piece starts as the average base piece: its embedding row is the mean of the base's
+      piece embeddings (an average context for the LSTM, not a random direction it never saw), its
+      output row the mean of the base's piece output rows, and its bias their mean bias plus the
+      log of its share among the new pieces: log(1/N) for N new pieces, or with ``prior``
+      (NEW_PIECE_BIAS=frequency, ``new_piece_prior``) the log of its frequency among them in the
+      training text. Every share is below 1,
+      so a new piece's logit is below the mean of the base's piece logits, hence below the largest
+      of them, for every input: at step 0 no new piece wins and the model decodes exactly as the
+      base does. The shares sum to 1, so by Jensen's inequality all new pieces together hold at
+      most 1/V of the base pieces' probability (V base pieces): the loss of the base's own text
+      barely moves either. And every new row starts where the others are, not tens of nats below
+      them, so the optimizer (whose steps are about the LR whatever the gradient, and
+      NEW_PIECE_LR_SCALE times it for these rows) brings them into play within a few hundred steps;
+      none starts as a random direction that could burst into insertions.
     Returns {"carried", "new", "dropped"} piece counts.
     """
     rows = _PieceRows(old_pieces, pieces)
@@ -564,20 +643,25 @@ def carry_decoder_and_joint(
 
     out, old_out = joint.joint_net[-1], old_joint.joint_net[-1]
     # blank, then the TDT durations, after the pieces
-    _carry_output_rows(out, old_out, rows, tail=1 + joint.num_extra_outputs)
+    _carry_output_rows(out, old_out, rows, tail=1 + joint.num_extra_outputs, prior=prior)
     return rows.counts()
 
 
 @torch.no_grad()
-def carry_ctc_decoder(old_ctc, old_pieces: list[str], ctc, pieces: list[str]) -> dict[str, int]:
+def carry_ctc_decoder(
+    old_ctc, old_pieces: list[str], ctc, pieces: list[str], prior: torch.Tensor | None = None
+) -> dict[str, int]:
     """Copy the base model's CTC decoder (NeMo's ConvASRDecoder: one 1x1 convolution with a row per
     piece, then blank) into the one ``change_vocabulary`` built, as ``carry_decoder_and_joint``
     does the joint's output: shared pieces by their string, blank moved to its new position, a new
-    piece the mean base piece row with the mean bias minus log(N). Its greedy CTC output is then
-    the base's before any update. Returns {"carried", "new", "dropped"} piece counts."""
+    piece the mean base piece row with the mean bias plus its log share ``prior`` (log(1/N)
+    without). Its greedy CTC output is then the base's before any update. Returns {"carried",
+    "new", "dropped"} piece counts."""
     rows = _PieceRows(old_pieces, pieces)
     _copy_equal_shapes(ctc, old_ctc)
-    _carry_output_rows(ctc.decoder_layers[-1], old_ctc.decoder_layers[-1], rows, tail=1)
+    _carry_output_rows(
+        ctc.decoder_layers[-1], old_ctc.decoder_layers[-1], rows, tail=1, prior=prior
+    )
     return rows.counts()
 
 
@@ -607,10 +691,12 @@ def _copy_equal_shapes(module: torch.nn.Module, old_module: torch.nn.Module) -> 
             tensor.copy_(old_state[name])
 
 
-def _carry_output_rows(out, old_out, rows: _PieceRows, *, tail: int) -> None:
+def _carry_output_rows(
+    out, old_out, rows: _PieceRows, *, tail: int, prior: torch.Tensor | None = None
+) -> None:
     """An output layer with a row per piece, then ``tail`` rows (blank, durations): shared rows by
     piece, the tail moved after the new pieces, each new piece the mean base piece row with the
-    mean base bias minus log(N) (``carry_decoder_and_joint``)."""
+    mean base bias plus its log share ``prior`` (equal shares without; ``carry_decoder_and_joint``)."""
     v_old, v_new = rows.v_old, rows.v_new
     for new_param, old_param in ((out.weight, old_out.weight), (out.bias, old_out.bias)):
         if new_param is None:
@@ -620,7 +706,12 @@ def _carry_output_rows(out, old_out, rows: _PieceRows, *, tail: int) -> None:
     if rows.new:
         out.weight[rows.new] = old_out.weight[:v_old].mean(dim=0)
         if out.bias is not None:
-            out.bias[rows.new] = old_out.bias[:v_old].mean() - math.log(len(rows.new))
+            shares = (
+                prior
+                if prior is not None
+                else torch.full((len(rows.new),), -math.log(len(rows.new)))
+            )
+            out.bias[rows.new] = old_out.bias[:v_old].mean() + shares.to(out.bias)
 
 
 def make_encoder_forward_rank_local(model) -> None:
@@ -783,7 +874,16 @@ def describe(model) -> str:
 # The key of a step checkpoint that holds ``portable_description``.
 PORTABLE_KEY = "asr_model"
 # A SentencePiece tokenizer directory as NeMo reads it (scripts/train_tokenizer.py writes all three).
-TOKENIZER_FILES = ("tokenizer.model", "tokenizer.vocab", "vocab.txt")
+# The tokenizer directory's files a step checkpoint carries: NeMo's three, and train_tokenizer.py's
+# summary (which languages the base covers) and piece counts (the new pieces' starting biases), so
+# the base as the finetune received it can be rebuilt from the checkpoint (export_nemo.py --blend-base).
+TOKENIZER_FILES = (
+    "tokenizer.model",
+    "tokenizer.vocab",
+    "vocab.txt",
+    "summary.json",
+    "piece_counts.json",
+)
 
 
 def portable_description(model, tokenizer_dir: Path | None = None) -> dict[str, Any]:

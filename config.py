@@ -186,6 +186,9 @@ SCRIPT_VARIABLES = {
     "DEMO_CLEAN": "demo.sh",
     "DEMO_UTTERANCES": "demo.sh",
     "DEMO_MAX_LOSS_RATIO": "demo.sh",
+    "DEMO_BASE_LANGUAGES": "demo.sh",
+    "DEMO_BASE_STEPS": "demo.sh",
+    "DEMO_BASE_VOCAB_SIZE": "demo.sh",
     "NNODES": "slurm_train.sh",
     "NODE_RANK": "slurm_train.sh",
     "NPROC_PER_NODE": "slurm_train.sh",
@@ -588,6 +591,15 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         steps=("train",),
     )
     knob(
+        "NEW_PIECE_BIAS",
+        "equal",
+        _choice("equal", "frequency"),
+        "DECODER_INIT=carry: where the output bias of a piece the base lacks starts, below the mean "
+        "base piece: equal = log(1/N) for N new pieces; frequency = log of its share of the new "
+        "pieces in the tokenizer's sampled text (TOKENIZER_DIR/piece_counts.json)",
+        steps=("train",),
+    )
+    knob(
         "TDT_LOSS",
         "numba",
         _choice("numba", "torch"),
@@ -718,6 +730,24 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _choice(*LANG_WEIGHTINGS),
         "Temperature over utterance counts or over hours",
         steps=("train_tokenizer", "train", "manifest_report"),
+    )
+    knob(
+        "BASE_LANGUAGE_SHARE",
+        0.25,
+        _float,
+        "Replay: the least share of the language mix (after TEMPERATURE) that the base model's "
+        "languages (BASE_LANGUAGES) get together when the data also has new ones, so finetuning "
+        "keeps them; 0 = none",
+        lambda v: None if 0 <= v < 1 else "expected a share in [0, 1), e.g. 0.25",
+        steps=("train", "manifest_report"),
+    )
+    knob(
+        "BASE_LANGUAGES",
+        (),
+        _languages,
+        "The languages BASE_LANGUAGE_SHARE keeps (comma-separated); empty = those whose text "
+        "TOKENIZER_DIR's base tokenizer covers (an extended tokenizer's summary.json)",
+        steps=("train", "manifest_report"),
     )
     knob(
         "EPOCH_SIZE",
@@ -904,6 +934,26 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _int,
         "Linear warmup steps after unfreezing",
         _non_negative,
+        steps=("train",),
+    )
+    knob(
+        "ENCODER_LR_SCALE",
+        1.0,
+        _float,
+        "The encoder's LR is this times the schedule's (phase 2, or from step 0 with "
+        "UNFREEZE_STEP=0); decoder and joint get the schedule's own. Below 1 a finetune's encoder "
+        "drifts less from its base, and the new languages learn more slowly (docs/training.md)",
+        _positive,
+        steps=("train",),
+    )
+    knob(
+        "NEW_PIECE_LR_SCALE",
+        10.0,
+        _float,
+        "Finetuning with DECODER_INIT=carry: the rows of the pieces the base lacked (prediction "
+        "embedding, joint output, a hybrid's CTC output) take steps this many times the LR's, so "
+        "a new language's pieces catch up with the base's",
+        _positive,
         steps=("train",),
     )
     knob("WEIGHT_DECAY", 1e-3, _float, "AdamW weight decay", _non_negative, steps=("train",))
@@ -1125,6 +1175,7 @@ RESUME_CHANGES: tuple[str, ...]
 VOCAB_SIZE: int
 TOKENIZER_MODE: str
 DECODER_INIT: str
+NEW_PIECE_BIAS: str
 TDT_LOSS: str
 ENCODER_FRAME_SECONDS: float
 LANGUAGES: tuple[str, ...]
@@ -1142,6 +1193,8 @@ BUCKET_BOUNDARIES: tuple[float, ...] | str
 MAX_BATCH_DURATION: float
 TEMPERATURE: float
 LANG_WEIGHTING: str
+BASE_LANGUAGE_SHARE: float
+BASE_LANGUAGES: tuple[str, ...]
 EPOCH_SIZE: int
 BATCH_COST_QUADRATIC: float
 BUCKET_SORT_JITTER: float
@@ -1163,6 +1216,8 @@ MIN_LR: float
 UNFREEZE_STEP: int
 WARMUP_STEPS: int
 PHASE2_WARMUP: int
+ENCODER_LR_SCALE: float
+NEW_PIECE_LR_SCALE: float
 WEIGHT_DECAY: float
 GRAD_CLIP: float
 EVAL_EVERY_STEPS: int

@@ -88,10 +88,17 @@ class BatchingSettings:
     frame_seconds: float
     max_joint_cells: float
     cost_joint: float
+    # Replay: the least combined share of ``base_languages`` (those the base model already knows)
+    # when the data also has other languages; 0 = no floor.
+    base_languages: tuple[str, ...] = ()
+    base_share: float = 0.0
 
     @classmethod
     def from_config(cls, **changes: Any) -> BatchingSettings:
-        """The knobs' values now, with ``changes`` (field=value) applied."""
+        """The knobs' values now, with ``changes`` (field=value) applied. BASE_LANGUAGES empty means
+        the languages TOKENIZER_DIR's base covers (``training_cache.tokenizer_base_languages``)."""
+        from training_cache import tokenizer_base_languages
+
         settings = cls(
             boundaries=config.BUCKET_BOUNDARIES,
             max_batch_duration=config.MAX_BATCH_DURATION,
@@ -105,6 +112,11 @@ class BatchingSettings:
             frame_seconds=config.ENCODER_FRAME_SECONDS,
             max_joint_cells=config.MAX_BATCH_JOINT_CELLS,
             cost_joint=config.BATCH_COST_JOINT,
+            base_languages=tuple(config.BASE_LANGUAGES)
+            or (
+                tokenizer_base_languages(config.TOKENIZER_DIR) if config.BASE_LANGUAGE_SHARE else ()
+            ),
+            base_share=config.BASE_LANGUAGE_SHARE,
         )
         return dataclasses.replace(settings, **changes)
 
@@ -131,7 +143,10 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
 
     1. Temperature. Language l gets the target share pi_l ~ n_l^T of an epoch of ``epoch_size``
        utterances (0 = the number of utterances): T=1 natural, T=0 uniform. With
-       ``lang_weighting="hours"`` shares are of audio hours, pi_l ~ hours_l^T. Quotas are rounded by
+       ``lang_weighting="hours"`` shares are of audio hours, pi_l ~ hours_l^T. Replay floor: when
+       the data holds both some of ``base_languages`` and other languages, and the former's shares
+       sum to less than ``base_share``, theirs are scaled up to sum to it and the others' scaled
+       down, each group keeping its temperature proportions. Quotas are rounded by
        largest remainder, so the realized shares are within 1/epoch_size of the targets before the
        grad-accum trim, and within 0.5 percentage points after it whenever the epoch packs into at
        least 200 x world_size x grad_accum batches (the trim drops fewer than world_size x grad_accum
@@ -254,9 +269,24 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
             )
         self._counts = counts
         self._seconds = seconds
+        base = np.array([name in set(settings.base_languages) for name in self.languages], bool)
         self._natural_share, self._target_share, self._quotas = _language_quotas(
-            counts, seconds, self.temperature, self.lang_weighting, self.epoch_size, self.languages
+            counts,
+            seconds,
+            self.temperature,
+            self.lang_weighting,
+            self.epoch_size,
+            self.languages,
+            floor=(base, float(settings.base_share)),
         )
+        # The floor as the plan felt it: none unless it raised the base languages' share.
+        lifted = _floor_lifts(
+            _tempered(counts, seconds, self.temperature, self.lang_weighting),
+            base,
+            float(settings.base_share),
+        )
+        self.base_languages = [n for n, b in zip(self.languages, base) if b] if lifted else []
+        self.base_share = float(settings.base_share) if lifted else 0.0
 
         self._epoch = 0
         self._position = 0
@@ -364,6 +394,8 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
             "cost_joint": self.cost_joint,
             "sort_jitter": self.sort_jitter,
             "languages": list(self.languages),
+            "base_languages": list(self.base_languages),
+            "base_share": self.base_share,
         }
 
     # ---- statistics -------------------------------------------------------------------------
@@ -623,10 +655,17 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
 # came later, and before them no batch was cut and the cost had no joint term. A resume compares
 # these with its own settings like any other (a missing key is no licence to differ), and the
 # refusal names the knobs that reproduce the older plan.
-_SETTINGS_BEFORE_THEY_EXISTED = {"max_joint_cells": 0.0, "cost_joint": 0.0}
+_SETTINGS_BEFORE_THEY_EXISTED = {
+    "max_joint_cells": 0.0,
+    "cost_joint": 0.0,
+    "base_languages": [],
+    "base_share": 0.0,
+}
 _SETTINGS_BEFORE_THEY_EXISTED_KNOBS = {
     "max_joint_cells": "MAX_BATCH_JOINT_CELLS=-1",
     "cost_joint": "BATCH_COST_JOINT=0",
+    "base_languages": "BASE_LANGUAGE_SHARE=0",
+    "base_share": "BASE_LANGUAGE_SHARE=0",
 }
 
 
@@ -653,6 +692,8 @@ def _differs(a: Any, b: Any) -> bool:
 
 def _check_settings(s: DurationBucketBatchSampler) -> None:
     problems = []
+    if not 0 <= float(s.settings.base_share) < 1:
+        problems.append(f"base_share={s.settings.base_share}: expected a share in [0, 1)")
     if s.world_size < 1:
         problems.append(f"world_size={s.world_size}: expected >= 1")
     elif not 0 <= s.rank < s.world_size:
@@ -863,6 +904,22 @@ def _by_lang(names: Sequence[str], values: np.ndarray, cast: type = float) -> di
     return {name: cast(v) for name, v in zip(names, np.asarray(values).tolist())}
 
 
+def _tempered(
+    counts: np.ndarray, seconds: np.ndarray, temperature: float, weighting: str
+) -> np.ndarray:
+    """The temperature's target shares, pi_l ~ w_l^T, w the weighting's unit (count or hours)."""
+    base = seconds if weighting == "hours" else counts.astype(np.float64)
+    # Scalar math.pow, not NumPy's SIMD-dispatched power: the quotas must not depend on the CPU.
+    target = np.array([math.pow(b / base.max(), temperature) for b in base.tolist()])
+    return target / target.sum()
+
+
+def _floor_lifts(target: np.ndarray, base: np.ndarray, share: float) -> bool:
+    """Whether the replay floor raises ``target``: some but not all languages are base languages
+    and their shares sum to less than ``share``."""
+    return bool(share > 0 and base.any() and not base.all() and target[base].sum() < share)
+
+
 def _language_quotas(
     counts: np.ndarray,
     seconds: np.ndarray,
@@ -870,8 +927,10 @@ def _language_quotas(
     weighting: str,
     epoch_size: int,
     names: Sequence[str],
+    floor: tuple[np.ndarray, float] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(natural share, target share, utterances per language per epoch) for the chosen weighting."""
+    """(natural share, target share, utterances per language per epoch) for the chosen weighting;
+    ``floor`` = (base-language mask, least combined share): the class docstring's replay floor."""
     if weighting == "hours":
         empty = [names[i] for i in np.flatnonzero(seconds <= 0)]
         if empty:
@@ -883,9 +942,12 @@ def _language_quotas(
     else:
         base = counts.astype(np.float64)
     natural = base / base.sum()
-    # Scalar math.pow, not NumPy's SIMD-dispatched power: the quotas must not depend on the CPU.
-    target = np.array([math.pow(b / base.max(), temperature) for b in base.tolist()])
-    target /= target.sum()
+    target = _tempered(counts, seconds, temperature, weighting)
+    if floor is not None and _floor_lifts(target, *floor):
+        mask, share = floor
+        below = target[mask].sum()
+        target[mask] *= share / below
+        target[~mask] *= (1.0 - share) / (1.0 - below)
     # Utterance quotas that realize the target share in the weighting's unit.
     per_utt = target if weighting != "hours" else target / (seconds / counts)
     quotas = _largest_remainder(per_utt / per_utt.sum() * epoch_size, epoch_size)

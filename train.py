@@ -251,6 +251,32 @@ def log_startup(trainer: pl.Trainer, env: dict, model) -> None:
     )
 
 
+def log_finetuning_levers(model, settings: BatchingSettings) -> None:
+    """What this run does to keep its base's languages and to speed up the new ones (one line)."""
+    rows = asr_model.new_piece_parameters(model)
+    parts = []
+    if rows:
+        parts.append(
+            f"the {len(rows[0][1])} new pieces' rows step NEW_PIECE_LR_SCALE={config.NEW_PIECE_LR_SCALE:g} "
+            f"x the LR"
+        )
+    if config.ENCODER_LR_SCALE != 1:
+        parts.append(f"the encoder's LR is ENCODER_LR_SCALE={config.ENCODER_LR_SCALE:g} x the LR")
+    if settings.base_share > 0:
+        if settings.base_languages:
+            parts.append(
+                f"the base's languages ({', '.join(settings.base_languages)}) keep at least "
+                f"BASE_LANGUAGE_SHARE={settings.base_share:g} of the mix where the data has them"
+            )
+        elif config.INIT_MODEL:
+            parts.append(
+                f"BASE_LANGUAGE_SHARE={settings.base_share:g} keeps no language: TOKENIZER_DIR does "
+                f"not extend the base's tokenizer, so set BASE_LANGUAGES to the base's languages"
+            )
+    if parts:
+        log.info("finetuning: %s", "; ".join(parts))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__,
@@ -353,6 +379,8 @@ def run(argv: list[str] | None = None) -> int:
     callback_list = build_callbacks()
     trainer = build_trainer(callback_list, env, ckpt_path)
     log_startup(trainer, env, model)
+    if env["rank"] == 0:
+        log_finetuning_levers(model, module.batching)
     trainer.fit(module, ckpt_path=ckpt_path)
     process_control.set_training(False)
     checkpoint_callback = next(

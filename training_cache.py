@@ -181,6 +181,68 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
+# In a tokenizer directory (scripts/train_tokenizer.py writes it): how often each piece occurs in
+# the text the tokenizer was trained on, sampled with the training language mix. A finetune starts
+# the output bias of every piece its base lacks from it (asr_model.new_piece_prior).
+PIECE_COUNTS_FILE = "piece_counts.json"
+
+
+def write_piece_counts(tokenizer_dir: Path, counts: list[int], sentences: int) -> None:
+    """``PIECE_COUNTS_FILE`` in ``tokenizer_dir``: ``counts[i]`` occurrences of piece i in
+    ``sentences`` sampled training texts (each with its language tag), tied to the directory's
+    tokenizer.model by its sha256."""
+    model = (Path(tokenizer_dir) / "tokenizer.model").read_bytes()
+    record = {
+        "tokenizer_model_sha256": hashlib.sha256(model).hexdigest(),
+        "sentences": int(sentences),
+        "counts": [int(c) for c in counts],
+    }
+    (Path(tokenizer_dir) / PIECE_COUNTS_FILE).write_text(json.dumps(record), encoding="utf-8")
+
+
+def read_piece_counts(tokenizer_dir: Path) -> list[int] | None:
+    """The piece counts ``write_piece_counts`` stored for ``tokenizer_dir``'s tokenizer.model, or
+    None when there are none or they belong to another tokenizer.model (a file copied beside it)."""
+    directory = Path(tokenizer_dir)
+    try:
+        record = json.loads((directory / PIECE_COUNTS_FILE).read_text(encoding="utf-8"))
+        model = (directory / "tokenizer.model").read_bytes()
+        counts = record["counts"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if record.get("tokenizer_model_sha256") != hashlib.sha256(model).hexdigest():
+        log.warning(
+            "%s was counted for another tokenizer.model than the one beside it: ignored",
+            directory / PIECE_COUNTS_FILE,
+        )
+        return None
+    return counts
+
+
+# A language whose sampled text takes at most this share of its pieces from those appended to the
+# base's tokenizer is one the base already covers (a stray character allowed).
+BASE_COVERED_APPENDED_SHARE = 0.02
+
+
+def tokenizer_base_languages(tokenizer_dir: Path) -> tuple[str, ...]:
+    """The languages whose training text the base model's own pieces write: those of an extended
+    tokenizer's summary.json (scripts/train_tokenizer.py) with at most
+    ``BASE_COVERED_APPENDED_SHARE`` of their pieces appended. () for a tokenizer that extends no
+    base (TOKENIZER_MODE=new) or has no summary."""
+    try:
+        summary = json.loads((Path(tokenizer_dir) / "summary.json").read_text(encoding="utf-8"))
+        per_language = summary["per_language"] if "extension" in summary else {}
+        return tuple(
+            sorted(
+                lang
+                for lang, row in per_language.items()
+                if row.get("appended_piece_share", 1.0) <= BASE_COVERED_APPENDED_SHARE
+            )
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return ()
+
+
 def _sentencepiece_proto(tokenizer) -> bytes | None:
     """The model proto when ``tokenizer.text_to_ids`` is exactly SentencePiece's ``encode`` (a plain
     NeMo SentencePieceTokenizer), so worker processes can rebuild it from bytes; else None."""

@@ -202,7 +202,8 @@ STEP_METRICS: tuple[Metric, ...] = (
            lambda s: dict(s.total["bad_audio"])),
     Metric("lang_share/<lang>", "pooled", "share of utterances per language over the last 100 steps",
            lambda s: _shares(s.recent_langs)),
-    Metric("lang_target/<lang>", "same", "the sampler's target share per language (TEMPERATURE)",
+    Metric("lang_target/<lang>", "same", "the sampler's target share per language (TEMPERATURE, "
+           "BASE_LANGUAGE_SHARE)",
            lambda s: {lang: s.target_share.get(lang, math.nan) for lang in s.recent_langs}),
     Metric("gpu/peak_memory_gib", "max", "peak GPU memory allocated in this step, largest rank",
            lambda s: s.measures["peak_memory_gib"], cuda_only=True),

@@ -141,8 +141,91 @@ def check_audio_sample(
     return bad
 
 
+def group_lr_scales() -> list[float]:
+    """The LR of each of ``parameter_groups``' groups as a multiple of ``lr_at_step``'s: decoder and
+    joint 1, the encoder ENCODER_LR_SCALE."""
+    return [1.0, config.ENCODER_LR_SCALE]
+
+
+def parameter_groups(model) -> list[dict]:
+    """AdamW's parameter groups: [0] every parameter outside the encoder (decoder, joint, ...),
+    [1] the encoder's; each in ``model.parameters()`` order. The LR of group 0 is the schedule's
+    (what train/lr logs), group 1's is ``group_lr_scales``' multiple of it."""
+    encoder = {id(p) for p in asr_model.encoder(model).parameters()}
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if id(p) not in encoder]},
+        {"params": [p for p in params if id(p) in encoder]},
+    ]
+
+
+def regroup_single_group_state(checkpoint: dict, model) -> bool:
+    """Give a checkpoint whose AdamW had one parameter group (every parameter, in
+    ``model.parameters()`` order: this app before ``parameter_groups``) that layout, in place, so
+    its moments resume under today's groups; its LambdaLR gets one base LR per group. True when
+    it changed something."""
+    states = checkpoint.get("optimizer_states") or []
+    groups = parameter_groups(model)
+    if len(states) != 1 or len(states[0].get("param_groups", ())) != 1:
+        return False
+    (old_group,) = states[0]["param_groups"]
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    if len(old_group["params"]) != len(index):
+        return False  # not this model's optimizer: Lightning's own load names the mismatch
+    order = [index[id(p)] for group in groups for p in group["params"]]  # new index -> old index
+    old_state = states[0].get("state", {})
+    states[0]["state"] = {
+        new: old_state[old_group["params"][old]]
+        for new, old in enumerate(order)
+        if old_group["params"][old] in old_state
+    }
+    start, new_groups = 0, []
+    for group in groups:
+        new_groups.append({**old_group, "params": list(range(start, start + len(group["params"])))})
+        start += len(group["params"])
+    states[0]["param_groups"] = new_groups
+    for scheduler in checkpoint.get("lr_schedulers") or []:
+        for key in ("base_lrs", "_last_lr"):
+            if isinstance(scheduler.get(key), list) and len(scheduler[key]) == 1:
+                scheduler[key] = scheduler[key] * len(groups)
+        if isinstance(scheduler.get("lr_lambdas"), list) and len(scheduler["lr_lambdas"]) == 1:
+            scheduler["lr_lambdas"] = scheduler["lr_lambdas"] * len(groups)
+    return True
+
+
+class NewPieceLRScale:
+    """NEW_PIECE_LR_SCALE: after every optimizer step, the change AdamW made to each row of a piece
+    the base model lacked (``asr_model.new_piece_parameters``) is multiplied by ``scale``; every
+    other row keeps AdamW's own step. A row-wise LR: AdamW's steps do not depend on the size of
+    the gradient, so scaling the gradient could not do it. A skipped step (no gradients) changes
+    nothing, and so stays unchanged. Registered as the optimizer's step hooks."""
+
+    def __init__(self, rows: list[tuple[torch.nn.Parameter, torch.Tensor]], scale: float):
+        self.rows, self.scale = rows, float(scale)
+        self._before: list[torch.Tensor] | None = None
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.rows and self.scale != 1.0:
+            optimizer.register_step_pre_hook(self._remember)
+            optimizer.register_step_post_hook(self._scale)
+
+    @torch.no_grad()
+    def _remember(self, optimizer, args, kwargs) -> None:
+        self._before = [p[rows.to(p.device)].clone() for p, rows in self.rows]
+
+    @torch.no_grad()
+    def _scale(self, optimizer, args, kwargs) -> None:
+        before, self._before = self._before, None
+        if before is None:
+            return
+        for (p, rows), old in zip(self.rows, before):
+            rows = rows.to(p.device)
+            p[rows] = old + self.scale * (p[rows] - old)
+
+
 def apply_current_lr_schedule(trainer) -> None:
-    """Set every param group's LR to ``lr_at_step(global_step)`` under the current settings.
+    """Set every param group's LR to ``lr_at_step(global_step)`` times its ``group_lr_scales``
+    under the current settings.
 
     A resumed run restores each group's "lr" as the checkpoint's job computed it, under that job's
     settings (LambdaLR recomputes it only after the next step): without this, the first step after
@@ -150,8 +233,9 @@ def apply_current_lr_schedule(trainer) -> None:
     """
     schedule = lr_schedule_from_config()
     for optimizer in trainer.optimizers:
-        for group in optimizer.param_groups:
-            group["lr"] = schedule(trainer.global_step)
+        scales = group_lr_scales() if len(optimizer.param_groups) > 1 else [1.0]
+        for group, scale in zip(optimizer.param_groups, scales):
+            group["lr"] = schedule(trainer.global_step) * scale
 
 
 # ---- the LightningModule ---------------------------------------------------------------------
@@ -220,6 +304,12 @@ class TrainingModule(pl.LightningModule):
         checkpoint[RUN_RECORD_KEY] = self.run_record()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if regroup_single_group_state(checkpoint, self.model):
+            log.info(
+                "the checkpoint's optimizer had one parameter group: split into %d (encoder "
+                "and the rest) with its moments",
+                len(parameter_groups(self.model)),
+            )
         record = checkpoint.get(RUN_RECORD_KEY, {})
         self.last_evaluation = record.get("evaluation")
         self.base_evaluation = record.get("base_evaluation")
@@ -506,11 +596,21 @@ class TrainingModule(pl.LightningModule):
             m.num_batches_tracked.copy_(n)
 
     def configure_optimizers(self):
-        # Base LR 1.0, so LambdaLR's factor IS the learning rate of lr_at_step.
+        # Base LR 1.0, so LambdaLR's factor IS the learning rate of lr_at_step (times the group's scale).
         optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=1.0, betas=(0.9, 0.98), weight_decay=config.WEIGHT_DECAY
+            parameter_groups(self.model),
+            lr=1.0,
+            betas=(0.9, 0.98),
+            weight_decay=config.WEIGHT_DECAY,
         )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule_from_config())
+        NewPieceLRScale(
+            asr_model.new_piece_parameters(self.model), config.NEW_PIECE_LR_SCALE
+        ).attach(optimizer)
+        schedule = lr_schedule_from_config()
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            [lambda step, k=scale: schedule(step) * k for scale in group_lr_scales()],
+        )
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},

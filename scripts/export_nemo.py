@@ -9,6 +9,8 @@ Usage:
     python scripts/export_nemo.py last --average 3       # the mean of the newest 3 -> step_<newest>.avg3.nemo
     python scripts/export_nemo.py best --average 3       # the mean of the 3 with the lowest WER
     python scripts/export_nemo.py a.ckpt b.ckpt c.ckpt --out averaged.nemo    # the mean of these
+    python scripts/export_nemo.py last --blend-sweep 0,0.1,0.2,0.3   # score blends with the base
+    python scripts/export_nemo.py last --blend-base 0.2   # 0.8 x finetuned + 0.2 x base -> .blend0.2.nemo
 
 A step checkpoint carries its model's description (class, config, tokenizer), so the model is
 rebuilt from the checkpoint alone; an older checkpoint without one is rebuilt the way train.py
@@ -30,6 +32,16 @@ VAL_MANIFEST_PATH), their WER is printed, and the better one is exported, the si
 tie; the model card says which was kept and both scores. Without a validation manifest the average is
 exported unscored, with a warning; ``--no-compare`` skips the comparison.
 
+Blending with the base (``--blend-base A``, a finetune of INIT_MODEL): every weight becomes
+(1 - A) x finetuned + A x the base as the finetune received it (INIT_MODEL through the run's own
+vocabulary change: its carried decoder and joint; rebuilt from INIT_MODEL as the run recorded it, or
+as set now when it moved), weight-space interpolation (WiSE-FT), which gives back part of what the
+base knew of its own languages for part of what the finetune learned. The rows of pieces the base
+lacked keep their finetuned values: the base had none, only the start the run gave them.
+``--blend-sweep 0,0.1,0.2,0.3`` scores each A on the validation set per language, base languages
+(BASE_LANGUAGES, or those the tokenizer's base covers) apart from the new ones, and exports nothing:
+choose A from its table, then export with ``--blend-base A``. A is in [0, 1): 0 is the finetune.
+
 The model card (``<name>.model-card.md``: base model, hours per language, tokenizer, settings, the
 newest validation WER/CER) comes from the newest checkpoint's run record; it names the averaged
 checkpoints. NeMo's ``save_to`` writes the .nemo; the .nemo and its card appear together.
@@ -38,6 +50,7 @@ checkpoints. NeMo's ``save_to`` writes the .nemo; the .nemo and its card appear 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -135,6 +148,143 @@ def average_weights(paths: list[Path]) -> dict:
     }
 
 
+class BlendError(UserError):
+    """A blend with the base that cannot be made (no base, a base that does not fit)."""
+
+
+def base_as_received(record: dict, portable: dict | None):
+    """The model the finetune of ``record`` (a step checkpoint's run record) started from: its
+    INIT_MODEL (as set now when set, else as the run recorded it) through the vocabulary change the
+    run made, with the tokenizer files the checkpoint carries (``portable``; TOKENIZER_DIR for a
+    checkpoint without them); its ``new_piece_rows`` are the rows of pieces that base lacked and
+    ``base_languages`` the languages the tokenizer's base covers. BlendError without such a base."""
+    import shutil
+    import tempfile
+
+    import asr_model
+    import config
+    from training_cache import tokenizer_base_languages
+
+    settings = record.get("settings", {})
+    init_model = (
+        config.INIT_MODEL
+        if config.KNOBS["INIT_MODEL"].source == "env"
+        else settings.get("INIT_MODEL", "")
+    )
+    if not init_model:
+        raise BlendError(
+            "the run trained from scratch (its INIT_MODEL is empty): there is no base to blend with"
+        )
+    if settings.get("DECODER_INIT", "carry") != "carry":
+        raise BlendError(
+            f"the run started its decoder and joint afresh (DECODER_INIT="
+            f"{settings['DECODER_INIT']}): the base's are not the start of the finetuned ones, so "
+            f"the two cannot be blended"
+        )
+    tokenizer_dir = Path(tempfile.mkdtemp(prefix="blend-tokenizer-"))
+    try:
+        if portable is None:  # a checkpoint without its tokenizer: TOKENIZER_DIR as in training
+            shutil.rmtree(tokenizer_dir)
+            shutil.copytree(config.TOKENIZER_DIR, tokenizer_dir)
+        else:
+            for name, data in portable["tokenizer"].items():
+                (tokenizer_dir / name).write_bytes(data)
+        base = asr_model.build_model(init_model, None, tokenizer_dir, "carry")
+        base.base_languages = tokenizer_base_languages(tokenizer_dir)
+        return base
+    except (FileNotFoundError, config.ConfigError) as exc:
+        raise BlendError(
+            f"the run's base INIT_MODEL={init_model} cannot be rebuilt ({exc}); set INIT_MODEL to "
+            f"where that base model is now"
+        ) from None
+    finally:
+        shutil.rmtree(tokenizer_dir, ignore_errors=True)
+
+
+def blend_weights(finetuned: dict, base, amount: float) -> dict:
+    """(1 - amount) x ``finetuned`` + amount x ``base``'s weights, for every floating-point tensor
+    of both; the rows of pieces ``base`` lacked (its ``new_piece_rows``) and integer buffers stay
+    the finetuned ones. BlendError when the two are not the same model."""
+
+    import asr_model
+
+    base_state = base.state_dict()
+    if base_state.keys() != finetuned.keys():
+        raise BlendError(
+            f"the base rebuilt from INIT_MODEL holds other tensors than the checkpoint "
+            f"({sorted(base_state.keys() ^ finetuned.keys())[:3]}...): is INIT_MODEL the run's base?"
+        )
+    names = {id(p): name for name, p in base.named_parameters()}
+    new_rows = {names[id(p)]: rows for p, rows in asr_model.new_piece_parameters(base)}
+    out = {}
+    for key, value in finetuned.items():
+        other = base_state[key]
+        if other.shape != value.shape:
+            raise BlendError(
+                f"{key} has shape {tuple(value.shape)} in the checkpoint, {tuple(other.shape)} in "
+                f"the base rebuilt from INIT_MODEL: is INIT_MODEL the run's base?"
+            )
+        if not value.is_floating_point():
+            out[key] = value.clone()
+            continue
+        mixed = ((1 - amount) * value.double() + amount * other.double()).to(value.dtype)
+        if key in new_rows:
+            mixed[new_rows[key]] = value[new_rows[key]]
+        out[key] = mixed
+    return out
+
+
+def blend_sweep(
+    path: Path, weights: dict, base, amounts: list[float], manifest: Path
+) -> list[dict]:
+    """The checkpoint ``path`` with ``weights`` blended with ``base`` by each of ``amounts``, scored
+    on ``manifest``: [{"blend", "wer", "cer"}] per language and "all"; printed as a table with the
+    base languages (BASE_LANGUAGES, else ``base.base_languages``) apart from the new ones."""
+    import asr_model
+    import config
+    from scripts import evaluate
+
+    rows = []
+    for amount in amounts:
+        model = asr_model.load_trained_model(
+            path, "cpu", weights=blend_weights(weights, base, amount)
+        )
+        results, _, _ = evaluate.evaluate(model, manifest, device="cpu", progress=False)
+        rows.append(
+            {
+                "blend": amount,
+                "wer": {lang: c.wer for lang, c in results.items()},
+                "cer": {lang: c.cer for lang, c in results.items()},
+            }
+        )
+    langs = sorted({lang for row in rows for lang in row["wer"]} - {"all"})
+    known = config.BASE_LANGUAGES or base.base_languages
+    base_langs = [lang for lang in langs if lang in known]
+    new_langs = [lang for lang in langs if lang not in known]
+
+    def mean(row: dict, group: list[str]) -> float:
+        values = [row[lang] for lang in group]
+        return sum(values) / len(values) if values else float("nan")
+
+    print(
+        f"blends with the base, scored on {manifest} (WER; base languages "
+        f"{', '.join(base_langs) or 'none'}, new {', '.join(new_langs) or 'none'}):"
+    )
+    print(
+        f"{'A':>5} "
+        + " ".join(f"{lang:>6}" for lang in langs)
+        + f" {'all':>6} {'base':>6} {'new':>6}"
+    )
+    for row in rows:
+        print(
+            f"{row['blend']:>5.2f} "
+            + " ".join(f"{row['wer'][lang]:>6.3f}" for lang in langs)
+            + f" {row['wer']['all']:>6.3f} {mean(row['wer'], base_langs):>6.3f}"
+            f" {mean(row['wer'], new_langs):>6.3f}"
+        )
+    return rows
+
+
 def best_single(paths: list[Path]) -> Path:
     """The single checkpoint an average of ``paths`` must beat: the run's lowest validation WER
     among the step checkpoints of their directory (run.json), else the newest of ``paths``."""
@@ -192,7 +342,31 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="export the average without scoring it against the best single checkpoint",
     )
+    parser.add_argument(
+        "--blend-base",
+        type=float,
+        default=0.0,
+        metavar="A",
+        help="export (1 - A) x the finetuned weights + A x the base's (INIT_MODEL as the run "
+        "received it), A in [0, 1); default 0: the finetune as it is",
+    )
+    parser.add_argument(
+        "--blend-sweep",
+        default="",
+        metavar="A,A,...",
+        help="score each blend with the base on the validation set (--manifest) per language and "
+        "print the table; exports nothing",
+    )
+    parser.add_argument(
+        "--sweep-json", type=Path, default=None, help="also write --blend-sweep's scores here"
+    )
     args = parser.parse_args(argv)
+    try:
+        sweep = [float(a) for a in args.blend_sweep.split(",") if a.strip()]
+    except ValueError:
+        parser.error(f"--blend-sweep {args.blend_sweep!r}: expected numbers such as 0,0.1,0.2")
+    if any(not 0 <= a < 1 for a in [*sweep, args.blend_base]):
+        parser.error("--blend-base and --blend-sweep take values A with 0 <= A < 1")
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -219,7 +393,38 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     selected = selection(args.checkpoint, paths)
     manifest = Path(args.manifest or config.VAL_MANIFEST_PATH)
-    if len(paths) > 1 and not args.no_compare:
+    if sweep or args.blend_base:
+        try:
+            portable = checkpoints.read_checkpoint(newest, mmap=True).get(asr_model.PORTABLE_KEY)
+            base = base_as_received(record, portable)
+            finetuned = weights or asr_model.model_weights(
+                checkpoints.read_checkpoint(newest, mmap=True)
+            )
+            if sweep:
+                if not manifest.is_file():
+                    raise BlendError(
+                        f"--blend-sweep scores on {manifest}, which does not exist: give --manifest"
+                    )
+                rows = blend_sweep(newest, finetuned, base, sweep, manifest)
+                if args.sweep_json:
+                    args.sweep_json.write_text(json.dumps(rows, indent=1) + "\n")
+                return 0
+            model = asr_model.load_trained_model(
+                newest, "cpu", weights=blend_weights(finetuned, base, args.blend_base)
+            )
+        except UserError as exc:
+            print(f"export_nemo: error: {exc}", file=sys.stderr)
+            return 2
+        if args.out is None:
+            out = out.with_name(out.name.removesuffix(".nemo") + f".blend{args.blend_base:g}.nemo")
+        selected += (
+            f", blended with its base: {1 - args.blend_base:g} x finetuned + "
+            f"{args.blend_base:g} x {record.get('settings', {}).get('INIT_MODEL', 'the base')}"
+        )
+        record = {**record, "blend_base": args.blend_base}
+    # A blend is of the average itself: scoring it against a single unblended checkpoint would
+    # compare two different choices.
+    if len(paths) > 1 and not args.no_compare and not args.blend_base:
         if not manifest.is_file():
             print(
                 f"export_nemo: warning: no validation manifest at {manifest}: the average is "

@@ -33,7 +33,9 @@ What it guarantees:
 - Sentences are drawn per language with the training temperature (share ~ n_l^TEMPERATURE, n_l by
   utterance count or hours as LANG_WEIGHTING says), so small languages get vocabulary.
 - The output directory is what NeMo's ``process_asr_text_tokenizer.py`` writes: tokenizer.model,
-  tokenizer.vocab and vocab.txt (same rules as NeMo's ``create_spt_model``), plus summary.json.
+  tokenizer.vocab and vocab.txt (same rules as NeMo's ``create_spt_model``), plus summary.json and
+  piece_counts.json (each piece's occurrences in up to 200k of the sampled texts, tags included:
+  a finetune starts the output bias of each piece its base lacks from its share).
   It is built in a temporary directory beside TOKENIZER_DIR and renamed into place, so a crash
   never leaves a half-written tokenizer.
 - When the corpus cannot fill VOCAB_SIZE pieces (tiny corpora), the vocabulary is capped to what
@@ -65,12 +67,15 @@ from tqdm import tqdm
 import config
 from manifest_schema import is_nemo_json, lang_tag, split_lang_tags
 from process_control import UserError
-from training_cache import sentencepiece_model_without_paths
+from training_cache import sentencepiece_model_without_paths, write_piece_counts
 
 log = logging.getLogger("train_tokenizer")
 
 SPECIAL_PIECES = ("<s>", "</s>", "<pad>", "<unk>")
 REPORT_SENTENCES_PER_LANG = 2000
+# Sampled sentences whose pieces are counted (piece_counts.json): plenty for the shares of the
+# pieces that matter, a few seconds of encoding.
+COUNT_SENTENCES = 200_000
 
 
 def split_tag(texts) -> tuple[np.ndarray, np.ndarray]:
@@ -446,6 +451,22 @@ def check_extension(base: bytes, extended: bytes, sentences: list[str], limit: i
     return len(same)
 
 
+def count_pieces(model_file: Path, tags: np.ndarray, rests: np.ndarray) -> list[int]:
+    """Occurrences of every piece of ``model_file`` in the texts as dataset.py emits them: each
+    row's ``<|lang|>`` tag, then its text's pieces."""
+    sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    counts = np.zeros(sp.get_piece_size(), dtype=np.int64)
+    for start in range(0, len(rests), 10_000):
+        ids = sp.encode(rests[start : start + 10_000].tolist())
+        flat = np.fromiter((i for row in ids for i in row), dtype=np.int64)
+        counts += np.bincount(flat, minlength=len(counts))
+    for lang, n in zip(*np.unique(tags, return_counts=True)):
+        tag = sp.piece_to_id(lang_tag(str(lang)))
+        if tag != sp.unk_id():
+            counts[tag] += n
+    return counts.tolist()
+
+
 def report(
     model_file: Path,
     tags: np.ndarray,
@@ -629,6 +650,12 @@ def train_tokenizer(
                     extension["base_pieces"],
                     extension["appended_pieces"],
                 )
+        counted = chosen[:COUNT_SENTENCES]
+        write_piece_counts(
+            work,
+            count_pieces(work / "tokenizer.model", tags[counted], rests[counted]),
+            len(counted),
+        )
         per_lang = report(
             work / "tokenizer.model",
             tags,

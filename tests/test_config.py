@@ -392,3 +392,10 @@ def test_an_encoder_never_unfrozen_is_said_with_a_step_that_unfreezes_it(monkeyp
         and "set UNFREEZE_STEP=1" in line
         for line in lines
     )
+
+
+def test_a_base_language_share_of_one_or_more_is_refused():
+    with pytest.raises(
+        config.ConfigError, match=r"BASE_LANGUAGE_SHARE='1': expected a share in \[0, 1\)"
+    ):
+        config.read_config({"BASE_LANGUAGE_SHARE": "1"})

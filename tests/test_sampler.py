@@ -32,6 +32,8 @@ BASE = dict(
     lang_weighting="count",
     cost_quadratic=0.0,
     sort_jitter=0.05,
+    base_languages=(),
+    base_share=0.0,
 )
 
 
@@ -912,3 +914,84 @@ def test_too_little_data_names_values_of_each_knob_that_give_one_optimizer_step(
         field = knob.lower()
         fixed = make(durations, languages, **{**settings, field: type(BASE[field])(float(value))})
         assert len(list(fixed)) >= fixed.grad_accum, f"{knob}={value} still too little: {message}"
+
+
+# ---- replay floor --------------------------------------------------------------------------------
+
+REPLAY = {"hi": 6000, "ta": 3000, "bn": 1500, "en": 150}
+
+
+def test_the_base_languages_get_at_least_base_share_of_the_epoch_and_the_others_keep_proportions():
+    durations, langs = corpus(REPLAY)
+    counts = np.array(list(REPLAY.values()))
+    tempered = dict(zip(REPLAY, target(counts, 0.3)))
+    assert tempered["en"] < 0.2  # the floor binds
+    s = make(durations, langs, base_languages=("en",), base_share=0.25)
+    got = shares([i for b in s for i in b], langs)
+    assert got["en"] == pytest.approx(0.25, abs=0.005)
+    new = {lang: tempered[lang] / (1 - tempered["en"]) * 0.75 for lang in ("hi", "ta", "bn")}
+    for lang, share in new.items():
+        assert got[lang] == pytest.approx(share, abs=0.005), lang
+    assert s.epoch_stats()["target_share"]["en"] == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize(
+    ("base", "share"),
+    [(("en",), 0.05), (("hi", "ta", "bn", "en"), 0.5), (("xx",), 0.5), (("en",), 0.0)],
+    ids=["already-above", "every-language-is-base", "absent-language", "no-floor"],
+)
+def test_a_floor_that_does_not_bind_leaves_the_plan_and_its_state_as_without_one(base, share):
+    durations, langs = corpus(REPLAY)
+    plain = make(durations, langs)
+    floored = make(durations, langs, base_languages=base, base_share=share)
+    assert plan_digest(floored) == plan_digest(plain)
+    assert floored.state_dict() == plain.state_dict()
+
+
+def test_a_state_from_before_the_floor_is_refused_naming_the_knob_when_the_floor_binds():
+    durations, langs = corpus(REPLAY)
+    older = make(durations, langs).state_dict() | {"position": 5}
+    del older["base_languages"], older["base_share"]
+    floored = make(durations, langs, base_languages=("en",), base_share=0.25)
+    with pytest.raises(
+        sampler_module.SamplerStateError,
+        match=r"base_share: checkpoint 0\.0 \(written before the setting existed\), this run 0\.25"
+        r".*BASE_LANGUAGE_SHARE=0 reproduces its plan",
+    ):
+        floored.load_state_dict(older)
+    unbound = make(durations, langs, base_languages=("en",), base_share=0.01)
+    unbound.load_state_dict(older)  # the floor changes nothing here: the run continues
+    assert list(unbound) == list(make(durations, langs))[5:]
+
+
+def test_base_share_outside_zero_to_one_is_refused():
+    durations, langs = corpus(REPLAY)
+    with pytest.raises(ValueError, match=r"base_share=1\.0: expected a share in \[0, 1\)"):
+        make(durations, langs, base_languages=("en",), base_share=1.0)
+
+
+def test_base_languages_default_to_those_the_extended_tokenizer_leaves_as_they_were(
+    tmp_path, monkeypatch
+):
+    import json
+
+    summary = {
+        "mode": "extend",
+        "extension": {"base_pieces": 1024},
+        "per_language": {
+            "en": {"appended_piece_share": 0.0},
+            "hi": {"appended_piece_share": 0.93},
+            "te": {"appended_piece_share": 0.01},
+        },
+    }
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    monkeypatch.setattr(config, "TOKENIZER_DIR", tmp_path)
+    monkeypatch.setattr(config, "BASE_LANGUAGES", ())
+    monkeypatch.setattr(config, "BASE_LANGUAGE_SHARE", 0.25)
+    assert BatchingSettings.from_config().base_languages == ("en", "te")
+    monkeypatch.setattr(config, "BASE_LANGUAGES", ("hi",))
+    assert BatchingSettings.from_config().base_languages == ("hi",)
+    del summary["extension"]  # a tokenizer of its own (TOKENIZER_MODE=new) extends no base
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    monkeypatch.setattr(config, "BASE_LANGUAGES", ())
+    assert BatchingSettings.from_config().base_languages == ()

@@ -67,7 +67,38 @@ def test_writes_the_nemo_tokenizer_files(trained):
         "tokenizer.vocab",
         "vocab.txt",
         "summary.json",
+        "piece_counts.json",
     }
+
+
+def test_piece_counts_are_the_sampled_texts_pieces_with_their_tags(trained):
+    import training_cache
+
+    out, summary = trained
+    counts = training_cache.read_piece_counts(out)
+    sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
+    assert len(counts) == sp.get_piece_size()
+    record = json.loads((out / "piece_counts.json").read_text())
+    assert record["sentences"] == summary["sampled_sentences"]
+    tags = [sp.piece_to_id(lang_tag(lang)) for lang in ("en", "hi", "ta")]
+    # every sampled sentence starts with its tag, as dataset.py emits it
+    assert sum(counts[t] for t in tags) == summary["sampled_sentences"]
+    # the temperature-sampled mix: Tamil, 10 of 411 rows, is sampled far above its natural share
+    assert counts[tags[2]] / summary["sampled_sentences"] > 3 * 10 / 411
+    text_pieces = sum(counts) - summary["sampled_sentences"]
+    assert text_pieces > summary["sampled_sentences"]  # pieces of the texts themselves
+
+
+def test_piece_counts_beside_another_tokenizer_model_are_not_read(trained, tmp_path):
+    import shutil
+
+    import training_cache
+
+    out, _ = trained
+    copy = tmp_path / "tok"
+    shutil.copytree(out, copy)
+    (copy / "tokenizer.model").write_bytes((copy / "tokenizer.model").read_bytes() + b"\0")
+    assert training_cache.read_piece_counts(copy) is None
 
 
 def test_vocab_txt_follows_nemo_rules(trained):

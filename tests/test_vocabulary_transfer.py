@@ -80,6 +80,7 @@ def test_shared_pieces_blank_and_durations_carry_their_rows(carried):
         "dropped": 0,
         "decoder_init": "carry",
         "heads": ["decoder", "joint"],
+        "new_piece_prior": "equal",
     }
     embed, old_embed = (
         model.decoder.state_dict()["prediction.embed.weight"],
@@ -98,6 +99,16 @@ def test_shared_pieces_blank_and_durations_carry_their_rows(carried):
     assert torch.equal(embed[v_new], old_embed[v_old])  # blank
 
 
+def log_shares(tokenizer_dir: Path, rows: list[int]) -> torch.Tensor:
+    """The new pieces' log shares the carry should start their biases from: add-one smoothed
+    counts of piece_counts.json, normalized over ``rows``."""
+    import json
+
+    counts = json.loads((tokenizer_dir / "piece_counts.json").read_text())["counts"]
+    smoothed = torch.tensor([counts[i] + 1.0 for i in rows], dtype=torch.float64)
+    return (smoothed / smoothed.sum()).log().float()
+
+
 def test_new_pieces_start_as_the_average_base_piece_pushed_down_by_log_n(carried):
     model, before, old_pieces, counts = carried
     v_old, n_new = len(old_pieces), counts["new"]
@@ -110,6 +121,71 @@ def test_new_pieces_start_as_the_average_base_piece_pushed_down_by_log_n(carried
     assert torch.allclose(out.weight[new_ids], old_w[:v_old].mean(dim=0).expand(n_new, -1))
     expected = float(old_b[:v_old].mean()) - math.log(n_new)
     assert torch.allclose(out.bias[new_ids], torch.full((n_new,), expected))
+    assert model.new_piece_rows == new_ids
+
+
+def test_with_new_piece_bias_frequency_new_pieces_start_at_their_log_share_of_the_text(
+    tokenizers, monkeypatch
+):
+    monkeypatch.setattr(config, "NEW_PIECE_BIAS", "frequency")
+    model = base_model(tokenizers)
+    old_b = model.joint.joint_net[-1].bias.detach().clone()
+    v_old = len(asr_model.model_pieces(model))
+    counts = asr_model.use_tokenizer(model, tokenizers["extended"], decoder_init="carry")
+    assert counts["new_piece_prior"] == "frequency"
+    new_ids = list(range(v_old, v_old + counts["new"]))
+    shares = log_shares(tokenizers["extended"], new_ids)
+    bias = model.joint.joint_net[-1].bias[new_ids]
+    assert torch.allclose(bias, float(old_b[:v_old].mean()) + shares, atol=1e-6)
+    # the new script's common pieces start closer to play than its rare ones
+    assert float(shares.max()) - float(shares.min()) > 1.0
+    # and every one still below the mean base logit, all together at most 1/V of the base's mass
+    torch.manual_seed(3)
+    hidden = torch.relu(torch.randn(2000, model.joint.joint_net[-1].in_features) * 3)
+    logits = model.joint.joint_net[-1](hidden)
+    base, new = logits[:, :v_old], logits[:, v_old : v_old + len(new_ids)]
+    assert bool((new.max(dim=1).values < base.max(dim=1).values).all())
+    new_mass = torch.logsumexp(new, dim=1) - torch.logsumexp(base, dim=1)
+    assert float(new_mass.max()) <= -math.log(v_old) + 1e-5
+
+
+def test_new_piece_bias_frequency_without_piece_counts_warns_and_starts_at_equal_shares(
+    tokenizers, tmp_path, caplog, monkeypatch
+):
+    import logging
+    import shutil
+
+    monkeypatch.setattr(config, "NEW_PIECE_BIAS", "frequency")
+    bare = tmp_path / "extended_without_counts"
+    shutil.copytree(tokenizers["extended"], bare, ignore=shutil.ignore_patterns("piece_counts*"))
+    model = base_model(tokenizers)
+    old_b = model.joint.joint_net[-1].bias.detach().clone()
+    v_old = len(asr_model.model_pieces(model))
+    with caplog.at_level(logging.WARNING):
+        counts = asr_model.use_tokenizer(model, bare, decoder_init="carry")
+    n_new = counts["new"]
+    assert counts["new_piece_prior"] == "equal"
+    assert any("holds no piece counts" in r.getMessage() for r in caplog.records)
+    expected = float(old_b[:v_old].mean()) - math.log(n_new)
+    bias = model.joint.joint_net[-1].bias[v_old : v_old + n_new]
+    assert torch.allclose(bias, torch.full((n_new,), expected))
+
+
+def test_piece_counts_of_another_tokenizer_are_ignored_with_a_warning(
+    tokenizers, tmp_path, caplog, monkeypatch
+):
+    import logging
+    import shutil
+
+    monkeypatch.setattr(config, "NEW_PIECE_BIAS", "frequency")
+    mixed = tmp_path / "extended_with_foreign_counts"
+    shutil.copytree(tokenizers["extended"], mixed)
+    shutil.copy(tokenizers["replaced"] / "piece_counts.json", mixed / "piece_counts.json")
+    model = base_model(tokenizers)
+    with caplog.at_level(logging.WARNING):
+        counts = asr_model.use_tokenizer(model, mixed, decoder_init="carry")
+    assert counts["new_piece_prior"] == "equal"
+    assert any("counted for another tokenizer.model" in r.getMessage() for r in caplog.records)
 
 
 def test_no_new_piece_outvotes_the_base_and_all_hold_at_most_1_over_v_of_its_mass(carried):
@@ -246,7 +322,9 @@ def hybrid_carried(tokenizers):
     return base, before, old_pieces, counts
 
 
-def test_the_hybrid_ctc_decoder_carries_shared_piece_rows_and_moves_blank(hybrid_carried):
+def test_the_hybrid_ctc_decoder_carries_shared_piece_rows_and_moves_blank(
+    hybrid_carried, tokenizers
+):
     model, before, old_pieces, _ = hybrid_carried
     new_pieces = asr_model.model_pieces(model)
     v_old, v_new = len(old_pieces), len(new_pieces)

@@ -1,0 +1,342 @@
+"""The finetuning levers of training_step: NEW_PIECE_LR_SCALE (larger steps for the rows of pieces
+the base lacked), ENCODER_LR_SCALE (the encoder's own LR), and a checkpoint of the one-group
+optimizer layout resuming under today's groups."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import asr_model
+import config
+import training_step
+from scripts import train_tokenizer as tt
+from tests.tiny_training_data import write_manifest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny_tdt.yaml"
+
+
+@pytest.fixture(autouse=True)
+def visible_steps(monkeypatch):
+    """An LR whose first step moves float32 weights visibly (the default warmup starts at 6e-8)."""
+    monkeypatch.setattr(config, "WARMUP_STEPS", 1)
+    monkeypatch.setattr(config, "PHASE1_LR", 1e-2)
+    monkeypatch.setattr(config, "PHASE2_LR", 1e-2)
+    monkeypatch.setattr(config, "UNFREEZE_STEP", 10)
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    """An English base tokenizer and its extension to Hindi and Tamil."""
+    root = tmp_path_factory.mktemp("levers")
+    en = write_manifest(root / "en", 40, langs=("en",), name="en.parquet")
+    mix = write_manifest(root / "mix", 30, langs=("hi", "en", "ta"), name="mix.parquet")
+    common = dict(temperature=0.5, lang_weighting="count", seed=0)
+    tt.train_tokenizer(en, root / "base", vocab_size=40, mode="new", **common)
+    tt.train_tokenizer(
+        mix, root / "extended", vocab_size=120, mode="extend", base=str(root / "base"), **common
+    )
+    return {name: root / name for name in ("base", "extended")}
+
+
+def carried_model(tokenizers):
+    """A tiny English base model carried onto the extended tokenizer, as train.py builds it (the
+    same weights at every call)."""
+    torch.manual_seed(0)
+    model = asr_model.build_model("", TINY, tokenizers["base"])
+    asr_model.use_tokenizer(model, tokenizers["extended"], decoder_init="carry")
+    return model
+
+
+@pytest.fixture
+def finetune(tokenizers):
+    return carried_model(tokenizers)
+
+
+def one_step(tokenizers, scale: float, monkeypatch, grads: dict[str, torch.Tensor] | None):
+    """The carried model after one AdamW step of TrainingModule's optimizer with
+    NEW_PIECE_LR_SCALE ``scale`` and the given gradients (None: a skipped step, no gradient)."""
+    monkeypatch.setattr(config, "NEW_PIECE_LR_SCALE", scale)
+    model = carried_model(tokenizers)
+    module = training_step.TrainingModule(model)
+    optimizer = module.configure_optimizers()["optimizer"]
+    for name, p in model.named_parameters():
+        p.grad = None if grads is None else grads[name].clone()
+    optimizer.step()
+    return model
+
+
+def test_new_piece_rows_take_steps_new_piece_lr_scale_times_adamws_and_no_other_row_does(
+    finetune, tokenizers, monkeypatch
+):
+    torch.manual_seed(1)
+    grads = {name: torch.randn_like(p) for name, p in finetune.named_parameters()}
+    before = {name: p.detach().clone() for name, p in finetune.named_parameters()}
+    plain = dict(one_step(tokenizers, 1.0, monkeypatch, grads).named_parameters())
+    fast = dict(one_step(tokenizers, 10.0, monkeypatch, grads).named_parameters())
+    rows = torch.tensor(finetune.new_piece_rows)
+    names = {id(p): n for n, p in finetune.named_parameters()}
+    scaled = {names[id(p)] for p, _ in asr_model.new_piece_parameters(finetune)}
+    assert scaled == {
+        "decoder.prediction.embed.weight",
+        "joint.joint_net.2.weight",
+        "joint.joint_net.2.bias",
+    }
+    for name, p in fast.items():
+        step_fast, step_plain = p.detach() - before[name], plain[name].detach() - before[name]
+        if name in scaled:
+            assert torch.allclose(step_fast[rows], 10 * step_plain[rows], rtol=1e-4, atol=1e-7)
+            others = torch.ones(len(p), dtype=torch.bool)
+            others[rows] = False
+            assert torch.equal(step_fast[others], step_plain[others]), name
+            assert step_plain[rows].abs().max() > 0
+        else:
+            assert torch.equal(step_fast, step_plain), name
+
+
+def test_a_skipped_step_moves_no_new_piece_row(finetune, tokenizers, monkeypatch):
+    before = {name: p.detach().clone() for name, p in finetune.named_parameters()}
+    after = one_step(tokenizers, 10.0, monkeypatch, grads=None)
+    for name, p in after.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
+
+
+def test_a_model_built_fresh_has_no_new_piece_rows_to_scale(tokenizers):
+    model = asr_model.build_model("", TINY, tokenizers["extended"])
+    assert asr_model.new_piece_parameters(model) == []
+
+
+def test_the_encoder_learns_at_encoder_lr_scale_times_the_schedule(finetune, monkeypatch):
+    monkeypatch.setattr(config, "ENCODER_LR_SCALE", 0.25)
+    module = training_step.TrainingModule(finetune)
+    configured = module.configure_optimizers()
+    optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+    rest, enc = optimizer.param_groups
+    assert {id(p) for p in enc["params"]} == {id(p) for p in finetune.encoder.parameters()}
+    assert len(rest["params"]) + len(enc["params"]) == len(list(finetune.parameters()))
+    schedule = training_step.lr_schedule_from_config()
+    for step in (0, config.UNFREEZE_STEP + 3):
+        scheduler.last_epoch = step - 1
+        scheduler.step()
+        assert rest["lr"] == pytest.approx(schedule(step))
+        assert enc["lr"] == pytest.approx(0.25 * schedule(step))
+
+
+def test_apply_current_lr_schedule_gives_each_group_its_scale(finetune, monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(config, "ENCODER_LR_SCALE", 0.5)
+    optimizer = training_step.TrainingModule(finetune).configure_optimizers()["optimizer"]
+    for group in optimizer.param_groups:
+        group["lr"] = 123.0  # as a resumed checkpoint's job left it
+    training_step.apply_current_lr_schedule(SimpleNamespace(optimizers=[optimizer], global_step=7))
+    lr = training_step.lr_schedule_from_config()(7)
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([lr, 0.5 * lr])
+
+
+def test_a_one_group_checkpoint_gets_todays_groups_with_each_parameters_moments(finetune):
+    # The optimizer as this app built it before the groups: every parameter, one group.
+    old = torch.optim.AdamW(finetune.parameters(), lr=1.0, betas=(0.9, 0.98))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(old, lambda s: 1e-3)
+    for p in finetune.parameters():
+        p.grad = torch.randn_like(p)
+    old.step()
+    scheduler.step()
+    moments = {id(p): old.state[p]["exp_avg"].clone() for p in finetune.parameters()}
+    checkpoint = {
+        "optimizer_states": [old.state_dict()],
+        "lr_schedulers": [scheduler.state_dict()],
+    }
+    assert training_step.regroup_single_group_state(checkpoint, finetune)
+    new = torch.optim.AdamW(training_step.parameter_groups(finetune), lr=1.0, betas=(0.9, 0.98))
+    new.load_state_dict(checkpoint["optimizer_states"][0])
+    for group in new.param_groups:
+        for p in group["params"]:
+            assert torch.equal(new.state[p]["exp_avg"], moments[id(p)])
+    new_scheduler = torch.optim.lr_scheduler.LambdaLR(new, [lambda s: 1e-3, lambda s: 1e-3])
+    new_scheduler.load_state_dict(checkpoint["lr_schedulers"][0])
+    assert new_scheduler.base_lrs == [1.0, 1.0]
+    # today's layout is left as it is
+    assert not training_step.regroup_single_group_state(
+        {"optimizer_states": [new.state_dict()]}, finetune
+    )
+
+
+# ---- a real finetune: 2-process torchrun with every lever, its resume and its export ----------
+
+
+@pytest.fixture(scope="module")
+def finetune_run(tokenizers, tmp_path_factory):
+    """A base .nemo (English tokenizer) finetuned for 4 steps by torchrun train.py on Hindi, Tamil
+    and English with the extended tokenizer and every lever on; checkpoints at steps 2 and 4."""
+    from tests.tiny_training_data import make_training_data
+    from tests.torchrun_jobs import run_torchrun, tiny_train_env
+
+    root = tmp_path_factory.mktemp("finetune_run")
+    torch.manual_seed(0)
+    asr_model.build_model("", TINY, tokenizers["base"]).save_to(str(root / "base.nemo"))
+    data = make_training_data(root, per_lang=8, langs=("hi", "en", "ta"), vocab_size=120)
+    val = write_manifest(root / "val", 3, langs=("hi", "en", "ta"), seed=1, name="val.parquet")
+    knobs = dict(
+        DATA_DIR=str(root / "run"),
+        INIT_MODEL=str(root / "base.nemo"),
+        VAL_MANIFEST_PATH=str(val),
+        GRAD_ACCUM="1",
+        UNFREEZE_STEP="2",
+        CHECKPOINT_EVERY="2",
+        EVAL_EVERY_STEPS="4",
+        NEW_PIECE_LR_SCALE="10",
+        ENCODER_LR_SCALE="0.5",
+        BASE_LANGUAGE_SHARE="0.6",
+        PHASE1_LR="1e-2",
+        PHASE2_LR="1e-2",
+    )
+    env = tiny_train_env({**data, "tokenizer": tokenizers["extended"]}, MAX_STEPS="4", **knobs)
+    result = run_torchrun(REPO / "train.py", env, REPO, 300, root / "train.log")
+    assert result.returncode == 0, result.stdout[-3000:]
+    return {"root": root, "data": data, "knobs": knobs, "out": result.stdout}
+
+
+@pytest.mark.slow
+def test_a_finetune_names_its_levers_and_keeps_the_base_languages_at_their_floor(finetune_run):
+    import json
+
+    out = finetune_run["out"]
+    assert (
+        "finetuning: the " in out and "new pieces' rows step NEW_PIECE_LR_SCALE=10 x the LR" in out
+    )
+    assert "the encoder's LR is ENCODER_LR_SCALE=0.5 x the LR" in out
+    assert "the base's languages (en) keep at least BASE_LANGUAGE_SHARE=0.6 of the mix" in out
+    metrics = next((finetune_run["root"] / "run" / "wandb_logs").glob("*/metrics.jsonl"))
+    targets = [json.loads(line) for line in metrics.read_text().splitlines()]
+    en = [r["lang_target/en"] for r in targets if "lang_target/en" in r]
+    assert en and en[0] == pytest.approx(0.6)
+
+
+def one_group_copy(checkpoint_path: Path, model, out: Path) -> None:
+    """``checkpoint_path`` rewritten as this app wrote checkpoints before the parameter groups: one
+    AdamW group holding every parameter in ``model.parameters()`` order."""
+    ckpt = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
+    (opt,) = ckpt["optimizer_states"]
+    groups = training_step.parameter_groups(model)
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    position = [index[id(p)] for g in groups for p in g["params"]]  # today's index -> old index
+    opt["state"] = {position[new]: moments for new, moments in opt["state"].items()}
+    opt["param_groups"] = [{**opt["param_groups"][0], "params": list(range(len(position)))}]
+    for scheduler in ckpt["lr_schedulers"]:
+        scheduler["base_lrs"] = scheduler["base_lrs"][:1]
+        scheduler["_last_lr"] = scheduler["_last_lr"][:1]
+        scheduler["lr_lambdas"] = scheduler["lr_lambdas"][:1]
+    torch.save(ckpt, out)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_the_one_group_layout_resumes_to_the_same_weights(
+    finetune_run, tokenizers, tmp_path
+):
+    import shutil
+
+    from tests.torchrun_jobs import run_torchrun, tiny_train_env
+
+    root = finetune_run["root"]
+    step2 = root / "run" / "checkpoints" / "step_00000002.ckpt"
+    model = asr_model.build_model(str(root / "base.nemo"), tokenizer_dir=tokenizers["extended"])
+    weights = {}
+    for layout in ("today", "one_group"):
+        run_dir = tmp_path / layout
+        (run_dir / "checkpoints").mkdir(parents=True)
+        start = run_dir / "start.ckpt"
+        if layout == "today":
+            shutil.copy(step2, start)
+        else:
+            one_group_copy(step2, model, start)
+        knobs = {
+            **finetune_run["knobs"],
+            "DATA_DIR": str(run_dir),
+            "EVAL_EVERY_STEPS": "0",
+            "CHECKPOINT_EVERY": "1",
+        }
+        data = {**finetune_run["data"], "tokenizer": tokenizers["extended"]}
+        env = tiny_train_env(data, MAX_STEPS="3", **knobs)
+        env["RESUME_FROM"] = str(start)  # tiny_train_env leaves the caller's RESUME_ out
+        result = run_torchrun(REPO / "train.py", env, REPO, 300, run_dir / "train.log")
+        assert result.returncode == 0, result.stdout[-3000:]
+        if layout == "one_group":
+            assert "the checkpoint's optimizer had one parameter group" in result.stdout
+        ckpt = torch.load(run_dir / "checkpoints" / "step_00000003.ckpt", weights_only=False)
+        weights[layout] = ckpt["state_dict"]
+    for key, value in weights["today"].items():
+        assert torch.equal(value, weights["one_group"][key]), key
+
+
+@pytest.mark.slow
+def test_blend_sweep_scores_each_blend_per_language_with_the_base_languages_apart(
+    finetune_run, tmp_path, capsys, monkeypatch
+):
+    import json
+
+    from scripts import export_nemo
+
+    root = finetune_run["root"]
+    monkeypatch.setattr(config, "INIT_MODEL", "")  # the run's own record names its base
+    scores = tmp_path / "sweep.json"
+    code = export_nemo.main(
+        [
+            str(root / "run" / "checkpoints" / "step_00000004.ckpt"),
+            "--blend-sweep",
+            "0,0.5",
+            "--manifest",
+            finetune_run["knobs"]["VAL_MANIFEST_PATH"],
+            "--sweep-json",
+            str(scores),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "(WER; base languages en, new hi, ta):" in out
+    rows = json.loads(scores.read_text())
+    assert [r["blend"] for r in rows] == [0.0, 0.5]
+    assert set(rows[0]["wer"]) == {"en", "hi", "ta", "all"}
+    assert not list((root / "run" / "checkpoints").glob("*.blend*"))  # a sweep exports nothing
+
+
+@pytest.mark.slow
+def test_blend_base_exports_the_mix_of_finetune_and_base_keeping_new_piece_rows(
+    finetune_run, tokenizers, monkeypatch
+):
+    from scripts import export_nemo
+
+    root = finetune_run["root"]
+    monkeypatch.setattr(config, "INIT_MODEL", "")
+    ckpt = root / "run" / "checkpoints" / "step_00000004.ckpt"
+    assert export_nemo.main([str(ckpt), "--blend-base", "0.25"]) == 0
+    blended = asr_model.load_trained_model(ckpt.with_name("step_00000004.blend0.25.nemo"))
+    finetuned = asr_model.load_trained_model(ckpt)
+    base = asr_model.build_model(str(root / "base.nemo"), tokenizer_dir=tokenizers["extended"])
+    b, f, mix = base.state_dict(), finetuned.state_dict(), blended.state_dict()
+    lstm = "decoder.prediction.dec_rnn.lstm.weight_hh_l0"
+    assert not torch.equal(f[lstm], b[lstm])
+    assert torch.allclose(mix[lstm], 0.75 * f[lstm] + 0.25 * b[lstm], atol=1e-6)
+    new = base.new_piece_rows
+    out = "joint.joint_net.2.weight"
+    assert torch.equal(mix[out][new], f[out][new])  # the base had no rows of its own for them
+    shared = [i for i in range(len(mix[out])) if i not in set(new)]
+    assert torch.allclose(
+        mix[out][shared], 0.75 * f[out][shared] + 0.25 * b[out][shared], atol=1e-6
+    )
+    card = ckpt.with_name("step_00000004.blend0.25.model-card.md").read_text()
+    assert "blended with its base: 0.75 x finetuned + 0.25 x" in card
+
+
+def test_a_run_from_scratch_has_no_base_to_blend_with():
+    from scripts import export_nemo
+
+    with pytest.raises(export_nemo.BlendError, match="trained from scratch"):
+        export_nemo.base_as_received({"settings": {"INIT_MODEL": ""}}, None)
+    with pytest.raises(export_nemo.BlendError, match="DECODER_INIT=fresh"):
+        export_nemo.base_as_received(
+            {"settings": {"INIT_MODEL": "b.nemo", "DECODER_INIT": "fresh"}}, None
+        )
