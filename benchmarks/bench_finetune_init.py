@@ -1,10 +1,11 @@
-"""Finetuning a base model onto new languages, side by side: where its decoder and joint start, and
-how long the encoder stays frozen.
+"""Finetuning a base model onto new languages: the ablation of where the decoder and joint start and
+of each lever that keeps the base's languages or speeds up the new ones, side by side in one run.
 
 Usage:
-    python benchmarks/bench_finetune_init.py                  # about 45 minutes on 2 idle cores (CPU)
-    python benchmarks/bench_finetune_init.py --work /tmp/ft --base-steps 600 --steps 300
-    python benchmarks/bench_finetune_init.py --only extended,extended_short   # some variants again
+    python benchmarks/bench_finetune_init.py                  # about 75 minutes on 2 idle cores (CPU)
+    python benchmarks/bench_finetune_init.py --work /tmp/ft --base-steps 400 --steps 300
+    python benchmarks/bench_finetune_init.py --only extended,defaults   # some variants (again)
+    python benchmarks/bench_finetune_init.py --set new_lr:NEW_PIECE_LR_SCALE=30   # a variant's knob
 
 What it runs, with the commands a user runs (scripts/*.py, torchrun train.py with 2 CPU processes,
 the demo's model configs/demo_tdt.yaml), all under ``--work``:
@@ -12,18 +13,29 @@ the demo's model configs/demo_tdt.yaml), all under ``--work``:
    English and Telugu speech spoken by espeak-ng (scripts/make_demo_corpus.py), its own 256-piece
    tokenizer, ``--base-steps`` optimizer steps from scratch.
 2. A finetuning corpus of another seed (other sentences combined, other voices) in Hindi, Tamil,
-   Bengali, English and Telugu: the base's languages and three new ones.
-3. Finetunes of the base on it, the same data, steps, seed and LR schedule each:
-     fresh            a new 512-piece tokenizer, NeMo's new decoder and joint (DECODER_INIT=fresh)
-     replaced         the same tokenizer, the base's decoder and joint carried (DECODER_INIT=carry)
-     extended         the base tokenizer extended to 512 pieces (TOKENIZER_MODE=extend), carried
-     extended_short   as extended, the encoder frozen for a tenth as long (UNFREEZE_STEP)
-     extended_low_lr  as extended, PHASE2_LR a third: less drift of what the base knew
-   The validation WER per language before any update (the model train.py builds, decoded in this
-   process), at every ``--eval-every`` steps (train.py's own validation) and at the end; the
-   training loss; the largest insertion rate of the new languages (a burst of insertions from new
-   rows shows there); the steps each variant needs to reach the stated WERs.
-The printed tables and a PNG of the WER curves go to ``--work``. Reruns reuse what is built.
+   Bengali and Urdu (new: four scripts the base never saw) and English (the base's).
+3. Finetunes of the base on it, the same data, steps, seed and LR schedule each (``variants``):
+     fresh_decoder  a new 512-piece tokenizer, NeMo's new decoder and joint (DECODER_INIT=fresh)
+     new_tokenizer  the same tokenizer, the base's rows of shared pieces carried (TOKENIZER_MODE=new)
+     extended       the base tokenizer extended to 512 pieces, every lever off: new pieces' biases
+                    at equal shares, no LR scale, no replay floor
+     prior          extended, NEW_PIECE_BIAS=frequency: new pieces' output biases from their share
+                    of the training text
+     new_lr         extended, NEW_PIECE_LR_SCALE=10: the new pieces' rows take larger steps
+     new_lr_30      the same at 30
+     encoder_lr     extended, ENCODER_LR_SCALE=0.3: the encoder moves less in phase 2
+     replay         extended, BASE_LANGUAGE_SHARE=0.4: English kept at a floor of the mix
+     prior_new_lr, new_lr_encoder_lr, all_levers   pairs of levers, and all three at once
+     defaults       what a user gets today: the extended tokenizer and every knob at this
+                    project's default (a checkpoint at every validation: their mean is the
+                    stand-in for an EMA of the weights)
+   For each: WER and CER per language at step 0 (train.py validates the base as the finetune
+   received it) and every ``--eval-every`` steps, the training loss, the largest insertion rate of
+   a new language, the steps to reach stated WERs, and the issue's targets checked against
+   new_tokenizer (the fresh-tokenizer run). Then, on the defaults' run,
+   ``scripts/export_nemo.py --blend-sweep`` (weight-space interpolation with the base, for a few A)
+   of its final checkpoint and of the mean of its last checkpoints.
+The printed tables and PNGs of the curves go to ``--work``. Reruns reuse what is built.
 """
 
 from __future__ import annotations
@@ -31,16 +43,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BASE_LANGS = ("en", "te")
-NEW_LANGS = ("hi", "ta", "bn")
+BASE_LANGS = ("en",)
+NEW_LANGS = ("hi", "ta", "bn", "ur")
 BASE_SIZES = "en=300,te=200"
-FINETUNE_SIZES = "hi=200,ta=120,bn=100,en=150,te=100"
+FINETUNE_SIZES = "hi=200,ta=120,bn=100,ur=100,en=150"
+BLENDS = (0.1, 0.2, 0.3, 0.5)
+AVERAGE = 4  # checkpoints (one per validation) averaged as the stand-in for an EMA
 # The demo's schedule and model (scripts/demo.sh): what trains visibly in minutes on a CPU.
 COMMON = {
     "MODEL_CONFIG": str(REPO / "configs" / "demo_tdt.yaml"),
@@ -63,29 +78,38 @@ COMMON = {
     "INIT_MODEL": "",
     "RESUME_FROM": "",
 }
+# Every lever off: what "extended" and each lever's own variant start from.
+LEVERS_OFF = {
+    "NEW_PIECE_BIAS": "equal",
+    "NEW_PIECE_LR_SCALE": "1",
+    "ENCODER_LR_SCALE": "1",
+    "BASE_LANGUAGE_SHARE": "0",
+}
+REFERENCE = "new_tokenizer"
 
 
 def variants(steps: int) -> dict[str, dict[str, str]]:
-    unfreeze = max(1, steps // 5)
+    """name -> {"tokenizer": new | extended, knob: value, ...}."""
+    unfreeze = {"UNFREEZE_STEP": str(max(1, steps // 6))}
+    off = {"tokenizer": "extended", **unfreeze, **LEVERS_OFF}
     return {
-        "fresh": {"tokenizer": "new", "DECODER_INIT": "fresh", "UNFREEZE_STEP": str(unfreeze)},
-        "replaced": {"tokenizer": "new", "DECODER_INIT": "carry", "UNFREEZE_STEP": str(unfreeze)},
-        "extended": {
-            "tokenizer": "extend",
-            "DECODER_INIT": "carry",
-            "UNFREEZE_STEP": str(unfreeze),
+        "fresh_decoder": {**off, "tokenizer": "new", "DECODER_INIT": "fresh"},
+        "new_tokenizer": {**off, "tokenizer": "new", "DECODER_INIT": "carry"},
+        "extended": off,
+        "prior": {**off, "NEW_PIECE_BIAS": "frequency"},
+        "new_lr": {**off, "NEW_PIECE_LR_SCALE": "10"},
+        "new_lr_30": {**off, "NEW_PIECE_LR_SCALE": "30"},
+        "encoder_lr": {**off, "ENCODER_LR_SCALE": "0.3"},
+        "replay": {**off, "BASE_LANGUAGE_SHARE": "0.4"},
+        "prior_new_lr": {**off, "NEW_PIECE_BIAS": "frequency", "NEW_PIECE_LR_SCALE": "10"},
+        "new_lr_encoder_lr": {**off, "NEW_PIECE_LR_SCALE": "10", "ENCODER_LR_SCALE": "0.3"},
+        "all_levers": {
+            **off,
+            "NEW_PIECE_LR_SCALE": "10",
+            "ENCODER_LR_SCALE": "0.3",
+            "BASE_LANGUAGE_SHARE": "0.25",
         },
-        "extended_short": {
-            "tokenizer": "extend",
-            "DECODER_INIT": "carry",
-            "UNFREEZE_STEP": str(max(1, unfreeze // 10)),
-        },
-        "extended_low_lr": {
-            "tokenizer": "extend",
-            "DECODER_INIT": "carry",
-            "UNFREEZE_STEP": str(unfreeze),
-            "PHASE2_LR": "1e-3",
-        },
+        "defaults": {"tokenizer": "extended", **unfreeze},
     }
 
 
@@ -139,19 +163,25 @@ def tokenizer(data: Path, out: Path, vocab_size: int, mode: str, base: str = "")
     return out
 
 
-def train(data: Path, run_dir: Path, steps: int, eval_every: int, **knobs: str) -> Path:
-    """torchrun train.py (2 CPU processes) into run_dir; its metrics.jsonl."""
+def train(
+    data: Path, run_dir: Path, steps: int, eval_every: int, checkpoint_every: int = 0, **knobs: str
+) -> Path:
+    """torchrun train.py (2 CPU processes) into run_dir, a checkpoint every ``checkpoint_every``
+    steps (0: at the end only); its metrics.jsonl."""
     metrics = run_dir / "wandb_logs" / "run" / "metrics.jsonl"
     final = run_dir / "checkpoints" / f"step_{steps:08d}.nemo"
     if final.exists():
         return metrics
+    if run_dir.exists():  # an interrupted run: start it again from scratch
+        shutil.rmtree(run_dir)
     env = clean_env(
         DATA_DIR=str(data),
         CHECKPOINT_DIR=str(run_dir / "checkpoints"),
         WANDB_LOG_DIR=str(run_dir / "wandb_logs"),
         WANDB_RUN_NAME="run",
         MAX_STEPS=str(steps),
-        CHECKPOINT_EVERY=str(steps),
+        CHECKPOINT_EVERY=str(checkpoint_every or steps),
+        KEEP_CHECKPOINTS="100",
         EVAL_EVERY_STEPS=str(eval_every),
         **knobs,
     )
@@ -169,40 +199,33 @@ def train(data: Path, run_dir: Path, steps: int, eval_every: int, **knobs: str) 
     return metrics
 
 
-def curves(
-    metrics: Path,
-) -> tuple[dict[int, dict[str, float]], dict[int, float], dict[int, dict[str, float]]]:
-    """({step: {lang: WER}}, {step: train loss}, {step: {lang: insertions per word}})."""
-    wer, loss, ins = {}, {}, {}
+def curves(metrics: Path) -> dict[str, dict]:
+    """{"wer"|"cer"|"ins": {step: {lang: value}}, "loss": {step: train loss}}, the last record of
+    each step winning."""
+    out: dict[str, dict] = {"wer": {}, "cer": {}, "ins": {}, "loss": {}}
     for line in metrics.read_text().splitlines():
         record = json.loads(line)
         step = record.get("step")
         if "train/loss" in record:
-            loss[step] = record["train/loss"]
-        found = {k.split("/")[-1]: v for k, v in record.items() if k.startswith("val/wer/")}
-        if found:
-            wer[step] = found
-            ins[step] = {
-                k.split("/")[-1]: v for k, v in record.items() if k.startswith("val/wer_ins/")
-            }
-    return wer, loss, ins
+            out["loss"][step] = record["train/loss"]
+        for key, prefix in (("wer", "val/wer/"), ("cer", "val/cer/"), ("ins", "val/wer_ins/")):
+            found = {k[len(prefix) :]: v for k, v in record.items() if k.startswith(prefix)}
+            if found:
+                out[key][step] = found
+    return out
 
 
-def initial_wer(
-    init_model: Path, tokenizer_dir: Path, val: Path, decoder_init: str, tags_from: Path
-) -> dict[str, float]:
-    """WER per language of the model train.py would start from, before any update. The audio is
-    read through a dataset tokenized by ``tags_from`` (a tokenizer with every language's tag: the
-    base's lacks the new ones); greedy decoding uses the model's own tokenizer."""
+def base_model_scores(init_model: Path, tokenizer_dir: Path, val: Path, tags_from: Path) -> dict:
+    """{"wer": {lang: WER}, "cer": {...}} of the base model itself, with its own tokenizer, on the
+    finetune's validation set. The audio is read through a dataset tokenized by ``tags_from`` (a
+    tokenizer with every language's tag: the base's lacks the new ones)."""
     from nemo.collections.common.tokenizers import SentencePieceTokenizer
 
     import asr_model
     import evaluation
     from dataset import LocalShardDataset
 
-    model = asr_model.build_model(
-        str(init_model), None, tokenizer_dir, decoder_init=decoder_init
-    ).eval()
+    model = asr_model.build_model(str(init_model), None, tokenizer_dir).eval()
     reader = SentencePieceTokenizer(str(tags_from / "tokenizer.model"))
     dataset = LocalShardDataset(val, reader, progress=False)
     indices = list(range(len(dataset)))
@@ -213,13 +236,117 @@ def initial_wer(
     results = evaluation.corpus_error_rates(
         [texts[i] for i in done], [hyps[i] for i in done], langs
     )
-    return {lang: counts.wer for lang, counts in results.items()}
+    return {
+        "wer": {lang: c.wer for lang, c in results.items()},
+        "cer": {lang: c.cer for lang, c in results.items()},
+    }
 
 
-def first_step_at_or_below(
-    wer: dict[int, dict[str, float]], lang: str, target: float
-) -> int | None:
-    return next((s for s in sorted(wer) if wer[s].get(lang, 1e9) <= target), None)
+def export_sweep(
+    run_dir: Path, data: Path, steps: int, blends, knobs: dict, average: int = 1
+) -> list[dict]:
+    """``export_nemo.py --blend-sweep`` of the run's final checkpoint (with ``average`` N: the mean
+    of its newest N step checkpoints, the stand-in for an EMA of the weights) blended with the base
+    by each A of ``blends``, scored on the validation set: [{"blend", "wer", "cer"}]."""
+    name = f"sweep_avg{average}" if average > 1 else "sweep"
+    out_json = run_dir / f"{name}.json"
+    if out_json.exists():
+        return json.loads(out_json.read_text())
+    env = clean_env(DATA_DIR=str(data), CHECKPOINT_DIR=str(run_dir / "checkpoints"), **knobs)
+    ckpt = run_dir / "checkpoints" / f"step_{steps:08d}.ckpt"
+    cmd = [
+        sys.executable,
+        "scripts/export_nemo.py",
+        str(ckpt),
+        "--blend-sweep",
+        ",".join(f"{a:g}" for a in blends),
+        "--sweep-json",
+        str(out_json),
+    ]
+    if average > 1:
+        cmd += ["--average", str(average)]
+    run(cmd, env, run_dir / f"{name}.log")
+    return json.loads(out_json.read_text())
+
+
+def first_step_at_or_below(table: dict[int, dict[str, float]], lang: str, target: float):
+    return next((s for s in sorted(table) if table[s].get(lang, 1e9) <= target), None)
+
+
+def mean_over(row: dict[str, float], langs) -> float:
+    values = [row[lang] for lang in langs if lang in row]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def target_checks(results: dict, base_own: dict, steps: int, eval_every: int) -> list[str]:
+    """The issue's targets for every variant, against the base and REFERENCE (the fresh-tokenizer
+    run): one line per variant, each target as ok/MISS with the figure behind it."""
+    lines = []
+    ref = results.get(REFERENCE)
+    checkpoints = [s for s in (steps // 2, steps) if s % eval_every == 0]
+    for name, r in results.items():
+        parts = []
+        wer = r["wer"]
+        for lang in BASE_LANGS:
+            if lang not in base_own["wer"]:
+                continue
+            base = base_own["wer"][lang]
+            at0 = wer.get(0, {}).get(lang, float("nan"))
+            worst = max((wer[s][lang] for s in wer if lang in wer[s]), default=float("nan"))
+            parts.append(
+                f"{lang} step 0 {at0 - base:+.3f} {'ok' if at0 - base <= 0.02 else 'MISS'}"
+            )
+            parts.append(
+                f"{lang} worst {worst - base:+.3f} {'ok' if worst - base <= 0.05 else 'MISS'}"
+            )
+        if ref is not None and name != REFERENCE:
+            behind = []
+            for s in checkpoints:
+                for lang in NEW_LANGS:
+                    dw = wer.get(s, {}).get(lang, 9) - ref["wer"].get(s, {}).get(lang, 9)
+                    dc = r["cer"].get(s, {}).get(lang, 9) - ref["cer"].get(s, {}).get(lang, 9)
+                    if dw > 0.01 and dc > 0.03:
+                        behind.append(f"{lang}@{s} {dc:+.3f} CER")
+            parts.append(
+                "new langs " + ("ok" if not behind else "MISS (" + ", ".join(behind) + ")")
+            )
+            late = [s for s in wer if s >= min(150, steps // 4) and s in ref["wer"]]
+            worse = [
+                f"{s}: {wer[s]['all']:.3f} vs {ref['wer'][s]['all']:.3f}"
+                for s in sorted(late)
+                if wer[s].get("all", 9) > ref["wer"][s].get("all", 9) + 1e-9
+            ]
+            parts.append("all " + ("ok" if not worse else "MISS (" + "; ".join(worse) + ")"))
+            mine, theirs = largest_insertion(r)[0], largest_insertion(ref)[0]
+            parts.append(
+                f"insertions {mine:.3f} vs {theirs:.3f} {'ok' if mine <= theirs + 1e-9 else 'MISS'}"
+            )
+        lines.append(f"{name:<14} " + " | ".join(parts))
+    return lines
+
+
+def largest_insertion(r: dict) -> tuple[float, str, int | str]:
+    return max(
+        (
+            (v, lang, s)
+            for s, row in r["ins"].items()
+            for lang, v in row.items()
+            if lang in NEW_LANGS
+        ),
+        default=(float("nan"), "-", "-"),
+    )
+
+
+def parse_sets(items: list[str]) -> dict[str, dict[str, str]]:
+    """--set VARIANT:KNOB=VALUE (repeatable) -> {variant: {knob: value}}."""
+    out: dict[str, dict[str, str]] = {}
+    for item in items:
+        name, sep, assignment = item.partition(":")
+        knob, eq, value = assignment.partition("=")
+        if not sep or not eq:
+            raise SystemExit(f"--set {item!r}: expected VARIANT:KNOB=VALUE")
+        out.setdefault(name, {})[knob] = value
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,11 +355,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--work", type=Path, default=REPO / "data" / "bench_finetune_init")
     parser.add_argument(
-        "--base-steps", type=int, default=600, help="optimizer steps of the base model"
+        "--base-steps", type=int, default=800, help="optimizer steps of the base model"
     )
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps of every finetune")
+    parser.add_argument("--steps", type=int, default=600, help="optimizer steps of every finetune")
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--only", default="", help="comma-separated variants to run (default: all)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="VARIANT:KNOB=VALUE",
+        help="change one knob of one variant (its run directory is named after the change)",
+    )
+    parser.add_argument("--no-blend", action="store_true", help="skip the --blend-base sweep")
     args = parser.parse_args(argv)
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -253,125 +388,173 @@ def main(argv: list[str] | None = None) -> int:
     )
     base_nemo = base_run / "checkpoints" / f"step_{args.base_steps:08d}.nemo"
 
-    print("== finetuning corpus: hi, ta, bn (new) and en, te (the base's), another seed")
+    print(f"== finetuning corpus: {FINETUNE_SIZES}, another seed")
     data = build_data(work, "finetune_data", FINETUNE_SIZES, seed=22)
     val = data / "val_manifest_v2.parquet"
+    extended = tokenizer(data, work / "tokenizer_extended", 512, "extend", str(base_nemo))
     toks = {
         "new": tokenizer(data, work / "tokenizer_new", 512, "new"),
-        "extend": tokenizer(data, work / "tokenizer_extended", 512, "extend", str(base_nemo)),
+        "extended": extended,
     }
-    ext_summary = json.loads((toks["extend"] / "summary.json").read_text())
-    base_own = initial_wer(base_nemo, base_tok, val, "carry", toks["extend"])
+    ext_summary = json.loads((extended / "summary.json").read_text())
+    base_own = base_model_scores(base_nemo, base_tok, val, extended)
 
+    changes = parse_sets(args.set)
     chosen = [v for v in variants(args.steps) if not args.only or v in args.only.split(",")]
     results = {}
     for name in chosen:
-        spec = dict(variants(args.steps)[name])
+        spec = {**variants(args.steps)[name], **changes.get(name, {})}
         tok = toks[spec.pop("tokenizer")]
-        print(f"== {name}: {spec}")
+        suffix = "".join(f"_{k}={v}" for k, v in sorted(changes.get(name, {}).items()))
+        print(f"== {name}{suffix}: {spec}", flush=True)
+        run_dir = work / f"{name}{suffix}"
         metrics = train(
             data,
-            work / name,
+            run_dir,
             args.steps,
             args.eval_every,
+            # the defaults' run keeps a checkpoint at every validation, for the average of the last
+            checkpoint_every=args.eval_every if name == "defaults" else 0,
             TOKENIZER_DIR=str(tok),
             INIT_MODEL=str(base_nemo),
             **spec,
         )
-        wer, loss, ins = curves(metrics)
-        wer[0] = initial_wer(base_nemo, tok, val, spec["DECODER_INIT"], toks["extend"])
-        results[name] = {"wer": wer, "loss": loss, "ins": ins, "spec": spec}
+        results[f"{name}{suffix}"] = {**curves(metrics), "spec": spec, "dir": run_dir}
 
     langs = list(BASE_LANGS) + list(NEW_LANGS) + ["all"]
     lines = [
         f"base model: {base_nemo.name} ({args.base_steps} steps on {BASE_SIZES}); finetunes: "
-        f"{args.steps} steps on {FINETUNE_SIZES}, validation {val.name}",
+        f"{args.steps} steps on {FINETUNE_SIZES}, validation {val.name}, "
+        f"UNFREEZE_STEP {max(1, args.steps // 6)}",
         f"extended tokenizer: {ext_summary['extension']['base_pieces']} base pieces + "
         f"{ext_summary['extension']['appended_pieces']} appended + "
         f"{ext_summary['extension']['appended_tags']} tags",
+        "variants: "
+        + "; ".join(
+            f"{n}: {r['spec'].get('DECODER_INIT', 'carry')}, "
+            + ", ".join(f"{k}={v}" for k, v in r["spec"].items() if k != "DECODER_INIT")
+            for n, r in results.items()
+        ),
         "",
         "the base model itself on the finetune's validation (its own tokenizer): "
-        + ", ".join(f"{lang} {base_own[lang]:.3f}" for lang in BASE_LANGS if lang in base_own),
-        "",
-        "validation WER per language (step 0 = before any update)",
-        f"{'variant':<16} {'step':>5} " + " ".join(f"{lang:>6}" for lang in langs),
+        + ", ".join(
+            f"{lang} WER {base_own['wer'][lang]:.3f}"
+            for lang in BASE_LANGS
+            if lang in base_own["wer"]
+        ),
     ]
-    for name, r in results.items():
-        for step in sorted(r["wer"]):
-            row = r["wer"][step]
-            lines.append(
-                f"{name:<16} {step:>5} "
-                + " ".join(f"{row.get(lang, float('nan')):>6.3f}" for lang in langs)
-            )
+    for metric in ("wer", "cer"):
+        lines += [
+            "",
+            f"validation {metric.upper()} per language (step 0 = the base as the finetune received it)",
+            f"{'variant':<24} {'step':>5} "
+            + " ".join(f"{lang:>6}" for lang in langs)
+            + f" {'new':>6}",
+        ]
+        for name, r in results.items():
+            for step in sorted(r[metric]):
+                row = r[metric][step]
+                lines.append(
+                    f"{name:<24} {step:>5} "
+                    + " ".join(f"{row.get(lang, float('nan')):>6.3f}" for lang in langs)
+                    + f" {mean_over(row, NEW_LANGS):>6.3f}"
+                )
+    eval_steps = list(range(args.eval_every, args.steps + 1, args.eval_every))
     lines += [
         "",
         "training loss (mean of the 10 steps up to each)",
-        f"{'variant':<16} "
-        + " ".join(f"{s:>6}" for s in range(args.eval_every, args.steps + 1, args.eval_every)),
+        f"{'variant':<24} " + " ".join(f"{s:>6}" for s in eval_steps),
     ]
     for name, r in results.items():
         means = []
-        for s in range(args.eval_every, args.steps + 1, args.eval_every):
+        for s in eval_steps:
             window = [v for k, v in r["loss"].items() if s - 10 < k <= s]
             means.append(sum(window) / len(window) if window else float("nan"))
-        lines.append(f"{name:<16} " + " ".join(f"{m:>6.3f}" for m in means))
+        lines.append(f"{name:<24} " + " ".join(f"{m:>6.3f}" for m in means))
     lines += ["", "largest insertion rate of a new language over the validations (val/wer_ins)"]
     for name, r in results.items():
-        worst = max(
-            (
-                (v, lang, s)
-                for s, row in r["ins"].items()
-                for lang, v in row.items()
-                if lang in NEW_LANGS
-            ),
-            default=(float("nan"), "-", "-"),
-        )
-        lines.append(f"{name:<16} {worst[0]:.3f} ({worst[1]} at step {worst[2]})")
-    targets = {lang: base_own[lang] + 0.05 for lang in BASE_LANGS if lang in base_own}
-    final_all = {name: r["wer"][max(r["wer"])]["all"] for name, r in results.items()}
+        v, lang, s = largest_insertion(r)
+        lines.append(f"{name:<24} {v:.3f} ({lang} at step {s})")
+    targets = {lang: base_own["wer"][lang] + 0.05 for lang in BASE_LANGS if lang in base_own["wer"]}
+    final_all = {name: r["wer"][max(r["wer"])]["all"] for name, r in results.items() if r["wer"]}
     targets["all"] = min(final_all.values()) + 0.05 if final_all else 1.0
     lines += [
         "",
-        "steps to reach: " + ", ".join(f"{lang} <= {t:.3f}" for lang, t in targets.items()),
+        "first validation at or below: "
+        + ", ".join(f"{k} WER {t:.3f}" for k, t in targets.items()),
     ]
     for name, r in results.items():
-        reach = [first_step_at_or_below(r["wer"], lang, t) for lang, t in targets.items()]
-        lines.append(f"{name:<16} " + " ".join(f"{'never' if s is None else s:>6}" for s in reach))
+        reach = [first_step_at_or_below(r["wer"], k, t) for k, t in targets.items()]
+        lines.append(f"{name:<24} " + " ".join(f"{'never' if s is None else s:>6}" for s in reach))
+    lines += [
+        "",
+        f"targets: {', '.join(BASE_LANGS)} within 0.02 WER of the base at step 0 and 0.05 at every "
+        f"validation; each new language at {args.steps // 2} and {args.steps} steps at most 0.01 WER "
+        f"or 0.03 CER behind {REFERENCE}; all-language WER no worse than {REFERENCE}'s from step "
+        f"{min(150, args.steps // 4)}; largest new-language insertion rate no higher than its",
+    ]
+    lines += target_checks(results, base_own, args.steps, args.eval_every)
+
+    if not args.no_blend and "defaults" in results:
+        r = results["defaults"]
+        knobs = {"TOKENIZER_DIR": str(toks["extended"]), "INIT_MODEL": str(base_nemo), **r["spec"]}
+        sweeps = [
+            ("final checkpoint", export_sweep(r["dir"], data, args.steps, (0.0, *BLENDS), knobs))
+        ]
+        if len(list((r["dir"] / "checkpoints").glob("step_*.ckpt"))) >= AVERAGE:
+            sweeps.append(
+                (
+                    f"mean of the last {AVERAGE} checkpoints (an EMA's stand-in)",
+                    export_sweep(r["dir"], data, args.steps, (0.0, 0.2), knobs, average=AVERAGE),
+                )
+            )
+        lines += [
+            "",
+            "export_nemo.py --blend-sweep on the defaults' run: (1 - A) x finetuned + A x the base "
+            "(WER; new CER: the new languages' mean CER)",
+            f"{'weights':<44} {'A':>5} "
+            + " ".join(f"{lang:>6}" for lang in langs)
+            + f" {'new CER':>8}",
+        ]
+        for what, sweep in sweeps:
+            for row in sweep:
+                lines.append(
+                    f"{what:<44} {row['blend']:>5.2f} "
+                    + " ".join(f"{row['wer'].get(lang, float('nan')):>6.3f}" for lang in langs)
+                    + f" {mean_over(row['cer'], NEW_LANGS):>8.3f}"
+                )
     lines.append(f"\ntotal {time.monotonic() - started:.0f} s")
     text = "\n".join(lines)
     print(text)
     (work / "results.txt").write_text(text + "\n")
-    plot(results, work / "wer_curves.png", langs)
-    print(f"wrote {work / 'results.txt'} and {work / 'wer_curves.png'}")
+    plot(results, base_own, work / "finetune_curves.png")
+    print(f"wrote {work / 'results.txt'} and {work / 'finetune_curves.png'}")
     return 0
 
 
-def plot(results: dict, path: Path, langs: list[str]) -> None:
+def plot(results: dict, base_own: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = {
-        "en (base)": ["en"],
-        "te (base)": ["te"],
-        "hi, ta, bn (new, mean)": list(NEW_LANGS),
-        "all": ["all"],
-    }
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), sharey=True)
-    for ax, (title, group) in zip(axes, panels.items()):
+    panels = [
+        ("wer", "en (the base's)", list(BASE_LANGS)),
+        ("cer", "hi, ta, bn, ur (new), mean CER", list(NEW_LANGS)),
+        ("wer", "all languages", ["all"]),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
+    for ax, (metric, title, group) in zip(axes, panels):
         for name, r in results.items():
-            steps = sorted(r["wer"])
-            values = [
-                sum(r["wer"][s].get(lang, float("nan")) for lang in group) / len(group)
-                for s in steps
-            ]
-            ax.plot(steps, values, marker="o", label=name)
-        ax.set_title(f"validation WER, {title}")
+            steps = sorted(r[metric])
+            ax.plot(steps, [mean_over(r[metric][s], group) for s in steps], marker=".", label=name)
+        if group == list(BASE_LANGS):
+            ax.axhline(mean_over(base_own["wer"], group), color="k", ls=":", label="the base")
+        ax.set_ylim(0, 1.2)  # a fresh decoder's step 0 (several insertions per word) is off the top
+        ax.set_title(f"validation {metric.upper()}, {title}")
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("WER")
-    axes[-1].legend()
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
