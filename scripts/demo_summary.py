@@ -1,10 +1,11 @@
-"""The closing page of `make demo`: where every artifact went, the loss drop, the validation curve and
-the per-language WER/CER table; the run's own report (scripts/run_report.py) is written beside its
-metrics.
+"""The closing page of `make demo`: where every artifact went, the loss drop, the validation curve,
+the per-language WER/CER table and, for a finetune, each language's WER from the base model to the
+finetune's step 0 and end; the run's own report (scripts/run_report.py) is written beside its metrics.
 
 Usage (scripts/demo.sh runs it with the demo's environment):
     python scripts/demo_summary.py
     python scripts/demo_summary.py --wer-csv demo_data/eval/wer_by_language.csv --max-loss-ratio 0.7
+    python scripts/demo_summary.py --base-run-dir demo_data/wandb_logs/demo-base
 
 Training loss is noisy per micro-batch, so "start" and "end" are the means of the first and last
 ``--window`` logged optimizer steps of ``metrics.jsonl``. The exit status is 1 when end/start is above
@@ -48,6 +49,45 @@ def format_table(rows: list[dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
+def read_wer_csv(path: Path) -> dict[str, dict[str, str]]:
+    """evaluate.py's CSV as {lang: row}."""
+    with open(path, encoding="utf-8", newline="") as f:
+        return {row["lang"]: row for row in csv.DictReader(f)}
+
+
+def last_validation(metrics: run_report.RunMetrics) -> dict[str, float]:
+    """{lang: WER} of the run's last validation."""
+    steps = [step for step, record in metrics.steps.items() if "val/wer/all" in record]
+    if not steps:
+        return {}
+    return {
+        key.removeprefix("val/wer/"): value
+        for key, value in metrics.steps[max(steps)].items()
+        if key.startswith("val/wer/") and isinstance(value, (int, float))
+    }
+
+
+def from_the_base(
+    base: dict[str, float], step0: dict[str, float], end: dict[str, dict[str, str]]
+) -> str:
+    """Per language: WER % of the base model on its own languages (``base``, its run's last
+    validation; "-" for a language it was not trained on), of the finetune at step 0 (``step0``, the
+    run's step-0 validation) and at its end (``end``, evaluate.py's rows)."""
+    header = f"{'lang':<6} {'base':>7} {'step 0':>7} {'end':>7}"
+    lines = [header, "-" * len(header)]
+    for lang in sorted(end, key=lambda k: (k == "all", k)):
+        if lang == "all":
+            continue
+        own = base.get(lang)
+        cells = [
+            f"{100 * own:>7.1f}" if own is not None else f"{'-':>7}",
+            f"{100 * step0[lang]:>7.1f}" if lang in step0 else f"{'n/a':>7}",
+            f"{100 * float(end[lang]['wer']):>7.1f}",
+        ]
+        lines.append(f"{lang:<6} " + " ".join(cells))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -63,6 +103,13 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=None,
         help="evaluate.py's CSV (default DATA_DIR/eval/wer_by_language.csv)",
+    )
+    parser.add_argument(
+        "--base-run-dir",
+        type=Path,
+        default=None,
+        help="the run directory (metrics.jsonl) of the base model a finetune started from: its last "
+        "validation scores the base on its own languages",
     )
     parser.add_argument(
         "--window", type=int, default=10, help="steps averaged at each end (default 10)"
@@ -131,10 +178,25 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("\nValidation during training: none logged (EVAL_EVERY_STEPS=0?)")
 
-    with open(wer_csv, encoding="utf-8", newline="") as f:
-        rows = list(csv.DictReader(f))
+    end = read_wer_csv(wer_csv)
     print(f"\nPer-language WER/CER on {path_of('VAL_MANIFEST_PATH')} (greedy decoding):")
-    print(format_table(rows))
+    print(format_table(list(end.values())))
+    step0 = {
+        key.removeprefix("val/wer/"): value
+        for key, value in metrics.steps.get(0, {}).items()
+        if key.startswith("val/wer/") and isinstance(value, (int, float))
+    }
+    if setting("INIT_MODEL") or step0:
+        base = (
+            last_validation(run_report.read_metrics(args.base_run_dir))
+            if args.base_run_dir and (args.base_run_dir / "metrics.jsonl").is_file()
+            else {}
+        )
+        print(
+            f"\nFinetuning from the base {setting('INIT_MODEL') or ''} (WER %): the base on its own "
+            f"languages, the finetune before its first update (step 0) and at its end:"
+        )
+        print(from_the_base(base, step0, end))
     return 0 if ratio <= args.max_loss_ratio else 1
 
 

@@ -1,5 +1,6 @@
-"""`make demo`'s script on a tiny corpus and a few steps: every stage runs, every artifact appears, a
-second run reuses them, and the closing page shows the loss drop and the per-language table."""
+"""`make demo`'s script on a tiny corpus and a few steps: every stage runs (a base model on two
+languages, then its finetune), every artifact appears, a second run reuses them, and the closing
+page shows the loss drop, the per-language table and each language from the base to the finetune."""
 
 from __future__ import annotations
 
@@ -21,11 +22,16 @@ STAGES = [
     "extract",
     "build_manifest",
     "make_train_val",
+    "base_split",
+    "base_tokenizer",
+    "base_train",
     "tokenizer",
     "cache",
     "train",
     "evaluate",
     "report",
+    "summary",
+    "total",
 ]
 
 
@@ -44,6 +50,8 @@ def run_demo(demo_dir: Path) -> subprocess.CompletedProcess:
             "WARMUP_STEPS": "1",
             "PHASE2_WARMUP": "1",
             "CHECKPOINT_EVERY": "3",
+            "DEMO_BASE_STEPS": "4",
+            "DEMO_BASE_VOCAB_SIZE": "120",
             "NUM_WORKERS": "0",
             "DEMO_MAX_LOSS_RATIO": "2.0",
         }
@@ -88,6 +96,10 @@ def test_every_artifact_is_where_the_closing_page_says(demo):
         "train_manifest_v2.*.training-cache/meta.json",
         "checkpoints/step_00000003.ckpt",
         "checkpoints/step_00000006.nemo",
+        "base/train_manifest_v2.parquet",
+        "base/val_manifest_v2.parquet",
+        "base/tokenizer/tokenizer.model",
+        "base/checkpoints/step_00000004.nemo",
         "checkpoints/step_00000006.model-card.md",
         "eval/wer_by_language.csv",
         "report/report.md",
@@ -121,12 +133,13 @@ def test_validation_runs_by_default_at_every_checkpoint_on_the_whole_val_set(dem
         for line in (demo_dir / "wandb_logs/demo/metrics.jsonl").read_text().splitlines()
     ]
     validations = [r for r in records if "val/wer/all" in r]
-    assert [r["step"] for r in validations] == [3, 6]  # CHECKPOINT_EVERY=3, EVAL_EVERY_STEPS unset
+    # the base at step 0 (a finetune), then CHECKPOINT_EVERY=3 with EVAL_EVERY_STEPS unset
+    assert [r["step"] for r in validations] == [0, 3, 6]
     val_rows = len((demo_dir / "eval/wer_by_language.csv").read_text().splitlines()) - 1
     assert val_rows >= 3
     assert all(r["val/loss"] > 0 for r in validations)
     curve = first.stdout.split("Validation during training", 1)[1]
-    assert "\n     3 " in curve and "\n     6 " in curve
+    assert "\n     0 " in curve and "\n     3 " in curve and "\n     6 " in curve
 
 
 @pytest.mark.slow
@@ -144,9 +157,42 @@ def test_closing_page_shows_the_loss_and_a_row_per_validation_language(demo):
 
 
 @pytest.mark.slow
+def test_the_base_trains_on_its_two_languages_and_the_finetune_extends_it(demo):
+    import pyarrow.parquet as pq
+
+    demo_dir, first, _, _ = demo
+    for name in ("train_manifest_v2.parquet", "val_manifest_v2.parquet"):
+        base = pq.read_table(demo_dir / "base" / name)
+        full = pq.read_table(demo_dir / name)
+        assert set(base["lang"].to_pylist()) <= {"en", "hi"}
+        kept = [r for r in full.to_pylist() if r["lang"] in ("en", "hi")]
+        assert (
+            base.to_pylist() == kept
+        )  # the same split: no finetune validation row in its training
+    summary = json.loads((demo_dir / "tokenizer" / "summary.json").read_text())
+    assert summary["mode"] == "extend"
+    assert "step_00000004.nemo" in summary["extension"]["base"]
+    page = first.stdout.split("Finetuning from the base", 1)[1]
+    assert "base  step 0     end" in page
+    rows = {line.split()[0]: line.split()[1:] for line in page.splitlines()[3:] if line.strip()}
+    for lang, cells in rows.items():
+        assert (cells[0] == "-") == (lang not in ("en", "hi")), (lang, cells)
+
+
+@pytest.mark.slow
 def test_a_second_demo_reuses_what_is_built(demo):
     _, _, _, second = demo
-    for stage in ["build_manifest", "make_train_val", "tokenizer", "train", "evaluate", "report"]:
+    for stage in [
+        "build_manifest",
+        "make_train_val",
+        "base_split",
+        "base_tokenizer",
+        "base_train",
+        "tokenizer",
+        "train",
+        "evaluate",
+        "report",
+    ]:
         assert f"== {stage}: reusing" in second.stdout, stage
     assert "corpus complete" in second.stdout.lower() or "reusing" in second.stdout
 
