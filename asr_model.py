@@ -578,7 +578,7 @@ def new_piece_prior(tokenizer_dir: Path, pieces: list[str], new_rows: list[int])
     the new pieces then start with equal shares."""
     from training_cache import read_piece_counts
 
-    counts = read_piece_counts(tokenizer_dir) if new_rows else None
+    counts = read_piece_counts(tokenizer_dir)
     if counts is None or len(counts) != len(pieces):
         return None
     smoothed = torch.tensor([float(counts[i]) + 1.0 for i in new_rows], dtype=torch.float64)

@@ -270,7 +270,7 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         self._counts = counts
         self._seconds = seconds
         base = np.array([name in set(settings.base_languages) for name in self.languages], bool)
-        self._natural_share, self._target_share, self._quotas = _language_quotas(
+        self._natural_share, self._target_share, self._quotas, lifted = _language_quotas(
             counts,
             seconds,
             self.temperature,
@@ -280,11 +280,6 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
             floor=(base, float(settings.base_share)),
         )
         # The floor as the plan felt it: none unless it raised the base languages' share.
-        lifted = _floor_lifts(
-            _tempered(counts, seconds, self.temperature, self.lang_weighting),
-            base,
-            float(settings.base_share),
-        )
         self.base_languages = [n for n, b in zip(self.languages, base) if b] if lifted else []
         self.base_share = float(settings.base_share) if lifted else 0.0
 
@@ -904,22 +899,6 @@ def _by_lang(names: Sequence[str], values: np.ndarray, cast: type = float) -> di
     return {name: cast(v) for name, v in zip(names, np.asarray(values).tolist())}
 
 
-def _tempered(
-    counts: np.ndarray, seconds: np.ndarray, temperature: float, weighting: str
-) -> np.ndarray:
-    """The temperature's target shares, pi_l ~ w_l^T, w the weighting's unit (count or hours)."""
-    base = seconds if weighting == "hours" else counts.astype(np.float64)
-    # Scalar math.pow, not NumPy's SIMD-dispatched power: the quotas must not depend on the CPU.
-    target = np.array([math.pow(b / base.max(), temperature) for b in base.tolist()])
-    return target / target.sum()
-
-
-def _floor_lifts(target: np.ndarray, base: np.ndarray, share: float) -> bool:
-    """Whether the replay floor raises ``target``: some but not all languages are base languages
-    and their shares sum to less than ``share``."""
-    return bool(share > 0 and base.any() and not base.all() and target[base].sum() < share)
-
-
 def _language_quotas(
     counts: np.ndarray,
     seconds: np.ndarray,
@@ -928,9 +907,11 @@ def _language_quotas(
     epoch_size: int,
     names: Sequence[str],
     floor: tuple[np.ndarray, float] | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(natural share, target share, utterances per language per epoch) for the chosen weighting;
-    ``floor`` = (base-language mask, least combined share): the class docstring's replay floor."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """(natural share, target share, utterances per language per epoch, whether the floor raised
+    the target) for the chosen weighting; ``floor`` = (base-language mask, least combined share):
+    the class docstring's replay floor. It raises the target when some but not all languages are
+    base languages and their shares sum to less than the floor."""
     if weighting == "hours":
         empty = [names[i] for i in np.flatnonzero(seconds <= 0)]
         if empty:
@@ -942,16 +923,19 @@ def _language_quotas(
     else:
         base = counts.astype(np.float64)
     natural = base / base.sum()
-    target = _tempered(counts, seconds, temperature, weighting)
-    if floor is not None and _floor_lifts(target, *floor):
-        mask, share = floor
+    # Scalar math.pow, not NumPy's SIMD-dispatched power: the quotas must not depend on the CPU.
+    target = np.array([math.pow(b / base.max(), temperature) for b in base.tolist()])
+    target /= target.sum()
+    mask, share = floor if floor is not None else (np.zeros(len(target), bool), 0.0)
+    lifted = bool(share > 0 and mask.any() and not mask.all() and target[mask].sum() < share)
+    if lifted:
         below = target[mask].sum()
         target[mask] *= share / below
         target[~mask] *= (1.0 - share) / (1.0 - below)
     # Utterance quotas that realize the target share in the weighting's unit.
     per_utt = target if weighting != "hours" else target / (seconds / counts)
     quotas = _largest_remainder(per_utt / per_utt.sum() * epoch_size, epoch_size)
-    return natural, target, quotas
+    return natural, target, quotas, lifted
 
 
 def _largest_remainder(raw: np.ndarray, total: int) -> np.ndarray:

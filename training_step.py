@@ -165,9 +165,9 @@ def regroup_single_group_state(checkpoint: dict, model) -> bool:
     its moments resume under today's groups; its LambdaLR gets one base LR per group. True when
     it changed something."""
     states = checkpoint.get("optimizer_states") or []
-    groups = parameter_groups(model)
     if len(states) != 1 or len(states[0].get("param_groups", ())) != 1:
         return False
+    groups = parameter_groups(model)
     (old_group,) = states[0]["param_groups"]
     index = {id(p): i for i, p in enumerate(model.parameters())}
     if len(old_group["params"]) != len(index):
@@ -195,7 +195,8 @@ def regroup_single_group_state(checkpoint: dict, model) -> bool:
 
 class NewPieceLRScale:
     """NEW_PIECE_LR_SCALE: after every optimizer step, the change AdamW made to each row of a piece
-    the base model lacked (``asr_model.new_piece_parameters``) is multiplied by ``scale``; every
+    the base model lacked (``asr_model.new_piece_parameters``: row indices on their parameter's
+    device, taken when the optimizer is configured) is multiplied by ``scale``; every
     other row keeps AdamW's own step. A row-wise LR: AdamW's steps do not depend on the size of
     the gradient, so scaling the gradient could not do it. A skipped step (no gradients) changes
     nothing, and so stays unchanged. Registered as the optimizer's step hooks."""
@@ -211,7 +212,7 @@ class NewPieceLRScale:
 
     @torch.no_grad()
     def _remember(self, optimizer, args, kwargs) -> None:
-        self._before = [p[rows.to(p.device)].clone() for p, rows in self.rows]
+        self._before = [p[rows].clone() for p, rows in self.rows]
 
     @torch.no_grad()
     def _scale(self, optimizer, args, kwargs) -> None:
@@ -219,7 +220,6 @@ class NewPieceLRScale:
         if before is None:
             return
         for (p, rows), old in zip(self.rows, before):
-            rows = rows.to(p.device)
             p[rows] = old + self.scale * (p[rows] - old)
 
 
@@ -306,9 +306,8 @@ class TrainingModule(pl.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if regroup_single_group_state(checkpoint, self.model):
             log.info(
-                "the checkpoint's optimizer had one parameter group: split into %d (encoder "
-                "and the rest) with its moments",
-                len(parameter_groups(self.model)),
+                "the checkpoint's optimizer had one parameter group: split into the encoder's and "
+                "the rest's, with its moments"
             )
         record = checkpoint.get(RUN_RECORD_KEY, {})
         self.last_evaluation = record.get("evaluation")

@@ -30,6 +30,11 @@ def split_languages(split_dir: Path, out_dir: Path, languages: list[str]) -> dic
     the rows written per manifest. ValueError when a manifest would hold none."""
     tables = {}
     for name in NAMES:
+        if not (split_dir / name).is_file():
+            raise ValueError(
+                f"{split_dir / name} does not exist: run scripts/make_train_val.py on the manifest "
+                f"first (its outputs are that directory's train and val manifests)"
+            )
         table = pq.read_table(split_dir / name)
         kept = table.filter(pc.is_in(table["lang"], value_set=pa.array(languages)))
         if kept.num_rows == 0:

@@ -190,15 +190,25 @@ def base_as_received(record: dict, portable: dict | None):
             for name, data in portable["tokenizer"].items():
                 (tokenizer_dir / name).write_bytes(data)
         base = asr_model.build_model(init_model, None, tokenizer_dir, "carry")
-        base.base_languages = tokenizer_base_languages(tokenizer_dir)
-        return base
     except (FileNotFoundError, config.ConfigError) as exc:
         raise BlendError(
             f"the run's base INIT_MODEL={init_model} cannot be rebuilt ({exc}); set INIT_MODEL to "
             f"where that base model is now"
         ) from None
+    else:
+        base.base_languages = tokenizer_base_languages(tokenizer_dir)
     finally:
         shutil.rmtree(tokenizer_dir, ignore_errors=True)
+    # The same tensors by name and shape are not enough: a base that is itself a finetune with this
+    # tokenizer (its export, a later run) fits exactly, yet needs no vocabulary change on the way.
+    recorded = record.get("vocabulary_change", base.vocabulary_change)
+    if base.vocabulary_change != recorded:
+        raise BlendError(
+            f"INIT_MODEL={init_model} is not the base the run started from: the run changed its "
+            f"vocabulary by {recorded}, this model by "
+            f"{base.vocabulary_change}; set INIT_MODEL to the run's base model"
+        )
+    return base
 
 
 def blend_weights(finetuned: dict, base, amount: float) -> dict:
@@ -234,21 +244,17 @@ def blend_weights(finetuned: dict, base, amount: float) -> dict:
     return out
 
 
-def blend_sweep(
-    path: Path, weights: dict, base, amounts: list[float], manifest: Path
-) -> list[dict]:
-    """The checkpoint ``path`` with ``weights`` blended with ``base`` by each of ``amounts``, scored
-    on ``manifest``: [{"blend", "wer", "cer"}] per language and "all"; printed as a table with the
-    base languages (BASE_LANGUAGES, else ``base.base_languages``) apart from the new ones."""
-    import asr_model
+def blend_sweep(model, weights: dict, base, amounts: list[float], manifest: Path) -> list[dict]:
+    """``weights`` (the finetuned ones) blended with ``base`` by each of ``amounts``, loaded in turn
+    into ``model`` (the finetuned model, left holding the last blend) and scored on ``manifest``:
+    [{"blend", "wer", "cer"}] per language and "all"; printed as a table with the base languages
+    (BASE_LANGUAGES, else ``base.base_languages``) apart from the new ones."""
     import config
     from scripts import evaluate
 
     rows = []
     for amount in amounts:
-        model = asr_model.load_trained_model(
-            path, "cpu", weights=blend_weights(weights, base, amount)
-        )
+        model.load_state_dict(blend_weights(weights, base, amount))
         results, _, _ = evaluate.evaluate(model, manifest, device="cpu", progress=False)
         rows.append(
             {
@@ -385,9 +391,8 @@ def main(argv: list[str] | None = None) -> int:
             raise AveragingError(f"--out {out}: expected a path ending in .nemo")
         weights = average_weights(paths) if len(paths) > 1 else None
         model = asr_model.load_trained_model(newest, "cpu", weights=weights)
-        record = checkpoints.read_checkpoint(newest, mmap=True).get(
-            training_step.RUN_RECORD_KEY, {}
-        )
+        newest_checkpoint = checkpoints.read_checkpoint(newest, mmap=True)
+        record = newest_checkpoint.get(training_step.RUN_RECORD_KEY, {})
     except UserError as exc:
         print(f"export_nemo: error: {exc}", file=sys.stderr)
         return 2
@@ -395,23 +400,18 @@ def main(argv: list[str] | None = None) -> int:
     manifest = Path(args.manifest or config.VAL_MANIFEST_PATH)
     if sweep or args.blend_base:
         try:
-            portable = checkpoints.read_checkpoint(newest, mmap=True).get(asr_model.PORTABLE_KEY)
-            base = base_as_received(record, portable)
-            finetuned = weights or asr_model.model_weights(
-                checkpoints.read_checkpoint(newest, mmap=True)
-            )
+            base = base_as_received(record, newest_checkpoint.get(asr_model.PORTABLE_KEY))
+            finetuned = weights or asr_model.model_weights(newest_checkpoint)
             if sweep:
                 if not manifest.is_file():
                     raise BlendError(
                         f"--blend-sweep scores on {manifest}, which does not exist: give --manifest"
                     )
-                rows = blend_sweep(newest, finetuned, base, sweep, manifest)
+                rows = blend_sweep(model, finetuned, base, sweep, manifest)
                 if args.sweep_json:
                     args.sweep_json.write_text(json.dumps(rows, indent=1) + "\n")
                 return 0
-            model = asr_model.load_trained_model(
-                newest, "cpu", weights=blend_weights(finetuned, base, args.blend_base)
-            )
+            model.load_state_dict(blend_weights(finetuned, base, args.blend_base))
         except UserError as exc:
             print(f"export_nemo: error: {exc}", file=sys.stderr)
             return 2

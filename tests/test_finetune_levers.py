@@ -12,8 +12,7 @@ import torch
 import asr_model
 import config
 import training_step
-from scripts import train_tokenizer as tt
-from tests.tiny_training_data import write_manifest
+from tests.tiny_training_data import make_extension_tokenizers, write_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_tdt.yaml"
@@ -31,15 +30,7 @@ def visible_steps(monkeypatch):
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory):
     """An English base tokenizer and its extension to Hindi and Tamil."""
-    root = tmp_path_factory.mktemp("levers")
-    en = write_manifest(root / "en", 40, langs=("en",), name="en.parquet")
-    mix = write_manifest(root / "mix", 30, langs=("hi", "en", "ta"), name="mix.parquet")
-    common = dict(temperature=0.5, lang_weighting="count", seed=0)
-    tt.train_tokenizer(en, root / "base", vocab_size=40, mode="new", **common)
-    tt.train_tokenizer(
-        mix, root / "extended", vocab_size=120, mode="extend", base=str(root / "base"), **common
-    )
-    return {name: root / name for name in ("base", "extended")}
+    return make_extension_tokenizers(tmp_path_factory.mktemp("levers"))
 
 
 def carried_model(tokenizers):
@@ -329,6 +320,23 @@ def test_blend_base_exports_the_mix_of_finetune_and_base_keeping_new_piece_rows(
     )
     card = ckpt.with_name("step_00000004.blend0.25.model-card.md").read_text()
     assert "blended with its base: 0.75 x finetuned + 0.25 x" in card
+
+
+@pytest.mark.slow
+def test_a_base_that_needs_no_vocabulary_change_is_not_the_runs_base(finetune_run, tmp_path):
+    """The finetune's own export fits the checkpoint tensor for tensor, yet blending with it would
+    blend the finetune with itself: refused by the vocabulary change the run recorded."""
+    from scripts import export_nemo
+
+    ckpt = finetune_run["root"] / "run" / "checkpoints" / "step_00000004.ckpt"
+    own_export = tmp_path / "finetuned.nemo"
+    assert export_nemo.main([str(ckpt), "--out", str(own_export)]) == 0
+    checkpoint = torch.load(ckpt, weights_only=False, map_location="cpu")
+    record = checkpoint[training_step.RUN_RECORD_KEY]
+    assert record["vocabulary_change"] is not None
+    record["settings"]["INIT_MODEL"] = str(own_export)
+    with pytest.raises(export_nemo.BlendError, match="is not the base the run started from"):
+        export_nemo.base_as_received(record, checkpoint[asr_model.PORTABLE_KEY])
 
 
 def test_a_run_from_scratch_has_no_base_to_blend_with():

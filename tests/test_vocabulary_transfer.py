@@ -14,8 +14,7 @@ from omegaconf import OmegaConf, open_dict
 import asr_model
 import config
 import model_card
-from scripts import train_tokenizer as tt
-from tests.tiny_training_data import make_training_data, write_manifest
+from tests.tiny_training_data import make_extension_tokenizers, make_training_data, write_manifest
 from tests.torchrun_jobs import run_torchrun, tiny_train_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,16 +24,7 @@ TINY = REPO / "configs" / "tiny_tdt.yaml"
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory):
     """An English base tokenizer, its extension to Hindi and Tamil, and a replacement for it."""
-    root = tmp_path_factory.mktemp("vocab")
-    en = write_manifest(root / "en", 40, langs=("en",), name="en.parquet")
-    mix = write_manifest(root / "mix", 30, langs=("hi", "en", "ta"), name="mix.parquet")
-    common = dict(temperature=0.5, lang_weighting="count", seed=0)
-    tt.train_tokenizer(en, root / "base", vocab_size=40, mode="new", **common)
-    tt.train_tokenizer(
-        mix, root / "extended", vocab_size=120, mode="extend", base=str(root / "base"), **common
-    )
-    tt.train_tokenizer(mix, root / "replaced", vocab_size=100, mode="new", **common)
-    return {name: root / name for name in ("base", "extended", "replaced")}
+    return make_extension_tokenizers(tmp_path_factory.mktemp("vocab"), replaced=True)
 
 
 def base_model(tokenizers):

@@ -81,3 +81,23 @@ def make_training_data(
         seed=seed,
     )
     return {"manifest": manifest, "tokenizer": tokenizer}
+
+
+def make_extension_tokenizers(root: Path, *, replaced: bool = False) -> dict[str, Path]:
+    """Under ``root``: "base", an English tokenizer (40 pieces), and "extended", its extension to
+    Hindi and Tamil (120 pieces, the base's first); with ``replaced`` also "replaced", a new
+    tokenizer of that mix (100 pieces) sharing only some of the base's."""
+    en = write_manifest(root / "en", 40, langs=("en",), name="en.parquet")
+    mix = write_manifest(root / "mix", 30, langs=("hi", "en", "ta"), name="mix.parquet")
+    common = dict(temperature=0.5, lang_weighting="count", seed=0)
+    train_tokenizer.train_tokenizer(en, root / "base", vocab_size=40, mode="new", **common)
+    train_tokenizer.train_tokenizer(
+        mix, root / "extended", vocab_size=120, mode="extend", base=str(root / "base"), **common
+    )
+    names = ["base", "extended"]
+    if replaced:
+        train_tokenizer.train_tokenizer(
+            mix, root / "replaced", vocab_size=100, mode="new", **common
+        )
+        names.append("replaced")
+    return {name: root / name for name in names}
