@@ -456,7 +456,10 @@ class SignalSafeDataLoader(torch.utils.data.DataLoader):
     def _get_iterator(self):
         # Workers are forked here (once, with persistent_workers).
         with process_control.stop_signals_blocked():
-            return super()._get_iterator()
+            iterator = super()._get_iterator()
+        # A rank stuck waiting on them has the watchdog print their stacks too.
+        process_control.add_helpers(w.pid for w in getattr(iterator, "_workers", []))
+        return iterator
 
 
 def _init_worker(parent: int, then, worker_id: int) -> None:

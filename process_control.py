@@ -12,6 +12,9 @@
   parent forks them inside ``stop_signals_blocked`` and each calls ``leave_stop_signals_to_parent``
   first thing, so no window is left in which a signal kills a helper; they still die with their
   parent (``die_with_parent``).
+- ``install_stack_dump``: SIGUSR2 prints every thread's stack of the process to stderr (the job's
+  log) and the run goes on; DataLoader workers forked after it answer it too. ``kill -USR2`` on the
+  processes of a job that seems to hang shows where each rank and each worker waits.
 - ``die_with_parent``: the kernel kills this process when its parent dies, however the parent dies
   (even SIGKILL). Ranks call it with torchrun's agent as the parent, so no orphan trains on after its
   launcher is gone; helper processes call it with the process that started them.
@@ -26,11 +29,13 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 log = logging.getLogger("process_control")
 
@@ -50,6 +55,57 @@ def install_stop_handlers() -> None:
     _owner = os.getpid()
     for sig in STOP_SIGNALS:
         signal.signal(sig, _on_stop_signal)
+
+
+STACK_DUMP_SIGNAL = signal.SIGUSR2
+_helpers: set[int] = set()  # forked helpers that answer STACK_DUMP_SIGNAL (dump_helper_stacks)
+_stack_dump_installed = False
+
+
+def install_stack_dump() -> None:
+    """SIGUSR2 writes the stack of every thread of this process (and of the processes it forks
+    later, which inherit the handler) to stderr; nothing else happens."""
+    global _stack_dump_installed
+    faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
+    _stack_dump_installed = True
+
+
+def add_helpers(pids) -> None:
+    """Helper processes this process forked (DataLoader workers) whose stacks ``dump_helper_stacks``
+    prints; ignored unless ``install_stack_dump`` ran, so that they answer the signal."""
+    if _stack_dump_installed:
+        _helpers.update(int(pid) for pid in pids)
+
+
+def _is_own_fork(pid: int) -> bool:
+    """Whether ``pid`` is a live child of this process running this program (forked, not exec'd):
+    a recycled pid or a child that runs another program would end of SIGUSR2."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        same = Path(f"/proc/{pid}/cmdline").read_bytes() == Path("/proc/self/cmdline").read_bytes()
+    except (OSError, IndexError):
+        return False
+    return stat[0] != "Z" and int(stat[1]) == os.getpid() and same
+
+
+def live_helpers() -> list[int]:
+    """The helpers of ``add_helpers`` still running (forgetting those that are gone)."""
+    for pid in [pid for pid in _helpers if not _is_own_fork(pid)]:
+        _helpers.discard(pid)
+    return sorted(_helpers)
+
+
+def dump_helper_stacks(pids: list[int] | None = None, pause: float = 0.5) -> list[int]:
+    """Have each helper in ``pids`` (default ``live_helpers()``) write its threads' stacks to stderr,
+    one at a time (``pause`` seconds apart, so the dumps do not interleave); the pids signalled.
+    For a rank that waits on its DataLoader, the workers' stacks say where they are stuck."""
+    signalled = []
+    for pid in live_helpers() if pids is None else pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, STACK_DUMP_SIGNAL)
+            signalled.append(pid)
+            time.sleep(pause)
+    return signalled
 
 
 def _on_stop_signal(signum, frame) -> None:

@@ -4,18 +4,23 @@ After ``seconds`` (WATCHDOG_SECONDS) without progress (a finished micro-batch, r
 ``alive``), the rank logs where its main thread waits (a collective, the DataLoader, a save) and what
 every rank last told the process group's store: the thread writes its rank's step and last progress
 there every ``period`` seconds, so a rank that stopped answering (SIGSTOP, a stuck file system, a
-dead node) is named as such, apart from ranks that are alive and waiting. Repeated every ``seconds``
+dead node) is named as such, apart from ranks that are alive and waiting. Every thread of the rank,
+then each of its DataLoader workers (``process_control.add_helpers``), prints its stack to stderr:
+a rank that waits on its DataLoader shows where its workers are stuck. Repeated every ``seconds``
 while it lasts; the job itself ends at COLLECTIVE_TIMEOUT_MINUTES. Single process: no store, the
 report says so.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import sys
 import threading
 import time
 import traceback
+
+import process_control
 
 log = logging.getLogger("rank_watchdog")
 
@@ -115,13 +120,21 @@ class RankWatchdog:
                 continue
             frame = sys._current_frames().get(main.ident)
             where = "".join(traceback.format_stack(frame, limit=6)) if frame else "unknown"
+            helpers = process_control.live_helpers()
             log.warning(
                 "watchdog: rank %d has finished no micro-batch for %.0f s (optimizer step %d); %s; "
-                "this rank waits in:\n%s",
+                "this rank waits in:\n%severy thread of this rank%s prints its stack next",
                 self._rank,
                 idle,
                 self._step,
                 self.ranks_report(),
                 where,
+                f", then each of its DataLoader workers (pids {', '.join(map(str, helpers))}),"
+                if helpers
+                else "",
             )
+            # The main thread's wait can be another thread's doing (a queue's feeder thread, a
+            # save), and a DataLoader wait a worker's: their stacks say which.
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            process_control.dump_helper_stacks(helpers)
             self._last = time.monotonic()  # report again after another WATCHDOG_SECONDS

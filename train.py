@@ -70,6 +70,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+import tqdm  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 import asr_model  # noqa: E402
@@ -344,6 +345,11 @@ def run(argv: list[str] | None = None) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:
         process_control.die_with_parent()  # torchrun's agent: no rank outlives its launcher
     process_control.install_stop_handlers()
+    process_control.install_stack_dump()
+    # A rank forks its DataLoader workers, and a lock another thread holds at that moment stays
+    # held in the worker for good. tqdm's monitor thread, started by the first bar (even a disabled
+    # one: a training cache's build, a manifest's hash), would be the rank's one such thread then.
+    tqdm.tqdm.monitor_interval = 0
     ckpt_path = check_inputs()
     if env["rank"] == 0:
         hint = single_process_hint(env)

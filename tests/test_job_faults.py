@@ -1,5 +1,6 @@
 """Faults a 2-process `torchrun train.py` meets on a cluster, each reproduced (tiny model, CPU):
-a bad knob, every audio file missing, torchrun itself SIGKILLed, one rank stopped (SIGSTOP)."""
+a bad knob, every audio file missing, torchrun itself SIGKILLed, one rank stopped (SIGSTOP), a
+DataLoader worker that stops delivering."""
 
 from __future__ import annotations
 
@@ -136,3 +137,55 @@ def test_a_stopped_rank_ends_the_job_within_the_collective_timeout_and_is_named(
     watchdog = [line for line in out.splitlines() if "watchdog: rank 0" in line]
     assert watchdog, out[-3000:]
     assert "rank 1: NOT RESPONDING" in watchdog[0] and "rank 0: alive" in watchdog[0]
+
+
+STUCK_WORKER = '''
+import os, sys, time
+import torch.utils.data
+import dataset, train
+
+real_getitem = dataset.LocalShardDataset.__getitem__
+calls = 0
+
+def stuck_after_four_items(self, i):
+    """Rank 1's DataLoader worker stops delivering after its first items, as a worker that
+    deadlocked or waits on a dead file system would."""
+    global calls
+    if os.environ["RANK"] == "1" and torch.utils.data.get_worker_info() is not None:
+        calls += 1
+        if calls > 4:
+            time.sleep(3600)
+    return real_getitem(self, i)
+
+dataset.LocalShardDataset.__getitem__ = stuck_after_four_items
+sys.exit(train.main([]))
+'''
+
+
+def test_a_stuck_dataloader_worker_is_shown_with_its_stack_by_its_ranks_watchdog(job_env):
+    root, env, _ = job_env
+    script = root / "stuck_worker.py"
+    script.write_text(STUCK_WORKER)
+    log = root / "stuck_worker.log"
+    proc = subprocess.Popen(
+        torchrun_command(script),
+        cwd=REPO,
+        env={**env, "MAX_STEPS": "100000", "DATA_DIR": str(root / "w"), "WATCHDOG_SECONDS": "8"},
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        wait_for("watchdog: rank 1", log, proc, timeout=120)
+        deadline = time.monotonic() + 20
+        while "in stuck_after_four_items" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    out = log.read_text()
+    report = out[out.index("watchdog: rank 1") :]
+    assert "_try_get_data" in report  # the rank itself waits on its DataLoader
+    assert "every thread of this rank, then each of its DataLoader workers (pids " in report
+    worker = report[report.index("prints its stack next") :]
+    assert "in stuck_after_four_items" in worker and "in _worker_loop" in worker, report[:6000]

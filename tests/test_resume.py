@@ -31,7 +31,7 @@ import torch
 from asr_model import PORTABLE_KEY
 from checkpoints import checkpoint_name
 from tests.tiny_training_data import make_training_data
-from tests.torchrun_jobs import tiny_train_env, torchrun_command
+from tests.torchrun_jobs import dump_stacks, tiny_train_env, torchrun_command
 from training_step import RUN_RECORD_KEY
 
 pytestmark = pytest.mark.slow
@@ -90,11 +90,12 @@ def wait(proc: subprocess.Popen, log_path: Path) -> None:
     try:
         proc.wait(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
+        dump_stacks(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         pytest.fail(
             f"torchrun did not finish in {TIMEOUT_S} s (a hang?); log {log_path}:\n"
-            f"{log_path.read_text()[-3000:]}"
+            f"{log_path.read_text()[-12000:]}"
         )
     assert proc.returncode == 0, log_path.read_text()[-4000:]
 
@@ -164,6 +165,8 @@ def runs(tmp_path_factory):
                 f"the job never held in step 4:\n{(root / 'preempted.log').read_text()[-3000:]}"
             )
         time.sleep(0.1)
+    # A job that seems to hang shows where each process waits, and trains on.
+    (root / "stack_dumps").write_text(str(len(dump_stacks(proc.pid))))
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     try:
@@ -252,6 +255,17 @@ def test_per_language_wer_is_gathered_from_both_ranks(runs):
         assert {"val/wer/en", "val/wer/hi", "val/cer/en", "val/cer/hi", "val/cer/all"} <= l.keys()
     tables = [l for l in lines if l.get("table") == "val/examples"]
     assert len(tables) == 2 and tables[0]["columns"] == ["lang", "reference", "hypothesis"]
+
+
+def test_sigusr2_prints_the_stacks_of_every_rank_and_worker_and_the_job_goes_on(runs):
+    root, _ = runs
+    assert (root / "stack_dumps").read_text() == "4"  # 2 ranks, a DataLoader worker each
+    log = (root / "preempted.log").read_text()
+    assert log.count("Current thread 0x") == 4, log[-6000:]
+    assert "_worker_loop" in log  # the workers' own stacks, not only the ranks'
+    assert "step_00000005.ckpt" in "".join(
+        p.name for p in (root / "preempted_data" / "checkpoints").iterdir()
+    )
 
 
 # ---- preemption: SIGTERM saves the current step, and the requeued job ends as the straight one ------

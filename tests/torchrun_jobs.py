@@ -4,12 +4,14 @@ state of the processes a job started, and signalling every process of a job as S
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,12 +61,13 @@ def run_torchrun(
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        dump_stacks(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         if log_path is not None:
             log_path.write_text(out)
         pytest.fail(
-            f"torchrun did not finish in {timeout:g} s (a hang?); log: {log_path}\n{out[-3000:]}"
+            f"torchrun did not finish in {timeout:g} s (a hang?); log: {log_path}\n{out[-12000:]}"
         )
     if log_path is not None:
         log_path.write_text(out)
@@ -73,7 +76,8 @@ def run_torchrun(
 
 def tiny_train_env(data: dict, **knobs: str) -> dict:
     """The environment of a tiny train.py run on CPU over ``make_training_data``'s manifest and
-    tokenizer, one DataLoader worker per rank, without W&B, plus ``knobs``; the caller's W&B,
+    tokenizer, one DataLoader worker per rank, without W&B, a 60 s watchdog and a 2-minute
+    collective timeout, plus ``knobs``; the caller's W&B,
     RESUME_FROM and PROBE_ variables are left out so the shell that runs the tests cannot change the
     job. Every process of the job carries PROBE_JOB (``job_processes`` finds them by it)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB", "RESUME", "PROBE"))}
@@ -91,9 +95,31 @@ def tiny_train_env(data: dict, **knobs: str) -> dict:
         MAX_BATCH_DURATION="6",
         BUCKET_BOUNDARIES="2",
         WANDB_MODE="disabled",
+        # A tiny job that stops making progress says where each rank waits (the watchdog) and ends
+        # with the collective's error, both well within the tests' time limits.
+        WATCHDOG_SECONDS="60",
+        COLLECTIVE_TIMEOUT_MINUTES="2",
     )
     env.update(knobs)
     return env
+
+
+def dump_stacks(launcher: int, settle: float = 2.0) -> list[int]:
+    """Have every process below the torchrun ``launcher`` (its ranks and what they forked: DataLoader
+    workers) write all its threads' stacks to the job's log (SIGUSR2,
+    ``process_control.install_stack_dump``), then wait ``settle`` seconds for them to be written;
+    the pids signalled. torchrun's agent is left alone: SIGUSR2 would end it."""
+    pids, todo = [], child_pids(launcher)
+    while todo:
+        pid = todo.pop()
+        todo += child_pids(pid)
+        if is_running(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR2)
+                pids.append(pid)
+    if pids:
+        time.sleep(settle)
+    return pids
 
 
 def child_pids(pid: int) -> list[int]:
