@@ -40,10 +40,12 @@ it and hands the counts on in ``AsrBatch.bad_audio``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import math
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -435,6 +437,16 @@ def collate_asr_batch(items: list[dict | None]) -> AsrBatch:
     )
 
 
+# A healthy worker reaches its init function within a second of the fork, even on a loaded node.
+WORKER_START_SECONDS = 60.0
+WORKER_START_ATTEMPTS = 3
+_started_pipe: int | None = None  # the write end each worker forked now reports its start on
+
+
+class WorkersNeverStarted(RuntimeError):
+    """DataLoader workers stayed stuck at their fork in every attempt."""
+
+
 class SignalSafeDataLoader(torch.utils.data.DataLoader):
     """A DataLoader whose worker processes leave stop signals to the process that iterates it
     (``process_control``): torchrun's SIGTERM reaches a rank's whole process group and SLURM's every
@@ -444,6 +456,13 @@ class SignalSafeDataLoader(torch.utils.data.DataLoader):
 
     ``worker_init_fn`` runs after that; without one, Lightning's worker seeding applies as it would
     to a plain DataLoader (``seed_everything(workers=True)``).
+
+    Every worker reports that it started. A fork in a multi-threaded process (a rank has the
+    process group's threads) can leave the child stuck inside ``os.fork`` for good, where it never
+    runs a line of its own and the rank would wait on it until the DataLoader's timeout. A worker
+    alive but not started after ``WORKER_START_SECONDS`` is killed and the workers are forked again
+    (``WORKER_START_ATTEMPTS`` in all), with the batch sampler's position and torch's random state
+    as they were, so the batches and the run are those of a first fork that worked.
     """
 
     def __init__(self, *args, worker_init_fn=None, **kwargs):
@@ -455,11 +474,90 @@ class SignalSafeDataLoader(torch.utils.data.DataLoader):
 
     def _get_iterator(self):
         # Workers are forked here (once, with persistent_workers).
-        with process_control.stop_signals_blocked():
-            iterator = super()._get_iterator()
-        # A rank stuck waiting on them has the watchdog print their stacks too.
-        process_control.add_helpers(w.pid for w in getattr(iterator, "_workers", []))
-        return iterator
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        sampler = self.batch_sampler
+        sampler_state = sampler.state_dict() if hasattr(sampler, "load_state_dict") else None
+        rng = torch.get_rng_state()
+        for attempt in range(1, WORKER_START_ATTEMPTS + 1):
+            iterator, stuck = self._fork_workers()
+            if not stuck:
+                # A rank stuck waiting on them has the watchdog print their stacks too.
+                process_control.add_helpers(w.pid for w in iterator._workers)
+                return iterator
+            log.warning(
+                "DataLoader worker(s) %s alive but not started %.0f s after the fork (stuck in "
+                "it); killed and forked again (attempt %d of %d)",
+                ", ".join(str(w.pid) for w in stuck),
+                WORKER_START_SECONDS,
+                attempt,
+                WORKER_START_ATTEMPTS,
+            )
+            _discard(iterator, stuck)
+            if sampler_state is not None:
+                sampler.load_state_dict(sampler_state)
+            torch.set_rng_state(rng)
+        raise WorkersNeverStarted(
+            f"DataLoader workers stayed stuck at their fork in {WORKER_START_ATTEMPTS} attempts of "
+            f"{WORKER_START_SECONDS:.0f} s: the node is overloaded or a library's fork handler "
+            f"deadlocks; NUM_WORKERS=0 loads in the rank itself"
+        )
+
+    def _fork_workers(self):
+        """A new multi-process iterator, and its workers that are alive but never reported."""
+        global _started_pipe
+        read_end, write_end = os.pipe()
+        _started_pipe = write_end
+        try:
+            with process_control.stop_signals_blocked():
+                iterator = super()._get_iterator()
+        finally:
+            _started_pipe = None
+            os.close(write_end)
+        try:
+            started = _read_starts(read_end, len(iterator._workers), WORKER_START_SECONDS)
+        finally:
+            os.close(read_end)
+        stuck = [w for i, w in enumerate(iterator._workers) if i not in started and w.is_alive()]
+        return iterator, stuck
+
+
+def _read_starts(fd: int, workers: int, seconds: float) -> set[int]:
+    """The worker ids reported on ``fd`` within ``seconds`` (all ``workers`` of them, or fewer)."""
+    import select
+
+    started: set[int] = set()
+    pending = b""
+    deadline = time.monotonic() + seconds
+    while len(started) < workers:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            break
+        data = os.read(fd, 4096)
+        if not data:  # every worker closed its end: the rest died (the DataLoader reports them)
+            break
+        pending += data
+        whole = len(pending) - len(pending) % 4
+        started.update(int.from_bytes(pending[i : i + 4], "little") for i in range(0, whole, 4))
+        pending = pending[whole:]
+    return started
+
+
+def _discard(iterator, stuck) -> None:
+    """Shut down an iterator whose ``stuck`` workers never started. They hold the stop signals
+    blocked since the fork, so SIGTERM would not end them: SIGKILL, after the iterator's pids are
+    taken off torch's SIGCHLD check (which would report the kill as a failed worker)."""
+    import signal
+
+    from torch.utils.data import _utils
+
+    if iterator._worker_pids_set:
+        _utils.signal_handling._remove_worker_pids(id(iterator))
+        iterator._worker_pids_set = False
+    for worker in stuck:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker.pid, signal.SIGKILL)
+    iterator._shutdown_workers()
 
 
 def _init_worker(parent: int, then, worker_id: int) -> None:
@@ -470,6 +568,9 @@ def _init_worker(parent: int, then, worker_id: int) -> None:
         from lightning.fabric.utilities.seed import pl_worker_init_function
 
         pl_worker_init_function(worker_id, rank=int(os.environ.get("RANK", 0)))
+    if _started_pipe is not None:
+        os.write(_started_pipe, worker_id.to_bytes(4, "little"))
+        os.close(_started_pipe)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -487,3 +487,63 @@ def test_a_dataloader_worker_that_delivers_nothing_fails_the_job_instead_of_hang
     assert loader.timeout == 2
     with pytest.raises(RuntimeError, match="DataLoader timed out after 2"):
         next(iter(loader))
+
+
+def stuck_loader(corpus, tokenizer, monkeypatch, tmp_path, stuck_attempts: int):
+    """A training DataLoader with 2 workers whose first ``stuck_attempts`` forks never report
+    their start (alive, stuck before their first line, as a child stuck inside os.fork is)."""
+    import config
+    from training_step import build_dataloader
+
+    for k in range(12):
+        corpus.add(member=f"{k}.flac", audio={})
+    ds = load(corpus, tokenizer)
+    monkeypatch.setattr(config, "NUM_WORKERS", 2)
+    monkeypatch.setattr(config, "GRAD_ACCUM", 1)
+    monkeypatch.setattr(config, "MAX_BATCH_DURATION", 2.0)
+    monkeypatch.setattr(dataset, "WORKER_START_SECONDS", 2.0)
+    batching = BatchingSettings.from_config()
+    clean = build_dataloader(ds, batching, world_size=1, rank=0, pin_memory=False)[0]
+    torch.manual_seed(5)
+    expected = [b.indices for b in clean]
+    expected_rng = torch.get_rng_state()
+
+    attempts = tmp_path / "attempts"
+    attempts.write_text("0")
+    real_init, real_discard = dataset._init_worker, dataset._discard
+
+    def init(parent, then, worker_id):
+        if int(attempts.read_text()) < stuck_attempts:
+            __import__("time").sleep(600)
+        real_init(parent, then, worker_id)
+
+    def discard(iterator, stuck):
+        attempts.write_text(str(int(attempts.read_text()) + 1))
+        real_discard(iterator, stuck)
+
+    monkeypatch.setattr(dataset, "_init_worker", init)
+    monkeypatch.setattr(dataset, "_discard", discard)
+    loader = build_dataloader(ds, batching, world_size=1, rank=0, pin_memory=False)[0]
+    torch.manual_seed(5)
+    return loader, expected, expected_rng
+
+
+def test_workers_stuck_at_their_fork_are_forked_again_and_give_the_same_batches(
+    corpus, tokenizer, monkeypatch, tmp_path, caplog
+):
+    loader, expected, expected_rng = stuck_loader(corpus, tokenizer, monkeypatch, tmp_path, 1)
+    with caplog.at_level(logging.WARNING, logger="dataset"):
+        batches = [b.indices for b in loader]
+    assert batches == expected  # the sampler's position as it was before the first fork
+    assert torch.equal(torch.get_rng_state(), expected_rng)  # one seed drawn, as without a retry
+    warnings = [r.getMessage() for r in caplog.records if "not started" in r.getMessage()]
+    assert len(warnings) == 1 and "killed and forked again (attempt 1 of 3)" in warnings[0]
+
+
+def test_workers_stuck_at_every_fork_end_the_job_naming_num_workers(
+    corpus, tokenizer, monkeypatch, tmp_path
+):
+    monkeypatch.setattr(dataset, "WORKER_START_ATTEMPTS", 2)
+    loader, _, _ = stuck_loader(corpus, tokenizer, monkeypatch, tmp_path, 2)
+    with pytest.raises(dataset.WorkersNeverStarted, match="in 2 attempts of 2 s.*NUM_WORKERS=0"):
+        next(iter(loader))
