@@ -526,12 +526,15 @@ def _read_starts(fd: int, workers: int, seconds: float) -> set[int]:
     """The worker ids reported on ``fd`` within ``seconds`` (all ``workers`` of them, or fewer)."""
     import select
 
+    # poll, not select: a rank with many sockets and mapped files has descriptors past select's 1024.
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
     started: set[int] = set()
     pending = b""
     deadline = time.monotonic() + seconds
     while len(started) < workers:
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if left <= 0 or not poller.poll(left * 1000):
             break
         data = os.read(fd, 4096)
         if not data:  # every worker closed its end: the rest died (the DataLoader reports them)

@@ -547,3 +547,21 @@ def test_workers_stuck_at_every_fork_end_the_job_naming_num_workers(
     loader, _, _ = stuck_loader(corpus, tokenizer, monkeypatch, tmp_path, 2)
     with pytest.raises(dataset.WorkersNeverStarted, match="in 2 attempts of 2 s.*NUM_WORKERS=0"):
         next(iter(loader))
+
+
+def test_the_worker_start_check_works_in_a_process_with_descriptors_past_1024():
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 1200
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {wanted}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # a rank's sockets and maps
+    try:
+        loader = dataset.SignalSafeDataLoader(list(range(8)), batch_size=2, num_workers=2)
+        assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
