@@ -310,6 +310,27 @@ def own_run_directory(run_dir: Path, run_id: str, resuming: bool) -> Path:
     return chosen
 
 
+def wandb_installed() -> bool:
+    """Whether the wandb package imports here (a GPU image may not ship it)."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """``message`` as one warning on global rank 0, once per process."""
+    if message in _warned:
+        return
+    _warned.add(message)
+    if int(os.environ.get("RANK", "0")) == 0:
+        log.warning(message)
+
+
 def build_loggers(run_dir: Path | None = None, resume_path: str | None = None) -> list[Logger]:
     """[ResilientWandbLogger (unless WANDB_MODE resolves to disabled), JsonlMetricsLogger] for one run.
 
@@ -323,6 +344,12 @@ def build_loggers(run_dir: Path | None = None, resume_path: str | None = None) -
     run_dir = Path(run_dir or own_run_directory(run_directory(name), run_id, resuming))
     loggers: list[Logger] = []
     mode = config.wandb_mode()
+    if mode != "disabled" and not wandb_installed():
+        warn_once(
+            f"WANDB_MODE resolves to {mode} but the wandb package is not installed: this run logs to "
+            f"{run_dir / 'metrics.jsonl'} only (pip install wandb, or set WANDB_MODE=disabled)"
+        )
+        mode = "disabled"
     if mode != "disabled":
         if int(os.environ.get("RANK", "0")) == 0:
             run_dir.mkdir(parents=True, exist_ok=True)

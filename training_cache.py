@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import gc
 import hashlib
 import itertools
@@ -153,6 +154,17 @@ def tokenize_transcript(tokenizer, tag_id: int, transcript: str, max_token_len: 
     return [tag_id] + ids[: max_token_len - 1]
 
 
+@functools.cache
+def _warn_missing_field(name: str) -> None:
+    import sentencepiece
+
+    log.warning(
+        f"sentencepiece {sentencepiece.__version__} has no TrainerSpec.{name}: tokenizer fingerprints "
+        f"keep that path where a newer sentencepiece set one (a training cache keyed by it is rebuilt "
+        f"once; sentencepiece>=0.2.3 reads it)"
+    )
+
+
 def sentencepiece_model_without_paths(model: bytes) -> bytes:
     """``model`` (a serialized SentencePiece ModelProto) without the paths of the files it was
     trained from and into (the trainer's input, model prefix and seed pieces file, a normalization
@@ -162,8 +174,12 @@ def sentencepiece_model_without_paths(model: bytes) -> bytes:
 
     proto = pb.ModelProto()
     proto.ParseFromString(model)
+    fields = proto.trainer_spec.DESCRIPTOR.fields_by_name
     for name in ("input", "model_prefix", "seed_sentencepieces_file"):
-        proto.trainer_spec.ClearField(name)
+        if name in fields:
+            proto.trainer_spec.ClearField(name)
+        else:
+            _warn_missing_field(name)
     for spec in (proto.normalizer_spec, proto.denormalizer_spec):
         spec.ClearField("normalization_rule_tsv")
     return proto.SerializeToString(deterministic=True)

@@ -107,6 +107,49 @@ def first_line(exc: BaseException) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
+def driver_cuda_version() -> tuple[int | None, str]:
+    """(the newest CUDA version the NVIDIA driver runs, as cudaDriverGetVersion reports it: 13000 is
+    13.0; how it was read), or (None, why not). Asks CUDA's Python bindings, then NVML, then the
+    driver library itself: torch's wheels have no public call for it, and none that every torch
+    release keeps."""
+    tried = []
+    try:
+        from cuda.bindings import driver
+
+        err, version = driver.cuDriverGetVersion()
+        if int(err) == 0:
+            return int(version), "cuda.bindings"
+        tried.append(f"cuda.bindings: {err}")
+    except Exception as exc:  # noqa: BLE001  (not installed, or too old for this API)
+        tried.append(f"cuda.bindings: {type(exc).__name__}")
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlSystemGetCudaDriverVersion()), "NVML"
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as exc:  # noqa: BLE001
+        tried.append(f"NVML: {type(exc).__name__}")
+    try:
+        import ctypes
+
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int(0)
+        if libcuda.cuDriverGetVersion(ctypes.byref(version)) == 0:
+            return int(version.value), "libcuda"
+        tried.append("libcuda: cuDriverGetVersion failed")
+    except OSError as exc:
+        tried.append(f"libcuda: {type(exc).__name__}")
+    return None, "; ".join(tried)
+
+
+def cuda_version_text(version: int | None) -> str:
+    """13000 -> "13.0" (cudaDriverGetVersion's encoding); None -> "unknown"."""
+    return "unknown" if version is None else f"{version // 1000}.{version % 1000 // 10}"
+
+
 def driver_verdict(driver_cuda: int | None, torch_cuda: str | None) -> tuple[str, str]:
     """(verdict, advice) for a driver supporting CUDA ``driver_cuda`` (cudaDriverGetVersion: 12040
     is 12.4) under a torch built for ``torch_cuda`` ("13.0")."""
@@ -181,15 +224,12 @@ def check_gpu(node: Node) -> Check:
             else "the CPU checks follow",
         )
     free, total = torch.cuda.mem_get_info(node.device)
-    try:
-        driver_cuda = int(torch._C._cuda_getDriverVersion())
-    except (AttributeError, RuntimeError):
-        driver_cuda = None
+    driver_cuda, _ = driver_cuda_version()
     smi = nvidia_smi()
     driver = smi[0].split(",")[1].strip() if smi else "?"
     figure = (
         f"{torch.cuda.get_device_name(node.device)} ({node.device}), {total / 2**30:.1f} GiB, "
-        f"{free / 2**30:.1f} free; driver {driver} (CUDA {driver_cuda}), torch "
+        f"{free / 2**30:.1f} free; driver {driver} (CUDA {cuda_version_text(driver_cuda)}), torch "
         f"{torch.__version__} CUDA {torch.version.cuda}; {torch.cuda.device_count()} visible"
     )
     verdict, advice = driver_verdict(driver_cuda, torch.version.cuda)
@@ -717,6 +757,13 @@ def check_wandb() -> Check:
     import run_logging
 
     mode = config.wandb_mode()
+    if mode != "disabled" and not run_logging.wandb_installed():
+        return Check(
+            "wandb",
+            "warn",
+            f"mode {mode}, but the wandb package is not installed: the run logs to metrics.jsonl only",
+            "pip install wandb (it is in requirements.txt), or set WANDB_MODE=disabled",
+        )
     if mode != "online":
         return Check(
             "wandb",

@@ -789,6 +789,35 @@ def test_wandb_offline_run_directory_holds_the_logged_keys(tmp_path, monkeypatch
     assert [l["step"] for l in jsonl] == [1, 2, 3] and STEP_KEYS <= jsonl[0].keys()
 
 
+def test_without_the_wandb_package_a_run_logs_to_metrics_jsonl_after_one_warning(
+    tmp_path, monkeypatch, caplog
+):
+    for name, value in (
+        ("WANDB_MODE", "offline"),
+        ("WANDB_RUN_NAME", "no-wandb"),
+        ("WANDB_LOG_DIR", tmp_path / "wandb_logs"),
+        ("CHECKPOINT_DIR", tmp_path / "ckpt"),
+    ):
+        monkeypatch.setattr(config, name, value)
+    monkeypatch.setattr(run_logging, "wandb_installed", lambda: False)
+    with caplog.at_level("WARNING", logger="run_logging"):
+        loggers = run_logging.build_loggers()
+    assert [type(l).__name__ for l in loggers] == ["JsonlMetricsLogger"]
+    warned = [
+        r.getMessage() for r in caplog.records if "wandb package is not installed" in r.getMessage()
+    ]
+    assert (
+        len(warned) == 1
+        and "metrics.jsonl only" in warned[0]
+        and "WANDB_MODE=disabled" in warned[0]
+    )
+    fit(tmp_path, max_steps=3, extra=[callbacks.TrainingMetricsCallback()], loggers=loggers)
+    run_dir = tmp_path / "wandb_logs" / "no-wandb"
+    jsonl = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in jsonl] == [1, 2, 3] and STEP_KEYS <= jsonl[0].keys()
+    assert not (run_dir / "wandb").exists()
+
+
 def read_wandb_records(path: Path):
     """The protobuf records of a .wandb file (W&B's leveldb-style log: 32 KiB blocks, 7-byte headers)."""
     from wandb.proto import wandb_internal_pb2 as pb

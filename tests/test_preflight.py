@@ -211,6 +211,36 @@ def test_driver_rule_follows_torchs_cuda_major():
     assert preflight.driver_verdict(None, None)[0] == "fail"
 
 
+def test_the_drivers_cuda_version_comes_from_the_bindings_then_nvml_then_libcuda(monkeypatch):
+    import ctypes
+    import types
+
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.driver = types.SimpleNamespace(cuDriverGetVersion=lambda: (0, 13000))
+    nvml = types.ModuleType("pynvml")
+    nvml.nvmlInit = nvml.nvmlShutdown = lambda: None
+    nvml.nvmlSystemGetCudaDriverVersion = lambda: 12080
+    monkeypatch.setitem(sys.modules, "cuda", types.ModuleType("cuda"))
+    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    assert preflight.driver_cuda_version() == (13000, "cuda.bindings")
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # not installed
+    assert preflight.driver_cuda_version() == (12080, "NVML")
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+
+    def no_driver(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    version, why = preflight.driver_cuda_version()
+    assert version is None
+    assert why == "cuda.bindings: ModuleNotFoundError; NVML: ModuleNotFoundError; libcuda: OSError"
+    assert (
+        preflight.cuda_version_text(13000) == "13.0"
+        and preflight.cuda_version_text(12080) == "12.8"
+    )
+
+
 def test_merge_keeps_the_worst_rank_and_the_split():
     Check = preflight.Check
     merged = preflight.merge(

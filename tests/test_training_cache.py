@@ -448,3 +448,50 @@ def test_processes_missing_the_memo_together_read_the_manifest_once(tmp_path, mo
         values = pool.map(_hash_in_child, [(path, tmp_path)] * 4)
     assert len(set(values)) == 1 and values[0] == hashlib.sha256(path.read_bytes()).hexdigest()
     assert calls.read_text() == "x"
+
+
+def test_a_sentencepiece_proto_without_a_path_field_fingerprints_with_one_warning(
+    monkeypatch, caplog, tokenizer
+):
+    """sentencepiece 0.2.2's TrainerSpec has no seed_sentencepieces_file: the fields it has are
+    cleared, the one it lacks is said once, and the tokenizer's fingerprint is taken all the same."""
+    import sentencepiece
+    from sentencepiece import sentencepiece_model_pb2 as real
+
+    class OlderTrainerSpec:
+        def __init__(self, spec):
+            self._spec = spec
+            fields = dict(spec.DESCRIPTOR.fields_by_name)
+            fields.pop("seed_sentencepieces_file")
+            self.DESCRIPTOR = type("Descriptor", (), {"fields_by_name": fields})
+
+        def ClearField(self, name):
+            assert name != "seed_sentencepieces_file", "that field does not exist in 0.2.2"
+            self._spec.ClearField(name)
+
+    class OlderModelProto:
+        def __init__(self):
+            self._proto = real.ModelProto()
+
+        def __getattr__(self, name):  # ParseFromString, normalizer_spec, SerializeToString, ...
+            return getattr(self._proto, name)
+
+        @property
+        def trainer_spec(self):
+            return OlderTrainerSpec(self._proto.trainer_spec)
+
+    older = type("pb2", (), {"ModelProto": OlderModelProto})
+    monkeypatch.setattr(sentencepiece, "sentencepiece_model_pb2", older)
+    training_cache._warn_missing_field.cache_clear()
+    with caplog.at_level("WARNING", logger="training_cache"):
+        first = training_cache.tokenizer_fingerprint(tokenizer)
+        second = training_cache.tokenizer_fingerprint(tokenizer)
+    monkeypatch.undo()
+    assert first == second
+    warned = [
+        r.getMessage() for r in caplog.records if "seed_sentencepieces_file" in r.getMessage()
+    ]
+    assert len(warned) == 1 and "has no TrainerSpec.seed_sentencepieces_file" in warned[0]
+    # The seed file path is empty in a model trained here, so the fingerprint is the same as with
+    # a sentencepiece that has the field.
+    assert first == training_cache.tokenizer_fingerprint(tokenizer)
