@@ -36,6 +36,8 @@ sum of the duration-0 label scores. Gradients come from autograd.
 
 from __future__ import annotations
 
+import logging
+import os
 import random
 from collections.abc import Sequence
 
@@ -301,9 +303,33 @@ class DeviceDispatchTDTLoss(torch.nn.Module):
         )
 
 
+def restore_numpy_aliases() -> bool:
+    """Give numpy back ``row_stack`` (``vstack`` under its old name) where numpy >= 2.5 removed it.
+
+    numba-cuda 0.30.4 registers a CUDA overload for ``np.row_stack`` without checking that it
+    exists, when its CUDA target first loads (the first kernel compiled): under numpy 2.5 every
+    numba CUDA kernel, NeMo's TDT loss included, fails with "module 'numpy' has no attribute
+    'row_stack'". The alias is the same function numpy 2.4 had. Returns True when it was restored
+    (one warning per process on global rank 0).
+    """
+    import numpy as np
+
+    if hasattr(np, "row_stack"):
+        return False
+    np.row_stack = np.vstack
+    if os.environ.get("RANK", "0") == "0":
+        logging.getLogger("tdt_loss").warning(
+            f"numpy {np.__version__} has no row_stack, which numba-cuda registers: restored as "
+            f"numpy.vstack for NeMo's numba loss (numpy<2.5 needs no alias)"
+        )
+    return True
+
+
 def _numba_tdt_loss(blank: int, kwargs: dict, reduction: str):
     """NeMo's ``RNNTLoss`` wrapper around its numba TDT loss (ImportError without numba)."""
     from nemo.collections.asr.losses.rnnt import RNNTLoss
+
+    restore_numpy_aliases()
 
     return RNNTLoss(
         num_classes=blank, loss_name="tdt", loss_kwargs=dict(kwargs), reduction=reduction

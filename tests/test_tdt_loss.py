@@ -299,3 +299,15 @@ def test_tdt_loss_torch_never_builds_the_numba_loss():
     assert _dispatch("numba").uses_numba("cuda") and not _dispatch("numba").uses_numba("cpu")
     with pytest.raises(ValueError, match="TDT_LOSS='warp'"):
         _dispatch("warp")
+
+
+def test_numpy_without_row_stack_gets_the_alias_numba_cuda_registers_once(monkeypatch, caplog):
+    import numpy as np
+
+    monkeypatch.delattr(np, "row_stack", raising=False)
+    with caplog.at_level("WARNING", logger="tdt_loss"):
+        assert tdt_loss.restore_numpy_aliases() is True
+        assert tdt_loss.restore_numpy_aliases() is False
+    assert np.row_stack is np.vstack
+    warned = [r.getMessage() for r in caplog.records if "row_stack" in r.getMessage()]
+    assert len(warned) == 1 and "numba-cuda" in warned[0]
