@@ -1,0 +1,533 @@
+"""Write every wheel a GPU node without internet needs to train with this project, on a connected machine.
+
+Usage (on a machine that reaches the package index; the project's .venv is enough to run it):
+    python scripts/build_wheelhouse.py --out wheelhouse                 # for this machine's Python
+    pip freeze > node_freeze.txt                                         # on the GPU node
+    python scripts/build_wheelhouse.py --out wheelhouse --python-version 3.12 \\
+        --platform manylinux_2_28_x86_64 --target-freeze node_freeze.txt --training-only
+
+Then, on the node (no index, the wheelhouse copied next to the checkout):
+    pip install --no-index --find-links wheelhouse -r wheelhouse/requirements.txt
+    pip install --no-index --find-links wheelhouse --no-deps -e .        # the project's own modules
+or, where the node's Python cannot be written to, into a directory of its own:
+    pip install --no-index --no-deps --target /scratch/site wheelhouse/*.whl
+    export PYTHONPATH=/scratch/site:$PWD
+
+What goes in: requirements.txt and requirements-gpu.txt, each pin with every dependency it needs,
+resolved by pip for ``--python-version`` and ``--platform`` (default: this interpreter's), as wheels
+only; a requirement published only as an sdist (antlr4-python3-runtime) is built into a wheel here,
+and must come out pure Python (or built for the target's own platform) to be used. setuptools comes
+too, so the project itself installs with ``--no-index``.
+
+What stays out, each printed with its reason:
+- the test and lint tools (pytest, hypothesis, ruff);
+- with ``--training-only``, what only the offline steps import (polars, matplotlib): for a node that
+  trains on data prepared elsewhere;
+- with ``--target-freeze`` (the node's ``pip freeze``), what the node already has: a pinned package
+  whose installed version the project accepts (ACCEPTS below: the node's CUDA build of torch, its
+  numpy, ...) and every dependency the installed packages already satisfy. A pin the node has in a
+  version the project does not accept (lightning 2.6.6: NeMo 3.0 does not import with it) is
+  shipped in the pinned version;
+- with ``--nvvm-from-cuda-home``, libNVVM's wheel (nvidia-nvvm, about 59 MiB): numba-cuda then finds
+  libNVVM in the node's CUDA toolkit (CUDA_HOME).
+
+It prints the set's size and writes, beside the wheels, ``requirements.txt`` (one ``name==version``
+per wheel: the install line above) and ``wheelhouse.json`` (the target, what was left out and why,
+each wheel's size). Run again into the same folder, it keeps the wheels the new set holds and
+removes the other wheels there. Markers (``; python_version < "3.12"``) are evaluated by pip on this machine's
+Python: a dependency that only an older Python needs can come along unused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name, parse_wheel_filename
+from packaging.version import InvalidVersion, Version
+
+REPO = Path(__file__).resolve().parents[1]
+REQUIREMENT_FILES = ("requirements.txt", "requirements-gpu.txt")
+# The pip that resolves: dry runs for another platform against installed packages need pip >= 24.
+RESOLVER_PIP = "pip==26.3"
+MAX_SDIST_BUILDS = 10
+BUILD_BACKEND = "setuptools>=68"  # pyproject.toml's [build-system]
+
+# Needed to test and lint the project, not to train with it.
+DEV_ONLY = {"pytest": "the test runner", "hypothesis": "the tests' data", "ruff": "the linter"}
+# Imported only by the offline steps (build_manifest, make_train_val, reports), never by train.py,
+# its DataLoader workers, preflight with a training cache, or the acceptance run.
+OFFLINE_ONLY = {
+    "polars": "build_manifest.py, make_train_val.py and the other offline steps",
+    "matplotlib": "the reports' PNGs (manifest_report.py, run_report.py)",
+}
+# Pins whose exact version is this project's tested CPU set, where a node's own installed version
+# works too: kept when the target has a version inside the range. Every other pin is exact.
+ACCEPTS = {
+    "torch": (
+        ">=2.11",
+        "the project uses no torch API newer than 2.11; the node's CUDA build stays",
+    ),
+    "numpy": (">=2.0,<3", "numpy 2; tdt_loss restores the np.row_stack numba-cuda 0.30.4 needs"),
+    "pyarrow": (">=15", "parquet and memory-mapped Arrow"),
+    "sentencepiece": (">=0.2.0", "0.2.2's proto lacks a field; the project warns and goes on"),
+    "soundfile": (">=0.12", "decoding"),
+    "soxr": (">=0.3", "resampling"),
+    "pyyaml": (">=6", "configs"),
+    "tqdm": (">=4.60", "progress bars"),
+    "rich": (">=13", "tables"),
+    "wandb": (">=0.17", "the W&B client"),
+    "kaldialign": (">=0.9", "edit distances"),
+    "matplotlib": (">=3.7", "PNGs"),
+    "numba": (">=0.60,<0.69", "the range requirements-gpu.txt allows"),
+}
+# Left out with --nvvm-from-cuda-home: libNVVM comes from the node's CUDA toolkit.
+NVVM_WHEELS = {"nvidia-nvvm", "nvidia-cuda-nvcc"}
+
+
+class WheelhouseError(Exception):
+    """A wheelhouse that cannot be built as asked: the message says what to change."""
+
+
+@dataclass
+class Plan:
+    """What goes into the wheelhouse and what stays out, with each reason."""
+
+    requirements: list[str] = field(default_factory=list)  # what pip resolves, node-adjusted
+    left_out: list[tuple[str, str]] = field(default_factory=list)  # (name, why)
+    target: dict[str, str] = field(default_factory=dict)  # canonical name -> version
+
+
+def read_requirements(paths: list[Path]) -> list[Requirement]:
+    """The requirements of ``paths`` (``-r``/options lines, comments and blanks skipped)."""
+    out = []
+    for path in paths:
+        for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            line = raw.split(" #")[0].strip()
+            if not line or line.startswith(("#", "-")):
+                continue
+            try:
+                out.append(Requirement(line))
+            except InvalidRequirement as exc:
+                raise WheelhouseError(f"{path}:{number}: not a requirement ({exc})") from None
+    return out
+
+
+def read_freeze(path: Path) -> dict[str, str]:
+    """``pip freeze`` output as {canonical name: version}. ``name @ url`` lines take the version
+    from a wheel's file name; editable installs and lines without a version are skipped."""
+    out: dict[str, str] = {}
+    for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith(("#", "-e", "--")):
+            continue
+        if " @ " in line:
+            name, url = (part.strip() for part in line.split(" @ ", 1))
+            try:
+                _, version, _, _ = parse_wheel_filename(url.rsplit("/", 1)[-1])
+            except Exception:
+                continue
+            out[canonicalize_name(name)] = str(version)
+            continue
+        if "==" not in line:
+            raise WheelhouseError(
+                f"{path}:{number}: {line!r} is not a `pip freeze` line (name==version): give the "
+                f"output of `pip freeze` on the node"
+            )
+        name, version = line.split("==", 1)
+        try:
+            Version(version.strip())
+        except InvalidVersion:
+            raise WheelhouseError(f"{path}:{number}: {version.strip()!r} is no version") from None
+        out[canonicalize_name(name)] = version.strip()
+    return out
+
+
+def plan_requirements(
+    requirements: list[Requirement], target: dict[str, str], training_only: bool
+) -> Plan:
+    """Which requirements pip resolves for the node, and which stay out (``DEV_ONLY``, with
+    ``training_only`` ``OFFLINE_ONLY``, a target version inside ``ACCEPTS``)."""
+    plan = Plan(target=dict(target))
+    for req in requirements:
+        name = canonicalize_name(req.name)
+        if name in DEV_ONLY:
+            plan.left_out.append((req.name, f"tests and lint only ({DEV_ONLY[name]})"))
+            continue
+        if training_only and name in OFFLINE_ONLY:
+            plan.left_out.append((req.name, f"offline steps only ({OFFLINE_ONLY[name]})"))
+            continue
+        extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+        marker = f"; {req.marker}" if req.marker else ""
+        have = target.get(name)
+        if have is not None and name in ACCEPTS and Version(have) not in req.specifier:
+            spec, why = ACCEPTS[name]
+            if Version(have) in SpecifierSet(spec):
+                plan.left_out.append(
+                    (
+                        req.name,
+                        f"the target has {have}, accepted ({spec}: {why}; pinned {req.specifier})",
+                    )
+                )
+                # Still resolved, so pip keeps the installed version for what depends on it.
+                plan.requirements.append(f"{req.name}{extras}{spec}{marker}")
+                continue
+        plan.requirements.append(str(req))
+        if have is not None and Version(have) in req.specifier:
+            plan.left_out.append((req.name, f"the target has {have}, as pinned"))
+    return plan
+
+
+def _pip_platform_args(python_version: str | None, platforms: list[str]) -> list[str]:
+    args = ["--only-binary=:all:"]
+    if python_version:
+        args += ["--python-version", python_version, "--implementation", "cp"]
+    for p in platforms:
+        args += ["--platform", p]
+    return args
+
+
+def _fake_installed(site: Path, target: dict[str, str]) -> None:
+    """Metadata-only installed distributions of ``target`` in ``site``: pip, run with ``site`` on
+    its path, treats them as installed and keeps each one that satisfies what needs it."""
+    for name, version in target.items():
+        info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir(parents=True, exist_ok=True)
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n", encoding="utf-8"
+        )
+
+
+def _resolver_pip(work: Path) -> list[str]:
+    """``python -S -m pip`` of RESOLVER_PIP unpacked in ``work``: it sees no installed package but
+    the ones put on its path."""
+    home = work / "pip"
+    if not (home / "pip").is_dir():
+        download = work / "pip-download"
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                RESOLVER_PIP,
+                "-d",
+                download,
+            ],
+            check=True,
+        )
+        wheel = next(download.glob("pip-*.whl"))
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extractall(home)
+    return [sys.executable, "-S", "-m", "pip"]
+
+
+def _pip_env(work: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = f"{work / 'pip'}{os.pathsep}{work / 'site'}"
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    env.pop("PIP_TARGET", None)
+    return env
+
+
+UNSATISFIABLE = re.compile(r"satisfies the requirement ([^\s(]+)")
+NO_DISTRIBUTION = re.compile(r"no matching distributions available for your environment:\s+(\S+)")
+
+
+def unsatisfiable_requirement(stderr: str) -> str | None:
+    """The requirement pip found no wheel for (``name==spec`` where pip names the spec), or None
+    when its failure is something else."""
+    found = UNSATISFIABLE.search(stderr)
+    if found:
+        return found.group(1)
+    found = NO_DISTRIBUTION.search(stderr)
+    if not found:
+        return None
+    name = found.group(1)
+    spec = re.search(rf"depends on ({re.escape(name)}[^\s,]*)", stderr)
+    return spec.group(1) if spec else name
+
+
+def resolve(plan: Plan, out: Path, platform_args: list[str], work: Path) -> list[dict]:
+    """pip's install report for ``plan.requirements`` on the target: the distributions to ship.
+
+    A requirement with no wheel for the target is built from its sdist into ``out`` and the
+    resolution repeated, up to MAX_SDIST_BUILDS times."""
+    pip = _resolver_pip(work)
+    _fake_installed(work / "site", plan.target)
+    reqs = work / "requirements.txt"
+    reqs.write_text("\n".join(plan.requirements) + "\n", encoding="utf-8")
+    built: set[str] = set()
+    for _ in range(MAX_SDIST_BUILDS):
+        report = work / "report.json"
+        report.unlink(missing_ok=True)
+        cmd = pip + ["install", "--dry-run", "--report", str(report), "--find-links",
+                     str(out), *platform_args, "-r", str(reqs)]  # fmt: skip
+        done = subprocess.run(cmd, env=_pip_env(work), capture_output=True, text=True, cwd=work)
+        if done.returncode == 0:
+            return json.loads(report.read_text(encoding="utf-8"))["install"]
+        said = done.stdout + done.stderr
+        missing = unsatisfiable_requirement(said)
+        if not missing:
+            errors = [
+                line for line in said.splitlines() if not line.startswith("WARNING: Location")
+            ]
+            raise WheelhouseError("pip could not resolve the set:\n" + "\n".join(errors[-40:]))
+        if missing in built:
+            raise WheelhouseError(
+                f"{missing}: the wheel built from its sdist does not install on the target "
+                f"({', '.join(platform_args)})"
+            )
+        built.add(missing)
+        build_from_sdist(missing, out, platform_args, work)
+    raise WheelhouseError(f"more than {MAX_SDIST_BUILDS} requirements without a wheel")
+
+
+def build_from_sdist(spec: str, out: Path, platform_args: list[str], work: Path) -> Path:
+    """A wheel of ``spec`` built here from its sdist into ``out``; it must install on the target
+    (pure Python, or this machine's platform when that is the target's)."""
+    build = work / "built"
+    shutil.rmtree(build, ignore_errors=True)
+    print(f"building a wheel of {spec} from its sdist (no wheel is published)", flush=True)
+    done = subprocess.run(
+        [
+            *_resolver_pip(work),
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "-w",
+            str(build),
+            spec,
+        ],  # fmt: skip
+        env=_pip_env(work),
+        capture_output=True,
+        text=True,
+        cwd=work,
+    )
+    wheels = list(build.glob("*.whl"))
+    if done.returncode != 0 or not wheels:
+        raise WheelhouseError(
+            f"{spec} has no wheel for the target and its sdist did not build here:\n"
+            f"{done.stderr.strip()[-2000:]}"
+        )
+    wheel = wheels[0]
+    tags = parse_wheel_filename(wheel.name)[3]
+    pure = any(t.abi == "none" and t.platform == "any" for t in tags)
+    if not pure and "--platform" in platform_args:
+        raise WheelhouseError(
+            f"{wheel.name} built from the sdist of {spec} is for this machine's platform, not the "
+            f"target's: build it on a machine like the node (same Python and platform) and add it "
+            f"to {out}"
+        )
+    dest = out / wheel.name
+    shutil.move(str(wheel), dest)
+    return dest
+
+
+def build_backend(installs: list[dict], platform_args: list[str], work: Path) -> list[dict]:
+    """The report entry of BUILD_BACKEND when the set lacks it: ``pip install -e .`` builds the
+    project in an isolated environment, which ``--no-index`` fills from the wheelhouse alone,
+    whatever setuptools the node has installed."""
+    if any(canonicalize_name(i["metadata"]["name"]) == "setuptools" for i in installs):
+        return []
+    report = work / "backend.json"
+    subprocess.run(
+        [
+            *_resolver_pip(work),
+            "install",
+            "--dry-run",
+            "--quiet",
+            "--ignore-installed",
+            "--no-deps",
+            "--report",
+            str(report),
+            *platform_args,
+            BUILD_BACKEND,
+        ],  # fmt: skip
+        env=_pip_env(work),
+        check=True,
+        cwd=work,
+        capture_output=True,
+    )
+    entries = json.loads(report.read_text(encoding="utf-8"))["install"]
+    return [{**entry, "build_backend": True} for entry in entries]
+
+
+def download(installs: list[dict], out: Path, platform_args: list[str], work: Path) -> None:
+    """Every wheel of ``installs`` not already in ``out``, fetched by pip (its cache first)."""
+    have = {parse_wheel_filename(w.name)[:2] for w in out.glob("*.whl")}
+    wanted = [
+        f"{i['metadata']['name']}=={i['metadata']['version']}"
+        for i in installs
+        if (canonicalize_name(i["metadata"]["name"]), Version(i["metadata"]["version"])) not in have
+    ]
+    if not wanted:
+        return
+    print(f"downloading {len(wanted)} wheels into {out}", flush=True)
+    subprocess.run(
+        [
+            *_resolver_pip(work),
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--find-links",
+            str(out),
+            "-d",
+            str(out),
+            *platform_args,
+            *wanted,
+        ],  # fmt: skip
+        env=_pip_env(work),
+        check=True,
+        cwd=work,
+    )
+
+
+def build_wheelhouse(
+    out: Path,
+    *,
+    python_version: str | None = None,
+    platforms: list[str] | None = None,
+    target_freeze: Path | None = None,
+    training_only: bool = False,
+    nvvm_from_cuda_home: bool = False,
+    requirement_files: list[Path] | None = None,
+) -> dict:
+    """Build the wheelhouse in ``out`` (module docstring); returns what wheelhouse.json holds."""
+    platforms = platforms or []
+    files = requirement_files or [REPO / f for f in REQUIREMENT_FILES]
+    target = read_freeze(target_freeze) if target_freeze else {}
+    plan = plan_requirements(read_requirements(files), target, training_only)
+    platform_args = _pip_platform_args(python_version, platforms)
+    out = out.resolve()  # pip runs in a scratch folder
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="wheelhouse-") as tmp:
+        work = Path(tmp)
+        installs = resolve(plan, out, platform_args, work)
+        if nvvm_from_cuda_home:
+            dropped = [
+                i for i in installs if canonicalize_name(i["metadata"]["name"]) in NVVM_WHEELS
+            ]
+            for i in dropped:
+                plan.left_out.append(
+                    (
+                        i["metadata"]["name"],
+                        "--nvvm-from-cuda-home: the node's CUDA toolkit has libNVVM",
+                    )
+                )
+            installs = [i for i in installs if i not in dropped]
+        installs += build_backend(installs, platform_args, work)
+        download(installs, out, platform_args, work)
+    keep = {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"] for i in installs}
+    backend = {canonicalize_name(i["metadata"]["name"]) for i in installs if i.get("build_backend")}
+    wheels = {}
+    for wheel in sorted(out.glob("*.whl")):
+        name, version, _, _ = parse_wheel_filename(wheel.name)
+        if keep.get(canonicalize_name(name)) == str(version):
+            wheels[wheel.name] = wheel.stat().st_size
+        else:
+            wheel.unlink()  # a wheel of an earlier build that this set does not hold
+    # The build backend's wheel serves `pip install -e .`'s isolated build only: pinned in the
+    # install line it could conflict with what the node's own packages ask of setuptools.
+    lines = [f"{name}=={version}" for name, version in sorted(keep.items()) if name not in backend]
+    (out / "requirements.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    summary = {
+        "python_version": python_version or sysconfig.get_python_version(),
+        "platforms": platforms or ["this machine's"],
+        "target_freeze": str(target_freeze) if target_freeze else None,
+        "training_only": training_only,
+        "nvvm_from_cuda_home": nvvm_from_cuda_home,
+        "left_out": [{"name": n, "why": w} for n, w in plan.left_out],
+        "wheels": wheels,
+        "total_bytes": sum(wheels.values()),
+    }
+    (out / "wheelhouse.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    return summary
+
+
+def print_summary(summary: dict, out: Path) -> None:
+    print(f"\nleft out ({len(summary['left_out'])}):")
+    for item in summary["left_out"]:
+        print(f"  {item['name']:<24} {item['why']}")
+    wheels = summary["wheels"]
+    largest = sorted(wheels.items(), key=lambda kv: -kv[1])[:5]
+    print(f"\n{len(wheels)} wheels, {summary['total_bytes'] / 2**20:.1f} MiB in {out}; largest:")
+    for name, size in largest:
+        print(f"  {size / 2**20:6.1f} MiB  {name}")
+    print(
+        f"\non the node:\n  pip install --no-index --find-links {out} -r {out}/requirements.txt\n"
+        f"  pip install --no-index --find-links {out} --no-deps -e .   # in the checkout"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("wheelhouse"), help="the wheelhouse directory"
+    )
+    parser.add_argument(
+        "--python-version", help="the node's Python, e.g. 3.12 (default: this interpreter's)"
+    )
+    parser.add_argument(
+        "--platform",
+        action="append",
+        default=[],
+        help="a platform tag of the node, e.g. manylinux_2_28_x86_64 (repeatable; pip matches each "
+        "exactly, so give the node's glibc level and the older ones: manylinux_2_17_x86_64 ...)",
+    )
+    parser.add_argument(
+        "--target-freeze", type=Path, help="the node's `pip freeze`: what it has stays out"
+    )
+    parser.add_argument(
+        "--training-only",
+        action="store_true",
+        help="leave out what only the offline steps import (polars, matplotlib)",
+    )
+    parser.add_argument(
+        "--nvvm-from-cuda-home",
+        action="store_true",
+        help="leave out libNVVM's wheel: the node's CUDA toolkit (CUDA_HOME) provides libNVVM",
+    )
+    args = parser.parse_args(argv)
+    if args.platform and not args.python_version:
+        args.python_version = sysconfig.get_python_version()
+    try:
+        summary = build_wheelhouse(
+            args.out,
+            python_version=args.python_version,
+            platforms=args.platform,
+            target_freeze=args.target_freeze,
+            training_only=args.training_only,
+            nvvm_from_cuda_home=args.nvvm_from_cuda_home,
+        )
+    except (WheelhouseError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except subprocess.CalledProcessError as exc:
+        print(
+            f"error: {' '.join(map(str, exc.cmd[:6]))} ... failed (exit {exc.returncode})",
+            file=sys.stderr,
+        )
+        return 1
+    print_summary(summary, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
