@@ -1,0 +1,266 @@
+"""scripts/gpu_acceptance.py: the acceptance run's CPU mode end to end on data prepared elsewhere,
+its budget, its limits and its clean-up, and how it reads each stage's output.
+
+The prepared folder is made once per module and moved before it is used, as it is when copied from
+a connected machine to a GPU node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from scripts import gpu_acceptance as ga
+from tests.torchrun_jobs import job_processes
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "gpu_acceptance.py"
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A prepared folder, moved after ``prepare`` wrote it (its audio paths point to the old place)."""
+    root = tmp_path_factory.mktemp("acceptance")
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "prepare",
+            "--data",
+            str(root / "made"),
+            "--sizes",
+            "hi=30,en=30",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    moved = root / "copied" / "acceptance"
+    moved.parent.mkdir()
+    shutil.move(str(root / "made"), moved)
+    return moved
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB", "PROBE"))}
+    env.update(PROBE_JOB=f"acceptance-{os.getpid()}-{time.monotonic_ns()}", OMP_NUM_THREADS="1")
+    env.update(extra)
+    return env
+
+
+def _run(prepared: Path, out: Path, *args: str, env: dict | None = None, timeout: float = 900):
+    return subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "run",
+            "--cpu",
+            "--data",
+            str(prepared),
+            "--out",
+            str(out),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or _env(),
+    )
+
+
+def _stages(out: Path) -> dict[str, dict]:
+    summary = json.loads((out / "acceptance.json").read_text())
+    return {s["name"]: s for s in summary["stages"]}
+
+
+def test_prepare_leaves_only_what_the_run_reads(prepared):
+    record = json.loads((prepared / ga.PREPARED).read_text())
+    assert (
+        record["rows"]["train_manifest_v2.parquet"] > 0
+        and record["rows"]["val_manifest_v2.parquet"] > 0
+    )
+    assert (
+        not list(prepared.rglob("*.tar")) and (prepared / "tokenizer" / "tokenizer.model").is_file()
+    )
+    assert not prepared.with_name(prepared.name + ".partial").exists()
+
+
+@pytest.mark.slow
+def test_cpu_mode_runs_every_stage_on_a_moved_folder_and_leaves_no_process(prepared, tmp_path):
+    env = _env()
+    out = tmp_path / "out"
+    done = _run(prepared, out, env=env)
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-3000:]
+    stages = _stages(out)
+    assert list(stages) == [
+        "environment",
+        "data",
+        "tdt-loss",
+        "training",
+        "step-bench",
+        "preflight",
+        "max-batch",
+    ]
+    for name, stage in stages.items():
+        expected = "skip" if name == "max-batch" else "ok"
+        assert stage["verdict"] == expected, (name, stage["figure"])
+    assert "CUDA only" in stages["max-batch"]["figure"]
+    assert "moved from" in stages["data"]["figure"] and str(prepared) in stages["data"]["figure"]
+    training = stages["training"]["figure"]
+    assert "50 optimizer steps" in training and "SIGTERM at step 10 saved (exit 75)" in training
+    assert "ratio" in stages["step-bench"]["figure"]
+    table = (out / "acceptance.md").read_text()
+    assert "| training | ok |" in table and "CPU mode" in table
+    assert "| stage | verdict | seconds | figure |" in done.stdout
+    for name in ("environment", "data", "tdt-loss", "training", "step-bench", "preflight"):
+        assert (out / f"{name}.log").is_file(), name
+    assert job_processes(env) == []
+
+
+def test_a_small_budget_skips_the_stages_it_cannot_fit_and_says_so(prepared, tmp_path):
+    out = tmp_path / "out"
+    done = _run(prepared, out, "--budget", "45", "--only", "environment,data,training,step-bench")
+    stages = _stages(out)
+    assert stages["environment"]["verdict"] == "ok" and stages["data"]["verdict"] == "ok"
+    for name in ("training", "step-bench"):
+        assert stages[name]["verdict"] == "skip"
+        assert (
+            "the budget has" in stages[name]["figure"]
+            and "needs at least" in stages[name]["figure"]
+        )
+    assert stages["tdt-loss"]["figure"] == "not asked for (--only)"
+    assert done.returncode == 0, done.stdout[-3000:]
+
+
+def test_a_folder_prepare_did_not_write_fails_the_data_stage_naming_the_command(tmp_path):
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "out"
+    done = _run(tmp_path / "empty", out, "--only", "data,training")
+    stages = _stages(out)
+    assert done.returncode == 1
+    assert stages["data"]["verdict"] == "fail"
+    assert "gpu_acceptance.py prepare --data" in stages["data"]["figure"]
+    assert stages["training"]["figure"] == "needs the data stage, which failed"
+
+
+def test_a_stage_past_its_limit_is_killed_with_everything_it_started(tmp_path):
+    env = _env()
+    summary = ga.Summary(mode="CPU mode", budget_s=60, started="now")
+    runner = ga.Runner(summary, tmp_path, tmp_path, tmp_path, cpu=True)
+    stage = ga.Stage("training", limit_s=2, min_s=1)
+    started = time.monotonic()
+    code, log = runner.spawn(
+        stage, ["bash", "-c", "sleep 300 & sleep 300 & echo started; wait"], env
+    )
+    assert code is None and "started" in log
+    assert time.monotonic() - started < 20
+    assert job_processes(env) == []
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_stops_the_stage_and_writes_the_table(prepared, tmp_path):
+    env = _env()
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "run",
+            "--cpu",
+            "--data",
+            str(prepared),
+            "--out",
+            str(out),
+            "--only",
+            "data,training",
+        ],  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    deadline = time.monotonic() + 300
+    while not (out / "training.log").is_file() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(3)  # train.py is starting
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, output[-3000:]
+    summary = json.loads((out / "acceptance.json").read_text())
+    assert summary["interrupted"] == "SIGTERM"
+    assert {s["name"]: s["verdict"] for s in summary["stages"]}["training"] != "ok"
+    assert job_processes(env) == []
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading the stages' output
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_failed_smoke_run_gives_its_reason_and_the_logs_last_lines():
+    log = (
+        "[smoke] training in /tmp/x\nerror: TDT loss check failed on cuda:0\n"
+        "[smoke] FAILED: train.py ended before step 10 (tail of train.log):\n"
+    )
+    verdict, figure = ga.training_figure(log, [])
+    assert verdict == "fail"
+    assert figure.startswith("FAILED: train.py ended before step 10")
+    assert "TDT loss check failed" in figure
+
+
+def test_the_step_benchmarks_lines_become_one_figure_with_the_ratios():
+    log = (
+        "model: configs/parakeet_tdt_0.6b.yaml: 0.632 B parameters (631,886,182), vocabulary 12000\n"
+        "micro-batch: the sampler's heaviest at MAX_BATCH_DURATION=90: 6 utterances, 120.0 s of audio, longest 20.0 s\n"
+        "phase 1 project: median step    0.153 s over 5 steps (min 0.150, max 0.160),    784.0 audio s/s, "
+        "peak GPU memory allocated 14.40 GiB, 100.0 GFLOP/step, MFU 4.6%\n"
+        "phase 1 nemo   : median step    0.147 s over 5 steps (min 0.140, max 0.150),    816.0 audio s/s, "
+        "peak GPU memory allocated 14.40 GiB, 100.0 GFLOP/step, MFU 4.8%\n"
+        "phase 1 ratio project / NeMo step time: 1.040 (misses the target <= 1.0); per round 1.040\n"
+    )
+    verdict, figure = ga.bench_figure(log)
+    assert verdict == "ok"
+    assert figure == (
+        "0.632 B parameters, 6 utterances, 120.0 s of audio; phase 1: 0.153 s/step, 784 audio s/s, "
+        "peak 14.4 GiB, MFU 4.6%; NeMo 0.147 s; ratio 1.040"
+    )
+    assert ga.bench_figure(log.replace("1.040", "1.200"))[0] == "warn"
+
+
+def test_preflight_verdicts_are_counted_and_the_bad_ones_named():
+    log = (
+        "ok    gpu          NVIDIA H200\nwarn  data         900 audio s/s -> raise NUM_WORKERS\n"
+        "fail  tdt-loss     TDTLossCheckFailed: numba\nskip  all-reduce   one process\n"
+    )
+    verdict, figure = ga.preflight_figure(log, 1)
+    assert verdict == "fail"
+    assert figure.startswith("1 ok, 1 warn, 1 fail, 1 skip of 4 checks")
+    assert "fail tdt-loss: TDTLossCheckFailed" in figure
+
+
+def test_a_search_that_reaches_its_upper_end_says_more_fits():
+    log = (
+        "     600 s: fits (38 utterances; peak 84.2 of 139.8 GiB)\n"
+        "largest ... -> set MAX_BATCH_DURATION=600 (GRAD_ACCUM ...)"
+    )
+    verdict, figure = ga.max_batch_figure(log, 0, 600)
+    assert verdict == "ok" and "upper end: more fits" in figure and "84.2 of 139.8 GiB" in figure
+    verdict, figure = ga.max_batch_figure(log.replace("=600", "=455"), 0, 600)
+    assert "MAX_BATCH_DURATION=455 fits phase 2" in figure
+
+
+def test_prepare_refuses_a_folder_it_did_not_write(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(RuntimeError, match="is not a prepared folder"):
+        ga.prepare(tmp_path / "mine", "hi=5")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
