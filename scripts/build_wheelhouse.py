@@ -35,7 +35,10 @@ It prints the set's size and writes, beside the wheels, ``requirements.txt`` (on
 per wheel: the install line above) and ``wheelhouse.json`` (the target, what was left out and why,
 each wheel's size). Run again into the same folder, it keeps the wheels the new set holds and
 removes the other wheels there. Markers (``; python_version < "3.12"``) are evaluated by pip on this machine's
-Python: a dependency that only an older Python needs can come along unused.
+Python: a dependency that only an older Python needs can come along unused. The target's packages
+are known by name and version only, not by what they require: a shipped wheel that one of them
+bounds (torch bounding setuptools, say) shows as a conflict at the node's ``--no-index`` install,
+named by pip, never as a silent change.
 """
 
 from __future__ import annotations
