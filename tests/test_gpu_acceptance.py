@@ -111,8 +111,9 @@ def test_cpu_mode_runs_every_stage_on_a_moved_folder_and_leaves_no_process(prepa
         "max-batch",
     ]
     for name, stage in stages.items():
-        expected = "skip" if name == "max-batch" else "ok"
-        assert stage["verdict"] == expected, (name, stage["figure"])
+        # The step benchmark's verdict is a timing on a shared machine: it may warn, never fail.
+        expected = {"max-batch": ("skip",), "step-bench": ("ok", "warn")}.get(name, ("ok",))
+        assert stage["verdict"] in expected, (name, stage["figure"])
     assert "CUDA only" in stages["max-batch"]["figure"]
     assert "moved from" in stages["data"]["figure"] and str(prepared) in stages["data"]["figure"]
     training = stages["training"]["figure"]
@@ -233,7 +234,14 @@ def test_the_step_benchmarks_lines_become_one_figure_with_the_ratios():
         "0.632 B parameters, 6 utterances, 120.0 s of audio; phase 1: 0.153 s/step, 784 audio s/s, "
         "peak 14.4 GiB, MFU 4.6%; NeMo 0.147 s; ratio 1.040"
     )
-    assert ga.bench_figure(log.replace("1.040", "1.200"))[0] == "warn"
+    assert (
+        ga.bench_figure(
+            log.replace(
+                "ratio project / NeMo step time: 1.040", "ratio project / NeMo step time: 1.200"
+            )
+        )[0]
+        == "warn"
+    )
 
 
 def test_preflight_verdicts_are_counted_and_the_bad_ones_named():
