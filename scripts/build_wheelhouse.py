@@ -193,11 +193,34 @@ def plan_requirements(
     return plan
 
 
+MANYLINUX = re.compile(r"^manylinux_2_(\d+)_(\w+)$")
+LEGACY_MANYLINUX = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
+
+
+def expand_platforms(platforms: list[str]) -> list[str]:
+    """``platforms`` with every older glibc level each manylinux tag runs: pip matches a given
+    ``--platform`` exactly, while a node with glibc 2.28 installs wheels built for 2.17 as well
+    (``manylinux_2_28_x86_64`` -> 2_28, 2_27, ..., 2_17 = manylinux2014, ..., manylinux1)."""
+    out: list[str] = []
+    for platform in platforms:
+        found = MANYLINUX.match(platform)
+        tags = [platform]
+        if found:
+            glibc, arch = int(found.group(1)), found.group(2)
+            tags = []
+            for minor in range(glibc, 4, -1):
+                tags.append(f"manylinux_2_{minor}_{arch}")
+                if minor in LEGACY_MANYLINUX:
+                    tags.append(f"{LEGACY_MANYLINUX[minor]}_{arch}")
+        out += [t for t in tags if t not in out]
+    return out
+
+
 def _pip_platform_args(python_version: str | None, platforms: list[str]) -> list[str]:
     args = ["--only-binary=:all:"]
     if python_version:
         args += ["--python-version", python_version, "--implementation", "cp"]
-    for p in platforms:
+    for p in expand_platforms(platforms):
         args += ["--platform", p]
     return args
 
@@ -491,8 +514,8 @@ def main(argv: list[str] | None = None) -> int:
         "--platform",
         action="append",
         default=[],
-        help="a platform tag of the node, e.g. manylinux_2_28_x86_64 (repeatable; pip matches each "
-        "exactly, so give the node's glibc level and the older ones: manylinux_2_17_x86_64 ...)",
+        help="a platform tag of the node, e.g. manylinux_2_28_x86_64 for glibc 2.28 (`ldd --version` "
+        "on the node); every older manylinux level is added (repeatable)",
     )
     parser.add_argument(
         "--target-freeze", type=Path, help="the node's `pip freeze`: what it has stays out"

@@ -24,7 +24,7 @@ from tests.torchrun_jobs import tiny_train_env
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGE_FREEZE = REPO / "tests" / "gpu_image_freeze.txt"
-IMAGE_PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
+IMAGE_PLATFORMS = ["manylinux_2_28_x86_64"]  # its glibc: the older levels are added
 
 
 def _reqs(*lines: str) -> list[Requirement]:
@@ -76,6 +76,23 @@ def test_the_project_requirement_files_parse_and_plan(tmp_path):
     assert {"nemo_toolkit", "lightning", "numba-cuda", "torch"} <= names
     plan = bw.plan_requirements(reqs, bw.read_freeze(IMAGE_FREEZE), training_only=True)
     assert "lightning==2.4.0" in plan.requirements  # the image's 2.6.6 breaks `import nemo`
+
+
+def test_a_manylinux_platform_brings_every_older_glibc_level_pip_would_otherwise_skip():
+    tags = bw.expand_platforms(["manylinux_2_28_x86_64"])
+    assert tags[:2] == ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64"]
+    for tag in (
+        "manylinux_2_17_x86_64",
+        "manylinux2014_x86_64",
+        "manylinux2010_x86_64",
+        "manylinux1_x86_64",
+    ):
+        assert tag in tags
+    assert bw.expand_platforms(["linux_x86_64", "manylinux_2_17_aarch64"])[:3] == [
+        "linux_x86_64",
+        "manylinux_2_17_aarch64",
+        "manylinux2014_aarch64",
+    ]
 
 
 def test_a_freeze_line_that_is_no_pin_names_its_file_and_line(tmp_path):
