@@ -536,7 +536,8 @@ class Runner:
         return self.summary.budget_s - (time.monotonic() - self.start)
 
     def kill_group(self, proc: subprocess.Popen) -> None:
-        """SIGTERM to the stage's whole process group, SIGKILL to what is left 10 s later."""
+        """SIGTERM to the stage's whole process group, SIGKILL to what is left 10 s later; returns
+        once no process of the group is left (or after 10 s more)."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -545,6 +546,13 @@ class Runner:
             os.killpg(proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(5)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)  # still a member: SIGKILL lands asynchronously
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.05)
 
     def spawn(self, stage: Stage, cmd: list[str], env: dict[str, str]) -> tuple[int | None, str]:
         """Run ``cmd`` for at most the stage's limit (and what the budget has left); returns
@@ -721,6 +729,15 @@ class Runner:
             stage.figure = f"killed at its {stage.limit_s:.0f} s limit; " + stage.figure
 
 
+# Stages that read nothing of the prepared data; every other one runs after the data stage.
+WITHOUT_DATA = ("environment", "tdt-loss")
+
+
+def needed_stages(only: list[str]) -> set[str]:
+    """The stages ``--only`` runs: those named, and the data stage when any of them needs it."""
+    return set(only) | ({"data"} if set(only) - set(WITHOUT_DATA) else set())
+
+
 def write_summary(summary: Summary, out: Path) -> None:
     text = (
         f"# GPU acceptance run ({summary.mode})\n\nstarted {summary.started}, budget "
@@ -755,7 +772,7 @@ def run(
         stages=plan_stages(cpu),
     )
     for stage in summary.stages:
-        if only and stage.name not in only and not stage.skip_reason:
+        if only and stage.name not in needed_stages(only) and not stage.skip_reason:
             stage.skip_reason = "not asked for (--only)"
     runner = Runner(summary, data, out, work, cpu)
     runner.max_search = max_search
@@ -775,7 +792,7 @@ def run(
             print(f"   {stage.verdict}: {stage.figure}", flush=True)
             if stage.name == "data" and stage.verdict == "fail":
                 for later in summary.stages[summary.stages.index(stage) + 1 :]:
-                    if later.name != "tdt-loss" and not later.skip_reason:
+                    if later.name not in WITHOUT_DATA and not later.skip_reason:
                         later.skip_reason = "needs the data stage, which failed"
     except KeyboardInterrupt as exc:
         summary.interrupted = str(exc) or "SIGINT"
@@ -827,8 +844,8 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         type=lambda text: [t.strip() for t in text.split(",") if t.strip()],
         default=None,
-        help="run these stages alone, e.g. data,training (the data stage is needed by every later "
-        "stage but tdt-loss)",
+        help="run these stages alone, e.g. training,step-bench (with the data stage, which every "
+        "stage but environment and tdt-loss needs)",
     )
     r.add_argument(
         "--work",

@@ -129,8 +129,9 @@ def test_cpu_mode_runs_every_stage_on_a_moved_folder_and_leaves_no_process(prepa
 
 def test_a_small_budget_skips_the_stages_it_cannot_fit_and_says_so(prepared, tmp_path):
     out = tmp_path / "out"
-    done = _run(prepared, out, "--budget", "45", "--only", "environment,data,training,step-bench")
+    done = _run(prepared, out, "--budget", "45", "--only", "environment,training,step-bench")
     stages = _stages(out)
+    # The data stage runs unasked: the stages named need it.
     assert stages["environment"]["verdict"] == "ok" and stages["data"]["verdict"] == "ok"
     for name in ("training", "step-bench"):
         assert stages[name]["verdict"] == "skip"
@@ -272,3 +273,8 @@ def test_prepare_refuses_a_folder_it_did_not_write(tmp_path):
     with pytest.raises(RuntimeError, match="is not a prepared folder"):
         ga.prepare(tmp_path / "mine", "hi=5")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_only_adds_the_data_stage_where_a_named_stage_needs_it():
+    assert ga.needed_stages(["training"]) == {"training", "data"}
+    assert ga.needed_stages(["environment", "tdt-loss"]) == {"environment", "tdt-loss"}
