@@ -818,12 +818,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="make the run's data (connected machine)")
-    p.add_argument("--data", type=Path, default=REPO / "data" / "acceptance")
+    p.add_argument(
+        "--data",
+        type=Path,
+        default=REPO / "data" / "acceptance",
+        help="a new folder to write (default data/acceptance)",
+    )
     p.add_argument(
         "--sizes", default=DEFAULT_SIZES, help=f"utterances per language (default {DEFAULT_SIZES})"
     )
     r = sub.add_parser("run", help="the acceptance run (GPU node; --cpu anywhere)")
-    r.add_argument("--data", type=Path, default=REPO / "data" / "acceptance")
+    r.add_argument(
+        "--data",
+        type=Path,
+        default=REPO / "data" / "acceptance",
+        help="the folder `prepare` wrote, copied anywhere (default data/acceptance)",
+    )
     r.add_argument(
         "--out",
         type=Path,
