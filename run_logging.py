@@ -319,18 +319,6 @@ def wandb_installed() -> bool:
     return True
 
 
-_warned: set[str] = set()
-
-
-def warn_once(message: str) -> None:
-    """``message`` as one warning on global rank 0, once per process."""
-    if message in _warned:
-        return
-    _warned.add(message)
-    if int(os.environ.get("RANK", "0")) == 0:
-        log.warning(message)
-
-
 def build_loggers(run_dir: Path | None = None, resume_path: str | None = None) -> list[Logger]:
     """[ResilientWandbLogger (unless WANDB_MODE resolves to disabled), JsonlMetricsLogger] for one run.
 
@@ -345,10 +333,12 @@ def build_loggers(run_dir: Path | None = None, resume_path: str | None = None) -
     loggers: list[Logger] = []
     mode = config.wandb_mode()
     if mode != "disabled" and not wandb_installed():
-        warn_once(
-            f"WANDB_MODE resolves to {mode} but the wandb package is not installed: this run logs to "
-            f"{run_dir / 'metrics.jsonl'} only (pip install wandb, or set WANDB_MODE=disabled)"
-        )
+        if int(os.environ.get("RANK", "0")) == 0:
+            log.warning(
+                f"WANDB_MODE resolves to {mode} but the wandb package is not installed: this run "
+                f"logs to {run_dir / 'metrics.jsonl'} only (pip install wandb, or set "
+                f"WANDB_MODE=disabled)"
+            )
         mode = "disabled"
     if mode != "disabled":
         if int(os.environ.get("RANK", "0")) == 0:

@@ -117,7 +117,8 @@ def read_requirements(paths: list[Path]) -> list[Requirement]:
     """The requirements of ``paths`` (``-r``/options lines, comments and blanks skipped)."""
     out = []
     for path in paths:
-        for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        # utf-8-sig: a file saved by a Windows editor starts with a byte-order mark.
+        for number, raw in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
             line = raw.split(" #")[0].strip()
             if not line or line.startswith(("#", "-")):
                 continue
@@ -132,7 +133,7 @@ def read_freeze(path: Path) -> dict[str, str]:
     """``pip freeze`` output as {canonical name: version}. ``name @ url`` lines take the version
     from a wheel's file name; editable installs and lines without a version are skipped."""
     out: dict[str, str] = {}
-    for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, raw in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith(("#", "-e", "--")):
             continue
@@ -262,12 +263,14 @@ def _resolver_pip(work: Path) -> list[str]:
     return [sys.executable, "-S", "-m", "pip"]
 
 
-def _pip_env(work: Path) -> dict[str, str]:
+def _pip(work: Path, *args: str, **kwargs) -> subprocess.CompletedProcess:
+    """RESOLVER_PIP with ``args``, run in ``work`` with the target's installed packages on its path
+    (``_fake_installed``); ``kwargs`` go to subprocess.run."""
     env = dict(os.environ)
     env["PYTHONPATH"] = f"{work / 'pip'}{os.pathsep}{work / 'site'}"
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     env.pop("PIP_TARGET", None)
-    return env
+    return subprocess.run([*_resolver_pip(work), *args], env=env, cwd=work, **kwargs)
 
 
 UNSATISFIABLE = re.compile(r"satisfies the requirement ([^\s(]+)")
@@ -293,7 +296,6 @@ def resolve(plan: Plan, out: Path, platform_args: list[str], work: Path) -> list
 
     A requirement with no wheel for the target is built from its sdist into ``out`` and the
     resolution repeated, up to MAX_SDIST_BUILDS times."""
-    pip = _resolver_pip(work)
     _fake_installed(work / "site", plan.target)
     reqs = work / "requirements.txt"
     reqs.write_text("\n".join(plan.requirements) + "\n", encoding="utf-8")
@@ -301,9 +303,14 @@ def resolve(plan: Plan, out: Path, platform_args: list[str], work: Path) -> list
     for _ in range(MAX_SDIST_BUILDS):
         report = work / "report.json"
         report.unlink(missing_ok=True)
-        cmd = pip + ["install", "--dry-run", "--report", str(report), "--find-links",
-                     str(out), *platform_args, "-r", str(reqs)]  # fmt: skip
-        done = subprocess.run(cmd, env=_pip_env(work), capture_output=True, text=True, cwd=work)
+        done = _pip(
+            work,
+            *("install", "--dry-run", "--report", str(report), "--find-links", str(out)),
+            *platform_args,
+            *("-r", str(reqs)),
+            capture_output=True,
+            text=True,
+        )
         if done.returncode == 0:
             return json.loads(report.read_text(encoding="utf-8"))["install"]
         said = done.stdout + done.stderr
@@ -329,20 +336,16 @@ def build_from_sdist(spec: str, out: Path, platform_args: list[str], work: Path)
     build = work / "built"
     shutil.rmtree(build, ignore_errors=True)
     print(f"building a wheel of {spec} from its sdist (no wheel is published)", flush=True)
-    done = subprocess.run(
-        [
-            *_resolver_pip(work),
-            "wheel",
-            "--quiet",
-            "--no-deps",
-            "-w",
-            str(build),
-            spec,
-        ],  # fmt: skip
-        env=_pip_env(work),
+    done = _pip(
+        work,
+        "wheel",
+        "--quiet",
+        "--no-deps",
+        "-w",
+        str(build),
+        spec,
         capture_output=True,
         text=True,
-        cwd=work,
     )
     wheels = list(build.glob("*.whl"))
     if done.returncode != 0 or not wheels:
@@ -371,22 +374,11 @@ def build_backend(installs: list[dict], platform_args: list[str], work: Path) ->
     if any(canonicalize_name(i["metadata"]["name"]) == "setuptools" for i in installs):
         return []
     report = work / "backend.json"
-    subprocess.run(
-        [
-            *_resolver_pip(work),
-            "install",
-            "--dry-run",
-            "--quiet",
-            "--ignore-installed",
-            "--no-deps",
-            "--report",
-            str(report),
-            *platform_args,
-            BUILD_BACKEND,
-        ],  # fmt: skip
-        env=_pip_env(work),
+    _pip(
+        work,
+        *("install", "--dry-run", "--quiet", "--ignore-installed", "--no-deps"),
+        *("--report", str(report), *platform_args, BUILD_BACKEND),
         check=True,
-        cwd=work,
         capture_output=True,
     )
     entries = json.loads(report.read_text(encoding="utf-8"))["install"]
@@ -404,22 +396,12 @@ def download(installs: list[dict], out: Path, platform_args: list[str], work: Pa
     if not wanted:
         return
     print(f"downloading {len(wanted)} wheels into {out}", flush=True)
-    subprocess.run(
-        [
-            *_resolver_pip(work),
-            "download",
-            "--quiet",
-            "--no-deps",
-            "--find-links",
-            str(out),
-            "-d",
-            str(out),
-            *platform_args,
-            *wanted,
-        ],  # fmt: skip
-        env=_pip_env(work),
+    _pip(
+        work,
+        *("download", "--quiet", "--no-deps", "--find-links", str(out), "-d", str(out)),
+        *platform_args,
+        *wanted,
         check=True,
-        cwd=work,
     )
 
 

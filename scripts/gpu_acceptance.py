@@ -260,19 +260,10 @@ def stage_environment(cpu: bool) -> tuple[str, str]:
         )
     if not torch.cuda.is_available():
         return "fail", f"torch {torch.__version__} sees no CUDA device; {versions}"
-    warnings = []
-    free, total = torch.cuda.mem_get_info()
-    smi = preflight.nvidia_smi()
-    driver = smi[0].split(",")[1].strip() if smi else "?"
-    driver_cuda, how = preflight.driver_cuda_version()
-    if driver_cuda is None:
-        warnings.append(f"driver CUDA version unreadable ({how})")
-        driver_cuda_text = "?"
-    else:
-        driver_cuda_text = f"{preflight.cuda_version_text(driver_cuda)} via {how}"
-        verdict, advice = preflight.driver_verdict(driver_cuda, torch.version.cuda)
-        if verdict != "ok":
-            warnings.append(advice)
+    gpu = preflight.check_gpu(preflight.Node(device=torch.device("cuda")))
+    if gpu.verdict == "fail":
+        return "fail", f"{gpu.figure} -> {gpu.advice}; {versions}"
+    warnings = [gpu.advice] if gpu.advice else []
     try:
         from numba.cuda.cudadrv import nvvm
 
@@ -291,11 +282,7 @@ def stage_environment(cpu: bool) -> tuple[str, str]:
         )
     if _version("wandb") == "not installed":
         warnings.append("wandb not installed: runs log to metrics.jsonl only")
-    figure = (
-        f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}, {total / 2**30:.0f} GiB "
-        f"({free / 2**30:.0f} free); driver {driver} (CUDA {driver_cuda_text}); torch "
-        f"{torch.__version__} (CUDA {torch.version.cuda}); {nvvm_text}; {python}; {versions}"
-    )
+    figure = f"{gpu.figure}; {nvvm_text}; {python}; {versions}"
     if warnings:
         figure += " -- " + "; ".join(warnings)
     return ("warn" if warnings else "ok"), figure
@@ -338,17 +325,8 @@ def stage_tdt_loss(cpu: bool) -> tuple[str, str]:
             figure += f"; the fallback TDT_LOSS=torch agrees to {diff:.1e}: train with it"
         except tdt_loss.TDTLossCheckFailed as exc2:
             return "fail", figure + f"; the fallback TDT_LOSS=torch failed too ({exc2})"
-    costs = []
-    for backend in ("numba", "torch") if chosen == "numba" else ("torch",):
-        probe = tdt_loss.DeviceDispatchTDTLoss(1024, durations, sigma=sigma, cuda_backend=backend)
-        if backend == "numba":
-            probe.cuda_loss = tdt_loss._numba_tdt_loss(
-                1024, {"durations": durations, "sigma": sigma}, "mean_batch"
-            )._loss
-        costs.append(f"{backend} {preflight._loss_call_seconds(probe, device) * 1e3:.0f} ms")
-    figure += "; one loss (4 x 20 s x 80 tokens x 1k pieces, forward + backward): " + ", ".join(
-        costs
-    )
+    backends = tdt_loss.BACKENDS if chosen == "numba" else ("torch",)
+    figure += "; " + preflight.loss_costs_text(durations, sigma, device, backends)
     return verdict, figure
 
 
@@ -762,9 +740,11 @@ def run(
     only: list[str] | None = None,
     max_search: float = DEFAULT_MAX_SEARCH_S,
 ) -> int:
+    # The stages run in the checkout with these paths in their knobs: relative ones would move.
+    data, out = Path(data).resolve(), Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     own_work = work is None
-    work = Path(work or tempfile.mkdtemp(prefix="gpu-acceptance-"))
+    work = Path(work or tempfile.mkdtemp(prefix="gpu-acceptance-")).resolve()
     summary = Summary(
         mode="CPU mode" if cpu else "GPU",
         budget_s=budget_s,

@@ -224,12 +224,12 @@ def check_gpu(node: Node) -> Check:
             else "the CPU checks follow",
         )
     free, total = torch.cuda.mem_get_info(node.device)
-    driver_cuda, _ = driver_cuda_version()
+    driver_cuda, how = driver_cuda_version()
     smi = nvidia_smi()
     driver = smi[0].split(",")[1].strip() if smi else "?"
     figure = (
         f"{torch.cuda.get_device_name(node.device)} ({node.device}), {total / 2**30:.1f} GiB, "
-        f"{free / 2**30:.1f} free; driver {driver} (CUDA {cuda_version_text(driver_cuda)}), torch "
+        f"{free / 2**30:.1f} free; driver {driver} (CUDA {cuda_version_text(driver_cuda)}: {how}), torch "
         f"{torch.__version__} CUDA {torch.version.cuda}; {torch.cuda.device_count()} visible"
     )
     verdict, advice = driver_verdict(driver_cuda, torch.version.cuda)
@@ -289,23 +289,31 @@ def check_tdt_loss(node: Node) -> Check:
         f"TDT_LOSS={inner.cuda_backend}: TDT and RNN-T kernels agree with tdt_loss.py to "
         f"{diff:.1e} ({checked:.1f} s, compilation included)"
     )
+    figure += "; " + loss_costs_text(inner.durations, inner.sigma, node.device)
+    return Check("tdt-loss", "ok", figure)
+
+
+def loss_costs_text(durations, sigma: float, device, backends=None) -> str:
+    """What one TDT loss costs on ``device`` with each of ``backends`` (default all of
+    tdt_loss.BACKENDS; numba left out where it cannot be built), as one phrase."""
+    import tdt_loss
+
     costs = {}
-    for backend in tdt_loss.BACKENDS:
+    for backend in backends or tdt_loss.BACKENDS:
         probe = tdt_loss.DeviceDispatchTDTLoss(
-            1024, inner.durations, sigma=inner.sigma, omega=0.0, cuda_backend=backend
+            1024, durations, sigma=sigma, omega=0.0, cuda_backend=backend
         )
         if backend == "numba":
             try:
                 probe.cuda_loss = tdt_loss._numba_tdt_loss(
-                    1024, {"durations": inner.durations, "sigma": inner.sigma}, "mean_batch"
+                    1024, {"durations": durations, "sigma": sigma}, "mean_batch"
                 )._loss
             except Exception:  # noqa: BLE001  (numba missing: only torch's cost is shown)
                 continue
-        costs[backend] = _loss_call_seconds(probe, node.device)
-    figure += "; one loss (4 x 20 s x 80 tokens x 1k pieces, forward + backward): " + ", ".join(
+        costs[backend] = _loss_call_seconds(probe, device)
+    return "one loss (4 x 20 s x 80 tokens x 1k pieces, forward + backward): " + ", ".join(
         f"{b} {s * 1e3:.0f} ms" for b, s in costs.items()
     )
-    return Check("tdt-loss", "ok", figure)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -116,6 +116,12 @@ def test_a_freeze_of_direct_references_and_editables_reads_the_wheel_versions(tm
     assert bw.read_freeze(freeze) == {"flash-attn": "2.8.3", "torch": "2.11.0+cu130"}
 
 
+def test_a_freeze_saved_with_a_byte_order_mark_and_crlf_reads_its_first_package(tmp_path):
+    freeze = tmp_path / "freeze.txt"
+    freeze.write_bytes(b"\xef\xbb\xbftorch==2.11.0\r\nnumpy==2.5.2\r\n")
+    assert bw.read_freeze(freeze) == {"torch": "2.11.0", "numpy": "2.5.2"}
+
+
 def test_pips_two_ways_of_saying_no_wheel_name_the_requirement():
     assert (
         bw.unsatisfiable_requirement(

@@ -143,6 +143,35 @@ def test_a_small_budget_skips_the_stages_it_cannot_fit_and_says_so(prepared, tmp
     assert done.returncode == 0, done.stdout[-3000:]
 
 
+def test_relative_data_out_and_work_folders_are_the_callers(prepared, tmp_path):
+    caller = tmp_path / "caller"
+    shutil.copytree(prepared, caller / "acceptance")
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "run",
+            "--cpu",
+            "--data",
+            "acceptance",
+            "--out",
+            "out",
+            "--work",
+            "scratch",
+            "--only",
+            "data",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        cwd=caller,
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert _stages(caller / "out")["data"]["verdict"] == "ok"
+    assert (caller / "scratch" / "manifests" / "train_manifest_v2.parquet").is_file()
+
+
 def test_a_folder_prepare_did_not_write_fails_the_data_stage_naming_the_command(tmp_path):
     (tmp_path / "empty").mkdir()
     out = tmp_path / "out"
