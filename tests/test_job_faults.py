@@ -5,6 +5,7 @@ DataLoader worker that stops delivering."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -175,11 +176,17 @@ def test_a_stuck_dataloader_worker_is_shown_with_its_stack_by_its_ranks_watchdog
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    workers_state = ""
     try:
         wait_for("watchdog: rank 1", log, proc, timeout=120)
-        deadline = time.monotonic() + 20
+        # The watchdog repeats its report every WATCHDOG_SECONDS while the stall lasts: on a loaded
+        # machine the first one can come before the worker reached its stuck item.
+        deadline = time.monotonic() + 60
         while "in stuck_after_four_items" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.2)
+        workers_state = "\n".join(
+            f"{pid}: {process_state(pid)}" for pid in WORKER_PIDS.findall(log.read_text())
+        )
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -188,4 +195,21 @@ def test_a_stuck_dataloader_worker_is_shown_with_its_stack_by_its_ranks_watchdog
     assert "_try_get_data" in report  # the rank itself waits on its DataLoader
     assert "every thread of this rank, then each of its DataLoader workers (pids " in report
     worker = report[report.index("prints its stack next") :]
-    assert "in stuck_after_four_items" in worker and "in _worker_loop" in worker, report[:6000]
+    assert "in stuck_after_four_items" in worker and "in _worker_loop" in worker, (
+        f"workers named in the reports, as /proc shows them:\n{workers_state}\n"
+        f"the log from rank 1's first report on:\n{report[-12000:]}"
+    )
+
+
+WORKER_PIDS = re.compile(r"DataLoader workers \(pids ([0-9]+)")
+
+
+def process_state(pid: str) -> str:
+    """State, blocked and caught signals of a live process, for a failure message."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return "gone"
+    return " ".join(
+        line for line in lines if line.startswith(("State", "SigBlk", "SigCgt", "PPid"))
+    )
