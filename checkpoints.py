@@ -238,20 +238,106 @@ class ResumePlan:
 
 
 def _step_of(path: Path) -> int:
-    return int(re.match(r"step_(\d+)", Path(path).name).group(1))
+    """The step a file of ``run_files`` belongs to, from its name (those names are the project's)."""
+    return int(STEP_FILE_PATTERN.match(Path(path).name).group(1))
 
 
 def _same_file(a: str | Path, b: str | Path) -> bool:
     return os.path.abspath(a) == os.path.abspath(b)
 
 
+# Knobs a requeue may change without meaning a new timeline: how long it trains, how it saves,
+# logs, loads and watches. Paths are left out too (a run directory can move to another disk), and
+# so are the run-defining settings, which ``check_resume_settings`` checks on every resume.
+REQUEUE_NEUTRAL_SETTINGS = frozenset(
+    {
+        *config.RUN_DEFINING_SETTINGS,
+        "DATA_SOURCES",
+        "CACHE_DIR",
+        "RESUME_FROM",
+        "RESUME_CHANGES",
+        "MAX_STEPS",
+        "CHECKPOINT_EVERY",
+        "KEEP_CHECKPOINTS",
+        "KEEP_BEST_CHECKPOINTS",
+        "EVAL_EVERY_STEPS",
+        "EVAL_BASE",
+        "EVAL_SAMPLES_PER_LANG",
+        "NUM_WORKERS",
+        "CACHE_BUILD_WORKERS",
+        "COLLECTIVE_TIMEOUT_MINUTES",
+        "WATCHDOG_SECONDS",
+        "MAX_EMPTY_STEPS",
+        "AUDIO_CHECK_SAMPLES",
+        "WANDB_MODE",
+        "WANDB_PROJECT",
+        "IGNORE_UNKNOWN_ENV",
+        "ACCELERATOR",
+    }
+)
+
+
+def timeline_settings() -> dict[str, Any]:
+    """This job's settings that shape the training itself (``config.run_settings`` less paths and
+    ``REQUEUE_NEUTRAL_SETTINGS``): equal in a job and its requeue."""
+    paths = {name for name, knob in config.KNOBS.items() if isinstance(knob.value, Path)}
+    return {
+        name: value
+        for name, value in config.run_settings().items()
+        if name not in REQUEUE_NEUTRAL_SETTINGS and name not in paths
+    }
+
+
+def job_record() -> dict[str, Any]:
+    """What the job that starts a timeline (a branch or a rewind) records about itself in run.json
+    (``started_by``), so that its requeue is told from a later job that names the same starting
+    checkpoint on purpose: SLURM's job id (kept by a requeue) and ``timeline_settings``."""
+    return {"slurm_job_id": os.environ.get("SLURM_JOB_ID") or None, "settings": timeline_settings()}
+
+
+def _names_timeline_start(resume_from: str, record: dict[str, Any], directory: Path) -> bool:
+    """Whether RESUME_FROM names the checkpoint the directory's timeline began at (``started_from``):
+    the same path, or, for a rewind inside the directory, the same name there (the directory may
+    have moved since)."""
+    started = record.get("started_from")
+    if not started:
+        return False
+    if _same_file(resume_from, started):
+        return True
+    return bool(
+        record.get("started_inside")
+        and Path(resume_from).name == Path(started).name
+        and Path(resume_from).resolve().parent == directory.resolve()
+    )
+
+
+def _requeue_change(record: dict[str, Any]) -> str | None:
+    """None when this job is the requeue of the one that began the timeline (the same SLURM job, or
+    the same ``timeline_settings``); else what differs, which makes it a new rewind."""
+    by = record.get("started_by")
+    if by is None:  # a record without it: the path is all there is to go by
+        return None
+    job = os.environ.get("SLURM_JOB_ID")
+    if job and by.get("slurm_job_id") == job:
+        return None
+    then, now = by.get("settings") or {}, timeline_settings()
+    changed = [
+        f"{k} {then.get(k)!r} -> {now.get(k)!r}" for k in sorted(now) if then.get(k) != now[k]
+    ]
+    return "; ".join(changed) or None
+
+
 def plan_resume(resume_from: str | None = None, checkpoint_dir: Path | None = None) -> ResumePlan:
     """The ``ResumePlan`` of RESUME_FROM (default: config.RESUME_FROM) in CHECKPOINT_DIR. Moves and
     writes nothing, so every rank computes it and they agree (``apply_resume_plan`` acts, rank 0).
 
-    A RESUME_FROM path equal to the ``started_from`` that run.json records (the checkpoint the
-    directory's run branched or rewound from) is the requeue of that run with the same environment:
-    it continues from the run's own newest checkpoint, never from its starting point again."""
+    A RESUME_FROM naming the checkpoint the directory's timeline began at (run.json's
+    ``started_from``: where its run branched or rewound from) is one of two things, told apart by
+    what that job recorded (``started_by``): its requeue (the same SLURM job, or the same
+    ``timeline_settings``), which continues from the timeline's newest checkpoint, never from its
+    start again; or a new rewind to it (other settings: a new learning rate, say), which abandons
+    the timeline as any rewind does. The step of a checkpoint comes from the checkpoint, never from
+    its name."""
     resume_from = config.RESUME_FROM if resume_from is None else resume_from
     directory = Path(checkpoint_dir or config.CHECKPOINT_DIR)
     if not resume_from:
@@ -268,11 +354,20 @@ def plan_resume(resume_from: str | None = None, checkpoint_dir: Path | None = No
     if resume_from == "last":
         return _newest_readable(directory, "RESUME_FROM=last")
     # Before the file must exist: pruning may have removed the checkpoint a rewind began at.
-    started = read_run_record(directory).get("started_from")
-    if started and _same_file(resume_from, started) and step_checkpoints(directory):
-        plan = _newest_readable(directory, f"RESUME_FROM={resume_from} (where this run began)")
-        if plan.path is not None:
-            return plan
+    record = read_run_record(directory)
+    if _names_timeline_start(resume_from, record, directory) and step_checkpoints(directory):
+        change = _requeue_change(record)
+        if change is None:
+            plan = _newest_readable(directory, f"RESUME_FROM={resume_from} (where this run began)")
+            if plan.path is not None:
+                return plan
+        else:
+            log.warning(
+                "RESUME_FROM=%s is where this timeline began, and this job is not its requeue "
+                "(%s): a new rewind to it (RESUME_FROM=last would continue the timeline)",
+                resume_from,
+                change,
+            )
     if not Path(resume_from).is_file():
         raise FileNotFoundError(
             f"RESUME_FROM={resume_from}: no such checkpoint file; give a step_*.ckpt path, "
@@ -280,9 +375,15 @@ def plan_resume(resume_from: str | None = None, checkpoint_dir: Path | None = No
         )
     if Path(resume_from).resolve().parent != directory.resolve():
         return ResumePlan(resume_from, "branch")
-    later = [p for p in run_files(directory) if _step_of(p) > _step_of(Path(resume_from))]
+    problem = checkpoint_problem(Path(resume_from))
+    if problem is not None:
+        raise CheckpointError(f"RESUME_FROM={resume_from}: {problem}; give a readable checkpoint")
+    step = checkpoint_step(resume_from)
+    later = [p for p in run_files(directory) if _step_of(p) > step]
     if later:
-        return ResumePlan(resume_from, "rewind", tuple(later), f"after_{Path(resume_from).stem}")
+        return ResumePlan(
+            resume_from, "rewind", tuple(later), f"after_{checkpoint_name(step)[:-5]}"
+        )
     return ResumePlan(resume_from, "continue")
 
 
@@ -332,8 +433,13 @@ def apply_resume_plan(plan: ResumePlan, checkpoint_dir: Path | None = None) -> P
     moved = {str(_step_of(p)) for p in plan.set_aside}
     aside = None
     if plan.set_aside:
-        aside = directory / f"{plan.aside_name}_{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-        aside.mkdir(parents=True, exist_ok=True)
+        stamp = f"{plan.aside_name}_{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+        aside = directory / stamp
+        for n in range(2, 1000):  # two rewinds within a second must not share (and overwrite) one
+            if not aside.exists():
+                break
+            aside = directory / f"{stamp}-{n}"
+        aside.mkdir(parents=True)
         for path in plan.set_aside:
             path.rename(aside / path.name)
         _write_run_record(
@@ -352,12 +458,17 @@ def apply_resume_plan(plan: ResumePlan, checkpoint_dir: Path | None = None) -> P
         base = record.get("base_name") or record.get("name") or new_run_name()
         if config.WANDB_RUN_NAME and config.WANDB_RUN_NAME not in (base, record.get("name")):
             base = config.WANDB_RUN_NAME  # a new name, meant (RESUME_CHANGES)
-        name = f"{base}-from-{Path(plan.path).stem}"
+        wandb_id = secrets.token_hex(6)
+        name = f"{base}-from-{checkpoint_name(checkpoint_step(plan.path))[:-5]}"
+        if name == record.get("name"):  # rewound to where this timeline began: a run of its own
+            name = f"{name}-{wandb_id[:4]}"
         record = {
             "name": name,
-            "wandb_id": secrets.token_hex(6),
+            "wandb_id": wandb_id,
             "base_name": base,
             "started_from": os.path.abspath(plan.path),
+            "started_inside": True,
+            "started_by": job_record(),
         }
         log.warning(
             "rewind to %s: the run goes on as W&B run %r (metrics under WANDB_LOG_DIR/%s)",
@@ -440,6 +551,8 @@ def new_run_name() -> str:
 
 
 RUN_RECORD = "run.json"
+# What run.json says about the timeline, kept when a job starts a new W&B run on it.
+TIMELINE_KEYS = frozenset({"validation", "started_from", "started_inside", "started_by"})
 
 
 def read_run_record(checkpoint_dir: Path | None = None) -> dict[str, Any]:
@@ -487,9 +600,10 @@ def run_identity(
         record: dict[str, Any] = {"name": identity[0], "wandb_id": identity[1]}
         if resuming and inside:
             # the scores of the checkpoints still here, and where the timeline began
-            record |= {k: saved[k] for k in ("validation", "started_from") if k in saved}
+            record |= {k: saved[k] for k in saved.keys() & TIMELINE_KEYS}
         elif resuming:
             record["started_from"] = os.path.abspath(resume_path)
+            record["started_by"] = job_record()
         _write_run_record(record, directory)
     return identity
 
@@ -502,13 +616,24 @@ def record_log_dir(log_dir: Path, checkpoint_dir: Path | None = None) -> None:
         _write_run_record(data, checkpoint_dir)
 
 
+STEP_FILE_PATTERN = re.compile(r"^step_(\d+)\.")
+
+
 def run_files(checkpoint_dir: Path | None = None) -> list[Path]:
     """What a run leaves in CHECKPOINT_DIR under names another run would reuse: its step
-    checkpoints and step_*.nemo exports, oldest checkpoint first."""
+    checkpoints, then every other file named after a step (``step_<N>.<anything>``: the exports,
+    their model cards, averages and blends, the WER tables evaluate.py writes beside them), by
+    step. A rewind moves all of a step's files together (``plan_resume``)."""
     directory = Path(checkpoint_dir or config.CHECKPOINT_DIR)
     if not directory.is_dir():
         return []
-    return step_checkpoints(directory) + sorted(directory.glob("step_*.nemo"))
+    checkpoints = step_checkpoints(directory)
+    others = sorted(
+        (int(m.group(1)), p.name, p)
+        for p in directory.iterdir()
+        if (m := STEP_FILE_PATTERN.match(p.name)) and p not in checkpoints and not p.is_dir()
+    )
+    return checkpoints + [p for _, _, p in others]
 
 
 def check_directory_for_run(
