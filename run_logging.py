@@ -276,22 +276,30 @@ def run_directory(run_name: str | None = None, log_dir: Path | None = None) -> P
 RUN_ID_FILE = "wandb_id"
 
 
-def own_run_directory(run_dir: Path, run_id: str, resuming: bool) -> Path:
+def own_run_directory(run_dir: Path, run_id: str, recorded: dict) -> Path:
     """``run_dir``, unless another run logs there: then ``<run_dir>-<run_id>``, with a warning.
 
-    A run directory names its W&B run id in ``wandb_id`` (written by global rank 0 at its first
-    job). A directory naming another id, or one holding metrics.jsonl without an id that this job
-    does not resume, belongs to another run of the same name (WANDB_RUN_NAME reused in another
-    CHECKPOINT_DIR): writing there would append this run's steps to that run's metrics.jsonl and
-    overwrite its hparams.json. The directory chosen is recorded in run.json (``log_dir``), where
+    A run directory is claimed by the W&B run id in its ``wandb_id`` file (written by global rank 0
+    at the run's first job). A directory naming another id belongs to another run of the same name
+    (WANDB_RUN_NAME reused in another CHECKPOINT_DIR, or a branch that kept its source's name):
+    writing there would append this run's steps to that run's metrics.jsonl and overwrite its
+    hparams.json. One holding metrics.jsonl but no id (a run that began before runs claimed their
+    directory) is this run's only when this job continues the run CHECKPOINT_DIR/run.json recorded
+    before it (``recorded``: the same W&B id, and no metrics directory of another name noted
+    there); it is then claimed. The directory chosen is recorded in run.json (``log_dir``), where
     scripts/run_report.py finds it."""
     marker = run_dir / RUN_ID_FILE
     try:
         owner = marker.read_text(encoding="utf-8").strip()
     except OSError:
         owner = None
+    # By name: the recorded path is stale once the logs move to another disk.
+    noted = recorded.get("log_dir")
+    continues = recorded.get("wandb_id") == run_id and (
+        noted is None or Path(noted).name == run_dir.name
+    )
     theirs = (owner is not None and owner != run_id) or (
-        owner is None and not resuming and (run_dir / "metrics.jsonl").exists()
+        owner is None and not continues and (run_dir / "metrics.jsonl").exists()
     )
     chosen = run_dir.with_name(f"{run_dir.name}-{run_id}") if theirs else run_dir
     if int(os.environ.get("RANK", "0")) == 0:
@@ -328,8 +336,9 @@ def build_loggers(run_dir: Path | None = None, resume_path: str | None = None) -
     ``resume_path`` continues its run.
     """
     resuming = resume_path is not None
+    recorded = checkpoints.read_run_record()  # as the jobs before this one left it
     name, run_id = checkpoints.run_identity(resuming, resume_path=resume_path)
-    run_dir = Path(run_dir or own_run_directory(run_directory(name), run_id, resuming))
+    run_dir = Path(run_dir or own_run_directory(run_directory(name), run_id, recorded))
     loggers: list[Logger] = []
     mode = config.wandb_mode()
     if mode != "disabled" and not wandb_installed():

@@ -177,3 +177,62 @@ def test_a_new_run_reusing_a_run_name_logs_beside_the_other_runs_metrics_not_int
     # the first run's requeue continues in its own directory
     again = train({**env, "DATA_DIR": str(root / "ft_one")}, RESUME_FROM="last", **knobs)
     assert again.returncode == 0 and "holds another run's metrics" not in again.stdout
+
+
+def metric_steps(metrics: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+
+
+def test_a_branch_keeping_its_sources_name_never_logs_into_the_sources_unclaimed_metrics(
+    first_run,
+):
+    root, _, _ = first_run
+    directory, env = fresh_copy(first_run, "unclaimed")
+    name = json.loads((directory / "run.json").read_text())["name"]
+    logs = root / "unclaimed" / "wandb_logs"
+    theirs = logs / name / "metrics.jsonl"
+    shutil.copy(root / "scratch" / "wandb_logs" / name / "metrics.jsonl", theirs)
+    (logs / name / "wandb_id").unlink()  # a run from before runs claimed their directory
+    before = theirs.read_text()
+    branch = {
+        **env,
+        "CHECKPOINT_DIR": str(root / "unclaimed_branch"),
+        "RESUME_FROM": str(directory / "step_00000002.ckpt"),
+        "WANDB_RUN_NAME": name,
+        "WANDB_LOG_DIR": str(logs),
+    }
+    done = train(branch, MAX_STEPS="4")
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert theirs.read_text() == before
+    record = json.loads((root / "unclaimed_branch" / "run.json").read_text())
+    assert Path(record["log_dir"]) == logs / f"{name}-{record['wandb_id']}"
+    assert metric_steps(Path(record["log_dir"]) / "metrics.jsonl") == [3, 4]
+    # the source's own requeue still logs into its directory, and claims it
+    done = train({**env, "WANDB_LOG_DIR": str(logs)}, RESUME_FROM="last", MAX_STEPS="4")
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert metric_steps(theirs)[-1] == 4 and "another run's metrics" not in done.stdout
+
+
+def test_a_second_rewind_to_a_timelines_start_with_a_new_learning_rate_rewinds_again(first_run):
+    directory, env = fresh_copy(first_run, "rewind_twice")
+    start = str(directory / "step_00000001.ckpt")
+    first = train(env, RESUME_FROM=start, MAX_STEPS="3")
+    assert first.returncode == 0, first.stdout[-3000:]
+    first_name = run_name(directory / "step_00000003.ckpt")
+    # what an export and an evaluation of the first rewind's step 3 leave beside it
+    for name in ("step_00000003.nemo", "step_00000003.model-card.md", "step_00000003.val.wer.csv"):
+        (directory / name).write_text(f"{first_name}'s step 3")
+    second = train(env, RESUME_FROM=start, MAX_STEPS="3", PHASE1_LR="1e-5")
+    assert second.returncode == 0, second.stdout[-3000:]
+    assert "resuming from" not in second.stdout and "a new rewind to it" in second.stdout
+    checkpoint = torch.load(directory / "step_00000003.ckpt", weights_only=False, mmap=True)
+    assert checkpoint["run_record"]["settings"]["PHASE1_LR"] == 1e-5
+    assert checkpoint["run_record"]["run"]["name"] != first_name
+    asides = sorted(directory.glob("after_step_00000001_*"))
+    assert len(asides) == 2 and all(steps(a) == [2, 3] for a in asides)
+    assert run_name(asides[1] / "step_00000003.ckpt") == first_name
+    card = asides[1] / "step_00000003.model-card.md"
+    assert card.read_text() == f"{first_name}'s step 3"
+    assert (asides[1] / "step_00000003.val.wer.csv").is_file()
+    # the new timeline's own export of its step 3 took the name, not the old card's text
+    assert (directory / "step_00000003.model-card.md").read_text() != f"{first_name}'s step 3"
