@@ -9,7 +9,7 @@ Usage:
 Input: ``<SHARDS_DIR>/<source>/<lang>/<shard>/{metadata,audio_index}.parquet``. Output: one parquet
 with ``segment_id, shard_id, text, duration, lang, audio_filepath, source`` (then
 ``tx_quality_score, speaker_id``): the shards' rows sorted by ``(shard_id, segment_id)``, then each
-imported source's (``--source``, see source_readers.py) in its own order, so that a rerun writes the
+imported source's (``--source``, see source_readers/) in its own order, so that a rerun writes the
 same rows in the same order, plus ``<output minus .parquet>.summary.json`` with rows read, kept and
 dropped per reason and per language, and every shard that could not be read; per imported source,
 every row it lost (bad in the reader, or dropped by a check below) per reason, the first of each
@@ -1331,7 +1331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="KIND:PATH[:OPTIONS]",
         help="a data source to import, repeatable: nemo:train.json, nemo:manifest.json:tars=audio_"
         "{0..N}.tar, hf:parquet_dir, kaldi:data_dir, shards:DIR; options after a second colon, "
-        "e.g. :lang=hi,name=cv_hi (see source_readers.py; default DATA_SOURCES, else the shards "
+        "e.g. :lang=hi,name=cv_hi (see docs/bring_your_own_data.md; default DATA_SOURCES, else the shards "
         "under SHARDS_DIR)",
     )
     parser.add_argument(

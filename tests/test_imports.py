@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("scripts", "benchmarks")
+PACKAGES = ("scripts", "benchmarks", "source_readers")
 
 
 def module_name(path: Path) -> str:

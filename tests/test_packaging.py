@@ -11,14 +11,14 @@ REPO = Path(__file__).resolve().parents[1]
 def test_every_top_level_module_is_installed():
     settings = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert set(settings["py-modules"]) == {p.stem for p in REPO.glob("*.py")}
-    assert settings["packages"] == ["scripts", "benchmarks"]
+    assert settings["packages"] == ["scripts", "benchmarks", "source_readers"]
 
 
 def test_no_source_file_edits_the_import_path():
     edit = "sys" + ".path"  # spelled in two parts so this file does not match itself
     offenders = [
         str(p.relative_to(REPO))
-        for d in ("", "scripts", "benchmarks", "tests")
+        for d in ("", "scripts", "benchmarks", "source_readers", "tests")
         for p in (REPO / d).glob("*.py")
         if edit in p.read_text(encoding="utf-8")
     ]

@@ -359,7 +359,7 @@ def test_files_are_found_by_listing_their_folder_when_many_rows_share_it(tmp_pat
         (tmp_path / f"{k}.wav").touch()
     paths = [str(tmp_path / f"{k}.wav") for k in range(40)] + [str(tmp_path / "absent.wav")]
     paths += [str(tmp_path / "elsewhere" / "x.wav")]
-    found = source_readers._exists(paths, workers=2)
+    found = source_readers.common._exists(paths, workers=2)
     assert found.tolist() == [True] * 40 + [False, False]
 
 
@@ -369,7 +369,7 @@ def test_a_manifest_read_in_many_batches_gives_the_same_rows_and_lines(tmp_path,
     lines.insert(7, "{oops")
     manifest.write_text("\n".join(lines) + "\n")
     whole, summary = build(tmp_path, f"nemo:{manifest}")
-    monkeypatch.setattr(source_readers, "_CHUNK_BYTES", 400)  # a few lines per batch
+    monkeypatch.setattr(source_readers.nemo_json, "_CHUNK_BYTES", 400)  # a few lines per batch
     batched, batched_summary = build(tmp_path, f"nemo:{manifest}")
     assert batched.sort("segment_id").equals(whole.sort("segment_id")) and whole.height == 12
     assert dropped_rows(batched_summary) == dropped_rows(summary) == [(f"{manifest}:8", "not_json")]
