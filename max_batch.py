@@ -1,13 +1,14 @@
 """The sampler's heaviest micro-batch, real optimizer steps on it, and the largest MAX_BATCH_DURATION
 a GPU holds: what preflight checks a node with and what the step benchmark times.
 
-The heaviest micro-batch at a MAX_BATCH_DURATION is ``sampler.heaviest_packed_batch``: the packed
-batch of the sampler's own epoch plan with the most padded encoder frames, its utterances given the
-tokens of the plan's most joint cells, so that no batch training deals is heavier in padded frames
-or in joint cells. It is taken from a manifest's durations, languages and token lengths when one is
-at hand (``manifest_batch_shape``), else from a synthetic corpus of 200k utterances
-(``synthetic_corpus``: lognormal durations, median 6 s, clipped to MIN_DURATION..MAX_DURATION) with
-a given number of tokens per second.
+The heaviest micro-batch at a MAX_BATCH_DURATION is ``sampler.heaviest_packed_batch``: copies of
+the longest utterance, as many as reach the padded encoder frames and with the tokens that reach the
+joint cells no batch the sampler packs exceeds in any epoch (``sampler.packed_batch_bound``: from
+the packing rules and the caps over the whole manifest, not one epoch's draw), so that no batch
+training deals is heavier in padded frames or in joint cells. It is taken from a manifest's
+durations, languages and token lengths when one is at hand (``manifest_batch_shape``), else from a
+synthetic corpus of 200k utterances (``synthetic_corpus``: lognormal durations, median 6 s, clipped
+to MIN_DURATION..MAX_DURATION) with a given number of tokens per second.
 
 Steps are Lightning ``Trainer.fit`` on that batch repeated, one optimizer step per batch, with the
 given precision, ACCELERATOR and GRAD_CLIP; ``warmup`` steps are dropped.

@@ -13,9 +13,9 @@ What it does:
   VOCAB_SIZE) trained once into ``--work-dir``.
 - Batch: a micro-batch as heavy as every batch the sampler packs at MAX_BATCH_DURATION
   (``sampler.heaviest_packed_batch``: copies of the longest utterance, as many as reach the most
-  padded encoder frames of any packed batch) from a synthetic corpus of 200k utterances (lognormal
-  durations, median 6 s, clipped to MIN_DURATION..MAX_DURATION), with ``--tokens-per-second`` tokens
-  per utterance second plus the language tag, and noise as audio.
+  padded encoder frames of any batch packed in any epoch) from a synthetic corpus of 200k
+  utterances (lognormal durations, median 6 s, clipped to MIN_DURATION..MAX_DURATION), with
+  ``--tokens-per-second`` tokens per utterance second plus the language tag, and noise as audio.
 - Steps: Lightning ``Trainer.fit`` on that batch repeated, one optimizer step per batch, with
   PRECISION, ACCELERATOR and GRAD_CLIP; ``--warmup`` steps are dropped, the median of ``--steps``
   is reported. Phase 1: ``TrainingModule.enter_phase(1)`` freezes the encoder at every batch start; for NeMo the

@@ -15,10 +15,10 @@ A rank that fails a check does not hold up the others: the report still comes, n
   tdt-loss     the start-up check of train.py: NeMo's numba TDT and RNN-T kernels against tdt_loss.py,
                and what one loss costs with TDT_LOSS=numba and =torch (CUDA)
   caches       the training caches of TRAIN_MANIFEST_PATH and VAL_MANIFEST_PATH for this tokenizer
-  step         the configured model's heaviest micro-batch at MAX_BATCH_DURATION (the packed batch
-               of the sampler's epoch plan with the most padded frames, with the tokens of its most
-               joint cells), one optimizer step in each phase in PRECISION: fits or not, peak
-               memory, step time
+  step         the configured model's heaviest micro-batch at MAX_BATCH_DURATION (copies of the
+               longest utterance with the padded frames and joint cells no batch the sampler packs
+               exceeds in any epoch), one optimizer step in each phase in PRECISION: fits or not,
+               peak memory, step time
   max-batch    the largest MAX_BATCH_DURATION whose heaviest micro-batch fits in 90% of the GPU's
                memory (max_batch.py's bisection; CUDA, --no-search skips it)
   all-reduce   bus bandwidth between the ranks (NCCL on GPU, gloo on CPU) and what the model's

@@ -10,7 +10,7 @@ import pytest
 
 import config
 import max_batch
-from sampler import BatchingSettings, DurationBucketBatchSampler
+from sampler import BatchingSettings, DurationBucketBatchSampler, heaviest_packed_batch
 
 
 def padded_frames_and_joint_cells(durations, tokens) -> tuple[float, float]:
@@ -60,3 +60,60 @@ def test_search_finds_the_largest_five_second_multiple_that_fits(limit):
 
 def test_search_reports_none_when_even_the_longest_utterance_does_not_fit():
     assert max_batch.bisect_max_batch_duration(lambda cap: False, 20.0, 600.0) is None
+
+
+def speakers_corpus(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``n`` utterances: lognormal durations (median 6 s) clipped to 0.5..20 s, 7 languages, and
+    each at its speaker's own rate of tokens (lognormal around 4 a second): the sparse duration
+    tails and the token-dense rows an epoch draws differ from epoch to epoch."""
+    rng = np.random.default_rng(seed)
+    durations = np.clip(rng.lognormal(np.log(6.0), 0.6, n), 0.5, 20.0)
+    languages = np.array(max_batch.LANGS)[rng.integers(0, len(max_batch.LANGS), n)]
+    rate = rng.lognormal(np.log(4.0), 0.35, n)
+    frames = (durations / config.ENCODER_FRAME_SECONDS).astype(np.int64)
+    tokens = np.clip(1 + np.round(rate * durations).astype(np.int64), 2, np.maximum(2, frames))
+    return durations, languages, tokens
+
+
+@pytest.mark.parametrize(
+    "epoch_size", [3_000, 0, 90_000], ids=["below-the-corpus", "the-corpus", "above-the-corpus"]
+)
+def test_no_epoch_packs_a_batch_heavier_than_the_tested_one_and_the_heaviest_comes_close(
+    epoch_size,
+):
+    # 30k utterances: an EPOCH_SIZE of 3k draws other rows each epoch, and later epochs pack
+    # batches with about a third more joint cells than the first.
+    durations, languages, tokens = speakers_corpus(30_000)
+    settings = BatchingSettings.from_config(
+        max_batch_duration=200.0,
+        epoch_size=epoch_size,
+        seed=0,
+        grad_accum=1,
+        base_languages=(),
+        base_share=0.0,
+    )
+    shape = max_batch.BatchShape(*heaviest_packed_batch(durations, languages, tokens, settings))
+    tested = padded_frames_and_joint_cells(shape.durations, shape.tokens)
+    sampler = DurationBucketBatchSampler(durations, languages, settings, token_lengths=tokens)
+    heaviest = [0.0, 0.0]
+    for epoch in range(20):
+        sampler.set_epoch(epoch)
+        for batch in sampler:
+            dealt = padded_frames_and_joint_cells(durations[batch], tokens[batch])
+            assert dealt[0] <= tested[0] and dealt[1] <= tested[1], (epoch, dealt, tested)
+            assert durations[batch].max() <= max(shape.durations)
+            heaviest = [max(h, x) for h, x in zip(heaviest, dealt)]
+    # Close enough to be worth searching with: a bound several times the real batches would
+    # make the max-batch search settle on a fraction of what a GPU holds.
+    assert tested[0] <= 1.25 * heaviest[0] and tested[1] <= 1.25 * heaviest[1], (tested, heaviest)
+
+
+def test_a_lone_utterance_over_the_joint_cap_is_in_the_bound():
+    durations, languages, tokens = speakers_corpus(5_000)
+    tokens[np.argmax(durations)] = 511  # one very dense longest utterance: a batch of its own
+    settings = BatchingSettings.from_config(
+        max_batch_duration=90.0, seed=0, grad_accum=1, base_languages=(), base_share=0.0
+    )
+    shape = heaviest_packed_batch(durations, languages, tokens, settings)
+    frames = math.ceil(durations.max() / config.ENCODER_FRAME_SECONDS)
+    assert padded_frames_and_joint_cells(*shape)[1] >= frames * 512
