@@ -14,16 +14,26 @@ torchrun's whole summary and traceback, so a real failure is never hidden.
 
 After a stop signal (SIGINT, SIGTERM, SIGUSR1) torchrun passes it to every rank and waits
 ``--shutdown-timeout`` seconds for them; each rank saves its step and exits 75, saying so in its own
-lines. The exit status here is then 75.
+lines. The exit status here is then 75. Those three are handled whatever ``--signals-to-handle``
+says (torchrun's default leaves out SIGUSR1, SLURM's warning before the time limit, which would end
+the launcher and every rank with it, unsaved), and a second stop signal while the ranks save is
+ignored (SLURM signals every process of a step, and srun and slurm_train.sh forward the signal too:
+torchrun would otherwise stop waiting for the save).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
-from process_control import PREEMPTED_EXIT_CODE, STOP_SIGNALS, USER_ERROR_EXIT_CODE
+from process_control import (
+    PREEMPTED_EXIT_CODE,
+    STACK_DUMP_SIGNAL,
+    STOP_SIGNALS,
+    USER_ERROR_EXIT_CODE,
+)
 
 CLEAN_EXITS = (USER_ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE)
 
@@ -57,7 +67,37 @@ def error_line(failures: dict) -> str:
     return f"error: rank {first.local_rank} exited {first.exitcode} (its error line is above)"
 
 
+def signals_to_handle(requested: str) -> str:
+    """torchrun's ``--signals-to-handle`` value: ``requested`` with every stop signal added and the
+    stack-dump signal left out (torchrun would take it for a stop and end the ranks)."""
+    names = [name.strip() for name in requested.split(",") if name.strip()]
+    names += [sig.name for sig in STOP_SIGNALS if sig.name not in names]
+    return ",".join(name for name in names if name != STACK_DUMP_SIGNAL.name)
+
+
+def stop_once(handler):
+    """torchrun's signal handler (it raises SignalException, and the agent then passes the signal to
+    the ranks and waits for them), run for the first signal only: a later one would interrupt that
+    wait, and the launcher's exit would kill the ranks (PR_SET_PDEATHSIG) before they saved."""
+    first: list[str] = []
+
+    def handle(signum, frame):
+        name = signal.Signals(signum).name
+        if first:
+            os.write(
+                2,
+                f"launch.py: {name} ignored: the ranks are saving after {first[0]}; torchrun "
+                f"waits for them up to its --shutdown-timeout\n".encode(),
+            )
+            return
+        first.append(name)
+        handler(signum, frame)
+
+    return handle
+
+
 def main(argv: list[str] | None = None) -> int:
+    import torch.distributed.elastic.multiprocessing.api as torchrun_processes
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -66,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     args = parser.parse_args(argv)
+    args.signals_to_handle = signals_to_handle(args.signals_to_handle)
+    # torchrun installs this handler when it starts the ranks, looking it up by name then.
+    torchrun_processes._terminate_process_handler = stop_once(
+        torchrun_processes._terminate_process_handler
+    )
     try:
         run(args)
     except ChildFailedError as exc:

@@ -204,13 +204,13 @@ OMP_NUM_THREADS=$OMP_NUM_THREADS NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-<auto>
 NCCL_IB_DISABLE=${NCCL_IB_DISABLE:-<auto>} NCCL_DEBUG=$NCCL_DEBUG"
 
 set +e
-# USR1 (forwarded by srun from the batch step) and SIGTERM (scancel, preemption) reach torchrun, which
-# passes them on to every rank and waits PREEMPT_SAVE_SECONDS for them: the ranks finish their current
-# optimizer step, save it as a step checkpoint and exit with code 75 (see docs/operations.md, "Checkpoints and resume").
-# scripts/launch.py is torchrun with the same arguments, whose deliberate ends (a user error, a saved
-# stop) finish on the run's own line instead of torchrun's traceback; a crash keeps the traceback.
+# USR1 (forwarded by srun from the batch step), SIGTERM (scancel, preemption, the time limit) and SIGINT
+# reach torchrun, which passes them on to every rank and waits PREEMPT_SAVE_SECONDS for them: the ranks
+# finish their current optimizer step, save it as a step checkpoint and exit with code 75 (see
+# docs/operations.md, "Signals"). scripts/launch.py is torchrun with the same arguments that handles
+# all three (plain torchrun leaves out USR1) and whose deliberate ends (a user error, a saved stop)
+# finish on the run's own line instead of torchrun's traceback; a crash keeps the traceback.
 "$PY" "$REPO_DIR/scripts/launch.py" \
-    --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
     --shutdown-timeout="${PREEMPT_SAVE_SECONDS:-240}" \
     --nnodes="$NNODES" \
     --nproc-per-node="$NPROC_PER_NODE" \
@@ -221,8 +221,14 @@ set +e
     --max-restarts="$MAX_RESTARTS" \
     "$TRAIN_SCRIPT" "$@" &
 launcher_pid=$!
-trap 'log "USR1: passing it to torchrun (the ranks save and exit)"; kill -USR1 "$launcher_pid" 2>/dev/null || true' USR1
-trap - ERR  # torchrun's status is reported below; wait returning early on USR1 is no error
+# This shell passes each stop signal on and waits for the save: a kill of this script alone still
+# stops the run, and when SLURM signals every process of the step, this shell outlives the save
+# (the launcher ignores a repeated signal).
+pass_on() { log "$1: passing it to torchrun (the ranks save and exit)"; kill -"$1" "$launcher_pid" 2>/dev/null || true; }
+trap 'pass_on USR1' USR1
+trap 'pass_on TERM' TERM
+trap 'pass_on INT' INT
+trap - ERR  # torchrun's status is reported below; wait returning early on a signal is no error
 while true; do
     wait $launcher_pid; rc=$?
     if (( rc > 128 )) && kill -0 $launcher_pid 2>/dev/null; then continue; fi

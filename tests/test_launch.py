@@ -1,5 +1,5 @@
 """scripts/launch.py: torchrun whose deliberate ends (a user error, a saved stop) finish on the run's own
-line and exit status, while a crash keeps torchrun's whole summary."""
+line and exit status, while a crash keeps torchrun's whole summary; every stop signal saves."""
 
 from __future__ import annotations
 
@@ -47,6 +47,13 @@ def test_only_a_user_error_or_a_saved_stop_with_ranks_stopped_after_it_counts_as
     assert launch.clean_exit({0: failure(0, -signal.SIGSEGV, 4), 1: failure(1, 2, 5)}) is None
 
 
+def test_the_stop_signals_are_always_handed_to_torchrun_and_the_stack_dump_signal_never():
+    assert launch.signals_to_handle("SIGTERM,SIGINT,SIGHUP,SIGQUIT") == (
+        "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+    )
+    assert launch.signals_to_handle("SIGUSR2, SIGTERM") == "SIGTERM,SIGUSR1,SIGINT"
+
+
 def test_the_error_line_is_the_root_causes_message_as_the_rank_printed_it():
     recorded = {"message": "TooLittleData: raise EPOCH_SIZE", "extraInfo": {}}
     assert launch.error_line({1: failure(1, 2, 9), 0: failure(0, 2, 5, recorded)}) == (
@@ -82,7 +89,8 @@ def test_a_crash_keeps_torchruns_summary_and_traceback(tmp_path):
     assert "ChildFailedError" in result.stderr and "a real bug" in result.stderr
 
 
-def test_ctrl_c_ends_on_one_stopped_line_and_exit_75_after_the_ranks_saved(data, tmp_path):
+def start_training(data: dict, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """A launch.py job of train.py that trains until stopped, once its first checkpoint is written."""
     env = tiny_train_env(
         data, DATA_DIR=str(tmp_path), MAX_STEPS="100000", GRAD_ACCUM="1", CHECKPOINT_EVERY="5"
     )
@@ -95,20 +103,55 @@ def test_ctrl_c_ends_on_one_stopped_line_and_exit_75_after_the_ranks_saved(data,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    wait_for_checkpoint(job, tmp_path / "checkpoints", log, after=0)
+    return job, log
+
+
+def wait_for_checkpoint(job: subprocess.Popen, checkpoints: Path, log: Path, after: int) -> int:
+    """The number of checkpoints once there are more than ``after``; the job killed if it ends or
+    none comes in 240 s."""
+    deadline = time.monotonic() + 240
+    while len(list(checkpoints.glob("step_*.ckpt"))) <= after:
+        if job.poll() is not None or time.monotonic() > deadline:
+            stop(job)
+            pytest.fail(f"no new checkpoint (exit {job.returncode}):\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    return len(list(checkpoints.glob("step_*.ckpt")))
+
+
+def stop(job: subprocess.Popen) -> None:
+    if job.poll() is None:
+        os.killpg(job.pid, signal.SIGKILL)  # the ranks die with the launcher (PR_SET_PDEATHSIG)
+        job.wait()
+
+
+def test_ctrl_c_ends_on_one_stopped_line_and_exit_75_after_the_ranks_saved(data, tmp_path):
+    job, log = start_training(data, tmp_path)
     try:
-        deadline = time.monotonic() + 240
-        checkpoints = tmp_path / "checkpoints"
-        while not list(checkpoints.glob("step_*.ckpt")) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert list(checkpoints.glob("step_*.ckpt")), log.read_text()[-3000:]  # training runs
         os.killpg(job.pid, signal.SIGINT)  # a terminal's Ctrl-C: every process of the group
         assert job.wait(timeout=180) == 75
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+        stop(job)
     text = log.read_text()
     assert (
         text.strip().splitlines()[-1].startswith("stopped by SIGINT: every rank was told to save")
     )
     assert "Traceback" not in text and "SignalException" not in text
     assert "stop signal: saved" in text  # the ranks saved the step they were in
+
+
+def test_sigusr1_even_repeated_has_every_rank_save_before_the_launcher_exits_75(data, tmp_path):
+    # SLURM's warning before the time limit. Under srun it reaches the launcher more than once: SLURM
+    # signals every process of the step, and srun and slurm_train.sh pass it on too.
+    job, log = start_training(data, tmp_path)
+    try:
+        for _ in range(3):
+            job.send_signal(signal.SIGUSR1)  # the launcher only
+            time.sleep(0.02)
+        assert job.wait(timeout=180) == 75, log.read_text()[-3000:]
+    finally:
+        stop(job)
+    lines = log.read_text().strip().splitlines()
+    assert lines[-1].startswith("stopped by SIGUSR1: every rank was told to save"), lines[-20:]
+    saved = [line for line in lines if "stopped on SIGUSR1 after saving optimizer step" in line]
+    assert len(saved) == 2, lines[-20:]  # both ranks, written before the launcher's last line

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.torchrun_jobs import free_port
+from tests.torchrun_jobs import free_port, signal_every_process
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER = REPO / "scripts" / "slurm_train.sh"
@@ -229,19 +231,23 @@ def test_launcher_is_valid_bash():
     assert subprocess.run(["bash", "-n", str(LAUNCHER)]).returncode == 0
 
 
+# A rank as train.py sets it up: it answers the stop signals and SIGUSR2 (its stacks); it ends on a
+# stop signal (exit 75) or when PROBE_OUT/finish appears (exit 0).
 STOP_PROBE = textwrap.dedent("""
     import os, sys, time
     import process_control
     process_control.install_stop_handlers()
     process_control.set_training(True)
-    open(os.path.join(os.environ["PROBE_OUT"], "ready"), "w").close()
+    process_control.install_stack_dump()
+    out = os.environ["PROBE_OUT"]
+    open(os.path.join(out, "ready"), "w").close()
     for _ in range(1200):
-        if process_control.stop_requested():
+        if process_control.stop_requested() or os.path.exists(os.path.join(out, "finish")):
             break
         time.sleep(0.1)
-    with open(os.path.join(os.environ["PROBE_OUT"], "stopped_by"), "w") as f:
+    with open(os.path.join(out, "stopped_by"), "w") as f:
         f.write(str(process_control.stop_requested()))
-    sys.exit(process_control.PREEMPTED_EXIT_CODE)
+    sys.exit(process_control.PREEMPTED_EXIT_CODE if process_control.stop_requested() else 0)
 """)
 # srun forwards USR1 to its tasks; this stand-in does too.
 FORWARDING_SRUN = FAKE_SRUN.replace(
@@ -260,9 +266,6 @@ LOGGING_SCONTROL = FAKE_SCONTROL + 'echo "$@" >> "$PROBE_OUT/scontrol.log"\n'
 def test_slurm_usr1_reaches_the_ranks_through_srun_and_torchrun_then_the_job_is_requeued(
     launcher_env, tmp_path
 ):
-    import signal
-    import time
-
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("srun", FORWARDING_SRUN), ("scontrol", LOGGING_SCONTROL)):
@@ -295,3 +298,34 @@ def test_slurm_usr1_reaches_the_ranks_through_srun_and_torchrun_then_the_job_is_
     assert (tmp_path / "out" / "stopped_by").read_text() == "SIGUSR1", out
     assert (tmp_path / "out" / "scontrol.log").read_text().splitlines()[-1] == "requeue 4243", out
     assert "requeueing job 4243" in out
+
+
+def start_probe_node(launcher_env: dict, tmp_path: Path) -> tuple[subprocess.Popen, dict]:
+    """This script on one node (no SLURM) running STOP_PROBE as its one rank, once the rank is
+    ready; its environment marks every process of the job (job_processes)."""
+    (tmp_path / "stop_probe.py").write_text(STOP_PROBE)
+    env = {
+        **launcher_env,
+        "TRAIN_SCRIPT": str(tmp_path / "stop_probe.py"),
+        "PROBE_JOB": f"node-{tmp_path.name}",
+    }
+    node = start(env, NNODES="1", NODE_RANK="0")
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "out" / "ready").exists():
+        if node.poll() is not None or time.monotonic() > deadline:
+            signal_every_process(env, signal.SIGKILL)
+            pytest.fail(finish(node, timeout=10)[1])
+        time.sleep(0.2)
+    return node, env
+
+
+@pytest.mark.slow
+def test_sigterm_to_this_script_alone_has_the_ranks_save_and_it_exits_75(launcher_env, tmp_path):
+    node, env = start_probe_node(launcher_env, tmp_path)
+    try:
+        node.send_signal(signal.SIGTERM)  # `kill <its pid>`: the ranks must hear of it
+        rc, out = finish(node, timeout=60)
+    finally:
+        signal_every_process(env, signal.SIGKILL)
+    assert rc == 75, out
+    assert (tmp_path / "out" / "stopped_by").read_text() == "SIGTERM", out

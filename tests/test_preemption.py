@@ -6,8 +6,8 @@ process of the job at once (torchrun, ranks, workers, W&B's service). Each test 
 with one DataLoader worker per rank (the real default is more) and stops it at a different moment:
 - during training, SIGTERM to every process of the job, W&B offline: the ranks save the step in
   progress and exit with code 75; the dead W&B service is one warning;
-- during a validation pass, SIGUSR1 to torchrun started as scripts/slurm_train.sh starts it
-  (--signals-to-handle with SIGUSR1): the pass is cut short, that step is saved, exit 75;
+- during a validation pass, SIGUSR1 to plain torchrun started with the documented
+  --signals-to-handle (SIGUSR1 added): the pass is cut short, that step is saved, exit 75;
 - during start-up, while the training cache is built by worker processes, SIGTERM to every
   process: the ranks exit with code 75 at once, no worker and no half-built cache is left.
 The requeued job's exactness is tests/test_resume.py's (also with workers).
@@ -82,7 +82,7 @@ def data(tmp_path_factory):
 
 def start(root: Path, env: dict, name: str, handle_usr1: bool = False) -> subprocess.Popen:
     cmd = torchrun_command(root / "probe_train.py")
-    if handle_usr1:  # as scripts/slurm_train.sh starts torchrun
+    if handle_usr1:  # docs/operations.md's plain torchrun command (scripts/launch.py adds SIGUSR1)
         cmd.insert(3, "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     return subprocess.Popen(
         cmd,
