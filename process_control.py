@@ -13,8 +13,9 @@
   first thing, so no window is left in which a signal kills a helper; they still die with their
   parent (``die_with_parent``).
 - ``install_stack_dump``: SIGUSR2 prints every thread's stack of the process to stderr (the job's
-  log) and the run goes on; DataLoader workers forked after it answer it too. ``kill -USR2`` on the
-  processes of a job that seems to hang shows where each rank and each worker waits.
+  log) and the run goes on; DataLoader workers forked after it answer it too.
+  ``scripts/dump_stacks.py`` sends it to the ranks and workers of a job that seems to hang (never to
+  torchrun's agent, which it would end), showing where each waits.
 - ``die_with_parent``: the kernel kills this process when its parent dies, however the parent dies
   (even SIGKILL). Ranks call it with torchrun's agent as the parent, so no orphan trains on after its
   launcher is gone; helper processes call it with the process that started them.

@@ -18,7 +18,9 @@ lines. The exit status here is then 75. Those three are handled whatever ``--sig
 says (torchrun's default leaves out SIGUSR1, SLURM's warning before the time limit, which would end
 the launcher and every rank with it, unsaved), and a second stop signal while the ranks save is
 ignored (SLURM signals every process of a step, and srun and slurm_train.sh forward the signal too:
-torchrun would otherwise stop waiting for the save).
+torchrun would otherwise stop waiting for the save). SIGUSR2 asks a process for its stacks: the
+ranks and their DataLoader workers print theirs; this launcher has none to show and goes on
+(``python scripts/dump_stacks.py`` signals the ranks).
 """
 
 from __future__ import annotations
@@ -96,6 +98,16 @@ def stop_once(handler):
     return handle
 
 
+def answer_stack_dump_request(signum, frame) -> None:
+    # A handler, not SIG_IGN: an ignored signal stays ignored in the ranks torchrun execs, a handler
+    # is reset there. os.write: this may run while the main thread is inside a print.
+    os.write(
+        2,
+        f"launch.py: SIGUSR2 ignored: the launcher (pid {os.getpid()}) has no stacks to show; "
+        f"`python scripts/dump_stacks.py` has each rank and DataLoader worker print theirs\n".encode(),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch.distributed.elastic.multiprocessing.api as torchrun_processes
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -111,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     torchrun_processes._terminate_process_handler = stop_once(
         torchrun_processes._terminate_process_handler
     )
+    signal.signal(STACK_DUMP_SIGNAL, answer_stack_dump_request)
     try:
         run(args)
     except ChildFailedError as exc:

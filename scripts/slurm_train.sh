@@ -96,6 +96,7 @@ optimizer step and exit; job $SLURM_JOB_ID is requeued after that (RESUME_FROM=l
         kill -USR1 "$srun_pid" 2>/dev/null || true  # srun forwards it to the launcher on every node
     }
     trap requeue USR1
+    trap : USR2  # a stack-dump request (scancel --full --signal=USR2) must not end the batch shell
     trap - ERR  # srun's own status is reported below; wait returning early on USR1 is no error
     log "starting one launcher per node on $SLURM_JOB_NODELIST (restart #${SLURM_RESTART_COUNT:-0})"
     srun --ntasks-per-node=1 --nodes="$NNODES" --kill-on-bad-exit=1 --export=ALL,_SLURM_TRAIN_STEP=1 \
@@ -223,11 +224,13 @@ set +e
 launcher_pid=$!
 # This shell passes each stop signal on and waits for the save: a kill of this script alone still
 # stops the run, and when SLURM signals every process of the step, this shell outlives the save
-# (the launcher ignores a repeated signal).
+# (the launcher ignores a repeated signal). USR2 asks the ranks for their stacks; this shell has none
+# and must not die of it (scripts/dump_stacks.py).
 pass_on() { log "$1: passing it to torchrun (the ranks save and exit)"; kill -"$1" "$launcher_pid" 2>/dev/null || true; }
 trap 'pass_on USR1' USR1
 trap 'pass_on TERM' TERM
 trap 'pass_on INT' INT
+trap : USR2
 trap - ERR  # torchrun's status is reported below; wait returning early on a signal is no error
 while true; do
     wait $launcher_pid; rc=$?

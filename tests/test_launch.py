@@ -1,9 +1,11 @@
 """scripts/launch.py: torchrun whose deliberate ends (a user error, a saved stop) finish on the run's own
-line and exit status, while a crash keeps torchrun's whole summary; every stop signal saves."""
+line and exit status, while a crash keeps torchrun's whole summary; every stop signal saves, and a
+stack-dump request (SIGUSR2, scripts/dump_stacks.py) leaves the job training."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +17,7 @@ import pytest
 
 from scripts import launch
 from tests.tiny_training_data import make_training_data
-from tests.torchrun_jobs import free_port, tiny_train_env
+from tests.torchrun_jobs import child_pids, free_port, tiny_train_env
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -155,3 +157,56 @@ def test_sigusr1_even_repeated_has_every_rank_save_before_the_launcher_exits_75(
     assert lines[-1].startswith("stopped by SIGUSR1: every rank was told to save"), lines[-20:]
     saved = [line for line in lines if "stopped on SIGUSR1 after saving optimizer step" in line]
     assert len(saved) == 2, lines[-20:]  # both ranks, written before the launcher's last line
+
+
+@pytest.fixture(scope="module")
+def training_job(data, tmp_path_factory):
+    """One launch.py job that trains on while the stack-dump tests poke it, then stops saved."""
+    tmp_path = tmp_path_factory.mktemp("stacks")
+    job, log = start_training(data, tmp_path)
+    try:
+        yield job, log, tmp_path / "checkpoints"
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(timeout=180) == 75, log.read_text()[-3000:]
+    finally:
+        stop(job)
+
+
+def test_sigusr2_to_the_launcher_leaves_the_job_training(training_job):
+    job, log, checkpoints = training_job
+    before = len(list(checkpoints.glob("step_*.ckpt")))
+    job.send_signal(signal.SIGUSR2)  # what `kill -USR2` on every pid `pgrep -f train.py` lists does
+    wait_for_checkpoint(job, checkpoints, log, after=before)  # fails if the job ended
+    assert "launch.py: SIGUSR2 ignored" in log.read_text()
+
+
+def test_dump_stacks_signals_each_rank_and_worker_once_and_never_the_launcher(training_job):
+    job, log, checkpoints = training_job
+    ranks = child_pids(job.pid)
+    workers = [w for r in ranks for w in child_pids(r) if cmdline(w) == cmdline(r)]
+    assert len(ranks) == 2 and len(workers) == 2  # NUM_WORKERS=1
+    script = [sys.executable, str(REPO / "scripts" / "dump_stacks.py"), str(job.pid)]
+    listed = subprocess.run(script + ["--list"], capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    assert pids_in(listed.stdout) == sorted(ranks + workers), listed.stdout
+
+    before = stacks_in(log.read_text())
+    done = subprocess.run(script + ["--pause", "0.2"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and pids_in(done.stdout) == sorted(ranks + workers), done.stdout
+    wait_for_checkpoint(job, checkpoints, log, after=len(list(checkpoints.glob("step_*.ckpt"))))
+    after = stacks_in(log.read_text())  # training went on, and each process printed its stack
+    assert (after[0] - before[0], after[1] - before[1]) == (4, 2), log.read_text()[-3000:]
+
+
+def stacks_in(text: str) -> tuple[int, int]:
+    """Stacks printed by processes running train.py (a main thread's first frame) and, of them,
+    by DataLoader workers."""
+    return len(re.findall(r'train\.py", line \d+ in <module>', text)), text.count("in _worker_loop")
+
+
+def cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def pids_in(listing: str) -> list[int]:
+    return sorted(int(line.split()[1]) for line in listing.splitlines() if line.startswith("pid "))

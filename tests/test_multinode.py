@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.torchrun_jobs import free_port, signal_every_process
+from tests.torchrun_jobs import free_port, job_processes, signal_every_process
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER = REPO / "scripts" / "slurm_train.sh"
@@ -317,6 +318,24 @@ def start_probe_node(launcher_env: dict, tmp_path: Path) -> tuple[subprocess.Pop
             pytest.fail(finish(node, timeout=10)[1])
         time.sleep(0.2)
     return node, env
+
+
+@pytest.mark.slow
+def test_usr2_to_every_process_of_a_node_prints_the_ranks_stacks_and_the_job_goes_on(
+    launcher_env, tmp_path
+):
+    node, env = start_probe_node(launcher_env, tmp_path)
+    try:
+        processes = job_processes(env)
+        signal_every_process(env, signal.SIGUSR2)  # as `scancel --signal=USR2 <job>` does
+        time.sleep(2)
+        assert node.poll() is None and sorted(job_processes(env)) == sorted(processes)
+        (tmp_path / "out" / "finish").touch()
+        rc, out = finish(node, timeout=60)
+    finally:
+        signal_every_process(env, signal.SIGKILL)
+    assert rc == 0, out
+    assert re.search(r'stop_probe\.py", line \d+ in <module>', out), out  # the rank's stack
 
 
 @pytest.mark.slow
