@@ -21,10 +21,11 @@
   launcher is gone; helper processes call it with the process that started them.
 - ``UserError`` and ``report_user_error``: an error the user causes and can fix (a bad knob, a
   missing manifest, unreadable audio, a checkpoint that cannot be saved) ends the job with one line on
-  rank 0 (``error: <what is wrong, which variable or path, what to do>``), nothing from the other
-  ranks, exit code ``USER_ERROR_EXIT_CODE``, and torchrun's failure summary naming it as the root
-  cause. ``exit_on_user_errors`` does the same for errors raised while modules are imported (a bad
-  knob is found when config.py is imported).
+  rank 0 (``error: <what is wrong, which variable or path, what to do>``; under scripts/launch.py the
+  launcher prints it instead, as the job's last line), nothing from the other ranks, exit code
+  ``USER_ERROR_EXIT_CODE``, and torchrun's failure summary naming it as the root cause.
+  ``exit_on_user_errors`` does the same for errors raised while modules are imported (a bad knob is
+  found when config.py is imported).
 """
 
 from __future__ import annotations
@@ -189,12 +190,18 @@ class UserError(Exception):
 USER_ERRORS = (UserError, FileNotFoundError)
 
 
+# Set by scripts/launch.py for the ranks it starts: it prints the root cause's ``error:`` line itself,
+# as the job's last line, so rank 0 only records it (printed by both, the line came twice).
+LAUNCHER_PRINTS_ERRORS = "LAUNCHER_PRINTS_ERRORS"
+
+
 def report_user_error(exc: BaseException) -> int:
-    """Rank 0 prints ``error: <message>``; every rank records it for torchrun's failure summary.
-    Returns USER_ERROR_EXIT_CODE."""
+    """Rank 0 prints ``error: <message>`` (unless its launcher prints it: LAUNCHER_PRINTS_ERRORS);
+    every rank records it for torchrun's failure summary. Returns USER_ERROR_EXIT_CODE."""
     if int(os.environ.get("RANK", "0")) == 0:
         _record_for_torchrun(exc)
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        if not os.environ.get(LAUNCHER_PRINTS_ERRORS):
+            print(f"error: {exc}", file=sys.stderr, flush=True)
     else:
         if "TORCHELASTIC_RUN_ID" in os.environ:
             # Every rank meets the same error at about the same moment, and torchrun's summary names

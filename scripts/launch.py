@@ -31,6 +31,7 @@ import signal
 import sys
 
 from process_control import (
+    LAUNCHER_PRINTS_ERRORS,
     PREEMPTED_EXIT_CODE,
     STACK_DUMP_SIGNAL,
     STOP_SIGNALS,
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         torchrun_processes._terminate_process_handler
     )
     signal.signal(STACK_DUMP_SIGNAL, answer_stack_dump_request)
+    os.environ[LAUNCHER_PRINTS_ERRORS] = "1"  # the ranks inherit it: rank 0 leaves the line to us
     try:
         run(args)
     except ChildFailedError as exc:

@@ -77,8 +77,22 @@ def test_a_user_error_under_torchrun_ends_on_its_one_line_and_exit_2(data, tmp_p
     assert result.returncode == 2, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: an epoch of "), result.stderr[-3000:]
+    assert result.stderr.count("error: ") == 1, result.stderr[-3000:]
     assert "micro-batches, fewer than the 8 of one optimizer step" in last
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+
+
+def test_a_bad_knob_prints_its_error_line_once_and_last(data, tmp_path):
+    env = tiny_train_env(data, DATA_DIR=str(tmp_path), GRAD_ACCUM="four")
+    result = subprocess.run(
+        launch_command(REPO / "train.py"), env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error: " in line]
+    assert errors == ["error: invalid configuration: GRAD_ACCUM='four': expected an integer"], (
+        result.stderr[-3000:]
+    )
+    assert result.stderr.strip().splitlines()[-1] == errors[0]
 
 
 def test_a_crash_keeps_torchruns_summary_and_traceback(tmp_path):
