@@ -181,7 +181,9 @@ class ModelFamily:
 
         return getattr(nemo_models, self.nemo_class)(cfg=cfg)
 
-    def change_vocabulary(self, model, tokenizer_dir: Path, decoder_init: str) -> dict:
+    def change_vocabulary(
+        self, model, tokenizer_dir: Path, decoder_init: str, new_piece_bias: str | None = None
+    ) -> dict:
         """Give ``model`` the pieces of ``tokenizer_dir``; the counts of carried, new and dropped rows."""
         raise NotImplementedError
 
@@ -241,9 +243,12 @@ class TDT(ModelFamily):
         rows = [model.decoder.prediction["embed"].weight, out.weight]
         return rows + ([out.bias] if out.bias is not None else [])
 
-    def change_vocabulary(self, model, tokenizer_dir: Path, decoder_init: str) -> dict:
+    def change_vocabulary(
+        self, model, tokenizer_dir: Path, decoder_init: str, new_piece_bias: str | None = None
+    ) -> dict:
         """NeMo's ``change_vocabulary`` (new heads: ``vocabulary_heads``), then, with
-        ``decoder_init`` "carry", the base model's weights in every one of them (``carry_heads``).
+        ``decoder_init`` "carry", the base model's weights in every one of them (``carry_heads``;
+        ``new_piece_bias``, default NEW_PIECE_BIAS, says where the new pieces' biases start).
         ConfigError for "carry" when the base's tokenizer has no SentencePiece pieces to match by
         string. Returns the carried, new and dropped piece counts, ``decoder_init`` and ``heads``
         (the names of the parts the counts apply to)."""
@@ -269,7 +274,8 @@ class TDT(ModelFamily):
             pieces = model_pieces(model)
             new_rows = _PieceRows(old_pieces, pieces).new
             prior = None
-            if config.NEW_PIECE_BIAS == "frequency" and new_rows:
+            bias = config.NEW_PIECE_BIAS if new_piece_bias is None else new_piece_bias
+            if bias == "frequency" and new_rows:
                 prior = new_piece_prior(tokenizer_dir, pieces, new_rows)
                 if prior is None:
                     log.warning(
@@ -471,6 +477,7 @@ def build_model(
     model_config: Path | None = None,
     tokenizer_dir: Path | None = None,
     decoder_init: str | None = None,
+    new_piece_bias: str | None = None,
 ):
     """The NeMo model to train, on CPU, with TOKENIZER_DIR's vocabulary and its family's loss.
 
@@ -478,8 +485,9 @@ def build_model(
     with its weights) or a pretrained name (from_pretrained); empty means a fresh model from the
     ``model_config`` YAML (its ``model:`` section; its ``target`` names the family, TDT without one)
     with ``tokenizer.dir`` set to ``tokenizer_dir``.
-    Defaults come from INIT_MODEL, MODEL_CONFIG, TOKENIZER_DIR and DECODER_INIT.
-    ``model.vocabulary_change`` holds what ``use_tokenizer`` did to the parts sized by the vocabulary.
+    Defaults come from INIT_MODEL, MODEL_CONFIG, TOKENIZER_DIR, DECODER_INIT and NEW_PIECE_BIAS.
+    ``model.vocabulary_change`` holds what ``use_tokenizer`` did to the parts sized by the vocabulary;
+    ``model.base_model`` the base's identity (``base_identity``; None for a fresh model).
     """
     from nemo.collections.asr.models import ASRModel
     from omegaconf import OmegaConf, open_dict
@@ -518,14 +526,52 @@ def build_model(
         model = kind.new_model(cfg)
 
     base_pieces = model_pieces(model) if init_model else None
+    decoder_init = config.DECODER_INIT if decoder_init is None else decoder_init
+    new_piece_bias = config.NEW_PIECE_BIAS if new_piece_bias is None else new_piece_bias
+    # Hashed here, before the vocabulary change rewrites the decoder and joint: the only moment the
+    # base's own weights are in hand (an export checks the model it blends with against it).
+    model.base_model = (
+        base_identity(init_model, model, decoder_init, new_piece_bias) if init_model else None
+    )
     # What the model card says of the vocabulary change (None: the base's vocabulary as it was).
-    model.vocabulary_change = use_tokenizer(model, tokenizer_dir, decoder_init)
+    model.vocabulary_change = use_tokenizer(model, tokenizer_dir, decoder_init, new_piece_bias)
     if base_pieces and model.vocabulary_change is not None:
         warn_unless_extension(base_pieces, model_pieces(model) or [], tokenizer_dir, init_model)
     ensure_validation_ds(model)
     make_encoder_forward_rank_local(model)
     check_frontend(model)
     return model
+
+
+def weights_sha256(model) -> str:
+    """SHA-256 of a model's weights: every tensor of its state_dict by name, dtype, shape and bytes,
+    the same for the same weights whatever file (a .nemo, a copy, a pretrained download) held them.
+    The preprocessor's buffers (mel filterbank, window) are left out: they are not learned but
+    follow from its config, and where they are recomputed rather than read from the file, their
+    last bits may differ between torch versions for the same model."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        if name.startswith("preprocessor."):
+            continue
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}\n".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def base_identity(init_model: str, model, decoder_init: str, new_piece_bias: str) -> dict[str, Any]:
+    """What identifies the base a finetune starts from, recorded when the base is loaded: its path
+    (absolute for a file, else the pretrained name), the SHA-256 of its weights (``weights_sha256``,
+    before any vocabulary change) and the settings the base as received was built with."""
+    local = init_model.endswith(".ckpt") or is_local_model(init_model)
+    return {
+        "path": os.path.abspath(init_model) if local else init_model,
+        "weights_sha256": weights_sha256(model),
+        "DECODER_INIT": decoder_init,
+        "NEW_PIECE_BIAS": new_piece_bias,
+    }
 
 
 def warn_unless_extension(
@@ -553,19 +599,22 @@ def warn_unless_extension(
     return True
 
 
-def use_tokenizer(model, tokenizer_dir: Path, decoder_init: str | None = None) -> dict | None:
+def use_tokenizer(
+    model, tokenizer_dir: Path, decoder_init: str | None = None, new_piece_bias: str | None = None
+) -> dict | None:
     """Give ``model`` the vocabulary of ``tokenizer_dir`` and its family's loss for that vocabulary.
 
     A model whose pieces already are those of ``tokenizer_dir`` keeps its decoder; any other gets
     its family's ``change_vocabulary`` (DECODER_INIT, ``decoder_init``, says whether the base's
-    decoder weights are carried over). Either way the loss is rebuilt (``attach_loss``).
+    decoder weights are carried over; NEW_PIECE_BIAS, ``new_piece_bias``, where the new pieces'
+    biases start). Either way the loss is rebuilt (``attach_loss``).
     Returns the counts of the carried, new and dropped rows, or None when nothing changed.
     """
     decoder_init = config.DECODER_INIT if decoder_init is None else decoder_init
     kind = family(model)
     counts = None
     if not tokenizer_matches(model, tokenizer_dir):
-        counts = kind.change_vocabulary(model, tokenizer_dir, decoder_init)
+        counts = kind.change_vocabulary(model, tokenizer_dir, decoder_init, new_piece_bias)
     kind.attach_loss(model)
     return counts
 

@@ -133,9 +133,11 @@ def render(record: dict[str, Any], model, nemo_name: str) -> str:
     settings = record.get("settings") or {}
     hours = record.get("training_hours") or {}
     evaluation = record.get("evaluation")
-    init = settings.get("INIT_MODEL") or ""
+    recorded_base = record.get("base_model") or {}
+    init = recorded_base.get("path") or settings.get("INIT_MODEL") or ""
+    digest = recorded_base.get("weights_sha256")
     base = (
-        f"`{init}` (fine-tuned)"
+        f"`{init}` (fine-tuned{f'; weights sha256 {digest}' if digest else ''})"
         if init
         else f"trained from scratch (`{settings.get('MODEL_CONFIG')}`)"
     )

@@ -285,6 +285,9 @@ class TrainingModule(pl.LightningModule):
         # run's summary and the model card can state base vs finetuned per language.
         self.base_evaluation: dict | None = None
         self._portable: dict | None = None  # asr_model.portable_description, made at the first save
+        # The base's path, weights hash and build settings (asr_model.base_identity), as the run's
+        # first job loaded it; a resume carries the checkpoint's (on_load_checkpoint).
+        self.base_model: dict | None = getattr(model, "base_model", None)
         self._training_hours: dict[str, float] | None = None
 
     def enter_phase(self, phase: int) -> None:
@@ -312,10 +315,18 @@ class TrainingModule(pl.LightningModule):
         record = checkpoint.get(RUN_RECORD_KEY, {})
         self.last_evaluation = record.get("evaluation")
         self.base_evaluation = record.get("base_evaluation")
+        # The base as the run's first job recorded it (None: from before bases were recorded); where
+        # this job loaded the very same weights, at the path it found them (a run moved to another
+        # machine exports there without naming its base).
+        recorded, loaded = record.get("base_model"), getattr(self.model, "base_model", None)
+        if recorded and loaded and loaded["weights_sha256"] == recorded["weights_sha256"]:
+            recorded = {**recorded, "path": loaded["path"]}
+        self.base_model = recorded
 
     def run_record(self) -> dict:
-        """The run as a model card tells it: its name and W&B id, how the vocabulary changed from the
-        base model's (the tokenizer's mode, the carried and new rows), settings (numbers as numbers),
+        """The run as a model card tells it: its name and W&B id, the base model it started from
+        (path, weights hash, build settings), how the vocabulary changed from the base model's (the
+        tokenizer's mode, the carried and new rows), settings (numbers as numbers),
         hours of training audio per language, the step, the world size, the newest validation and the
         validation at step 0 (the base, when EVAL_BASE ran it)."""
         if self._training_hours is None and self.dataset is not None:
@@ -329,6 +340,7 @@ class TrainingModule(pl.LightningModule):
         return {
             "run": {k: identity[k] for k in ("name", "wandb_id") if k in identity},
             "vocabulary_change": getattr(self.model, "vocabulary_change", None),
+            "base_model": self.base_model,
             "tokenizer": tokenizer_summary(),
             "settings": config.run_settings(),
             "training_hours": self._training_hours or {},

@@ -11,6 +11,7 @@ Usage:
     python scripts/export_nemo.py a.ckpt b.ckpt c.ckpt --out averaged.nemo    # the mean of these
     python scripts/export_nemo.py last --blend-sweep 0,0.1,0.2,0.3   # score blends with the base
     python scripts/export_nemo.py last --blend-base 0.2   # 0.8 x finetuned + 0.2 x base -> .blend0.2.nemo
+    python scripts/export_nemo.py last --blend-base 0.2 --base-model /models/base.nemo  # base moved
 
 A step checkpoint carries its model's description (class, config, tokenizer), so the model is
 rebuilt from the checkpoint alone; an older checkpoint without one is rebuilt the way train.py
@@ -32,19 +33,25 @@ VAL_MANIFEST_PATH), their WER is printed, and the better one is exported, the si
 tie; the model card says which was kept and both scores. Without a validation manifest the average is
 exported unscored, with a warning; ``--no-compare`` skips the comparison.
 
-Blending with the base (``--blend-base A``, a finetune of INIT_MODEL): every weight becomes
-(1 - A) x finetuned + A x the base as the finetune received it (INIT_MODEL through the run's own
-vocabulary change: its carried decoder and joint; rebuilt from INIT_MODEL as the run recorded it, or
-as set now when it moved), weight-space interpolation (WiSE-FT), which gives back part of what the
-base knew of its own languages for part of what the finetune learned. The rows of pieces the base
-lacked keep their finetuned values: the base had none, only the start the run gave them.
-``--blend-sweep 0,0.1,0.2,0.3`` scores each A on the validation set per language, base languages
-(BASE_LANGUAGES, or those the tokenizer's base covers) apart from the new ones, and exports nothing:
-choose A from its table, then export with ``--blend-base A``. A is in [0, 1): 0 is the finetune.
+Blending with the base (``--blend-base A``): every weight becomes (1 - A) x finetuned + A x the base
+as the finetune received it, weight-space interpolation (WiSE-FT), which gives back part of what the
+base knew of its own languages for part of what the finetune learned. The base is the one the run
+recorded when it loaded it (its path, the SHA-256 of its weights, and the DECODER_INIT and
+NEW_PIECE_BIAS it was built with), rebuilt through the run's own vocabulary change with the
+tokenizer the checkpoint carries; the shell's INIT_MODEL and NEW_PIECE_BIAS play no part. Where the
+base lives at another path on this machine, ``--base-model PATH`` names it; a model whose weights
+hash otherwise than the recorded base is refused, whether named or found at the recorded path (a
+checkpoint from before bases were hashed is checked by its vocabulary change alone, with a
+warning). The rows of pieces the base lacked keep their finetuned values: the base had none, only
+the start the run gave them. ``--blend-sweep 0,0.1,0.2,0.3`` scores each A on the validation set per
+language, base languages (BASE_LANGUAGES, or those the tokenizer's base covers) apart from the new
+ones, and exports nothing: choose A from its table, then export with ``--blend-base A``. A is in
+[0, 1): 0 is the finetune.
 
-The model card (``<name>.model-card.md``: base model, hours per language, tokenizer, settings, the
-newest validation WER/CER) comes from the newest checkpoint's run record; it names the averaged
-checkpoints. NeMo's ``save_to`` writes the .nemo; the .nemo and its card appear together.
+The model card (``<name>.model-card.md``: base model with its weights hash, hours per language,
+tokenizer, settings, the newest validation WER/CER) comes from the newest checkpoint's run record; it
+names the averaged checkpoints and the model blended with (path and weights hash). NeMo's
+``save_to`` writes the .nemo; the .nemo and its card appear together.
 """
 
 from __future__ import annotations
@@ -152,12 +159,64 @@ class BlendError(UserError):
     """A blend with the base that cannot be made (no base, a base that does not fit)."""
 
 
-def base_as_received(record: dict, portable: dict | None):
+# The parts of a recorded vocabulary change a blend depends on: which rows of the base's decoder and
+# joint became which rows of the finetune's. Where the new pieces' biases started (new_piece_prior,
+# NEW_PIECE_BIAS) is left out: a blend keeps those rows as finetuned.
+BLEND_VOCABULARY_KEYS = ("carried", "new", "dropped", "decoder_init", "heads")
+
+
+def recorded_base(record: dict, named: str | None = None) -> dict:
+    """The base the run of ``record`` (a step checkpoint's run record) started from, as the run
+    recorded it when it loaded the base (``asr_model.base_identity``): path, ``weights_sha256`` and
+    the DECODER_INIT and NEW_PIECE_BIAS it was built with. A record from before bases were hashed
+    gives its settings' INIT_MODEL and a ``weights_sha256`` of None. BlendError for a run from
+    scratch, a run that did not carry the base's decoder, or (without ``named``, a base given by
+    the user) a checkpoint that records no base."""
+    settings = record.get("settings") or {}
+    base = record.get("base_model") or {
+        "path": settings.get("INIT_MODEL", ""),
+        "weights_sha256": None,
+        "DECODER_INIT": settings.get("DECODER_INIT", "carry"),
+        # The only start new pieces had before NEW_PIECE_BIAS existed.
+        "NEW_PIECE_BIAS": settings.get("NEW_PIECE_BIAS", "equal"),
+    }
+    if not settings and not record.get("base_model"):
+        if not named:
+            raise BlendError(
+                "the checkpoint records no base model (it has no run record): give the model it "
+                "was finetuned from with --base-model PATH"
+            )
+        return {**base, "path": ""}
+    if not base["path"]:
+        raise BlendError(
+            "the run trained from scratch (its INIT_MODEL is empty): there is no base to blend with"
+        )
+    if base["DECODER_INIT"] != "carry":
+        raise BlendError(
+            f"the run started its decoder and joint afresh (DECODER_INIT="
+            f"{base['DECODER_INIT']}): the base's are not the start of the finetuned ones, so "
+            f"the two cannot be blended"
+        )
+    return base
+
+
+def _hash_phrase(digest: str | None) -> str:
+    return f"weights sha256 {digest}" if digest else "no weights hash recorded"
+
+
+def base_as_received(record: dict, portable: dict | None, named: str | None = None):
     """The model the finetune of ``record`` (a step checkpoint's run record) started from: its
-    INIT_MODEL (as set now when set, else as the run recorded it) through the vocabulary change the
-    run made, with the tokenizer files the checkpoint carries (``portable``; TOKENIZER_DIR for a
-    checkpoint without them); its ``new_piece_rows`` are the rows of pieces that base lacked and
-    ``base_languages`` the languages the tokenizer's base covers. BlendError without such a base."""
+    recorded base (``recorded_base``), or ``named`` (--base-model: where that base is on this
+    machine), through the vocabulary change the run made, with the settings the run built it with
+    and the tokenizer files the checkpoint carries (``portable``; TOKENIZER_DIR for a checkpoint
+    without them). The shell's INIT_MODEL plays no part. Its ``base_model`` names the model used
+    (path and weights hash), its ``new_piece_rows`` are the rows of pieces that base lacked and
+    ``base_languages`` the languages the tokenizer's base covers.
+
+    BlendError when the recorded base is not on this machine (without ``named``), when the model's
+    weights hash differs from the recorded one (a model other than the run's base is never blended),
+    or when its vocabulary change differs from the recorded one in what a blend depends on
+    (``BLEND_VOCABULARY_KEYS``). A record without a weights hash is blended after a warning."""
     import shutil
     import tempfile
 
@@ -165,21 +224,19 @@ def base_as_received(record: dict, portable: dict | None):
     import config
     from training_cache import tokenizer_base_languages
 
-    settings = record.get("settings", {})
-    init_model = (
-        config.INIT_MODEL
-        if config.KNOBS["INIT_MODEL"].source == "env"
-        else settings.get("INIT_MODEL", "")
+    recorded = recorded_base(record, named)
+    source = named or recorded["path"]
+    where_now = (
+        f"the run's base {recorded['path']} ({_hash_phrase(recorded['weights_sha256'])})"
+        if recorded["path"]
+        else "the run's base"
     )
-    if not init_model:
+    if asr_model.is_local_model(source) and not Path(source).is_file():
+        if named:
+            raise BlendError(f"--base-model {named} does not exist: give the path of {where_now}")
         raise BlendError(
-            "the run trained from scratch (its INIT_MODEL is empty): there is no base to blend with"
-        )
-    if settings.get("DECODER_INIT", "carry") != "carry":
-        raise BlendError(
-            f"the run started its decoder and joint afresh (DECODER_INIT="
-            f"{settings['DECODER_INIT']}): the base's are not the start of the finetuned ones, so "
-            f"the two cannot be blended"
+            f"{where_now} is not at that path on this machine: give where it is now with "
+            f"--base-model PATH"
         )
     tokenizer_dir = Path(tempfile.mkdtemp(prefix="blend-tokenizer-"))
     try:
@@ -189,24 +246,52 @@ def base_as_received(record: dict, portable: dict | None):
         else:
             for name, data in portable["tokenizer"].items():
                 (tokenizer_dir / name).write_bytes(data)
-        base = asr_model.build_model(init_model, None, tokenizer_dir, "carry")
-    except (FileNotFoundError, config.ConfigError) as exc:
+        base = asr_model.build_model(
+            source, None, tokenizer_dir, "carry", recorded["NEW_PIECE_BIAS"]
+        )
+    except asr_model.ModelNotFetched:
         raise BlendError(
-            f"the run's base INIT_MODEL={init_model} cannot be rebuilt ({exc}); set INIT_MODEL to "
-            f"where that base model is now"
+            f"{f'--base-model {named}' if named else where_now} cannot be downloaded here: "
+            f"download its .nemo where there is network and give it with --base-model PATH"
+        ) from None
+    except (FileNotFoundError, config.ConfigError) as exc:
+        given = f"--base-model {named}" if named else where_now
+        raise BlendError(
+            f"{given} cannot be rebuilt ({exc}); give the run's base with --base-model PATH"
         ) from None
     else:
         base.base_languages = tokenizer_base_languages(tokenizer_dir)
     finally:
         shutil.rmtree(tokenizer_dir, ignore_errors=True)
+    digest = base.base_model["weights_sha256"]
+    if recorded["weights_sha256"] and digest != recorded["weights_sha256"]:
+        if named:
+            raise BlendError(
+                f"--base-model {named} is not the base the run started from: its weights hash "
+                f"{digest}, {where_now}; give a copy of that model"
+            )
+        raise BlendError(
+            f"{source} is not the base the run started from: it holds other weights now "
+            f"(sha256 {digest}) than when the run loaded it ({recorded['weights_sha256']}); give "
+            f"the original with --base-model PATH"
+        )
+    if not recorded["weights_sha256"]:
+        print(
+            f"export_nemo: warning: the checkpoint records no weights hash of its base (written "
+            f"before bases were hashed): {source} is taken for the run's base, checked only by "
+            f"its vocabulary change",
+            file=sys.stderr,
+        )
     # The same tensors by name and shape are not enough: a base that is itself a finetune with this
     # tokenizer (its export, a later run) fits exactly, yet needs no vocabulary change on the way.
-    recorded = record.get("vocabulary_change", base.vocabulary_change)
-    if base.vocabulary_change != recorded:
+    made = {k: (base.vocabulary_change or {}).get(k) for k in BLEND_VOCABULARY_KEYS}
+    change = record.get("vocabulary_change", base.vocabulary_change)
+    wanted = {k: (change or {}).get(k) for k in BLEND_VOCABULARY_KEYS}
+    if (change is None) != (base.vocabulary_change is None) or made != wanted:
         raise BlendError(
-            f"INIT_MODEL={init_model} is not the base the run started from: the run changed its "
-            f"vocabulary by {recorded}, this model by "
-            f"{base.vocabulary_change}; set INIT_MODEL to the run's base model"
+            f"{source} is not the base the run started from: the run changed its vocabulary by "
+            f"{change}, this model by {base.vocabulary_change}; give the run's base with "
+            f"--base-model PATH"
         )
     return base
 
@@ -221,8 +306,8 @@ def blend_weights(finetuned: dict, base, amount: float) -> dict:
     base_state = base.state_dict()
     if base_state.keys() != finetuned.keys():
         raise BlendError(
-            f"the base rebuilt from INIT_MODEL holds other tensors than the checkpoint "
-            f"({sorted(base_state.keys() ^ finetuned.keys())[:3]}...): is INIT_MODEL the run's base?"
+            f"the base holds other tensors than the checkpoint "
+            f"({sorted(base_state.keys() ^ finetuned.keys())[:3]}...): is it the run's base?"
         )
     names = {id(p): name for name, p in base.named_parameters()}
     new_rows = {names[id(p)]: rows for p, rows in asr_model.new_piece_parameters(base)}
@@ -232,7 +317,7 @@ def blend_weights(finetuned: dict, base, amount: float) -> dict:
         if other.shape != value.shape:
             raise BlendError(
                 f"{key} has shape {tuple(value.shape)} in the checkpoint, {tuple(other.shape)} in "
-                f"the base rebuilt from INIT_MODEL: is INIT_MODEL the run's base?"
+                f"the base: is it the run's base?"
             )
         if not value.is_floating_point():
             out[key] = value.clone()
@@ -353,8 +438,8 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=0.0,
         metavar="A",
-        help="export (1 - A) x the finetuned weights + A x the base's (INIT_MODEL as the run "
-        "received it), A in [0, 1); default 0: the finetune as it is",
+        help="export (1 - A) x the finetuned weights + A x the base's (the run's recorded base as "
+        "the run received it), A in [0, 1); default 0: the finetune as it is",
     )
     parser.add_argument(
         "--blend-sweep",
@@ -362,6 +447,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="A,A,...",
         help="score each blend with the base on the validation set (--manifest) per language and "
         "print the table; exports nothing",
+    )
+    parser.add_argument(
+        "--base-model",
+        default=None,
+        metavar="PATH",
+        help="where the run's base is on this machine, for --blend-base and --blend-sweep "
+        "(default: the path the run recorded; its weights must hash as the run recorded)",
     )
     parser.add_argument(
         "--sweep-json", type=Path, default=None, help="also write --blend-sweep's scores here"
@@ -373,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--blend-sweep {args.blend_sweep!r}: expected numbers such as 0,0.1,0.2")
     if any(not 0 <= a < 1 for a in [*sweep, args.blend_base]):
         parser.error("--blend-base and --blend-sweep take values A with 0 <= A < 1")
+    if args.base_model and not (sweep or args.blend_base):
+        parser.error("--base-model names the base of --blend-base or --blend-sweep")
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -400,7 +494,9 @@ def main(argv: list[str] | None = None) -> int:
     manifest = Path(args.manifest or config.VAL_MANIFEST_PATH)
     if sweep or args.blend_base:
         try:
-            base = base_as_received(record, newest_checkpoint.get(asr_model.PORTABLE_KEY))
+            base = base_as_received(
+                record, newest_checkpoint.get(asr_model.PORTABLE_KEY), args.base_model
+            )
             finetuned = weights or asr_model.model_weights(newest_checkpoint)
             if sweep:
                 if not manifest.is_file():
@@ -417,11 +513,19 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if args.out is None:
             out = out.with_name(out.name.removesuffix(".nemo") + f".blend{args.blend_base:g}.nemo")
+        blended = base.base_model
         selected += (
             f", blended with its base: {1 - args.blend_base:g} x finetuned + "
-            f"{args.blend_base:g} x {record.get('settings', {}).get('INIT_MODEL', 'the base')}"
+            f"{args.blend_base:g} x {blended['path']} (weights sha256 {blended['weights_sha256']})"
         )
-        record = {**record, "blend_base": args.blend_base}
+        record = {
+            **record,
+            "blend": {
+                "amount": args.blend_base,
+                "path": blended["path"],
+                "weights_sha256": blended["weights_sha256"],
+            },
+        }
     # A blend is of the average itself: scoring it against a single unblended checkpoint would
     # compare two different choices.
     if len(paths) > 1 and not args.no_compare and not args.blend_base:
