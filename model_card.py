@@ -74,15 +74,18 @@ def _evaluation_rows(results: dict[str, dict[str, int]]) -> list[str]:
     return rows
 
 
-def _base_comparison_rows(base: dict[str, Any] | None, final: dict[str, Any]) -> list[str]:
-    """Base (the validation at step 0) against this model, per language, when the run has both."""
+def _base_comparison_rows(
+    base: dict[str, Any] | None, final: dict[str, Any], whose: str
+) -> list[str]:
+    """Base (the validation at step 0) against ``whose`` numbers ``final`` are, per language, when
+    the run has both."""
     table = base_and_final_rates(base, final)
     if not table:
         return []
     rows = [
         "",
-        f"Before and after: the base model as validated at step 0 (before any update) and this "
-        f"model at step {final.get('step')}, on the same utterances:",
+        f"Before and after: the base model as validated at step 0 (before any update) and {whose}, "
+        f"on the same utterances:",
         "",
         "| language | base WER | WER | change | base CER | CER |",
         "|---|---:|---:|---:|---:|---:|",
@@ -125,6 +128,32 @@ def _vocabulary_lines(record: dict[str, Any]) -> list[str]:
         else:
             lines.append(f"- {heads}: new (DECODER_INIT=fresh), trained from random")
     return lines
+
+
+def _whose_numbers(
+    record: dict[str, Any], evaluation: dict[str, Any], nemo_name: str
+) -> tuple[str, str]:
+    """(whose weights the evaluation scored, the sentence that opens it): this file's when scored at
+    export (``scored_at_export``) or when it is the checkpoint validated at that step; otherwise the
+    checkpoint the record names (``evaluation_of``: a blend or an average exported unscored) or the
+    step validated, said to be other weights than this file's."""
+    step = evaluation.get("step")
+    if evaluation.get("scored_at_export"):
+        return "this model", "Greedy decoding of this file's weights, scored at export,"
+    if record.get("evaluation_of"):
+        return (
+            f"{record['evaluation_of']} (step {step})",
+            f"Not this file's weights: the numbers below are those of {record['evaluation_of']}, "
+            f"validated at step {step} (score this file with `python scripts/evaluate.py "
+            f"{nemo_name}`). Greedy decoding",
+        )
+    if record.get("step") is not None and step is not None and step != record.get("step"):
+        return (
+            f"the model at step {step}",
+            f"Not this file's weights: the numbers below are the run's newest validation, at step "
+            f"{step}, before this checkpoint's step {record['step']}. Greedy decoding at step {step}",
+        )
+    return f"this model at step {step}", f"Greedy decoding at step {step}"
 
 
 def render(record: dict[str, Any], model, nemo_name: str) -> str:
@@ -193,8 +222,10 @@ def render(record: dict[str, Any], model, nemo_name: str) -> str:
     ]
     if evaluation and evaluation.get("results"):
         loss = evaluation.get("loss")
+        manifest = evaluation.get("manifest") or settings.get("VAL_MANIFEST_PATH")
+        whose, lead = _whose_numbers(record, evaluation, nemo_name)
         lines += [
-            f"Greedy decoding at step {evaluation.get('step')} on `{settings.get('VAL_MANIFEST_PATH')}`"
+            f"{lead} on `{manifest}`"
             f" (corpus-level rates, language tags stripped from both sides"
             + (f"; validation loss {loss:.4f}" if isinstance(loss, float) else "")
             + "):",
@@ -205,7 +236,7 @@ def render(record: dict[str, Any], model, nemo_name: str) -> str:
                 if evaluation.get("excluded")
                 else []
             ),
-            *_base_comparison_rows(record.get("base_evaluation"), evaluation),
+            *_base_comparison_rows(record.get("base_evaluation"), evaluation, whose),
         ]
     else:
         lines.append(

@@ -29,9 +29,10 @@ KEEP_BEST_CHECKPOINTS best whatever KEEP_CHECKPOINTS prunes: set it to N to aver
 
 An average is kept only when it scores better than the best single checkpoint (NeMo's own guidance
 for checkpoint averaging): both are decoded greedily on the validation set (``--manifest``, default
-VAL_MANIFEST_PATH), their WER is printed, and the better one is exported, the single checkpoint on a
-tie; the model card says which was kept and both scores. Without a validation manifest the average is
-exported unscored, with a warning; ``--no-compare`` skips the comparison.
+the run's VAL_MANIFEST_PATH as its checkpoint records it), their WER is printed, and the better one
+is exported, the single checkpoint on a tie; the model card says which was kept and both scores.
+Without a validation manifest the average is exported unscored, with a warning; ``--no-compare``
+keeps the average without the comparison.
 
 Blending with the base (``--blend-base A``): every weight becomes (1 - A) x finetuned + A x the base
 as the finetune received it, weight-space interpolation (WiSE-FT), which gives back part of what the
@@ -49,9 +50,12 @@ ones, and exports nothing: choose A from its table, then export with ``--blend-b
 [0, 1): 0 is the finetune.
 
 The model card (``<name>.model-card.md``: base model with its weights hash, hours per language,
-tokenizer, settings, the newest validation WER/CER) comes from the newest checkpoint's run record; it
-names the averaged checkpoints and the model blended with (path and weights hash). NeMo's
-``save_to`` writes the .nemo; the .nemo and its card appear together.
+tokenizer, settings, validation WER/CER and loss) comes from the newest checkpoint's run record; it
+names the averaged checkpoints and the model blended with (path and weights hash). Its numbers are
+those of the weights in the .nemo: a blend or an average is scored at export on the run's validation
+utterances (``--device``); exported unscored (``--no-score``, or no validation manifest), its card
+says that its numbers are the newest checkpoint's alone. NeMo's ``save_to`` writes the .nemo; the
+.nemo and its card appear together.
 """
 
 from __future__ import annotations
@@ -329,7 +333,9 @@ def blend_weights(finetuned: dict, base, amount: float) -> dict:
     return out
 
 
-def blend_sweep(model, weights: dict, base, amounts: list[float], manifest: Path) -> list[dict]:
+def blend_sweep(
+    model, weights: dict, base, amounts: list[float], manifest: Path, device: str = "cpu"
+) -> list[dict]:
     """``weights`` (the finetuned ones) blended with ``base`` by each of ``amounts``, loaded in turn
     into ``model`` (the finetuned model, left holding the last blend) and scored on ``manifest``:
     [{"blend", "wer", "cer"}] per language and "all"; printed as a table with the base languages
@@ -340,7 +346,9 @@ def blend_sweep(model, weights: dict, base, amounts: list[float], manifest: Path
     rows = []
     for amount in amounts:
         model.load_state_dict(blend_weights(weights, base, amount))
-        results, _, _ = evaluate.evaluate(model, manifest, device="cpu", progress=False)
+        model.to(device)
+        results, _, _ = evaluate.evaluate(model, manifest, device=device, progress=False)
+        model.to("cpu")
         rows.append(
             {
                 "blend": amount,
@@ -385,12 +393,68 @@ def best_single(paths: list[Path]) -> Path:
     return best[0] if best else paths[-1]
 
 
-def validation_wer(model, manifest: Path, device: str) -> float:
-    """The model's greedy WER over every utterance of ``manifest`` (the ``all`` row of evaluate.py)."""
+def score_weights(model, manifest: Path, settings: dict, device: str) -> dict:
+    """The validation of ``model``'s weights in the form the run's own takes (``last_evaluation``:
+    greedy word and character edit counts per language and ``all``, the loss, the rows left out),
+    scored at export on ``manifest`` over the utterances the run validated on (its recorded
+    EVAL_SAMPLES_PER_LANG per language, drawn with its SEED; all of them for 0), in float32 on
+    ``device``. The loss needs a parquet manifest (a NeMo JSON one is scored without it)."""
+    import dataclasses
+
+    import numpy as np
+
+    import config
+    import evaluation
     from scripts import evaluate
 
-    results, _, _ = evaluate.evaluate(model, manifest, device=device, progress=False)
-    return results["all"].wer
+    dataset, texts, langs, note = evaluate.scoring_set(manifest, model.tokenizer, progress=False)
+    # The dataset's own codes: the run's draw of EVAL_SAMPLES_PER_LANG depends on their order.
+    codes = getattr(dataset, "lang_codes", None)
+    with_loss = codes is not None
+    if codes is None:
+        names = sorted(set(langs))
+        codes = np.array([names.index(x) for x in langs], dtype=np.int64)
+    per_lang = int(settings.get("EVAL_SAMPLES_PER_LANG") or 0)
+    seed = int(settings.get("SEED", config.SEED))
+    indices = (
+        evaluation.select_eval_indices(codes, per_lang, seed=seed)
+        if per_lang > 0
+        else np.arange(len(dataset))
+    )
+    model.to(device)
+    try:
+        decoded = evaluation.decode(
+            model,
+            dataset,
+            indices,
+            max_batch_seconds=float(settings.get("MAX_BATCH_DURATION") or 60.0),
+            device=device,
+            with_loss=with_loss,
+        )
+    finally:
+        model.to("cpu")
+    done = [i for i in sorted(decoded.texts) if decoded.texts[i] is not None]
+    if not done:
+        raise evaluate.NothingToScore(
+            f"no utterance of {manifest} could be scored ({note}): check that its audio exists "
+            f"(DATA_DIR / SHARDS_DIR), or give another --manifest"
+        )
+    results = evaluation.corpus_error_rates(
+        [texts[i] for i in done], [decoded.texts[i] for i in done], [langs[i] for i in done]
+    )
+    return {
+        "loss": decoded.loss if decoded.loss_utterances else None,
+        "results": {lang: dataclasses.asdict(c) for lang, c in results.items()},
+        "excluded": evaluation.describe_excluded(evaluation.excluded_rows(dataset)),
+        "scored_at_export": True,
+        "manifest": str(manifest),
+    }
+
+
+def validation_wer(evaluation: dict) -> float:
+    """The ``all`` WER of a ``score_weights`` result."""
+    counts = evaluation["results"]["all"]
+    return counts["word_edits"] / counts["words"] if counts.get("words") else float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -425,13 +489,25 @@ def main(argv: list[str] | None = None) -> int:
         "--manifest",
         type=Path,
         default=None,
-        help="the validation set an average is scored on against the best single checkpoint "
-        "(default VAL_MANIFEST_PATH)",
+        help="the validation set an average or a blend is scored on (default: the run's "
+        "VAL_MANIFEST_PATH, as its checkpoint records it)",
     )
     parser.add_argument(
         "--no-compare",
         action="store_true",
-        help="export the average without scoring it against the best single checkpoint",
+        help="keep the average without scoring it against the best single checkpoint (it is "
+        "still scored for its model card)",
+    )
+    parser.add_argument(
+        "--no-score",
+        action="store_true",
+        help="score nothing: an average is kept unscored, and the card of an average or a blend "
+        "says that its numbers are those of the newest checkpoint alone",
+    )
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="where averages and blends are scored: cpu or cuda (default cuda when available)",
     )
     parser.add_argument(
         "--blend-base",
@@ -471,11 +547,14 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
 
+    import torch
+
     import asr_model
     import checkpoints
     import model_card
     import training_step
 
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         paths = checkpoints_to_average(args.checkpoint, args.average)
         newest = paths[-1]
@@ -491,7 +570,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"export_nemo: error: {exc}", file=sys.stderr)
         return 2
     selected = selection(args.checkpoint, paths)
-    manifest = Path(args.manifest or config.VAL_MANIFEST_PATH)
+    settings = record.get("settings") or {}
+    run_validation = settings.get("VAL_MANIFEST_PATH") or config.VAL_MANIFEST_PATH
+    manifest = Path(args.manifest or run_validation)
     if sweep or args.blend_base:
         try:
             base = base_as_received(
@@ -503,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise BlendError(
                         f"--blend-sweep scores on {manifest}, which does not exist: give --manifest"
                     )
-                rows = blend_sweep(model, finetuned, base, sweep, manifest)
+                rows = blend_sweep(model, finetuned, base, sweep, manifest, device)
                 if args.sweep_json:
                     args.sweep_json.write_text(json.dumps(rows, indent=1) + "\n")
                 return 0
@@ -526,47 +607,77 @@ def main(argv: list[str] | None = None) -> int:
                 "weights_sha256": blended["weights_sha256"],
             },
         }
-    # A blend is of the average itself: scoring it against a single unblended checkpoint would
-    # compare two different choices.
-    if len(paths) > 1 and not args.no_compare and not args.blend_base:
+    # The card's numbers must be those of the weights in the .nemo: a blend or an average is not
+    # the checkpoint whose validation its record carries, so it is scored here.
+    what = "blend" if args.blend_base else "average" if len(paths) > 1 else None
+    evaluation = None
+    if what and not args.no_score:
         if not manifest.is_file():
             print(
-                f"export_nemo: warning: no validation manifest at {manifest}: the average is "
-                f"exported unscored (give --manifest to keep it only when it beats the best single "
-                f"checkpoint, or --no-compare)",
+                f"export_nemo: warning: no validation manifest at {manifest}: the {what} is "
+                f"exported unscored (give --manifest to score it"
+                + (
+                    " and keep it only when it beats the best single checkpoint"
+                    if what == "average" and not args.no_compare
+                    else ""
+                )
+                + "); its card says that its numbers are those of "
+                f"{newest.name} alone",
                 file=sys.stderr,
             )
         else:
-            single = best_single(paths)
             try:
-                single_model = asr_model.load_trained_model(single, "cpu")
-                average_wer = validation_wer(model, manifest, "cpu")
-                single_wer = validation_wer(single_model, manifest, "cpu")
+                evaluation = score_weights(model, manifest, settings, device)
+                loss = evaluation["loss"]
+                print(
+                    f"scored on {manifest}: the {what} WER {validation_wer(evaluation):.4f}"
+                    + (f", loss {loss:.4f}" if loss is not None else "")
+                )
+                # A blend is of the average itself: scoring it against a single unblended
+                # checkpoint would compare two different choices.
+                if what == "average" and not args.no_compare:
+                    single = best_single(paths)
+                    single_model = asr_model.load_trained_model(single, "cpu")
+                    single_evaluation = score_weights(single_model, manifest, settings, device)
             except UserError as exc:
                 print(f"export_nemo: error: scoring on {manifest}: {exc}", file=sys.stderr)
                 return 2
-            print(
-                f"scored on {manifest}: the mean of {len(paths)} WER {average_wer:.4f}, the best "
-                f"single checkpoint {single.name} WER {single_wer:.4f}"
-            )
-            scores = (
-                f"validation WER {average_wer:.4f} for the mean of {len(paths)}, "
-                f"{single_wer:.4f} for {single.name}"
-            )
-            if average_wer < single_wer:
-                selected += f"; kept over the best single checkpoint ({scores})"
-                print(f"keeping the average: it beats {single.name}")
-            else:
-                print(f"keeping {single.name}: the average of {len(paths)} does not beat it")
-                selected = (
-                    f"{single.name}, the best single checkpoint, kept over the mean of "
-                    f"{len(paths)} ({scores})"
+            if what == "average" and not args.no_compare:
+                average_wer = validation_wer(evaluation)
+                single_wer = validation_wer(single_evaluation)
+                print(
+                    f"scored on {manifest}: the mean of {len(paths)} WER {average_wer:.4f}, the "
+                    f"best single checkpoint {single.name} WER {single_wer:.4f}"
                 )
-                model, paths, newest = single_model, [single], single
-                record = checkpoints.read_checkpoint(single, mmap=True).get(
-                    training_step.RUN_RECORD_KEY, {}
+                scores = (
+                    f"validation WER {average_wer:.4f} for the mean of {len(paths)}, "
+                    f"{single_wer:.4f} for {single.name}"
                 )
-                out = args.out or single.with_suffix(".nemo")
+                if average_wer < single_wer:
+                    selected += f"; kept over the best single checkpoint ({scores})"
+                    print(f"keeping the average: it beats {single.name}")
+                else:
+                    print(f"keeping {single.name}: the average of {len(paths)} does not beat it")
+                    selected = (
+                        f"{single.name}, the best single checkpoint, kept over the mean of "
+                        f"{len(paths)} ({scores})"
+                    )
+                    model, paths, newest = single_model, [single], single
+                    evaluation = single_evaluation
+                    record = checkpoints.read_checkpoint(single, mmap=True).get(
+                        training_step.RUN_RECORD_KEY, {}
+                    )
+                    out = args.out or single.with_suffix(".nemo")
+    if evaluation is not None:
+        record = {**record, "evaluation": {**evaluation, "step": record.get("step")}}
+        if not _same_file(manifest, run_validation):
+            # The run's step-0 validation of its base was on other utterances: no comparison.
+            record = {**record, "base_evaluation": None}
+    elif what:
+        steps = (["averaging"] if len(paths) > 1 else []) + (
+            ["blending"] if args.blend_base else []
+        )
+        record = {**record, "evaluation_of": f"{newest.name} alone, before {' and '.join(steps)}"}
     if len(paths) > 1:
         record = {**record, "averaged": [p.name for p in paths]}
     record = {**record, "selected": selected}
@@ -574,6 +685,13 @@ def main(argv: list[str] | None = None) -> int:
     what = f"the mean of {', '.join(p.name for p in paths)}" if len(paths) > 1 else str(newest)
     print(f"exported {what} -> {out} (and {out.name.removesuffix('.nemo')}.model-card.md)")
     return 0
+
+
+def _same_file(a: str | Path, b: str | Path) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

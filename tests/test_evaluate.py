@@ -725,12 +725,14 @@ def test_an_average_is_kept_only_when_it_beats_the_best_single_checkpoint(
     monkeypatch.setattr(config, "CHECKPOINT_DIR", directory)
     scored = []
 
-    def fake_wer(model, manifest, device):
+    def fake_score(model, manifest, settings, device):
         scored.append(manifest)
         # the average is scored first, then the best single checkpoint
-        return (0.2 if average_wins else 0.35) if len(scored) == 1 else 0.3
+        wer = (0.2 if average_wins else 0.35) if len(scored) == 1 else 0.3
+        counts = {"words": 100, "word_edits": round(100 * wer)}
+        return {"loss": None, "results": {"all": counts}, "scored_at_export": True}
 
-    monkeypatch.setattr(export_nemo, "validation_wer", fake_wer)
+    monkeypatch.setattr(export_nemo, "score_weights", fake_score)
     assert export_nemo.main(["last", "--average", "3", "--manifest", str(tiny.manifest)]) == 0
     out = capsys.readouterr().out
     assert scored == [tiny.manifest, tiny.manifest]

@@ -1,11 +1,12 @@
-"""scripts/export_nemo.py's blends on a real finetune: the base blended with is the one
+"""scripts/export_nemo.py's blends and averages on a real finetune: the base blended with is the one
 the run recorded when it loaded it (path, weights hash, the settings it was built with), never the
 shell's INIT_MODEL or NEW_PIECE_BIAS; another model only when named with --base-model, and only with
-the recorded weights."""
+the recorded weights; and a card's numbers are those of the weights in its .nemo."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -256,7 +257,9 @@ def test_a_base_missing_at_its_recorded_path_is_named_with_its_hash_and_how_to_g
     here = tmp_path / "shared" / "parakeet-base.nemo"
     here.parent.mkdir()
     shutil.copy(run["root"] / "base.nemo", here)
-    code = export_nemo.main([str(ckpt), "--blend-base", "0.25", "--base-model", str(here)])
+    code = export_nemo.main(
+        [str(ckpt), "--blend-base", "0.25", "--no-score", "--base-model", str(here)]
+    )
     assert code == 0
     assert_blend_of(ckpt.with_name("step_00000004.blend0.25.nemo"), ckpt, received, 0.25)
     card = ckpt.with_name("step_00000004.blend0.25.model-card.md").read_text()
@@ -271,7 +274,9 @@ def test_a_named_model_with_other_weights_than_the_recorded_base_is_refused(run,
     colleague = run["root"] / "colleague.nemo"
     ckpt = tmp_path / "step_00000004.ckpt"
     shutil.copy(run["ckpt"], ckpt)
-    code = export_nemo.main([str(ckpt), "--blend-base", "0.25", "--base-model", str(colleague)])
+    code = export_nemo.main(
+        [str(ckpt), "--blend-base", "0.25", "--no-score", "--base-model", str(colleague)]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert f"--base-model {colleague} is not the base the run started from" in err
@@ -324,5 +329,80 @@ def test_a_checkpoint_without_a_run_record_needs_its_base_named(run, tmp_path, c
     assert export_nemo.main([str(ckpt), "--blend-base", "0.25"]) == 2
     assert "records no base model" in capsys.readouterr().err
     base = str(run["root"] / "base.nemo")
-    args = [str(ckpt), "--blend-base", "0.25", "--base-model", base]
+    args = [str(ckpt), "--blend-base", "0.25", "--no-score", "--base-model", base]
     assert export_nemo.main(args) == 0
+
+
+# ---- the card's numbers are those of the exported weights ---------------------------------------
+
+
+def card_loss(card: str) -> float:
+    found = re.search(r"validation loss ([\d.]+)", card)
+    assert found, card
+    return float(found.group(1))
+
+
+def measured_loss(nemo: Path, val: Path) -> float:
+    """The validation loss of the weights in ``nemo``, over every utterance of ``val``, as the run's
+    validation measures it (the training pipeline's dataset and decoding)."""
+    import evaluation
+    from dataset import LocalShardDataset
+
+    model = asr_model.load_trained_model(nemo)
+    asr_model.family(model).attach_loss(model)  # restore_from brings NeMo's CUDA-only TDT loss
+    dataset = LocalShardDataset(val, model.tokenizer, progress=False)
+    decoded = evaluation.decode(
+        model, dataset, range(len(dataset)), max_batch_seconds=6.0, with_loss=True
+    )
+    return decoded.loss
+
+
+def recorded_loss(ckpt: Path) -> float:
+    record = torch.load(ckpt, weights_only=False, map_location="cpu")[training_step.RUN_RECORD_KEY]
+    return record["evaluation"]["loss"]
+
+
+@pytest.mark.slow
+def test_the_card_of_a_blend_reports_the_blends_own_validation(run, tmp_path, monkeypatch):
+    from scripts import export_nemo
+
+    monkeypatch.setattr(config, "NEW_PIECE_BIAS", "frequency")  # as the run's shell had it
+    ckpt = tmp_path / "step_00000004.ckpt"
+    shutil.copy(run["ckpt"], ckpt)
+    assert export_nemo.main([str(ckpt), "--blend-base", "0.5"]) == 0
+    nemo = ckpt.with_name("step_00000004.blend0.5.nemo")
+    card = nemo.with_name("step_00000004.blend0.5.model-card.md").read_text()
+    loss = measured_loss(nemo, run["val"])
+    assert abs(loss - recorded_loss(ckpt)) > 1e-3  # the blend is not the checkpoint
+    assert card_loss(card) == pytest.approx(loss, abs=1e-4)
+    assert "Greedy decoding of this file's weights, scored at export," in card
+    assert "this model at step" not in card
+
+
+@pytest.mark.slow
+def test_the_card_of_an_average_reports_the_averages_own_validation(run, tmp_path):
+    from scripts import export_nemo
+
+    out = tmp_path / "mean.nemo"
+    assert (
+        export_nemo.main([str(run["step2"]), str(run["ckpt"]), "--out", str(out), "--no-compare"])
+        == 0
+    )
+    card = out.with_name("mean.model-card.md").read_text()
+    loss = measured_loss(out, run["val"])
+    assert abs(loss - recorded_loss(run["ckpt"])) > 1e-3
+    assert card_loss(card) == pytest.approx(loss, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_an_unscored_blend_says_its_numbers_are_the_checkpoints(run, tmp_path):
+    from scripts import export_nemo
+
+    ckpt = tmp_path / "step_00000004.ckpt"
+    shutil.copy(run["ckpt"], ckpt)
+    assert export_nemo.main([str(ckpt), "--blend-base", "0.5", "--no-score"]) == 0
+    card = ckpt.with_name("step_00000004.blend0.5.model-card.md").read_text()
+    assert (
+        "Not this file's weights: the numbers below are those of step_00000004.ckpt alone, "
+        "before blending, validated at step 4" in card
+    )
