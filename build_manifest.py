@@ -8,12 +8,14 @@ Usage:
 
 Input: ``<SHARDS_DIR>/<source>/<lang>/<shard>/{metadata,audio_index}.parquet``. Output: one parquet
 with ``segment_id, shard_id, text, duration, lang, audio_filepath, source`` (then
-``tx_quality_score, speaker_id``): the shards' rows sorted by ``(shard_id, segment_id)``, then each
-imported source's (``--source``, see source_readers/) in its own order, so that a rerun writes the
-same rows in the same order, plus ``<output minus .parquet>.summary.json`` with rows read, kept and
-dropped per reason and per language, and every shard that could not be read; per imported source,
-every row it lost (bad in the reader, or dropped by a check below) per reason, the first of each
-with its file and line.
+``tx_quality_score, speaker_id``, and ``split`` when a source has splits of its own, such as
+Common Voice's train, dev and test; null for the other rows): the shards' rows sorted by
+``(shard_id, segment_id)``, then each imported source's (``--source``, see source_readers/) in its
+own order, so that a rerun writes the same rows in the same order, plus
+``<output minus .parquet>.summary.json`` with rows read, kept and dropped per reason and per
+language, and every shard that could not be read; per imported source, every row it lost (bad in
+the reader, or dropped by a check below) per reason, the first of each
+with its file and line, and the rows its own options left out (``left_out``, per option).
 
 A row is kept when, checked in this order (the first failing check names the drop reason):
     no_audio_index          its segment_id has an audio_index entry (the join is on segment_id)
@@ -672,6 +674,7 @@ def assemble_manifest(
             "tar_member_name",
             "tx_quality_score",
             "speaker_id",
+            *(["split"] if "split" in joined.columns else []),
             "reason",
         )
         .filter(pl.col("reason").is_null())
@@ -712,6 +715,7 @@ def assemble_manifest(
         per_shard([s.source for s in shards]).alias("source"),
         pl.col("tx_quality_score"),
         pl.col("speaker_id"),
+        *([pl.col("split")] if "split" in candidates.columns else []),
     )
     return kept, drops, shared
 
@@ -937,6 +941,7 @@ def _add_source(
         "rows_dropped": 0,
         "dropped": {},
         "language_unknown": 0,
+        "left_out": {},
         "with_lang": str(SourceSpec(spec.kind, spec.path, {**spec.options, "lang": "xx"})),
     }
     examples: dict[str, list[dict]] = {}  # reason -> its first rows in file order
@@ -944,6 +949,8 @@ def _add_source(
     batches = read_source(spec, audio_dir, workers=workers, strict=strict, progress=progress)
     for batch in _read_ahead(batches):
         skipped += batch.bad_files
+        for option, n in batch.left_out.items():
+            report["left_out"][option] = report["left_out"].get(option, 0) + n
         bad = pl.DataFrame(
             {
                 "lang": [b["lang"] for b in batch.bad],
@@ -1140,7 +1147,8 @@ def build_manifest(
     # Batches hold consecutive shards in shard order, so their rows concatenate in manifest order;
     # imported sources follow in the order given, each in its own order (a sort would copy the
     # whole master once more at the peak).
-    kept = pl.concat(parts.kept) if parts.kept else _EMPTY_KEPT
+    # a source with its own splits (Common Voice) adds a split column, null for the other rows
+    kept = pl.concat(parts.kept, how="diagonal") if parts.kept else _EMPTY_KEPT
     drops = pl.concat(parts.drops)
     languages_seen = sorted(
         set(kept.get_column("lang").drop_nulls()) | set(drops.get_column("lang").drop_nulls())
@@ -1265,6 +1273,9 @@ def format_summary(summary: dict[str, Any], output: Path) -> str:
             f"source {source['name']}: {source['rows_read']:,} rows read, "
             f"{source['rows_kept']:,} kept, {source['rows_dropped']:,} dropped"
         )
+        if source.get("left_out"):
+            counts = ", ".join(f"{k} {n:,}" for k, n in source["left_out"].items())
+            lines.append(f"  left out by its options, not read: {counts}")
         lines += _dropped_rows_lines(source)
         if source.get("language_unknown"):
             lines.append(
@@ -1330,7 +1341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         metavar="KIND:PATH[:OPTIONS]",
         help="a data source to import, repeatable: nemo:train.json, nemo:manifest.json:tars=audio_"
-        "{0..N}.tar, hf:parquet_dir, kaldi:data_dir, shards:DIR; options after a second colon, "
+        "{0..N}.tar, hf:parquet_dir, kaldi:data_dir, cv:common_voice_language_dir, shards:DIR; "
+        "options after a second colon, "
         "e.g. :lang=hi,name=cv_hi (see docs/bring_your_own_data.md; default DATA_SOURCES, else the shards "
         "under SHARDS_DIR)",
     )

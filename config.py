@@ -458,7 +458,8 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         (),
         _sources,
         "Sources build_manifest imports, separated by ';': nemo:train.json, hf:parquet_dir, "
-        "kaldi:data_dir, shards:DIR, each with :option=value,... (see docs/bring_your_own_data.md); "
+        "kaldi:data_dir, cv:common_voice_language_dir, shards:DIR, each with :option=value,... "
+        "(see docs/bring_your_own_data.md); "
         "empty = the shards under SHARDS_DIR",
         steps=("build_manifest",),
     )

@@ -1,5 +1,5 @@
 """Readers of the data build_manifest.py imports besides the in-house shards: NeMo JSON manifests
-(plain, and tarred), Hugging Face audio parquet, and Kaldi data directories.
+(plain, and tarred), Hugging Face audio parquet, Kaldi data directories and Common Voice releases.
 
 A source is named as ``KIND:PATH`` with options after a second colon, comma-separated:
 
@@ -7,6 +7,7 @@ A source is named as ``KIND:PATH`` with options after a second colon, comma-sepa
     nemo:/data/tarred/tarred_audio_manifest.json:tars=/data/tarred/audio_{0..127}.tar
     hf:/data/fleurs_hi:lang=hi                       a folder (or one file) of parquet files
     kaldi:/data/kaldi/train:name=mucs_te,lang=te     wav.scp, text, [segments, utt2spk, utt2lang]
+    cv:/data/cv-corpus-17.0/hi:min_up_votes=3        a Common Voice language folder, or one TSV
 
 Options: ``name`` (the ``source`` column and the group ids; default the file or folder name),
 ``lang`` (the language of every row), ``lang_field``, ``text_field``, ``speaker_field``,
@@ -37,7 +38,7 @@ A file that cannot be used at all (an unreadable parquet file, one without an au
 missing tar) is reported with its path and skipped.
 
 Layout: one module per kind of source (``nemo_json``, ``nemo_tarred``, ``hf_parquet``,
-``kaldi``), each with a ``read_*`` function, and ``common`` for what they share (the spec, the rows
+``kaldi``, ``common_voice``), each with a ``read_*`` function, and ``common`` for what they share (the spec, the rows
 a reader gives, the audio checks, the FLAC writing). A new kind is a module of its own plus its
 entry in ``READERS`` below.
 """
@@ -63,6 +64,8 @@ from source_readers.common import (
     _fill_languages,
     origin_order,
 )
+from source_readers.common_voice import OPTIONS as CV_OPTIONS
+from source_readers.common_voice import read_common_voice
 from source_readers.hf_parquet import read_hf_parquet
 from source_readers.kaldi import read_kaldi
 from source_readers.nemo_json import read_nemo_json
@@ -76,6 +79,7 @@ __all__ = [
     "KINDS",
     "MAX_EXAMPLES",
     "OPTIONS",
+    "KIND_OPTIONS",
     "READERS",
     "ROW_SCHEMA",
     "RowIds",
@@ -86,6 +90,7 @@ __all__ = [
     "origin_order",
     "parse_source",
     "read_hf_parquet",
+    "read_common_voice",
     "read_kaldi",
     "read_nemo",
     "read_source",
@@ -107,10 +112,11 @@ def parse_source(text: str) -> SourceSpec:
         for item in tail.split(","):
             key, eq, value = item.partition("=")
             key = key.strip()
-            if not eq or key not in OPTIONS:
+            allowed = OPTIONS | KIND_OPTIONS.get(kind, frozenset())
+            if not eq or key not in allowed:
                 raise ManifestError(
                     f"source {text!r}: unknown option {item!r}; options are "
-                    f"{', '.join(sorted(OPTIONS))}"
+                    f"{', '.join(sorted(allowed))}"
                 )
             options[key] = value.strip()
     if options.get("check", "header") not in ("header", "exists", "none"):
@@ -171,5 +177,8 @@ READERS: dict[str, Callable[..., SourceRows | Iterator[SourceRows]]] = {
     "nemo": read_nemo,
     "hf": read_hf_parquet,
     "kaldi": read_kaldi,
+    "cv": read_common_voice,
 }
 KINDS = ("shards", *READERS)
+# Options only a kind takes, besides ``OPTIONS``.
+KIND_OPTIONS = {"cv": CV_OPTIONS}

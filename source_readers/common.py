@@ -45,6 +45,8 @@ BAD_ROW_REASONS = (
     "segment_past_end",
     "segment_invalid",
     "not_utf8",
+    "not_tsv",
+    "clip_listed_twice",
 )
 DONE_MARKER = ".written.json"  # in each unit's output folder, once all its audio is verified
 MAX_EXAMPLES = 20  # bad rows listed per source in the summary; the rest are counted
@@ -89,12 +91,15 @@ class SourceRows:
     position in ``shards``; ``tar_member_name`` the audio file's name in its shard's directory;
     ``origin`` its file and line, or parquet file and row, written as a bad row's is, so that a
     row the filters drop later is reported with its place too), the bad rows ``{"origin",
-    "reason", "detail", "lang"}`` and the files skipped ``{"path", "reason"}``."""
+    "reason", "detail", "lang"}``, the files skipped ``{"path", "reason"}``, and the rows the
+    source's own options left out, counted per option (not bad: the user asked for it). A reader
+    may add a ``split`` column (the source's own split of each row), which the master keeps."""
 
     rows: pl.DataFrame
     shards: list[Shard]
     bad: list[dict] = field(default_factory=list)
     bad_files: list[dict] = field(default_factory=list)
+    left_out: dict[str, int] = field(default_factory=dict)
 
 
 ROW_SCHEMA = {

@@ -1,0 +1,200 @@
+"""Importing a Common Voice release (``cv:`` sources) with build_manifest.py: every valid row kept
+with its release split, speaker and language; every bad row named with its file and line; the
+filters on what Common Voice marks; TSVs read as Common Voice writes them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+import build_manifest as bm
+import dataset
+import source_readers
+from manifest_schema import ManifestError
+from source_readers.common_voice import project_language
+from tests import common_voice_factory as cv
+
+QUOTED = 'उसने कहा "चलो" और गया'
+TABBED = "hello\tthere friend"
+
+
+def build(tmp_path: Path, *sources: str):
+    output = tmp_path / "master.parquet"
+    summary = bm.build_manifest(
+        None,
+        output,
+        sources=list(sources),
+        audio_dir=tmp_path / "imported",
+        languages=(),
+        min_duration=0.1,
+        max_duration=30.0,
+        min_quality=0.0,
+        workers=2,
+        progress=False,
+    )
+    return pl.read_parquet(output), summary
+
+
+def dropped(summary) -> list[tuple[str, str]]:
+    return [(b["origin"], b["reason"]) for s in summary["sources"] for b in s["dropped_examples"]]
+
+
+def rows_of(spec: str, tmp_path: Path) -> pl.DataFrame:
+    """The reader's rows (transcripts as written, before cleaning)."""
+    batches = source_readers.read_source(
+        source_readers.parse_source(spec), tmp_path / "imported", workers=2, progress=False
+    )
+    return pl.concat([b.rows for b in batches])
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    """Hindi and English, 30 clips each (train 20, dev 5, test 5), with planted defects:
+    Hindi: an empty sentence (train.tsv:3), a missing clip (train.tsv:4), a line that does not
+    parse (train.tsv:22), a sentence with quotes (dev.tsv:2), a clip listed in dev and train
+    (train.tsv:23, kept in dev); English (locale en): a sentence in quotes holding a tab
+    (test.tsv:2)."""
+    root = tmp_path_factory.mktemp("cv")
+    hi = cv.clip_rows("hi", 20, "train") + cv.clip_rows("hi", 5, "dev", 20)
+    hi += cv.clip_rows("hi", 5, "test", 25)
+    hi[1]["sentence"] = "   "
+    hi[20]["sentence"] = QUOTED
+    moved = hi[22] | {"split": "train"}
+    extra = {"train": ["x\tnot a row", cv.tsv_line(moved)]}
+    hi_folder = cv.write_release(root, "hi", hi, extra)
+    (hi_folder / "clips" / hi[2]["path"]).unlink()
+    en = cv.clip_rows("en", 20, "train") + cv.clip_rows("en", 5, "dev", 20)
+    en += cv.clip_rows("en", 5, "test", 25)
+    en[25]["sentence"] = f'"{TABBED}"'
+    en_folder = cv.write_release(root, "en", en)
+    return {"hi": (hi_folder, hi), "en": (en_folder, en)}
+
+
+def test_every_valid_row_is_kept_with_its_split_speaker_and_language(release, tmp_path):
+    (hi_folder, hi), (en_folder, en) = release["hi"], release["en"]
+    every = "splits=train+dev+test"
+    master, _ = build(tmp_path, f"cv:{hi_folder}:{every}", f"cv:{en_folder}:{every}")
+    valid = [r for r in hi if r["path"] not in (hi[1]["path"], hi[2]["path"])] + en
+    expected = {(r["path"].removesuffix(".mp3"), r["split"], r["client_id"]) for r in valid}
+    got = master.select(
+        pl.col("segment_id").str.replace(r"^[^/]*/", ""), "split", "speaker_id"
+    ).rows()
+    assert sorted(got) == sorted(expected) and master.height == 58
+    by_source = dict(master.group_by("source").agg(pl.col("lang").unique()).rows())
+    assert by_source == {"hi": ["hi"], "en": ["en"]}
+    assert master.filter(pl.col("split") == "test").height == 10
+
+
+def test_every_bad_row_is_named_with_its_file_and_line(release, tmp_path):
+    hi_folder, _ = release["hi"]
+    _, summary = build(tmp_path, f"cv:{hi_folder}")
+    train = hi_folder / "train.tsv"
+    assert dropped(summary) == [
+        (f"{train}:3", "transcript_missing"),
+        (f"{train}:4", "audio_not_found"),
+        (f"{train}:22", "not_tsv"),
+        (f"{train}:23", "clip_listed_twice"),
+    ]
+    examples = {b["reason"]: b["detail"] for b in summary["sources"][0]["dropped_examples"]}
+    assert (
+        examples["clip_listed_twice"]
+        == "common_voice_hi_00022.mp3 is also dev.tsv:4, where it is kept"
+    )
+    assert examples["not_tsv"] == "2 tab-separated fields, the header has 13"
+
+
+def test_a_sentence_with_quotes_keeps_them_and_its_other_fields(release, tmp_path):
+    hi_folder, hi = release["hi"]
+    rows = rows_of(f"cv:{hi_folder}", tmp_path)
+    row = rows.filter(pl.col("segment_id") == "hi/common_voice_hi_00020").row(0, named=True)
+    assert row["transcription_native"] == QUOTED
+    assert (row["speaker_id"], row["split"]) == (hi[20]["client_id"], "dev")
+
+
+def test_a_field_in_quotes_holding_a_tab_is_one_field(release, tmp_path):
+    en_folder, en = release["en"]
+    rows = rows_of(f"cv:{en_folder / 'test.tsv'}", tmp_path)
+    row = rows.filter(pl.col("segment_id") == "test/common_voice_en_00025").row(0, named=True)
+    assert row["transcription_native"] == TABBED
+    assert (row["speaker_id"], row["segment_language"]) == (en[25]["client_id"], "en")
+
+
+def test_a_folder_gives_train_and_dev_and_leaves_test_for_evaluation(release, tmp_path):
+    en_folder, _ = release["en"]
+    master, summary = build(tmp_path, f"cv:{en_folder}")
+    assert master["split"].value_counts().sort("split").rows() == [("dev", 5), ("train", 20)]
+    assert summary["sources"][0]["rows_read"] == 25
+
+
+def test_one_tsv_imports_as_its_split(release, tmp_path):
+    hi_folder, _ = release["hi"]
+    master, _ = build(tmp_path, f"cv:{hi_folder / 'test.tsv'}:name=cv_hi_test")
+    assert master.height == 5 and set(master["split"]) == {"test"} and set(master["lang"]) == {"hi"}
+
+
+def test_validated_adds_only_the_clips_the_release_splits_leave_out(tmp_path):
+    rows = cv.clip_rows("hi", 6, "train")
+    folder = cv.write_release(tmp_path / "cv", "hi", rows)
+    unsplit = cv.clip_rows("hi", 2, "train", 6)
+    with (folder / "validated.tsv").open("a", encoding="utf-8") as f:
+        f.writelines(cv.tsv_line(r) + "\n" for r in unsplit)
+    for k, r in enumerate(unsplit):
+        (folder / "clips" / r["path"]).write_bytes(cv.mp3(r["seconds"], 100 + k))
+    master, summary = build(tmp_path, f"cv:{folder}:splits=train+validated")
+    assert master["split"].value_counts().sort("split").rows() == [("train", 6), ("validated", 2)]
+    assert summary["sources"][0]["left_out"] == {"in_train_dev_or_test": 6}
+    assert dropped(summary) == []
+
+
+def test_filters_on_votes_segment_and_gender_keep_the_rows_asked_for(release, tmp_path):
+    en_folder, en = release["en"]
+    spec = f"cv:{en_folder}:splits=train+dev+test,min_up_votes=3,max_down_votes=0,gender=male_masculine+other"
+    master, summary = build(tmp_path, spec)
+    expected = {
+        r["path"].removesuffix(".mp3")
+        for r in en
+        if int(r["up_votes"]) >= 3 and int(r["down_votes"]) == 0 and r["gender"] == "male_masculine"
+    }
+    assert set(master["segment_id"].str.replace("^en/", "")) == expected and expected
+    left_out = summary["sources"][0]["left_out"]
+    assert sum(left_out.values()) == 30 - len(expected)
+    assert set(left_out) <= {"min_up_votes=3", "max_down_votes=0", "gender=male_masculine+other"}
+    benchmark, _ = build(tmp_path, f"cv:{en_folder}:splits=train+dev+test,segment=Benchmark")
+    assert benchmark.height == 6  # clips 0, 5, ..., 25
+
+
+def test_a_filter_on_a_field_the_release_lacks_names_it(tmp_path):
+    folder = tmp_path / "cv" / "hi"
+    (folder / "clips").mkdir(parents=True)
+    (folder / "train.tsv").write_text("client_id\tpath\tsentence\nc\ta.mp3\tनमस्ते\n")
+    with pytest.raises(ManifestError, match="variant=central needs the TSV field variant"):
+        build(tmp_path, f"cv:{folder}:variant=central")
+    with pytest.raises(
+        ManifestError, match="splits=train\\+devel: devel is not a Common Voice TSV"
+    ):
+        build(tmp_path, f"cv:{folder}:splits=train+devel")
+
+
+def test_an_option_of_another_kind_is_refused(tmp_path):
+    (tmp_path / "m.json").write_text("")
+    with pytest.raises(ManifestError, match="unknown option 'min_up_votes=2'"):
+        source_readers.parse_source(f"nemo:{tmp_path / 'm.json'}:min_up_votes=2")
+
+
+def test_locales_become_the_project_language_codes():
+    locales = pl.Series(["hi", "pa-IN", "gu-IN", "ne-NP", "en", "or", "as", "ta", " mr ", "zh-CN"])
+    codes = pl.select(project_language(pl.lit(locales))).to_series().to_list()
+    assert codes == ["hi", "pa", "gu", "ne", "en", "or", "as", "ta", "mr", "zh-cn"]
+
+
+def test_a_clip_kept_decodes_through_the_training_loader_at_16_khz(release, tmp_path):
+    hi_folder, _ = release["hi"]
+    master, _ = build(tmp_path, f"cv:{hi_folder}")
+    row = master.row(0, named=True)
+    assert row["audio_filepath"].endswith(".mp3")
+    signal = dataset.load_audio(
+        row["audio_filepath"], expected_duration=row["duration"], sample_rate=16_000
+    )
+    assert abs(len(signal) / 16_000 - row["duration"]) < 0.1
