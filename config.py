@@ -746,9 +746,11 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         "BASE_LANGUAGES",
         (),
         _languages,
-        "The languages BASE_LANGUAGE_SHARE keeps (comma-separated); empty = those whose text "
-        "TOKENIZER_DIR's base tokenizer covers (an extended tokenizer's summary.json)",
-        steps=("train", "manifest_report"),
+        "The languages the base model (INIT_MODEL) was trained on, which BASE_LANGUAGE_SHARE keeps "
+        "(comma-separated); empty = those INIT_MODEL records (a .nemo or step checkpoint this "
+        "project trained); a base from elsewhere records none and needs them set while "
+        "BASE_LANGUAGE_SHARE > 0 and the data has two or more languages",
+        steps=("train", "manifest_report", "export_nemo"),
     )
     knob(
         "EPOCH_SIZE",

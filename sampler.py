@@ -88,16 +88,17 @@ class BatchingSettings:
     frame_seconds: float
     max_joint_cells: float
     cost_joint: float
-    # Replay: the least combined share of ``base_languages`` (those the base model already knows)
-    # when the data also has other languages; 0 = no floor.
-    base_languages: tuple[str, ...] = ()
+    # Replay: the least combined share of ``base_languages`` (those the base model was trained on;
+    # None: unknown, refused when the floor could act) when the data also has other languages;
+    # 0 = no floor.
+    base_languages: tuple[str, ...] | None = ()
     base_share: float = 0.0
 
     @classmethod
     def from_config(cls, **changes: Any) -> BatchingSettings:
-        """The knobs' values now, with ``changes`` (field=value) applied. BASE_LANGUAGES empty means
-        the languages TOKENIZER_DIR's base covers (``training_cache.tokenizer_base_languages``)."""
-        from training_cache import tokenizer_base_languages
+        """The knobs' values now, with ``changes`` (field=value) applied. The base's languages are
+        BASE_LANGUAGES, else those INIT_MODEL records (``model_languages.base_languages``)."""
+        import model_languages
 
         settings = cls(
             boundaries=config.BUCKET_BOUNDARIES,
@@ -112,10 +113,7 @@ class BatchingSettings:
             frame_seconds=config.ENCODER_FRAME_SECONDS,
             max_joint_cells=config.MAX_BATCH_JOINT_CELLS,
             cost_joint=config.BATCH_COST_JOINT,
-            base_languages=tuple(config.BASE_LANGUAGES)
-            or (
-                tokenizer_base_languages(config.TOKENIZER_DIR) if config.BASE_LANGUAGE_SHARE else ()
-            ),
+            base_languages=model_languages.base_languages(),
             base_share=config.BASE_LANGUAGE_SHARE,
         )
         return dataclasses.replace(settings, **changes)
@@ -146,7 +144,9 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
        ``lang_weighting="hours"`` shares are of audio hours, pi_l ~ hours_l^T. Replay floor: when
        the data holds both some of ``base_languages`` and other languages, and the former's shares
        sum to less than ``base_share``, theirs are scaled up to sum to it and the others' scaled
-       down, each group keeping its temperature proportions. Quotas are rounded by
+       down, each group keeping its temperature proportions; ``base_languages`` None (the base's
+       are unknown) with ``base_share`` > 0 and two or more languages in the data is refused
+       (``model_languages.BaseLanguagesUnknown``). Quotas are rounded by
        largest remainder, so the realized shares are within 1/epoch_size of the targets before the
        grad-accum trim, and within 0.5 percentage points after it whenever the epoch packs into at
        least 200 x world_size x grad_accum batches (the trim drops fewer than world_size x grad_accum
@@ -269,7 +269,13 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
             )
         self._counts = counts
         self._seconds = seconds
-        base = np.array([name in set(settings.base_languages) for name in self.languages], bool)
+        if settings.base_languages is None:
+            from model_languages import check_base_languages
+
+            held = [name for name, c in zip(self.languages, counts.tolist()) if c > 0]
+            check_base_languages(None, held, float(settings.base_share))
+        known = set(settings.base_languages or ())
+        base = np.array([name in known for name in self.languages], bool)
         self._natural_share, self._target_share, self._quotas, lifted = _language_quotas(
             counts,
             seconds,

@@ -77,6 +77,7 @@ import asr_model  # noqa: E402
 import callbacks  # noqa: E402
 import checkpoints  # noqa: E402
 import config  # noqa: E402
+import model_languages  # noqa: E402
 import run_logging  # noqa: E402
 from sampler import BatchingSettings  # noqa: E402
 from training_step import (  # noqa: E402
@@ -252,8 +253,18 @@ def log_startup(trainer: pl.Trainer, env: dict, model) -> None:
     )
 
 
-def log_finetuning_levers(model, settings: BatchingSettings) -> None:
-    """What this run does to keep its base's languages and to speed up the new ones (one line)."""
+def training_languages(dataset) -> list[str]:
+    """The languages ``dataset`` (a training ``LocalShardDataset``) holds utterances of."""
+    import numpy as np
+
+    counts = np.bincount(dataset.lang_codes, minlength=len(dataset.lang_names))
+    return sorted(name for name, c in zip(dataset.lang_names, counts.tolist()) if c > 0)
+
+
+def log_finetuning_levers(model, settings: BatchingSettings, data_languages: list[str]) -> None:
+    """What this run does to keep its base's languages and to speed up the new ones (one line), and
+    a warning when the replay floor has nothing to keep (the base's languages are not in
+    ``data_languages``, the training data's)."""
     rows = asr_model.new_piece_parameters(model)
     parts = []
     if rows:
@@ -263,17 +274,24 @@ def log_finetuning_levers(model, settings: BatchingSettings) -> None:
         )
     if config.ENCODER_LR_SCALE != 1:
         parts.append(f"the encoder's LR is ENCODER_LR_SCALE={config.ENCODER_LR_SCALE:g} x the LR")
-    if settings.base_share > 0:
-        if settings.base_languages:
-            parts.append(
-                f"the base's languages ({', '.join(settings.base_languages)}) keep at least "
-                f"BASE_LANGUAGE_SHARE={settings.base_share:g} of the mix where the data has them"
-            )
-        elif config.INIT_MODEL:
-            parts.append(
-                f"BASE_LANGUAGE_SHARE={settings.base_share:g} keeps no language: TOKENIZER_DIR does "
-                f"not extend the base's tokenizer, so set BASE_LANGUAGES to the base's languages"
-            )
+    data = set(data_languages)
+    kept = [lang for lang in settings.base_languages or () if lang in data]
+    source = "BASE_LANGUAGES" if config.BASE_LANGUAGES else "INIT_MODEL's record"
+    if settings.base_share > 0 and kept and data - set(kept):
+        parts.append(
+            f"the base's languages ({', '.join(kept)}, from {source}) keep at least "
+            f"BASE_LANGUAGE_SHARE={settings.base_share:g} of the mix"
+        )
+    elif settings.base_share > 0 and settings.base_languages and not kept:
+        log.warning(
+            "BASE_LANGUAGE_SHARE=%g keeps nothing: the base's languages (%s, from %s) are not in "
+            "the training data (%s); name them in BASE_LANGUAGES as the data spells them, or add "
+            "data of them to keep them",
+            settings.base_share,
+            ", ".join(settings.base_languages),
+            source,
+            ", ".join(sorted(data)),
+        )
     if parts:
         log.info("finetuning: %s", "; ".join(parts))
 
@@ -374,6 +392,14 @@ def run(argv: list[str] | None = None) -> int:
     # Before the process group exists, so a cache build never runs into a collective timeout.
     prepare_training_caches(model.tokenizer)
     module.dataset = build_dataset(model.tokenizer)
+    data_languages = training_languages(module.dataset)
+    model_languages.check_base_languages(
+        module.batching.base_languages, data_languages, module.batching.base_share
+    )
+    # Every checkpoint and .nemo of this run then tells a finetune of it what it was trained on.
+    model_languages.record_trained_languages(
+        model, model_languages.trained_languages(module.batching.base_languages, data_languages)
+    )
     # Missing audio (a wrong DATA_DIR on a node, extraction never run) stops the job here, not
     # after hours of skipped steps.
     check_audio_sample(
@@ -386,7 +412,7 @@ def run(argv: list[str] | None = None) -> int:
     trainer = build_trainer(callback_list, env, ckpt_path)
     log_startup(trainer, env, model)
     if env["rank"] == 0:
-        log_finetuning_levers(model, module.batching)
+        log_finetuning_levers(model, module.batching, data_languages)
     trainer.fit(module, ckpt_path=ckpt_path)
     process_control.set_training(False)
     checkpoint_callback = next(

@@ -235,30 +235,6 @@ def read_piece_counts(tokenizer_dir: Path) -> list[int] | None:
     return counts
 
 
-# A language whose sampled text takes at most this share of its pieces from those appended to the
-# base's tokenizer is one the base already covers (a stray character allowed).
-BASE_COVERED_APPENDED_SHARE = 0.02
-
-
-def tokenizer_base_languages(tokenizer_dir: Path) -> tuple[str, ...]:
-    """The languages whose training text the base model's own pieces write: those of an extended
-    tokenizer's summary.json (scripts/train_tokenizer.py) with at most
-    ``BASE_COVERED_APPENDED_SHARE`` of their pieces appended. () for a tokenizer that extends no
-    base (TOKENIZER_MODE=new) or has no summary."""
-    try:
-        summary = json.loads((Path(tokenizer_dir) / "summary.json").read_text(encoding="utf-8"))
-        per_language = summary["per_language"] if "extension" in summary else {}
-        return tuple(
-            sorted(
-                lang
-                for lang, row in per_language.items()
-                if row.get("appended_piece_share", 1.0) <= BASE_COVERED_APPENDED_SHARE
-            )
-        )
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return ()
-
-
 def _sentencepiece_proto(tokenizer) -> bytes | None:
     """The model proto when ``tokenizer.text_to_ids`` is exactly SentencePiece's ``encode`` (a plain
     NeMo SentencePieceTokenizer), so worker processes can rebuild it from bytes; else None."""

@@ -45,9 +45,9 @@ hash otherwise than the recorded base is refused, whether named or found at the 
 checkpoint from before bases were hashed is checked by its vocabulary change alone, with a
 warning). The rows of pieces the base lacked keep their finetuned values: the base had none, only
 the start the run gave them. ``--blend-sweep 0,0.1,0.2,0.3`` scores each A on the validation set per
-language, base languages (BASE_LANGUAGES, or those the tokenizer's base covers) apart from the new
-ones, and exports nothing: choose A from its table, then export with ``--blend-base A``. A is in
-[0, 1): 0 is the finetune.
+language, base languages (BASE_LANGUAGES, else those the base records it was trained on) apart
+from the new ones, and exports nothing: choose A from its table, then export with
+``--blend-base A``. A is in [0, 1): 0 is the finetune.
 
 The model card (``<name>.model-card.md``: base model with its weights hash, hours per language,
 tokenizer, settings, validation WER/CER and loss) comes from the newest checkpoint's run record; it
@@ -215,7 +215,8 @@ def base_as_received(record: dict, portable: dict | None, named: str | None = No
     and the tokenizer files the checkpoint carries (``portable``; TOKENIZER_DIR for a checkpoint
     without them). The shell's INIT_MODEL plays no part. Its ``base_model`` names the model used
     (path and weights hash), its ``new_piece_rows`` are the rows of pieces that base lacked and
-    ``base_languages`` the languages the tokenizer's base covers.
+    ``base_languages`` the languages it was trained on (``model_languages.base_languages``, else
+    the run's BASE_LANGUAGES setting; None when neither says).
 
     BlendError when the recorded base is not on this machine (without ``named``), when the model's
     weights hash differs from the recorded one (a model other than the run's base is never blended),
@@ -226,7 +227,7 @@ def base_as_received(record: dict, portable: dict | None, named: str | None = No
 
     import asr_model
     import config
-    from training_cache import tokenizer_base_languages
+    import model_languages
 
     recorded = recorded_base(record, named)
     source = named or recorded["path"]
@@ -264,7 +265,9 @@ def base_as_received(record: dict, portable: dict | None, named: str | None = No
             f"{given} cannot be rebuilt ({exc}); give the run's base with --base-model PATH"
         ) from None
     else:
-        base.base_languages = tokenizer_base_languages(tokenizer_dir)
+        # The base's own record, else what the run was told (its BASE_LANGUAGES setting).
+        ran_with = tuple((record.get("settings") or {}).get("BASE_LANGUAGES") or ())
+        base.base_languages = model_languages.base_languages(source) or ran_with or None
     finally:
         shutil.rmtree(tokenizer_dir, ignore_errors=True)
     digest = base.base_model["weights_sha256"]
@@ -339,8 +342,7 @@ def blend_sweep(
     """``weights`` (the finetuned ones) blended with ``base`` by each of ``amounts``, loaded in turn
     into ``model`` (the finetuned model, left holding the last blend) and scored on ``manifest``:
     [{"blend", "wer", "cer"}] per language and "all"; printed as a table with the base languages
-    (BASE_LANGUAGES, else ``base.base_languages``) apart from the new ones."""
-    import config
+    (``base.base_languages``) apart from the new ones, when they are known."""
     from scripts import evaluate
 
     rows = []
@@ -357,18 +359,20 @@ def blend_sweep(
             }
         )
     langs = sorted({lang for row in rows for lang in row["wer"]} - {"all"})
-    known = config.BASE_LANGUAGES or base.base_languages
-    base_langs = [lang for lang in langs if lang in known]
-    new_langs = [lang for lang in langs if lang not in known]
+    known = base.base_languages
+    base_langs = [lang for lang in langs if known and lang in known]
+    new_langs = [lang for lang in langs if known is not None and lang not in known]
 
     def mean(row: dict, group: list[str]) -> float:
         values = [row[lang] for lang in group]
         return sum(values) / len(values) if values else float("nan")
 
-    print(
-        f"blends with the base, scored on {manifest} (WER; base languages "
-        f"{', '.join(base_langs) or 'none'}, new {', '.join(new_langs) or 'none'}):"
+    groups = (
+        f"base languages {', '.join(base_langs) or 'none'}, new {', '.join(new_langs) or 'none'}"
+        if known is not None
+        else "the base records no languages: set BASE_LANGUAGES to see its own apart"
     )
+    print(f"blends with the base, scored on {manifest} (WER; {groups}):")
     print(
         f"{'A':>5} "
         + " ".join(f"{lang:>6}" for lang in langs)

@@ -3,7 +3,7 @@
 # the real configuration, through every path that can fail on a GPU first.
 #
 #   bash scripts/smoke_test.sh                     # on the GPU node, the job's environment exported
-#   INIT_MODEL=/models/parakeet-tdt-0.6b-v2.nemo DATA_DIR=/nvme/asr_data bash scripts/smoke_test.sh
+#   INIT_MODEL=/models/parakeet-tdt-0.6b-v2.nemo BASE_LANGUAGES=en DATA_DIR=/nvme/asr_data bash scripts/smoke_test.sh
 #
 # What it runs (`python train.py`, one process, the current knobs except those below):
 #   - the start-up loss check on the device (both of NeMo's kernel families, TDT and RNN-T);

@@ -11,6 +11,7 @@ import torch
 
 import asr_model
 import config
+import model_languages
 import training_step
 from tests.tiny_training_data import make_extension_tokenizers, write_manifest
 
@@ -161,14 +162,17 @@ def test_a_one_group_checkpoint_gets_todays_groups_with_each_parameters_moments(
 
 @pytest.fixture(scope="module")
 def finetune_run(tokenizers, tmp_path_factory):
-    """A base .nemo (English tokenizer) finetuned for 4 steps by torchrun train.py on Hindi, Tamil
-    and English with the extended tokenizer and every lever on; checkpoints at steps 2 and 4."""
+    """A base .nemo (English tokenizer; trained here, so it records English) finetuned for 4 steps
+    by torchrun train.py on Hindi, Tamil and English with the extended tokenizer and every lever on;
+    checkpoints at steps 2 and 4."""
     from tests.tiny_training_data import make_training_data
     from tests.torchrun_jobs import run_torchrun, tiny_train_env
 
     root = tmp_path_factory.mktemp("finetune_run")
     torch.manual_seed(0)
-    asr_model.build_model("", TINY, tokenizers["base"]).save_to(str(root / "base.nemo"))
+    base = asr_model.build_model("", TINY, tokenizers["base"])
+    model_languages.record_trained_languages(base, ("en",))
+    base.save_to(str(root / "base.nemo"))
     data = make_training_data(root, per_lang=8, langs=("hi", "en", "ta"), vocab_size=120)
     val = write_manifest(root / "val", 3, langs=("hi", "en", "ta"), seed=1, name="val.parquet")
     knobs = dict(
@@ -200,11 +204,26 @@ def test_a_finetune_names_its_levers_and_keeps_the_base_languages_at_their_floor
         "finetuning: the " in out and "new pieces' rows step NEW_PIECE_LR_SCALE=10 x the LR" in out
     )
     assert "the encoder's LR is ENCODER_LR_SCALE=0.5 x the LR" in out
-    assert "the base's languages (en) keep at least BASE_LANGUAGE_SHARE=0.6 of the mix" in out
+    assert (
+        "the base's languages (en, from INIT_MODEL's record) keep at least "
+        "BASE_LANGUAGE_SHARE=0.6 of the mix" in out
+    )
     metrics = next((finetune_run["root"] / "run" / "wandb_logs").glob("*/metrics.jsonl"))
     targets = [json.loads(line) for line in metrics.read_text().splitlines()]
     en = [r["lang_target/en"] for r in targets if "lang_target/en" in r]
     assert en and en[0] == pytest.approx(0.6)
+
+
+@pytest.mark.slow
+def test_a_finetunes_checkpoints_and_exports_record_the_languages_it_was_trained_on(
+    finetune_run, tmp_path
+):
+    # Its base's (en, from base.nemo's record) and its data's: what a finetune of it will keep.
+    run = finetune_run["root"] / "run" / "checkpoints"
+    exported = tmp_path / "exported.nemo"
+    asr_model.load_trained_model(run / "step_00000004.ckpt").save_to(str(exported))
+    for path in (run / "step_00000004.ckpt", run / "step_00000004.nemo", exported):
+        assert model_languages.recorded_languages(str(path)) == ("en", "hi", "ta"), path
 
 
 def one_group_copy(checkpoint_path: Path, model, out: Path) -> None:

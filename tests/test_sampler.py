@@ -968,30 +968,3 @@ def test_base_share_outside_zero_to_one_is_refused():
     durations, langs = corpus(REPLAY)
     with pytest.raises(ValueError, match=r"base_share=1\.0: expected a share in \[0, 1\)"):
         make(durations, langs, base_languages=("en",), base_share=1.0)
-
-
-def test_base_languages_default_to_those_the_extended_tokenizer_leaves_as_they_were(
-    tmp_path, monkeypatch
-):
-    import json
-
-    summary = {
-        "mode": "extend",
-        "extension": {"base_pieces": 1024},
-        "per_language": {
-            "en": {"appended_piece_share": 0.0},
-            "hi": {"appended_piece_share": 0.93},
-            "te": {"appended_piece_share": 0.01},
-        },
-    }
-    (tmp_path / "summary.json").write_text(json.dumps(summary))
-    monkeypatch.setattr(config, "TOKENIZER_DIR", tmp_path)
-    monkeypatch.setattr(config, "BASE_LANGUAGES", ())
-    monkeypatch.setattr(config, "BASE_LANGUAGE_SHARE", 0.25)
-    assert BatchingSettings.from_config().base_languages == ("en", "te")
-    monkeypatch.setattr(config, "BASE_LANGUAGES", ("hi",))
-    assert BatchingSettings.from_config().base_languages == ("hi",)
-    del summary["extension"]  # a tokenizer of its own (TOKENIZER_MODE=new) extends no base
-    (tmp_path / "summary.json").write_text(json.dumps(summary))
-    monkeypatch.setattr(config, "BASE_LANGUAGES", ())
-    assert BatchingSettings.from_config().base_languages == ()

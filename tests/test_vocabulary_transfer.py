@@ -275,6 +275,7 @@ def test_every_rank_starts_from_the_same_carried_weights_under_torchrun(tokenize
         {**data, "tokenizer": tokenizers["extended"]},
         DATA_DIR=str(tmp_path / "run"),
         INIT_MODEL=str(tmp_path / "base.nemo"),
+        BASE_LANGUAGES="en",  # a base saved without this project's record of its languages
         PROBE_OUT=str(tmp_path),
         MAX_STEPS="1",
         EVAL_EVERY_STEPS="0",
@@ -423,6 +424,7 @@ def test_a_finetune_validates_the_base_at_step_0_and_states_base_vs_finetuned(to
         tmp_path,
         {**data, "tokenizer": tokenizers["extended"]},
         INIT_MODEL=str(tmp_path / "base.nemo"),
+        BASE_LANGUAGES="en",  # a base saved without this project's record of its languages
         UNFREEZE_STEP="1",
     )
     assert validated == [0, 2]
