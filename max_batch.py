@@ -92,9 +92,11 @@ def heaviest_batch_shape(
     max_batch_duration: float, tokens_per_second: float, seed: int = 0
 ) -> BatchShape:
     """The sampler's heaviest micro-batch (``sampler.heaviest_packed_batch``) on the synthetic
-    corpus at ``tokens_per_second``."""
+    corpus at ``tokens_per_second``, without a replay floor: its languages are no base's."""
     durations, languages, tokens = synthetic_corpus(tokens_per_second, seed)
-    settings = BatchingSettings.from_config(max_batch_duration=max_batch_duration, seed=seed)
+    settings = BatchingSettings.from_config(
+        max_batch_duration=max_batch_duration, seed=seed, base_languages=(), base_share=0.0
+    )
     return BatchShape(*heaviest_packed_batch(durations, languages, tokens, settings))
 
 

@@ -117,3 +117,11 @@ def test_a_lone_utterance_over_the_joint_cap_is_in_the_bound():
     shape = heaviest_packed_batch(durations, languages, tokens, settings)
     frames = math.ceil(durations.max() / config.ENCODER_FRAME_SECONDS)
     assert padded_frames_and_joint_cells(*shape)[1] >= frames * 512
+
+
+def test_the_synthetic_batch_needs_no_base_languages_for_a_base_from_elsewhere(monkeypatch):
+    # Its languages are made up: a base that records none must not stop a synthetic preflight.
+    monkeypatch.setattr(config, "INIT_MODEL", "nvidia/parakeet-tdt-0.6b-v2")
+    monkeypatch.setattr(config, "BASE_LANGUAGES", ())
+    monkeypatch.setattr(config, "BASE_LANGUAGE_SHARE", 0.25)
+    assert max_batch.heaviest_batch_shape(90.0, tokens_per_second=5.0).durations
