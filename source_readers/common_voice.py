@@ -40,12 +40,11 @@ import polars as pl
 from manifest_schema import ManifestError
 from source_readers.common import (
     ROW_SCHEMA,
-    RowIds,
+    Shard,
     SourceRows,
     SourceSpec,
     _bad,
     _check_audio,
-    _groups_by_directory,
     _strip_tags,
     origin_order,
 )
@@ -57,6 +56,7 @@ DEFAULT_SPLITS = ("train", "dev")
 # The three the release itself splits into; the others overlap them by design.
 RELEASE_SPLITS = frozenset({"train", "dev", "test"})
 FILTERS = ("min_up_votes", "max_down_votes", "segment", "variant", "gender", "age")
+FILTER_FIELDS = {"min_up_votes": "up_votes", "max_down_votes": "down_votes"}  # else the option
 OPTIONS = frozenset({"splits", *FILTERS})
 # Common Voice locales whose code in this project drops the region (the rest: lower-cased).
 LOCALES = {"pa-IN": "pa", "gu-IN": "gu", "ne-NP": "ne", "ga-IE": "ga", "hy-AM": "hy", "sv-SE": "sv"}
@@ -89,11 +89,24 @@ def _tsv_files(spec: SourceSpec) -> list[tuple[str, Path]]:
     return found
 
 
-def _read_tsv(path: Path, split: str, rank: int) -> tuple[pl.DataFrame, list[dict]]:
-    """The TSV's rows as strings with ``line`` (1-based), ``split`` and ``rank`` columns, and its
-    lines that do not parse as bad rows. Lines are split on tabs in polars; only the lines whose
-    field count differs from the header's go through Python's csv reader."""
-    data = path.read_bytes()
+def _lines(data: bytes, path: Path) -> pl.Series:
+    """The file's lines (a trailing "\r" removed), read by polars' multi-threaded CSV reader as one
+    column (no field separator a text file holds); ManifestError naming the first line that is not
+    UTF-8."""
+    try:
+        lines = pl.read_csv(
+            io.BytesIO(data),
+            separator="\x00",
+            quote_char=None,
+            has_header=False,
+            infer_schema=False,
+            new_columns=["text"],
+            empty_string_is_null=False,
+        ).to_series()
+        if lines.len() == data.count(b"\n") + (not data.endswith(b"\n")):
+            return lines.str.strip_suffix("\r")
+    except pl.exceptions.PolarsError:
+        pass  # a NUL byte in a line, or bytes that are not UTF-8: as Python reads them
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -101,25 +114,57 @@ def _read_tsv(path: Path, split: str, rank: int) -> tuple[pl.DataFrame, list[dic
         raise ManifestError(
             f"{path}:{line}: not UTF-8 ({exc.reason}); re-encode {path.name} as UTF-8"
         ) from None
-    lines = pl.Series("text", text.split("\n"), dtype=pl.String).str.strip_suffix("\r")
-    header = lines[0].split("\t") if len(lines) else []
+    return pl.Series("text", text.removesuffix("\n").split("\n")).str.strip_suffix("\r")
+
+
+def _read_tsv(
+    path: Path, split: str, rank: int, wanted: set[str]
+) -> tuple[pl.DataFrame, list[dict], list[str]]:
+    """The TSV's ``wanted`` fields as strings with ``line`` (1-based), ``split`` and ``rank``
+    columns; its lines that do not parse, as bad rows; and its header. When every line has the
+    header's field count the fields come from polars' CSV reader (quotes off: as Common Voice
+    writes them); otherwise the lines are split on tabs in polars, and only the lines whose field
+    count differs from the header's go through Python's csv reader."""
+    data = path.read_bytes()
+    first = data[: data.find(b"\n") if b"\n" in data else len(data)]
+    header = first.decode("utf-8", "replace").removesuffix("\r").split("\t")
     if "path" not in header or "sentence" not in header:
         raise ManifestError(
             f"{path}:1: expected a Common Voice header with path and sentence, got "
             f"{' '.join(header)[:200]!r}"
         )
     width = len(header)
+    labels = {"split": pl.lit(split, dtype=pl.String), "rank": pl.lit(rank, dtype=pl.UInt8)}
+    keep = [c for c in dict.fromkeys(header) if c in wanted]
+    rows = data.count(b"\n") + (not data.endswith(b"\n")) - 1
+    # Every line has the header's field count when no line has more (polars raises on one) and
+    # the file holds exactly (width - 1) tabs per line (a shorter or blank line would leave fewer)
+    if len(set(header)) == width and data.count(b"\t") == (width - 1) * (rows + 1):
+        try:
+            table = pl.read_csv(
+                io.BytesIO(data),
+                columns=keep,
+                separator="\t",
+                quote_char=None,
+                infer_schema=False,
+                empty_string_is_null=False,
+            )
+        except pl.exceptions.PolarsError:
+            table = None  # a line with more fields, or bytes that are not UTF-8: line by line
+        if table is not None and table.height == rows:
+            line = pl.int_range(2, rows + 2, dtype=pl.UInt32, eager=True).alias("line")
+            return table.with_columns(line, **labels), [], header
+    lines = _lines(data, path)
     frame = pl.DataFrame(
         {"text": lines.slice(1), "line": pl.int_range(2, len(lines) + 1, eager=True)}
-    ).filter(pl.col("text") != "")
+    ).with_columns(pl.col("line").cast(pl.UInt32))
     fields = pl.col("text").str.count_matches("\t", literal=True) + 1
     frame = frame.with_columns(fields.alias("_fields"))
+    frame = frame.filter(pl.col("text") != "")
     ragged = frame.filter(pl.col("_fields") != width)
     frame = frame.filter(pl.col("_fields") == width)
     split_up = pl.col("text").str.splitn("\t", width)
-    frame = frame.select(
-        split_up.struct.rename_fields(header).struct.unnest(), pl.col("line").cast(pl.UInt32)
-    )
+    frame = frame.select(split_up.struct.rename_fields(header).struct.field(*keep), "line")
     bad, recovered = [], []
     for number, line_text, count in ragged.select("line", "text", "_fields").iter_rows():
         quoted = next(csv.reader(io.StringIO(line_text), delimiter="\t", quotechar='"'), [])
@@ -130,23 +175,31 @@ def _read_tsv(path: Path, split: str, rank: int) -> tuple[pl.DataFrame, list[dic
             bad.append(_bad(f"{path}:{number}", "not_tsv", detail))
     if recovered:
         extra = pl.DataFrame(recovered, schema=[*header, "line"], orient="row")
-        extra = extra.with_columns(pl.col("line").cast(pl.UInt32))
+        extra = extra.select(*keep, pl.col("line").cast(pl.UInt32))
         frame = pl.concat([frame, extra]).sort("line")
-    lit_split = pl.lit(split, dtype=pl.String)
-    return frame.with_columns(split=lit_split, rank=pl.lit(rank, dtype=pl.UInt8)), bad
+    return frame.with_columns(**labels), bad, header
 
 
-def _durations(folder: Path) -> pl.DataFrame:
-    """``clip -> seconds`` from the folder's ``clip_durations.tsv`` (milliseconds), when it has one."""
+def _given_durations(folder: Path, clips: pl.Series) -> pl.Series:
+    """Each clip's seconds from the folder's ``clip_durations.tsv`` (milliseconds; null where it
+    has none, or no such file). Looked up by a 64-bit hash of the name, then checked on the name,
+    so a hash collision only leaves a clip to its header."""
     file = folder / DURATIONS_FILE
-    schema = {"path": pl.String, "_given": pl.Float64}
+    none = pl.Series("_given", [None] * len(clips), dtype=pl.Float64)
     if not file.is_file():
-        return pl.DataFrame(schema=schema)
+        return none
     table = pl.read_csv(file, separator="\t", quote_char=None, infer_schema=False)
     if table.width < 2:
-        return pl.DataFrame(schema=schema)
-    seconds = table[:, 1].cast(pl.Float64, strict=False) / 1000
-    return pl.DataFrame({"path": table[:, 0], "_given": seconds}).unique("path", keep="first")
+        return none
+    names, seconds = table[:, 0], table[:, 1].cast(pl.Float64, strict=False) / 1000
+    keys, at = names.hash(), pl.int_range(0, table.height, dtype=pl.UInt32, eager=True)
+    try:
+        found = clips.hash().replace_strict(keys, at, default=None)
+    except pl.exceptions.InvalidOperationError:  # a clip listed twice: its first row counts
+        first = keys.is_first_distinct()
+        found = clips.hash().replace_strict(keys.filter(first), at.filter(first), default=None)
+    same = (names.gather(found) == clips).fill_null(False)
+    return seconds.gather(found).zip_with(same, none).alias("_given")
 
 
 def _filters(spec: SourceSpec, columns: list[str]) -> dict[str, pl.Expr]:
@@ -157,7 +210,7 @@ def _filters(spec: SourceSpec, columns: list[str]) -> dict[str, pl.Expr]:
         value = spec.options.get(option)
         if value is None:
             continue
-        field = {"min_up_votes": "up_votes", "max_down_votes": "down_votes"}.get(option, option)
+        field = FILTER_FIELDS.get(option, option)
         if field not in columns:
             raise ManifestError(
                 f"source {spec}: {option}={value} needs the TSV field {field}, which this release "
@@ -184,43 +237,51 @@ def read_common_voice(
     folder = spec.path if spec.path.is_dir() else spec.path.parent
     fixed = spec.options.get("lang")
     folder_lang = fixed or pl.select(project_language(pl.lit(folder.name))).item()
-    frames, bad = [], []
-    for split, tsv in _tsv_files(spec):
-        frame, tsv_bad = _read_tsv(tsv, split, SPLITS.index(split) if split in SPLITS else 0)
+    wanted = {"client_id", "path", "sentence", "locale"}
+    wanted |= {FILTER_FIELDS.get(option, option) for option in FILTERS if option in spec.options}
+    frames, bad, columns = [], [], []
+    for split, tsv in _tsv_files(spec):  # held-out first: the order a clip's first row wins in
+        rank = SPLITS.index(split) if split in SPLITS else 0
+        frame, tsv_bad, header = _read_tsv(tsv, split, rank, wanted)
         bad += [b | {"lang": folder_lang} for b in tsv_bad]
         frames.append(frame.with_columns(pl.lit(str(tsv)).alias("_file")))
-    frame = pl.concat(frames, how="diagonal").sort("rank", "line", maintain_order=True)
-    columns = [c for c in frame.columns if c not in ("line", "split", "rank", "_file")]
+        columns += [c for c in header if c not in columns]
+    frame = pl.concat(frames, how="diagonal") if len(frames) > 1 else frames[0]
     if fixed is not None:
         lang = pl.lit(fixed, dtype=pl.String)
     else:
-        locale = pl.col("locale") if "locale" in columns else pl.lit("", pl.String)
+        locale = pl.col("locale") if "locale" in frame.columns else pl.lit("", pl.String)
         given = locale.fill_null("").str.strip_chars()
         lang = project_language(pl.when(given != "").then(given).otherwise(pl.lit(folder.name)))
     frame = frame.with_columns(
-        pl.col("path").str.strip_chars(),
         lang.alias("_lang"),
         pl.concat_str("_file", pl.lit(":"), pl.col("line").cast(pl.String)).alias("_origin"),
     )
-    # a clip is imported once, from the first TSV that lists it (held-out first, then file order)
+    # a clip is imported once, from the first TSV that lists it (held-out first, then file order);
+    # only the rows whose name's hash repeats are compared by name
     no_path = pl.col("path").is_null() | (pl.col("path") == "")
-    frame = frame.with_columns((pl.col("path").is_first_distinct() | no_path).alias("_first"))
-    keeper = frame.filter("_first").select(
-        "path", pl.col("split").alias("_kept_split"), pl.col("_origin").alias("_kept_at")
-    )
-    again = frame.filter(~pl.col("_first")).join(keeper, on="path", how="left")
-    overlap = pl.col("split").is_in(RELEASE_SPLITS).not_() & pl.col("_kept_split").is_in(
-        RELEASE_SPLITS
-    )
+    maybe = frame.select(pl.col("path").hash().is_duplicated() & ~no_path).to_series()
     left_out: dict[str, int] = {}
-    if n := again.filter(overlap).height:
-        left_out["in_train_dev_or_test"] = n
-    for origin, clip, kept_at, row_lang in (
-        again.filter(~overlap).select("_origin", "path", "_kept_at", "_lang").iter_rows()
-    ):
-        detail = f"{clip} is also {Path(kept_at).name}, where it is kept"
-        bad.append(_bad(origin, "clip_listed_twice", detail, row_lang))
-    frame = frame.filter("_first")
+    if maybe.any():
+        where = maybe.arg_true()
+        candidates = frame.select("path", "split", "_origin", "_lang").gather(where)
+        later = ~candidates.get_column("path").is_first_distinct()
+        keeper = candidates.filter(~later).select(
+            "path", pl.col("split").alias("_kept_split"), pl.col("_origin").alias("_kept_at")
+        )
+        again = candidates.filter(later).join(keeper, on="path", how="left")
+        overlap = pl.col("split").is_in(RELEASE_SPLITS).not_() & pl.col("_kept_split").is_in(
+            RELEASE_SPLITS
+        )
+        if n := again.filter(overlap).height:
+            left_out["in_train_dev_or_test"] = n
+        for origin, clip, kept_at, row_lang in (
+            again.filter(~overlap).select("_origin", "path", "_kept_at", "_lang").iter_rows()
+        ):
+            detail = f"{clip} is also {Path(kept_at).name}, where it is kept"
+            bad.append(_bad(origin, "clip_listed_twice", detail, row_lang))
+        drop = pl.Series([False] * frame.height).scatter(where.filter(later), True)
+        frame = frame.filter(~drop)
     for option, keeps in _filters(spec, columns).items():
         left = frame.height
         frame = frame.filter(keeps)
@@ -240,11 +301,10 @@ def read_common_voice(
         else:
             bad.append(_bad(origin, "transcript_missing", "empty sentence", row_lang))
     frame = frame.filter(~no_path & ~no_text)
-    frame = frame.join(_durations(folder), on="path", how="left", maintain_order="left")
     origins = frame.get_column("_origin")
     seconds, keep, audio_bad = _check_audio(
         frame.get_column("_audio"),
-        frame.get_column("_given"),
+        _given_durations(folder, frame.get_column("path")),
         lambda i: origins[i],
         frame.get_column("_lang"),
         spec.options.get("check", "header"),
@@ -252,17 +312,14 @@ def read_common_voice(
     )
     bad += audio_bad
     frame = frame.with_columns(seconds.alias("_duration")).filter(pl.Series(keep))
-    shard, names, shards = _groups_by_directory(
-        frame.get_column("_audio"), spec.name, "", False, folder
-    )
-    own = frame.get_column("path").str.replace(r"\.[^./]*$", "")
-    where = frame.select(pl.col("split") + ":" + pl.col("line").cast(pl.String)).to_series()
+    # every clip lies in clips/, and a clip is one row: its name is its id
+    shards = [Shard(f"{spec.name}/clips", spec.name, "", folder / "clips", False)]
     speaker = pl.lit(None, pl.String)
     if "client_id" in frame.columns:
         speaker = pl.col("client_id").str.strip_chars().replace("", None)
     rows = frame.select(
-        shard.alias("shard"),
-        RowIds(spec.name).assign(own, where).alias("segment_id"),
+        pl.lit(0, dtype=pl.UInt32).alias("shard"),
+        (f"{spec.name}/" + pl.col("path").str.replace(r"\.[^./]*$", "")).alias("segment_id"),
         pl.col("_text")
         .map_batches(_strip_tags, return_dtype=pl.String)
         .alias("transcription_native"),
@@ -270,7 +327,7 @@ def read_common_voice(
         speaker.alias("speaker_id"),
         pl.col("_duration").alias("duration_s"),
         pl.lit(None, pl.Float64).alias("tx_quality_score"),
-        names.alias("tar_member_name"),
+        pl.col("path").alias("tar_member_name"),
         pl.col("_origin").alias("origin"),
         pl.col("split"),
     )

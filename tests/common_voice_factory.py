@@ -89,7 +89,7 @@ def write_release(
         clip = folder / "clips" / row["path"]
         if not clip.exists():
             clip.write_bytes(mp3(row["seconds"], k))
-            durations.append(f"{row['path']}\t{int(row['seconds'] * 1000)}")
+            durations.append(f"{row['path']}\t{round(row['seconds'] * 1000)}")
     validated = []
     for split, lines in by_split.items():
         lines = lines + extra_lines.get(split, [])

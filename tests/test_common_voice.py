@@ -198,3 +198,34 @@ def test_a_clip_kept_decodes_through_the_training_loader_at_16_khz(release, tmp_
         row["audio_filepath"], expected_duration=row["duration"], sample_rate=16_000
     )
     assert abs(len(signal) / 16_000 - row["duration"]) < 0.1
+
+
+def test_the_benchmark_runs_end_to_end_and_every_build_keeps_the_same_rows(tmp_path, capsys):
+    from benchmarks import bench_common_voice
+
+    code = bench_common_voice.main(["--rows", "300", "--repeat", "1", "--keep", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0 and "same rows kept by every build: yes" in out, out
+    assert "cv-none" in out and "vs nemo-none" in out
+
+
+def test_a_sentence_broken_by_a_newline_makes_two_bad_lines(tmp_path):
+    rows = cv.clip_rows("hi", 4, "train")
+    broken = rows[1] | {"sentence": "पहली पंक्ति\nदूसरी"}
+    folder = cv.write_release(tmp_path / "cv", "hi", [rows[0], rows[2], rows[3]])
+    train = folder / "train.tsv"
+    lines = train.read_text(encoding="utf-8").splitlines()
+    lines.insert(2, cv.tsv_line(broken))  # lines 3 and 4 of the file
+    train.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (folder / "clips" / broken["path"]).write_bytes(cv.mp3(1.0, 9))
+    master, summary = build(tmp_path, f"cv:{folder}")
+    assert dropped(summary) == [(f"{train}:3", "not_tsv"), (f"{train}:4", "not_tsv")]
+    assert master.height == 3
+
+
+def test_durations_come_from_clip_durations_when_the_clips_are_trusted(release, tmp_path):
+    hi_folder, hi = release["hi"]
+    master, _ = build(tmp_path, f"cv:{hi_folder / 'dev.tsv'}:check=none")
+    given = {r["path"].removesuffix(".mp3"): r["seconds"] for r in hi}
+    for segment_id, seconds in master.select("segment_id", "duration").rows():
+        assert seconds == pytest.approx(given[segment_id.removeprefix("dev/")], abs=1e-9)
