@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,3 +165,19 @@ def test_a_record_from_before_jobs_were_recorded_is_requeued_by_the_path(run_dir
     )
     plan = checkpoints.plan_resume(str(run_dir / "step_00000001.ckpt"), run_dir)
     assert plan.kind == "continue" and plan.path == str(run_dir / "step_00000003.ckpt")
+
+
+def test_a_symlinked_checkpoint_dir_is_one_directory_whichever_path_names_it(run_dir, tmp_path):
+    link = tmp_path / "ckpt_link"
+    link.symlink_to(run_dir)
+    write_record(link, name="ft", wandb_id="a1")
+    checkpoints.apply_resume_plan(
+        checkpoints.plan_resume(str(link / "step_00000001.ckpt"), link), link
+    )
+    for step in (2, 3):
+        stand_in(run_dir / checkpoints.checkpoint_name(step), step)
+    # the requeue names the real path, the job that began the timeline named the link
+    plan = checkpoints.plan_resume(str(run_dir / "step_00000001.ckpt"), link)
+    assert plan.kind == "continue" and Path(plan.path).resolve() == run_dir / "step_00000003.ckpt"
+    plan = checkpoints.plan_resume(str(link / "step_00000002.ckpt"), run_dir)
+    assert plan.kind == "rewind" and [p.name for p in plan.set_aside] == ["step_00000003.ckpt"]
