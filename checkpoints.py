@@ -551,6 +551,9 @@ def new_run_name() -> str:
 
 
 RUN_RECORD = "run.json"
+# The key of a step checkpoint that holds the run as its model card tells it
+# (``training_step.TrainingModule.run_record``).
+RUN_RECORD_KEY = "run_record"
 # What run.json says about the timeline, kept when a job starts a new W&B run on it.
 TIMELINE_KEYS = frozenset({"validation", "started_from", "started_inside", "started_by"})
 

@@ -78,14 +78,13 @@ def _config_languages(text: str) -> tuple[str, ...] | None:
 def _checkpoint_languages(path: Path) -> tuple[str, ...] | None:
     import asr_model
     import checkpoints
-    import training_step
 
     checkpoint = checkpoints.read_checkpoint(path, mmap=True)
     model_config = (checkpoint.get(asr_model.PORTABLE_KEY) or {}).get("config") or {}
     languages = model_config.get(CONFIG_KEY)
     if isinstance(languages, list):
         return tuple(str(lang) for lang in languages)
-    record = checkpoint.get(training_step.RUN_RECORD_KEY) or {}
+    record = checkpoint.get(checkpoints.RUN_RECORD_KEY) or {}
     settings = record.get("settings") or {}
     if (
         record.get("training_hours")

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 import asr_model
+import checkpoints
 import collectives
 import config
 import process_control
@@ -240,8 +241,7 @@ def apply_current_lr_schedule(trainer) -> None:
 
 # ---- the LightningModule ---------------------------------------------------------------------
 
-# The key of a step checkpoint that holds ``TrainingModule.run_record``.
-RUN_RECORD_KEY = "run_record"
+RUN_RECORD_KEY = checkpoints.RUN_RECORD_KEY  # where a step checkpoint holds ``run_record``
 
 
 class TrainingModule(pl.LightningModule):
@@ -334,9 +334,7 @@ class TrainingModule(pl.LightningModule):
             seconds = np.bincount(codes, weights=self.dataset.durations, minlength=len(names))
             self._training_hours = {n: float(s) / 3600 for n, s in zip(names, seconds) if s > 0}
         trainer = self._trainer
-        from checkpoints import read_run_record
-
-        identity = read_run_record()
+        identity = checkpoints.read_run_record()
         return {
             "run": {k: identity[k] for k in ("name", "wandb_id") if k in identity},
             "vocabulary_change": getattr(self.model, "vocabulary_change", None),
