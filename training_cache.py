@@ -14,7 +14,9 @@ file per column (durations, language / shard / audio-directory codes, member nam
 token ids without the language tag, the manifest row of each item) and ``meta.json`` (format, key,
 dtypes and lengths, the code tables, the build summary). Rows whose tokens do not fit their encoder
 frames (``floor(duration / frame_seconds)``) or whose duration is not a positive number are dropped
-while it is built and counted in the summary.
+while it is built, counted in the summary and listed one per row in ``dropped_rows.parquet``
+(``read_dropped_rows``: manifest row, segment_id, language, reason, tokens, frames, duration), which
+is renamed into place with the cache, so a cache and its record of drops always belong together.
 
 Keyed by content. The key covers the sha256 of the manifest's bytes, the tokenizer model's sha256
 (its pieces and settings, not the paths it was trained with),
@@ -88,10 +90,28 @@ MANIFEST_COLUMNS = ("text", "duration", "lang", "shard_id")
 # Manifest rows listed per language and reason among those the cache drops (the summary's
 # ``dropped_rows_by_lang``), so the infeasible rows of a validation set can be named.
 DROPPED_ROWS_LISTED = 5
+# A language whose validation rows the cache drops more than this share of is warned about: its
+# WER is then scored on a biased remainder (the shorter transcripts of the faster speakers survive).
+VALIDATION_DROP_WARN_SHARE = 0.10
+# Why the cache drops a row, in the order the summary and the record list them.
+DROP_REASONS = ("infeasible_tokens_gt_frames", "bad_duration")
 # Bump when the cache's files or their meaning change, so old caches are not reused.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 CACHE_SUFFIX = ".training-cache"
 META_FILE = "meta.json"
+# Every dropped row of the cache, one per line (``DROPPED_SCHEMA``), inside the cache directory.
+DROPPED_FILE = "dropped_rows.parquet"
+DROPPED_SCHEMA = pa.schema(
+    [
+        ("manifest_row", pa.int64()),
+        ("segment_id", pa.string()),
+        ("lang", pa.string()),
+        ("reason", pa.string()),
+        ("tokens", pa.int64()),  # with the language tag, as compared with the frames
+        ("frames", pa.int64()),  # floor(duration / frame_seconds); 0 for a bad duration
+        ("duration", pa.float64()),
+    ]
+)
 # Rows a worker holds at once: bounds the Python lists of token ids SentencePiece returns.
 _BATCH_ROWS = 32_768
 _HASH_CHUNK = 8 << 20
@@ -495,6 +515,7 @@ def _build_part(task: _Task) -> dict[str, Any]:
     tables: dict[str, dict[str, int]] = {"lang": {}, "shard": {}, "audio_dir": {}}
     counts: dict[str, dict[str, int]] = {}
     dropped_rows: dict[str, dict[str, list[int]]] = {}
+    drops: list[dict[str, np.ndarray]] = []
     files = {
         name: open(part / f"{name}.bin", "wb")
         for name in (*_FIXED_DTYPES, "token_ids", "member_lengths", "token_lengths")
@@ -558,6 +579,18 @@ def _build_part(task: _Task) -> dict[str, Any]:
                     listed = listed.setdefault(reason, [])
                     if len(listed) < DROPPED_ROWS_LISTED:
                         listed.append(int(first_row + row))
+            dropped = np.flatnonzero(bad_duration | infeasible)
+            if len(dropped):
+                drops.append(
+                    {
+                        "manifest_row": first_row + dropped,
+                        "lang": lang_code[dropped],
+                        "reason": bad_duration[dropped].astype(np.int64),  # DROP_REASONS index
+                        "tokens": token_len[dropped],
+                        "frames": frames[dropped].astype(np.int64),
+                        "duration": duration[dropped],
+                    }
+                )
             rows = np.flatnonzero(keep)
             take = pa.array(rows)
             dirs, members = audio_dirs_and_names(
@@ -600,10 +633,45 @@ def _build_part(task: _Task) -> dict[str, Any]:
         "tables": {name: list(table) for name, table in tables.items()},
         "counts": counts,
         "dropped_rows": dropped_rows,
+        "dropped": _dropped_table(task, drops, list(tables["lang"])),
         "kept": kept_rows,
         "rows": first_row - task.first_row,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
+
+
+def _dropped_table(
+    task: _Task, drops: list[dict[str, np.ndarray]], lang_names: list[str]
+) -> pa.Table | None:
+    """The part's dropped rows as a ``DROPPED_SCHEMA`` table (None when it dropped none), their
+    segment_ids read from the row group only then: the build itself never decodes that column."""
+    if not drops:
+        return None
+    col = {name: np.concatenate([d[name] for d in drops]) for name in drops[0]}
+    local = pa.array(col["manifest_row"] - task.first_row)
+    if "segment_id" in pq.read_schema(task.manifest).names:
+        ids = (
+            pq.ParquetFile(task.manifest)
+            .read_row_group(task.row_group, columns=["segment_id"], use_threads=False)
+            .column(0)
+            .take(local)
+            .cast(pa.string())
+        )
+    else:
+        ids = pa.nulls(len(local), pa.string())
+    names = pa.array(lang_names, pa.string())
+    return pa.table(
+        {
+            "manifest_row": pa.array(col["manifest_row"], pa.int64()),
+            "segment_id": ids,
+            "lang": names.take(pa.array(col["lang"])),
+            "reason": pa.array(DROP_REASONS, pa.string()).take(pa.array(col["reason"])),
+            "tokens": pa.array(col["tokens"], pa.int64()),
+            "frames": pa.array(col["frames"], pa.int64()),
+            "duration": pa.array(col["duration"], pa.float64()),
+        },
+        schema=DROPPED_SCHEMA,
+    )
 
 
 def _transcripts(
@@ -642,6 +710,7 @@ class _Assembler:
         self.tables: dict[str, dict[str, int]] = {name: {} for name in _CODE_COLUMNS}
         self.counts: dict[str, dict[str, int]] = {}
         self.dropped_rows: dict[str, dict[str, list[int]]] = {}
+        self.dropped: list[pa.Table] = []
         self.lengths = dict.fromkeys(self.dtypes, 0)
         self.member_end = 0
         self.token_end = 0
@@ -686,6 +755,8 @@ class _Assembler:
             for reason, rows in by_reason.items():  # parts come in manifest order
                 listed = self.dropped_rows.setdefault(lang, {}).setdefault(reason, [])
                 listed.extend(rows[: DROPPED_ROWS_LISTED - len(listed)])
+        if result.get("dropped") is not None:
+            self.dropped.append(result["dropped"])
         shutil.rmtree(part_dir)
 
     def close(self) -> dict[str, dict]:
@@ -693,6 +764,10 @@ class _Assembler:
             fh.flush()
             os.fsync(fh.fileno())
             fh.close()
+        dropped = pa.concat_tables(self.dropped) if self.dropped else DROPPED_SCHEMA.empty_table()
+        pq.write_table(dropped, self.out_dir / DROPPED_FILE)
+        with open(self.out_dir / DROPPED_FILE, "rb+") as fh:
+            os.fsync(fh.fileno())
         return {
             name: {"dtype": dtype, "length": self.lengths[name]}
             for name, dtype in self.dtypes.items()
@@ -846,7 +921,7 @@ def _summary(manifest_path, rows, counts, frame_seconds, max_token_len, tokenize
     def total(reason: str) -> int:
         return sum(c.get(reason, 0) for c in counts.values())
 
-    reasons = ("infeasible_tokens_gt_frames", "bad_duration")
+    reasons = DROP_REASONS
     return {
         "manifest": str(manifest_path),
         "rows_read": int(rows),
@@ -858,11 +933,59 @@ def _summary(manifest_path, rows, counts, frame_seconds, max_token_len, tokenize
             if any(c.get(r) for r in reasons)
         },
         "kept_by_lang": {lang: c.get("rows_kept", 0) for lang, c in sorted(counts.items())},
+        "read_by_lang": {lang: c.get("rows_read", 0) for lang, c in sorted(counts.items())},
+        "dropped_rows_file": DROPPED_FILE,
         "truncated_to_max_token_len": total("truncated_to_max_token_len"),
         "frame_seconds": float(frame_seconds),
         "max_token_len": int(max_token_len),
         "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
     }
+
+
+def read_dropped_rows(cache_path: Path) -> pa.Table:
+    """Every row the cache at ``cache_path`` dropped (``DROPPED_SCHEMA``), in manifest order."""
+    return pq.read_table(Path(cache_path) / DROPPED_FILE, schema=DROPPED_SCHEMA)
+
+
+def heavy_drops(summary: dict, share: float = VALIDATION_DROP_WARN_SHARE) -> list[dict]:
+    """The languages of a build ``summary`` that lost more than ``share`` of their rows, largest
+    share first: ``{"lang", "dropped", "read", "by_reason": {reason: rows}}`` each."""
+    read = summary.get("read_by_lang") or {
+        lang: kept + sum((summary.get("dropped_by_lang") or {}).get(lang, {}).values())
+        for lang, kept in (summary.get("kept_by_lang") or {}).items()
+    }
+    out = []
+    for lang, by_reason in (summary.get("dropped_by_lang") or {}).items():
+        dropped, total = sum(by_reason.values()), read.get(lang, 0)
+        if total and dropped > share * total:
+            out.append({"lang": lang, "dropped": dropped, "read": total, "by_reason": by_reason})
+    return sorted(out, key=lambda d: (-d["dropped"] / d["read"], d["lang"]))
+
+
+def validation_drop_warning(manifest: Path, heavy: dict, summary: dict, record: Path) -> str:
+    """One line for a language of a validation manifest in ``heavy_drops``: how many rows it
+    loses, why, and what fixes it (``record``: the cache's list of its dropped rows)."""
+    lang, dropped, read = heavy["lang"], heavy["dropped"], heavy["read"]
+    why = ", ".join(f"{n} {reason}" for reason, n in heavy["by_reason"].items())
+    fixes = []
+    if heavy["by_reason"].get("infeasible_tokens_gt_frames"):
+        fixes.append(
+            f"their transcripts need more tokens than the audio has {summary['frame_seconds']:g} s "
+            f"encoder frames: raise VOCAB_SIZE and retrain the tokenizer (scripts/train_tokenizer.py) "
+            f"so {lang} gets longer pieces, or fix the rows whose transcript is longer than their "
+            f"audio (ENCODER_FRAME_SECONDS is the encoder's own stride, and a lower MAX_TOKEN_LEN "
+            f"would only cut transcripts short)"
+        )
+    if heavy["by_reason"].get("bad_duration"):
+        fixes.append(
+            "rows without a positive duration: rebuild the manifest with build_manifest.py"
+        )
+    return (
+        f"WARNING: validation manifest {manifest}: {lang} loses {dropped} of its {read} rows "
+        f"({100 * dropped / read:.0f}%) in the training cache ({why}), so its WER is scored on the "
+        f"{read - dropped} left; {'; '.join(fixes)}; each dropped row (segment_id, tokens, frames) "
+        f"is listed in {record}"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -946,13 +1069,38 @@ def lookup(
 ) -> Path | None:
     """The complete cache ``ensure`` would map for these inputs, or None where it would build one
     (nothing is built; the manifest is hashed once, as ``ensure`` remembers it)."""
+    return lookup_by_fingerprint(
+        manifest_path,
+        tokenizer_fingerprint(tokenizer),
+        frame_seconds=frame_seconds,
+        max_token_len=max_token_len,
+        cache_dir=cache_dir,
+    )
+
+
+def lookup_by_fingerprint(
+    manifest_path,
+    tokenizer_sha256: str,
+    *,
+    frame_seconds: float,
+    max_token_len: int,
+    cache_dir=None,
+) -> Path | None:
+    """``lookup`` for the tokenizer whose ``tokenizer_fingerprint`` is ``tokenizer_sha256``
+    (``model_file_fingerprint`` gives it from a tokenizer.model without loading NeMo)."""
     manifest_path = Path(manifest_path)
     directory = cache_directory(manifest_path, cache_dir)
     if not manifest_path.is_file() or not directory.is_dir():
         return None
     content = content_sha256(manifest_path, directory)
-    key = cache_key(content, tokenizer_fingerprint(tokenizer), frame_seconds, max_token_len)
+    key = cache_key(content, tokenizer_sha256, frame_seconds, max_token_len)
     return find_cache(directory, key)
+
+
+def model_file_fingerprint(model_path: Path) -> str:
+    """``tokenizer_fingerprint`` of the SentencePiece tokenizer of the file ``model_path``."""
+    model = Path(model_path).read_bytes()
+    return hashlib.sha256(sentencepiece_model_without_paths(model)).hexdigest()
 
 
 def ensure(

@@ -16,7 +16,10 @@ and train.py finds the same cache. Without this step train.py builds the caches 
 
 Reads: TRAIN_MANIFEST_PATH, VAL_MANIFEST_PATH, TOKENIZER_DIR, ENCODER_FRAME_SECONDS, MAX_TOKEN_LEN,
 CACHE_DIR, CACHE_BUILD_WORKERS (config.py). Prints per manifest: rows read, kept and dropped per
-reason, the cache's path and size, the build time, and the superseded caches it removed or kept.
+reason and language, the file listing every dropped row (the cache's dropped_rows.parquet, which
+scripts/manifest_report.py shows), the cache's path and size, the build time, and the superseded
+caches it removed or kept. For VAL_MANIFEST_PATH, one WARNING line per language that loses more
+than a tenth of its rows, saying what to change.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ def build_caches(manifests: list[Path], tokenizer, *, workers: int, progress: bo
 
 
 def format_summary(manifest: Path, info: training_cache.CacheInfo) -> str:
+    """What the build of ``manifest`` did, and a WARNING line per language of the validation
+    manifest (VAL_MANIFEST_PATH) that loses more than ``VALIDATION_DROP_WARN_SHARE`` of its rows."""
     s = info.summary
     size = training_cache.directory_size(info.path)
     dropped = ", ".join(f"{n} {reason}" for reason, n in s["dropped"].items())
@@ -76,9 +81,25 @@ def format_summary(manifest: Path, info: training_cache.CacheInfo) -> str:
         f"{s['truncated_to_max_token_len']} truncated to {s['max_token_len']} tokens",
         f"  cache {info.path} ({size / 2**20:.1f} MiB), {how}",
     ]
+    record = info.path / training_cache.DROPPED_FILE
+    if any(s["dropped"].values()):
+        by_lang = "; ".join(
+            f"{lang} " + ", ".join(f"{n} {reason}" for reason, n in by_reason.items())
+            for lang, by_reason in s["dropped_by_lang"].items()
+        )
+        lines.append(f"  dropped per language: {by_lang}; every dropped row is listed in {record}")
+    if _is_validation(manifest):
+        lines += [
+            "  " + training_cache.validation_drop_warning(manifest, heavy, s, record)
+            for heavy in training_cache.heavy_drops(s)
+        ]
     lines += [f"  removed superseded {p} ({n / 2**20:.1f} MiB)" for p, n in info.removed]
     lines += [f"  kept {p} ({n / 2**20:.1f} MiB): {why}" for p, n, why in info.kept_others]
     return "\n".join(lines)
+
+
+def _is_validation(manifest: Path) -> bool:
+    return Path(manifest).resolve() == Path(config.VAL_MANIFEST_PATH).resolve()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -226,6 +226,89 @@ def test_empty_and_all_dropped_manifests_give_empty_caches(tmp_path, tokenizer):
     assert info.summary["dropped"]["infeasible_tokens_gt_frames"] == 5
 
 
+# ------------------------------------------------------------------------------------------ the record of drops
+
+
+def planted_drops(n: int = 30) -> list[dict]:
+    """``rows(n)`` (every 11th row too short for one encoder frame) plus a bad duration at row 5
+    and, at row 17, a transcript longer than its 0.3 s of audio (3 frames)."""
+    table = rows(n)
+    table[5]["duration"] = -1.0
+    table[17]["text"] = tagged_text(table[17]["lang"], " ".join(WORDS))
+    table[17]["duration"] = 0.3
+    return table
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_every_dropped_row_is_recorded_with_its_id_tokens_and_frames(tmp_path, tokenizer, workers):
+    table = planted_drops()
+    path = write(tmp_path / "m.parquet", table, row_group_size=7)
+    info = ensure(path, tokenizer, workers=workers)
+    record = training_cache.read_dropped_rows(info.path).to_pylist()
+    expected = []
+    for k, row in enumerate(table):
+        frames = int(row["duration"] / 0.08 + 1e-9) if row["duration"] > 0 else 0
+        tokens = 1 + len(tokenizer.text_to_ids(row["text"].split(" ", 1)[1]))
+        if row["duration"] <= 0 or tokens > frames:
+            reason = "bad_duration" if row["duration"] <= 0 else "infeasible_tokens_gt_frames"
+            expected.append(
+                dict(
+                    manifest_row=k,
+                    segment_id=row["segment_id"],
+                    lang=row["lang"],
+                    reason=reason,
+                    tokens=tokens,
+                    frames=frames,
+                    duration=row["duration"],
+                )
+            )
+    assert [r["manifest_row"] for r in expected] == [0, 5, 11, 17, 22]
+    assert record == expected
+    s = info.summary
+    assert s["dropped"] == {"infeasible_tokens_gt_frames": 4, "bad_duration": 1}
+    assert s["read_by_lang"] == {"en": 10, "hi": 10, "mr": 10}
+    assert s["dropped_rows_file"] == training_cache.DROPPED_FILE
+
+
+def test_a_cache_without_drops_records_none(tmp_path, tokenizer):
+    path = write(tmp_path / "m.parquet", rows(10)[1:])
+    info = ensure(path, tokenizer)
+    assert training_cache.read_dropped_rows(info.path).num_rows == 0
+
+
+def test_a_build_dying_while_it_records_its_drops_leaves_no_cache(tmp_path, tokenizer, monkeypatch):
+    path = write(tmp_path / "m.parquet", planted_drops())
+    real_write = pq.write_table
+
+    def die_on_the_record(table, where, *args, **kwargs):
+        if str(where).endswith(training_cache.DROPPED_FILE):
+            raise KeyboardInterrupt
+        return real_write(table, where, *args, **kwargs)
+
+    monkeypatch.setattr(training_cache.pq, "write_table", die_on_the_record)
+    with pytest.raises(KeyboardInterrupt):
+        ensure(path, tokenizer)
+    assert caches(tmp_path) == [] and not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+    monkeypatch.setattr(training_cache.pq, "write_table", real_write)
+    info = ensure(path, tokenizer)
+    assert (
+        training_cache.read_dropped_rows(info.path).num_rows
+        == info.summary["rows_read"] - (info.summary["rows_kept"])
+    )
+
+
+def test_languages_losing_more_than_a_tenth_are_the_heavy_drops():
+    summary = {
+        "dropped_by_lang": {"hi": {"infeasible_tokens_gt_frames": 1}, "ml": {"bad_duration": 6}},
+        "read_by_lang": {"hi": 10, "ml": 10, "en": 10},
+    }
+    assert training_cache.heavy_drops(summary) == [
+        {"lang": "ml", "dropped": 6, "read": 10, "by_reason": {"bad_duration": 6}}
+    ]
+    summary["dropped_by_lang"]["hi"]["infeasible_tokens_gt_frames"] = 2
+    assert [d["lang"] for d in training_cache.heavy_drops(summary)] == ["ml", "hi"]
+
+
 # ------------------------------------------------------------------------------------------ atomicity
 
 
@@ -369,6 +452,31 @@ def test_build_script_caches_train_and_validation_for_training(
     assert not ds.load_summary["cache_built"]
     assert build_training_cache.main([]) == 0
     assert capsys.readouterr().out.count("already built: mapped") == 2
+
+
+def test_build_script_warns_of_a_validation_language_losing_more_than_a_tenth(
+    tmp_path, tokenizer, monkeypatch, capsys
+):
+    from scripts import build_training_cache
+
+    train = write(tmp_path / "train.parquet", rows(40, seed=5))  # loses a tenth too: no warning
+    val_rows = [r for r in rows(30, seed=6) if r["duration"] > 1]
+    for row in [r for r in val_rows if r["lang"] == "mr"][:3]:
+        row["duration"] = 0.1
+    val = write(tmp_path / "val.parquet", val_rows)
+    monkeypatch.setattr(config, "TRAIN_MANIFEST_PATH", train)
+    monkeypatch.setattr(config, "VAL_MANIFEST_PATH", val)
+    monkeypatch.setattr(config, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr(build_training_cache, "load_tokenizer", lambda _: tokenizer)
+    assert build_training_cache.main([]) == 0
+    out = capsys.readouterr().out
+    warnings = [line for line in out.splitlines() if "WARNING" in line]
+    mr_rows = sum(r["lang"] == "mr" for r in val_rows)
+    assert len(warnings) == 1, out
+    assert f"val.parquet: mr loses 3 of its {mr_rows} rows" in warnings[0]
+    assert "3 infeasible_tokens_gt_frames" in warnings[0] and "raise VOCAB_SIZE" in warnings[0]
+    assert f"{training_cache.DROPPED_FILE}" in warnings[0]
+    assert "dropped per language: mr 3 infeasible_tokens_gt_frames; every dropped row" in out
 
 
 def test_build_script_without_a_tokenizer_says_what_to_run(tmp_path, monkeypatch, capsys):
