@@ -1,4 +1,5 @@
-"""Plot a manifest: durations, hours and language mix, sampler buckets, and rows dropped upstream.
+"""Plot a manifest: durations, hours and language mix, sampler buckets, and every row dropped on
+the way to training.
 
 Usage:
     python scripts/manifest_report.py                                  # TRAIN_MANIFEST_PATH -> DATA_DIR/report
@@ -11,13 +12,19 @@ Writes into ``--out``:
     hours.png           hours of audio per language
     language_mix.png    natural, target and realized language shares of one sampler epoch at TEMPERATURE
     buckets.png         batches and utterances per duration bucket, padding efficiency per bucket
-    dropped.png         rows dropped by reason, one colour per build step (from *.summary.json)
+    dropped.png         rows dropped by reason (one colour per build step) and per language
     report.md           the same numbers as tables, with the plots inlined
 
 The sampler is sampler.DurationBucketBatchSampler with the config.py settings (BUCKET_BOUNDARIES,
 MAX_BATCH_DURATION, TEMPERATURE, LANG_WEIGHTING, GRAD_ACCUM, SEED, EPOCH_SIZE) on one rank, so
 the plots show the plan of a whole epoch. Build summaries default to every ``*.summary.json`` beside
-the manifest that has a ``dropped`` table (build_manifest.py, make_train_val.py).
+the manifest that has a ``dropped`` table (build_manifest.py, make_train_val.py). The training
+caches' drops (rows with more tokens than encoder frames, or no valid duration) come from the caches
+train.py would map for the manifest and, when it is TRAIN_MANIFEST_PATH, for VAL_MANIFEST_PATH
+(--val-manifest): built for TOKENIZER_DIR, ENCODER_FRAME_SECONDS and MAX_TOKEN_LEN in CACHE_DIR by
+scripts/build_training_cache.py. A validation language that loses more than a tenth of its rows
+there gets a WARNING line in report.md and on the terminal, and its dropped rows are listed by
+segment_id with their tokens and frames.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 import config
+import training_cache
 from atomic_files import atomic_write
 from manifest_schema import SUMMARY_SUFFIX
 
@@ -44,6 +52,9 @@ import matplotlib.ticker
 
 COLORS = {"natural": "#9e9e9e", "target": "#1f77b4", "realized": "#ff7f0e"}
 DPI = 110
+# Dropped rows listed in report.md per training cache, language and reason (the cache's
+# dropped_rows.parquet lists them all).
+CACHE_ROWS_LISTED = 10
 
 
 # --- data --------------------------------------------------------------------------------------
@@ -178,6 +189,99 @@ def read_summaries(paths: list[Path]) -> list[dict[str, Any]]:
     return steps
 
 
+def find_caches(manifest: Path, val_manifest: Path | None) -> tuple[list[tuple[Path, Path]], str]:
+    """([(manifest, its training cache)], a note on what was not found) for ``manifest`` and
+    ``val_manifest``: the caches ``training_cache.ensure`` would map with the configured
+    TOKENIZER_DIR, ENCODER_FRAME_SECONDS, MAX_TOKEN_LEN and CACHE_DIR (nothing is built)."""
+    model = Path(config.TOKENIZER_DIR) / "tokenizer.model"
+    if not model.is_file():
+        return [], (
+            f"No tokenizer at TOKENIZER_DIR={config.TOKENIZER_DIR}, so no training cache to read the "
+            "drops of (scripts/train_tokenizer.py, then scripts/build_training_cache.py)."
+        )
+    fingerprint = training_cache.model_file_fingerprint(model)
+    found, missing = [], []
+    for path in [manifest] + ([val_manifest] if val_manifest is not None else []):
+        cache = training_cache.lookup_by_fingerprint(
+            path,
+            fingerprint,
+            frame_seconds=config.ENCODER_FRAME_SECONDS,
+            max_token_len=config.MAX_TOKEN_LEN,
+            cache_dir=config.CACHE_DIR,
+        )
+        (found.append((Path(path), cache)) if cache is not None else missing.append(str(path)))
+    note = (
+        f"No training cache of {', '.join(missing)} for TOKENIZER_DIR={config.TOKENIZER_DIR}, "
+        f"ENCODER_FRAME_SECONDS={config.ENCODER_FRAME_SECONDS:g}, MAX_TOKEN_LEN="
+        f"{config.MAX_TOKEN_LEN}: its drops are not shown (scripts/build_training_cache.py builds it)."
+        if missing
+        else ""
+    )
+    return found, note
+
+
+def read_cache_drops(caches: list[tuple[Path, Path]], val_manifest: Path | None) -> list[dict]:
+    """Build steps (as ``read_summaries`` gives them) of the training caches, each also with its
+    ``record`` (the dropped_rows.parquet), ``listed`` (its first dropped rows per language and
+    reason) and ``warnings`` (one line per language of the validation manifest that loses more
+    than a tenth of its rows)."""
+    steps = []
+    for manifest, cache in caches:
+        meta = json.loads((cache / training_cache.META_FILE).read_text())
+        summary = meta["summary"]
+        record = cache / training_cache.DROPPED_FILE
+        table = training_cache.read_dropped_rows(cache)
+        listed = [
+            row
+            for _, group in itertools.groupby(
+                sorted(table.to_pylist(), key=lambda r: (r["lang"], r["reason"])),
+                key=lambda r: (r["lang"], r["reason"]),
+            )
+            for row in itertools.islice(group, CACHE_ROWS_LISTED)
+        ]
+        validation = val_manifest is not None and manifest.resolve() == val_manifest.resolve()
+        heavy = training_cache.heavy_drops(summary) if validation else []
+        steps.append(
+            {
+                "step": f"training cache of {manifest.stem}",
+                "path": str(cache),
+                "rows_in": summary["rows_read"],
+                "rows_out": summary["rows_kept"],
+                "dropped": {r: n for r, n in summary["dropped"].items() if n},
+                "dropped_by_lang": summary.get("dropped_by_lang", {}),
+                "val_rows": None,
+                "lang_corrections": {},
+                "record": str(record),
+                "listed": listed,
+                "heavy": heavy,
+                "warnings": [
+                    training_cache.validation_drop_warning(manifest, h, summary, record)
+                    for h in heavy
+                ],
+            }
+        )
+    return steps
+
+
+def drops_by_language(steps: list[dict]) -> tuple[list[str], list[tuple[str, str, dict]]]:
+    """(languages, [(step, reason, {lang: rows})]): every step's drops per language and reason."""
+    langs = sorted({lang for s in steps for lang in s["dropped_by_lang"]})
+    rows = [
+        (
+            s["step"],
+            reason,
+            {
+                lang: v[reason]
+                for lang, v in s["dropped_by_lang"].items()
+                if isinstance(v, dict) and v.get(reason)
+            },
+        )
+        for s in steps
+        for reason, _ in sorted(s["dropped"].items(), key=lambda kv: -kv[1])
+    ]
+    return langs, rows
+
+
 # --- plots -------------------------------------------------------------------------------------
 
 
@@ -308,7 +412,15 @@ def plot_dropped(steps: list[dict]) -> plt.Figure:
         for s in steps
         for reason, n in sorted(s["dropped"].items(), key=lambda kv: -kv[1])
     ]
-    fig, ax = plt.subplots(figsize=(10, 0.42 * max(1, len(items)) + 1.8))
+    langs, per_lang = drops_by_language(steps)
+    heights = (0.42 * max(1, len(items)) + 1.4, 0.42 * max(1, len(langs)) + 1.4)
+    fig, (ax, by_lang) = plt.subplots(
+        2,
+        1,
+        figsize=(10, sum(heights) + 0.6),
+        gridspec_kw={"height_ratios": heights},
+        squeeze=True,
+    )
     if not items:
         ax.text(0.5, 0.5, "no rows dropped", ha="center", va="center", fontsize=12)
         ax.set_axis_off()
@@ -337,8 +449,55 @@ def plot_dropped(steps: list[dict]) -> plt.Figure:
             fontsize=9,
         )
     ax.set_title("Rows dropped by reason, per build step")
+    _plot_dropped_by_language(by_lang, langs, per_lang, steps)
     fig.tight_layout()
     return fig
+
+
+def _plot_dropped_by_language(ax, langs: list[str], per_lang: list, steps: list[dict]) -> None:
+    """One stacked bar per language, a segment per (build step, reason)."""
+    if not langs:
+        ax.text(0.5, 0.5, "no rows dropped", ha="center", va="center", fontsize=12)
+        ax.set_axis_off()
+        return
+    palette = plt.get_cmap("tab20")
+    y = np.arange(len(langs))[::-1]
+    left = np.zeros(len(langs))
+    for k, (step, reason, counts) in enumerate(per_lang):
+        values = np.array([counts.get(lang, 0) for lang in langs], dtype=np.float64)
+        ax.barh(y, values, left=left, color=palette(k % 20), label=f"{step}: {reason}")
+        left += values
+    warned = {
+        h["lang"]: f"{100 * h['dropped'] / h['read']:.0f}%"
+        for s in steps
+        for h in s.get("heavy", [])
+    }
+    labels = [
+        f"{int(n):,}" + (f"  ({warned[lang]} of its validation rows)" if lang in warned else "")
+        for lang, n in zip(langs, left)
+    ]
+    for yy, n, label, lang in zip(y, left, labels, langs):
+        ax.text(
+            n,
+            yy,
+            " " + label,
+            va="center",
+            fontsize=9,
+            color="#c62828" if lang in warned else "black",
+        )
+    ax.set_yticks(y, langs)
+    ax.set_xlim(0, left.max() * (1.6 if warned else 1.2))
+    _thousands(ax.xaxis)
+    ax.set_xlabel("rows dropped")
+    ax.set_ylabel("language")
+    ax.legend(
+        title="build step: reason",
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        frameon=False,
+        fontsize=8,
+    )
+    ax.set_title("Rows dropped per language, every build step")
 
 
 def build_figures(
@@ -372,7 +531,12 @@ def _md_table(header: list[str], rows: list[list[Any]]) -> str:
 
 
 def write_markdown(
-    out: Path, manifest: Path, table: list[dict], plan: dict | None, steps: list[dict]
+    out: Path,
+    manifest: Path,
+    table: list[dict],
+    plan: dict | None,
+    steps: list[dict],
+    cache_note: str = "",
 ) -> str:
     total_h = sum(r["hours"] for r in table)
     parts = [
@@ -484,13 +648,35 @@ def write_markdown(
             "",
         ]
     parts += ["## Rows dropped", ""]
-    if not steps:
+    parts += [f"> **{line}**\n" for s in steps for line in s.get("warnings", [])]
+    if not any("record" not in s for s in steps):
         parts += [
             "No build summaries (`*.summary.json`) found beside the manifest; pass them with --summary.",
             "",
         ]
-    else:
-        parts += ["![rows dropped](dropped.png)", ""]
+    if cache_note:
+        parts += [cache_note, ""]
+    if steps:
+        langs, per_lang = drops_by_language(steps)
+        parts += [
+            "![rows dropped](dropped.png)",
+            "",
+            "Every build step's drops per language and reason:",
+            "",
+            _md_table(
+                ["build step", "reason", "rows", *langs],
+                [
+                    [
+                        step,
+                        reason,
+                        f"{sum(c.values()):,}",
+                        *(f"{c.get(lang, 0):,}" for lang in langs),
+                    ]
+                    for step, reason, c in per_lang
+                ],
+            ),
+            "",
+        ]
         for s in steps:
             total = sum(s["dropped"].values())
             rows_in = "?" if s["rows_in"] is None else f"{s['rows_in']:,}"
@@ -528,16 +714,53 @@ def write_markdown(
                     ),
                     "",
                 ]
+            if s.get("listed"):
+                parts += [
+                    f"Every dropped row is listed in `{s['record']}`; the first "
+                    f"{CACHE_ROWS_LISTED} per language and reason:",
+                    "",
+                    _md_table(
+                        ["segment_id", "lang", "reason", "tokens", "frames", "duration s", "row"],
+                        [
+                            [
+                                r["segment_id"],
+                                r["lang"],
+                                r["reason"],
+                                r["tokens"],
+                                r["frames"],
+                                f"{r['duration']:.2f}",
+                                r["manifest_row"],
+                            ]
+                            for r in s["listed"]
+                        ],
+                    ),
+                    "",
+                ]
     text = "\n".join(parts)
     atomic_write(out / "report.md", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
     return text
 
 
+def default_val_manifest(manifest: Path) -> Path | None:
+    """VAL_MANIFEST_PATH when ``manifest`` is TRAIN_MANIFEST_PATH and it exists, else None."""
+    val = Path(config.VAL_MANIFEST_PATH)
+    same = Path(manifest).resolve() == Path(config.TRAIN_MANIFEST_PATH).resolve()
+    return val if same and val.is_file() else None
+
+
 def write_report(
-    manifest: Path, out: Path, summaries: list[Path] | None = None, *, with_sampler: bool = True
+    manifest: Path,
+    out: Path,
+    summaries: list[Path] | None = None,
+    *,
+    with_sampler: bool = True,
+    val_manifest: Path | None = None,
 ) -> dict[str, Any]:
-    """Write the plots and report.md for ``manifest`` into ``out``; return what was written and the numbers."""
+    """Write the plots and report.md for ``manifest`` into ``out``; return what was written and the
+    numbers. The drops of the training caches of ``manifest`` and ``val_manifest`` (default
+    ``default_val_manifest``) are shown with the build summaries'."""
     manifest, out = Path(manifest), Path(out)
+    val_manifest = default_val_manifest(manifest) if val_manifest is None else Path(val_manifest)
     durations, languages = read_manifest(manifest)
     out.mkdir(parents=True, exist_ok=True)
     table = language_table(durations, languages)
@@ -548,17 +771,22 @@ def write_report(
         else ([] if isinstance(config.BUCKET_BOUNDARIES, str) else list(config.BUCKET_BOUNDARIES))
     )
     steps = read_summaries(find_summaries(manifest) if summaries is None else summaries)
+    caches, cache_note = find_caches(manifest, val_manifest)
+    steps += read_cache_drops(caches, val_manifest)
     figures = build_figures(durations, languages, table, plan, steps, edges)
     for name, fig in figures.items():
         _save(fig, out / name)
     files = list(figures)
-    write_markdown(out, manifest, table, plan, steps)
+    write_markdown(out, manifest, table, plan, steps, cache_note)
     return {
         "out": str(out),
         "files": files + ["report.md"],
         "languages": table,
         "padding_efficiency": plan["stats"]["padding_efficiency"] if plan else None,
-        "summaries": [s["path"] for s in steps],
+        "summaries": [s["path"] for s in steps if "record" not in s],
+        "caches": [str(cache) for _, cache in caches],
+        "cache_note": cache_note,
+        "warnings": [line for s in steps for line in s.get("warnings", [])],
     }
 
 
@@ -594,6 +822,13 @@ def main(argv: list[str] | None = None) -> int:
         "*.summary.json beside the manifest)",
     )
     parser.add_argument(
+        "--val-manifest",
+        type=Path,
+        default=None,
+        help="the validation manifest whose training cache's drops to show and warn about (default "
+        "VAL_MANIFEST_PATH when the manifest is TRAIN_MANIFEST_PATH)",
+    )
+    parser.add_argument(
         "--no-sampler",
         action="store_true",
         help="skip the language-mix and bucket plots (they build one sampler epoch)",
@@ -603,7 +838,13 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out if args.out is not None else config.DATA_DIR / "report"
     started = time.perf_counter()
     try:
-        result = write_report(manifest, out, args.summary, with_sampler=not args.no_sampler)
+        result = write_report(
+            manifest,
+            out,
+            args.summary,
+            with_sampler=not args.no_sampler,
+            val_manifest=args.val_manifest,
+        )
     except (FileNotFoundError, ValueError) as exc:
         print(f"manifest_report: error: {exc}", file=sys.stderr)
         return 1
@@ -616,6 +857,9 @@ def main(argv: list[str] | None = None) -> int:
     if result["padding_efficiency"] is not None:
         print(f"  padding efficiency of one epoch: {result['padding_efficiency']:.3f}")
     print(f"  drops from: {', '.join(result['summaries']) or 'no summaries found'}")
+    print(f"  training caches: {', '.join(result['caches']) or result['cache_note']}")
+    for line in result["warnings"]:
+        print(f"  {line}")
     print(f"wrote {', '.join(result['files'])} to {result['out']}")
     return 0
 

@@ -20,6 +20,7 @@ import config
 from manifest_schema import tagged_text
 from sampler import BatchingSettings, DurationBucketBatchSampler
 from scripts import manifest_report as mr
+from tests.conftest import WORDS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -283,3 +284,117 @@ def test_help_shows_an_example_and_the_config_defaults():
         and "TRAIN_MANIFEST_PATH" in done.stdout
         and "--summary" in done.stdout
     )
+
+
+# --- the training caches' drops ------------------------------------------------------------------
+
+
+def cache_manifest(path: Path, langs: dict[str, int], short: dict[str, int]) -> Path:
+    """A manifest of 5 s rows, the first ``short[lang]`` rows of each language 0.1 s long (one
+    encoder frame, fewer than any transcript's tokens: the cache drops them)."""
+    rows = []
+    for lang, n in langs.items():
+        for i in range(n):
+            rows.append(
+                {
+                    "segment_id": f"{path.stem}-{lang}-{i}",
+                    "shard_id": f"src/{lang}/shard_0000",
+                    "text": tagged_text(lang, " ".join(WORDS[: 2 + i % 4])),
+                    "duration": 0.1 if i < short.get(lang, 0) else 5.0,
+                    "lang": lang,
+                    "audio_filepath": f"/data/src/{lang}/shard_0000/{i}.flac",
+                    "source": "src",
+                }
+            )
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+@pytest.fixture
+def cached(tmp_path, tokenizer, monkeypatch):
+    """A train and a validation manifest with their training caches built, the configured paths
+    pointing at them, and a build_manifest summary beside them."""
+    import training_cache
+
+    train = cache_manifest(tmp_path / "train.parquet", {"hi": 30, "en": 30}, {"hi": 2})
+    val = cache_manifest(
+        tmp_path / "val.parquet", {"hi": 10, "en": 10, "mr": 4}, {"mr": 3, "hi": 1}
+    )
+    (tmp_path / "master_manifest.summary.json").write_text(json.dumps(MASTER_SUMMARY))
+    monkeypatch.setattr(config, "TRAIN_MANIFEST_PATH", train)
+    monkeypatch.setattr(config, "VAL_MANIFEST_PATH", val)
+    (tmp_path / "tokenizer").mkdir()
+    model = tokenizer.tokenizer.serialized_model_proto()
+    (tmp_path / "tokenizer" / "tokenizer.model").write_bytes(model)
+    monkeypatch.setattr(config, "TOKENIZER_DIR", tmp_path / "tokenizer")
+    monkeypatch.setattr(config, "CACHE_DIR", None)
+    for path in (train, val):
+        training_cache.ensure(
+            path,
+            tokenizer,
+            frame_seconds=config.ENCODER_FRAME_SECONDS,
+            max_token_len=config.MAX_TOKEN_LEN,
+            progress=False,
+        )
+    return {"train": train, "val": val, "dir": tmp_path}
+
+
+def test_the_report_shows_the_training_caches_drops_per_language_and_reason(cached):
+    out = cached["dir"] / "report"
+    result = mr.write_report(cached["train"], out, with_sampler=False)
+    md = (out / "report.md").read_text()
+    assert len(result["caches"]) == 2 and not result["cache_note"]
+    assert "| build step | reason | rows | hi | mr | ta |" in md
+    assert "| master_manifest | duration_too_long | 7 | 7 | 0 | 0 |" in md
+    assert "| training cache of train | infeasible_tokens_gt_frames | 2 | 2 | 0 | 0 |" in md
+    assert "| training cache of val | infeasible_tokens_gt_frames | 4 | 1 | 3 | 0 |" in md
+    assert "24 rows in, 20 out" in md
+    assert "| val-mr-0 | mr | infeasible_tokens_gt_frames |" in md
+    assert "dropped_rows.parquet" in md
+    assert "dropped.png" in result["files"]
+    image = matplotlib.image.imread(out / "dropped.png")
+    assert image[..., :3].std() > 0.05
+
+
+def test_a_dropped_rows_listing_gives_its_tokens_and_frames(cached, tokenizer):
+    out = cached["dir"] / "report"
+    mr.write_report(cached["train"], out, with_sampler=False)
+    md = (out / "report.md").read_text()
+    tokens = 1 + len(tokenizer.text_to_ids(" ".join(WORDS[:2])))
+    assert f"| val-mr-0 | mr | infeasible_tokens_gt_frames | {tokens} | 1 | 0.10 |" in md
+
+
+def test_a_validation_language_losing_more_than_a_tenth_is_warned_once(cached, capsys):
+    out = cached["dir"] / "report"
+    result = mr.write_report(cached["train"], out, with_sampler=False)
+    md = (out / "report.md").read_text()
+    # mr loses 3 of 4 and hi 1 of 10 (not more than a tenth); the training manifest is not warned.
+    assert len(result["warnings"]) == 1
+    warning = result["warnings"][0]
+    assert "val.parquet: mr loses 3 of its 4 rows (75%)" in warning
+    assert "raise VOCAB_SIZE" in warning and "MAX_TOKEN_LEN" in warning
+    assert f"> **{warning}**" in md
+    assert mr.main([str(cached["train"]), "--out", str(out), "--no-sampler"]) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if "WARNING" in line]
+    assert printed == [f"  {warning}"]
+
+
+def test_the_dropped_plot_names_every_language_without_overlaps(cached):
+    steps = mr.read_summaries(mr.find_summaries(cached["train"]))
+    caches, _ = mr.find_caches(cached["train"], cached["val"])
+    steps += mr.read_cache_drops(caches, cached["val"])
+    fig = mr.plot_dropped(steps)
+    texts = [t.get_text() for t in drawn_texts(fig)]
+    assert {"hi", "mr", "ta"} <= set(texts)
+    assert any("75% of its validation rows" in t for t in texts)
+    renderer = fig.canvas.get_renderer()
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in drawn_texts(fig)]
+    assert not [(a, b) for (a, x), (b, y) in itertools.combinations(boxes, 2) if x.overlaps(y)]
+    assert all(box.x1 <= fig.bbox.x1 + 1 and box.x0 >= -1 for _, box in boxes)
+
+
+def test_without_a_cache_the_report_says_how_to_build_it(cached, tmp_path, monkeypatch):
+    other = cache_manifest(tmp_path / "other.parquet", {"hi": 5}, {})
+    result = mr.write_report(other, tmp_path / "out", with_sampler=False)
+    assert result["caches"] == [] and "scripts/build_training_cache.py" in result["cache_note"]
+    assert result["cache_note"] in (tmp_path / "out" / "report.md").read_text()
