@@ -497,6 +497,15 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         steps=("make_train_val", "build_cache", "train", "evaluate"),
     )
     knob(
+        "TEST_MANIFEST_PATH",
+        data_dir / "test_manifest_v2.parquet",
+        _path,
+        "make_train_val.py output: the source's own test split, never trained on "
+        "(scripts/evaluate.py MODEL --manifest it)",
+        derived=True,
+        steps=("make_train_val",),
+    )
+    knob(
         "TOKENIZER_DIR",
         data_dir / "tokenizer",
         _path,
@@ -1163,6 +1172,7 @@ IMPORTED_AUDIO_DIR: Path
 MASTER_MANIFEST_PATH: Path
 TRAIN_MANIFEST_PATH: Path
 VAL_MANIFEST_PATH: Path
+TEST_MANIFEST_PATH: Path
 TOKENIZER_DIR: Path
 CACHE_DIR: Path | None
 CACHE_BUILD_WORKERS: int

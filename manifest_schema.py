@@ -168,6 +168,23 @@ def write_manifest(frame: pl.DataFrame, path: str | Path) -> None:
 # The parquet metadata key make_train_val.py writes into both halves of one split (and its summary).
 SPLIT_ID_KEY = "split_id"
 
+# A source's own split of its rows (the master's optional ``split`` column): each name a source
+# may give, and what make_train_val.py does with its rows: train on them, validate on them, or hold
+# them out for the test manifest. Common Voice's validated, other and invalidated TSVs add only
+# clips outside its train, dev and test, so they train.
+SPLIT_COLUMN = "split"
+SPLIT_ROLES = {
+    "train": "train",
+    "validated": "train",
+    "other": "train",
+    "invalidated": "train",
+    "dev": "val",
+    "validation": "val",
+    "test": "test",
+}
+# What a source's ``split=`` option may name (source_readers).
+SOURCE_SPLITS = ("train", "dev", "test")
+
 
 def split_id(path: str | Path) -> str | None:
     """The split id in a manifest's parquet metadata, or None (a manifest written elsewhere)."""

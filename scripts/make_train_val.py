@@ -62,7 +62,9 @@ from manifest_schema import (
     LANG_CODE_PATTERN,
     LEGACY_AUDIO_COLUMNS,
     OUTPUT_COLUMNS,
+    SPLIT_COLUMN,
     SPLIT_ID_KEY,
+    SPLIT_ROLES,
     ManifestError,
     check_language_selection,
     counts_by,
@@ -213,6 +215,9 @@ def make_train_val(
     train_path: Path | None = None,
     val_path: Path | None = None,
     *,
+    test_path: Path | None = None,
+    splits: str | None = None,
+    keep_leaks: bool = False,
     val_per_lang: int | None = None,
     seed: int | None = None,
     lang_fixes: Path | None = None,
@@ -235,13 +240,22 @@ def make_train_val(
     left to train on, or (with val_per_lang > 0) a language with a quota that gets no validation row,
     unless ``allow_short_val``.
 
+    ``splits`` is ``keep`` (the master's ``split`` column decides each row's side; rows without
+    one are split as ``resplit`` does, for the languages with no validation rows of their own, and
+    train otherwise), ``resplit`` (train and dev rows pooled and split by speaker) or None (keep
+    when the master has a split column with a value). Either way a ``test`` row goes to the test
+    manifest (``test_path``, written with the set when there are test rows) and never to train or
+    validation. Rows whose speaker or audio is also in a more held-out split are leaks
+    (``mark_leaks``): dropped unless ``keep_leaks``, and reported either way.
+
     None means the config value (MASTER_MANIFEST_PATH, TRAIN_MANIFEST_PATH, VAL_MANIFEST_PATH,
-    VAL_PER_LANG, SEED, SCRIPT_VOTE_THRESHOLD, VAL_MAX_FRACTION, LANGUAGES).
+    TEST_MANIFEST_PATH, VAL_PER_LANG, SEED, SCRIPT_VOTE_THRESHOLD, VAL_MAX_FRACTION, LANGUAGES).
     """
     started = time.perf_counter()
     master = Path(config.MASTER_MANIFEST_PATH if master is None else master)
     train_path = Path(config.TRAIN_MANIFEST_PATH if train_path is None else train_path)
     val_path = Path(config.VAL_MANIFEST_PATH if val_path is None else val_path)
+    test_path = Path(config.TEST_MANIFEST_PATH if test_path is None else test_path)
     val_per_lang = config.VAL_PER_LANG if val_per_lang is None else val_per_lang
     seed = config.SEED if seed is None else seed
     threshold = config.SCRIPT_VOTE_THRESHOLD if threshold is None else threshold
@@ -251,6 +265,10 @@ def make_train_val(
         raise SplitError(f"--val-per-lang {val_per_lang}: expected a count >= 0")
     if train_path.resolve() == val_path.resolve():
         raise SplitError(f"train and validation manifests are the same file: {train_path}")
+    if test_path.resolve() in (train_path.resolve(), val_path.resolve()):
+        raise SplitError(f"the test manifest {test_path} is also the train or validation manifest")
+    if splits not in (None, "keep", "resplit"):
+        raise SplitError(f"--splits {splits}: expected keep or resplit")
 
     frame = load_master(master).with_row_index("row")
     rows_in = frame.height
@@ -260,22 +278,57 @@ def make_train_val(
             f"({summary_path(master).name}) for what build_manifest.py dropped"
         )
     columns = [c for c in frame.columns if c != "row"]
+    has_splits = SPLIT_COLUMN in frame.columns and frame[SPLIT_COLUMN].null_count() < rows_in
+    splits = splits or ("keep" if has_splits else "resplit")
+    frame = frame.with_columns(split_roles(frame, splits, master))
     frame, tags = correct_languages(frame, threshold, lang_fixes)
     frame = mark_unselected_languages(frame, languages, master)
     frame = mark_duplicates(frame, keep_duplicate_texts)
     kept = frame.filter(pl.col("reason").is_null())
-    if kept.is_empty():
+    if kept.filter(pl.col("role").fill_null("") != "test").is_empty():
         raise SplitError(
-            f"every one of the {rows_in} rows of {master} was dropped ({counts_by(frame, 'reason')}): "
-            f"nothing to train on; check LANGUAGES={','.join(languages) or '(all)'} and the master"
+            f"every one of the {rows_in} rows of {master} was dropped or is a test row "
+            f"({counts_by(frame, 'reason')}): nothing to train on; check "
+            f"LANGUAGES={','.join(languages) or '(all)'} and the master"
         )
-    train, val, split = split_by_groups(kept, val_per_lang, max_val_fraction, seed, allow_short_val)
-    large_val = large_validation_shares(train, val, config.VAL_WARN_FRACTION)
+    train, val, test, split = place_rows(
+        kept, splits, val_per_lang, max_val_fraction, seed, allow_short_val
+    )
+    large_val = large_validation_shares(
+        split.pop("resplit_train"), split.pop("resplit_val"), config.VAL_WARN_FRACTION
+    )
     for line in format_large_validation(large_val, config.VAL_WARN_FRACTION):
         print(f"make_train_val: warning: {line}", file=sys.stderr)
+    sides = pl.concat(
+        [
+            part.with_columns(pl.lit(side).alias("side"))
+            for side, part in (("train", train), ("val", val), ("test", test))
+        ],
+        how="diagonal",
+    )
+    sides, leaks = mark_leaks(sides, keep_duplicate_texts, keep_leaks)
+    removed = sides.filter(pl.col("leak").is_not_null() & ~pl.lit(keep_leaks))
+    if removed.height:
+        frame = (
+            frame.join(
+                removed.select("row", pl.col("leak").alias("leak_reason")), on="row", how="left"
+            )
+            .with_columns(pl.coalesce("leak_reason", "reason").alias("reason"))
+            .drop("leak_reason")
+        )
+    train, val, test = (
+        sides.filter((pl.col("side") == side) & ~pl.col("row").is_in(removed["row"].implode()))
+        for side in ("train", "val", "test")
+    )
+    if train.is_empty() and removed.filter(pl.col("side") == "train").height:
+        raise SplitError(
+            f"every training row of {master} leaks into validation or test ({leaks['rows']}): "
+            f"nothing to train on; check the master's split column, or pass --keep-leaks"
+        )
     summary = {
-        **count_rows(rows_in, frame, train, val, split["quota"]),
+        **count_rows(rows_in, frame, train, val, split["quota"], test),
         **tags,
+        "leaks": leaks,
         "split": {
             **{k: v for k, v in split.items() if k != "quota"},
             "large_val_share": large_val,
@@ -288,6 +341,8 @@ def make_train_val(
             "threshold": threshold,
             "languages": list(languages),
             "keep_duplicate_texts": keep_duplicate_texts,
+            "splits": splits,
+            "keep_leaks": keep_leaks,
         },
     }
     order = ["shard_id", "segment_id", "row"]
@@ -295,6 +350,9 @@ def make_train_val(
         train_path: train.sort(order).select(columns),
         val_path: val.sort(order).select(columns),
     }
+    if test.height:
+        halves[test_path] = test.sort(order).select(columns)
+        summary["test_manifest"] = str(test_path)
     summary["split_id"] = split_id = _split_id(halves.values(), seed)
     if nemo_json:
         summary["nemo_json"] = [str(nemo_json_path(path)) for path in halves]
@@ -394,18 +452,25 @@ def mark_duplicates(frame: pl.DataFrame, keep_duplicate_texts: bool) -> pl.DataF
     so only a shard's re-delivered utterance shares one), then one per audio file
     (``duplicate_audio``), then one per (lang, text, duration) (``duplicate_text``) unless
     ``keep_duplicate_texts``; the best tx_quality_score wins, ties broken on shard_id,
-    segment_id, audio_filepath, row."""
+    segment_id, audio_filepath, row. With a ``role`` column (``split_roles``), rows are compared
+    only with rows of the same role (train and no role together): a copy across a source's own
+    splits is a leak, which ``mark_leaks`` finds and reports, not a duplicate."""
     best_first = ["tx_quality_score", "shard_id", "segment_id", "audio_filepath", "row"]
     descending = [True, False, False, False, False]
     alive = frame.filter(pl.col("reason").is_null()).sort(
         best_first, descending=descending, nulls_last=True
     )
-    dup_id = alive.filter(~pl.col("segment_id").is_first_distinct()).get_column("row")
-    alive = alive.filter(pl.col("segment_id").is_first_distinct())
-    dup_audio = alive.filter(~pl.col("audio_filepath").is_first_distinct()).get_column("row")
-    alive = alive.filter(pl.col("audio_filepath").is_first_distinct())
+    held = pl.col("role").fill_null("train") if "role" in frame.columns else pl.lit("train")
+
+    def first(*key: str) -> pl.Expr:
+        return pl.struct(held.alias("_held"), *key).is_first_distinct()
+
+    dup_id = alive.filter(~first("segment_id")).get_column("row")
+    alive = alive.filter(first("segment_id"))
+    dup_audio = alive.filter(~first("audio_filepath")).get_column("row")
+    alive = alive.filter(first("audio_filepath"))
     dup_text = (
-        alive.filter(~pl.struct("lang", "text", "duration").is_first_distinct()).get_column("row")
+        alive.filter(~first("lang", "text", "duration")).get_column("row")
         if not keep_duplicate_texts
         else pl.Series([], dtype=pl.UInt32)
     )
@@ -419,6 +484,147 @@ def mark_duplicates(frame: pl.DataFrame, keep_duplicate_texts: bool) -> pl.DataF
         .otherwise("reason")
         .alias("reason")
     )
+
+
+def split_roles(frame: pl.DataFrame, splits: str, master: Path) -> pl.Series:
+    """Each row's side as its source gave it (the ``split`` column through ``SPLIT_ROLES``):
+    ``train``, ``val``, ``test``, or null for a row without a split of its own. With ``resplit``
+    only ``test`` is kept (the rest is pooled). In ``keep`` mode a split name outside
+    ``SPLIT_ROLES`` is a SplitError naming it."""
+    if SPLIT_COLUMN not in frame.columns:
+        return pl.Series("role", [None] * frame.height, dtype=pl.String)
+    given = frame.get_column(SPLIT_COLUMN).cast(pl.String)
+    role = given.replace_strict(SPLIT_ROLES, default=None, return_dtype=pl.String)
+    unknown = given.filter(given.is_not_null() & role.is_null())
+    if splits == "keep" and unknown.len():
+        counts = ", ".join(f"{v!r} ({n} rows)" for v, n in unknown.value_counts(sort=True).rows())
+        raise SplitError(
+            f"{master}: split column holds {counts}, which is none of "
+            f"{', '.join(SPLIT_ROLES)}: import that source with :split=train|dev|test, or pass "
+            f"--splits resplit to split by speaker"
+        )
+    if splits == "resplit":
+        is_test = (role == "test").fill_null(False)
+        role = role.zip_with(is_test, pl.Series([None] * role.len(), dtype=pl.String))
+    return role.alias("role")
+
+
+def place_rows(
+    kept: pl.DataFrame,
+    splits: str,
+    val_per_lang: int,
+    max_val_fraction: float,
+    seed: int,
+    allow_short_val: bool,
+) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, dict[str, Any]]:
+    """Step 4: (train, validation, test, the summary's split entries plus ``quota`` and the rows
+    ``split_by_groups`` placed as ``resplit_train`` and ``resplit_val``). Test rows are the test
+    rows whatever ``splits`` says. ``resplit`` splits every other row by speaker; ``keep`` keeps
+    the train and validation rows where their source put them and splits by speaker only the rows
+    without a split of their own of the languages that have no validation rows of their own (the
+    others' go to train). A language with train rows and no validation row is a SplitError unless
+    ``allow_short_val``."""
+    role = pl.col("role")
+    test = kept.filter(role == "test")
+    if splits == "resplit":
+        pool = kept.filter(role.is_null())
+        train, val, split = split_by_groups(
+            pool, val_per_lang, max_val_fraction, seed, allow_short_val
+        )
+        return (
+            train,
+            val,
+            test,
+            {"mode": "resplit", **split, "resplit_train": train, "resplit_val": val},
+        )
+    own_val, own_train = kept.filter(role == "val"), kept.filter(role == "train")
+    unsplit = kept.filter(role.is_null())
+    with_val = own_val.get_column("lang").unique().implode()
+    to_split = unsplit.filter(~pl.col("lang").is_in(with_val))
+    split: dict[str, Any] = {"quota": {}}
+    placed_train, placed_val = to_split.clear(), to_split.clear()
+    if to_split.height:
+        placed_train, placed_val, split = split_by_groups(
+            to_split, val_per_lang, max_val_fraction, seed, allow_short_val
+        )
+    train = pl.concat(
+        [own_train, unsplit.filter(pl.col("lang").is_in(with_val)), placed_train], how="diagonal"
+    )
+    val = pl.concat([own_val, placed_val], how="diagonal")
+    no_val = sorted(set(train.get_column("lang")) - set(val.get_column("lang")))
+    if no_val and not allow_short_val:
+        raise SplitError(
+            f"no validation rows for {', '.join(no_val)}: their rows come with a train split and "
+            f"none with dev; import the source's dev split too (a Common Voice folder's dev.tsv, or "
+            f"a source with :split=dev), pass --splits resplit to split train by speaker, or pass "
+            f"--allow-short-val"
+        )
+    return (
+        train,
+        val,
+        test,
+        {
+            "mode": "keep",
+            "kept": {"train": own_train.height, "val": own_val.height, "test": test.height},
+            "resplit_languages": sorted(set(to_split.get_column("lang"))),
+            **split,
+            "resplit_train": placed_train,
+            "resplit_val": placed_val,
+        },
+    )
+
+
+# How held out each side is: a leak is removed from the less held-out side.
+HELD_OUT = {"test": 0, "val": 1, "train": 2}
+
+
+def mark_leaks(
+    sides: pl.DataFrame, keep_duplicate_texts: bool, keep_leaks: bool
+) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """Step 5: ``sides`` (the placed rows, ``side`` train, val or test) with ``leak``: a row's
+    ``leak_audio`` when its utterance (the same segment_id, the same audio file, or, unless
+    ``keep_duplicate_texts``, the same language, text and duration) is also on a more held-out
+    side (test, then val, then train), else ``leak_speaker`` when its speaker is; null otherwise.
+    The rows of the most held-out side never leak. Also the report: ``{"removed": not keep_leaks,
+    "rows": {"audio"|"speaker": {"train/test": n, ...}}, "speakers": {"train/test": n, ...}}``
+    ("train/test": train rows that are also in test)."""
+    rank = pl.col("side").replace_strict(HELD_OUT, return_dtype=pl.Int8)
+    keys: list[Any] = ["segment_id", "audio_filepath"]
+    if not keep_duplicate_texts:
+        keys.append(pl.struct("lang", "text", "duration"))
+    audio = pl.min_horizontal([rank.min().over(key) for key in keys])
+    speaker = pl.lit(None, dtype=pl.Int8)
+    if "speaker_id" in sides.columns:
+        speaker = pl.when(pl.col("speaker_id").is_not_null()).then(rank.min().over("speaker_id"))
+    sides = sides.with_columns(rank.alias("_rank"), audio.alias("_audio"), speaker.alias("_spk"))
+    names = {rank: side for side, rank in HELD_OUT.items()}
+    sides = sides.with_columns(
+        pl.when(pl.col("_audio") < pl.col("_rank"))
+        .then(pl.lit("leak_audio"))
+        .when(pl.col("_spk") < pl.col("_rank"))
+        .then(pl.lit("leak_speaker"))
+        .alias("leak"),
+        pl.when(pl.col("_audio") < pl.col("_rank"))
+        .then(pl.col("_audio"))
+        .otherwise(pl.col("_spk"))
+        .replace_strict(names, default=None, return_dtype=pl.String)
+        .alias("_against"),
+    )
+    leaking = sides.filter(pl.col("leak").is_not_null()).with_columns(
+        pl.concat_str("side", pl.lit("/"), "_against").alias("pair"),
+        pl.col("leak").str.strip_prefix("leak_").alias("kind"),
+    )
+    speakers = (
+        leaking.filter(pl.col("kind") == "speaker")
+        .group_by("pair")
+        .agg(pl.col("speaker_id").n_unique())
+    )
+    report = {
+        "removed": not keep_leaks,
+        "rows": counts_by(leaking, "kind", "pair"),
+        "speakers": dict(sorted(speakers.rows())),
+    }
+    return sides.drop("_rank", "_audio", "_spk", "_against"), report
 
 
 def split_by_groups(
@@ -545,20 +751,28 @@ def _why_no_validation(
 
 
 def count_rows(
-    rows_in: int, frame: pl.DataFrame, train: pl.DataFrame, val: pl.DataFrame, quota: dict
+    rows_in: int,
+    frame: pl.DataFrame,
+    train: pl.DataFrame,
+    val: pl.DataFrame,
+    quota: dict,
+    test: pl.DataFrame | None = None,
 ) -> dict[str, Any]:
-    """The summary's counts: rows in, train and validation rows, drops per reason and language,
-    validation per language and its shortfall against the quota. Asserts that every row is
-    accounted for."""
+    """The summary's counts: rows in, train, validation and test rows, drops per reason and
+    language, validation and test per language and validation's shortfall against the quota.
+    Asserts that every row is accounted for."""
+    test = val.clear() if test is None else test
     dropped_rows = frame.filter(pl.col("reason").is_not_null())
     dropped = counts_by(dropped_rows, "reason")
     val_by_lang = counts_by(val, "lang")
-    total = train.height + val.height + sum(dropped.values())
+    total = train.height + val.height + test.height + sum(dropped.values())
     assert rows_in == total, f"row accounting broke: {rows_in} in != {total} out"
     return {
         "rows_in": rows_in,
         "rows_out": train.height,
         "val_rows": val.height,
+        "test_rows": test.height,
+        "test_by_lang": counts_by(test, "lang"),
         "dropped": dropped,
         "dropped_by_lang": counts_by(dropped_rows, "lang", "reason"),
         "kept_by_lang": counts_by(train, "lang"),
@@ -706,7 +920,23 @@ def format_confusion(corrections: dict[str, int]) -> str:
     return "\n".join(lines)
 
 
-def format_summary(summary: dict[str, Any], train_path: Path, val_path: Path) -> str:
+def format_leaks(leaks: dict[str, Any]) -> str:
+    """One line: the rows of each side whose audio or speaker is also on a more held-out side."""
+    parts = []
+    for kind, pairs in sorted(leaks["rows"].items()):
+        for pair, n in pairs.items():
+            side, other = pair.split("/")
+            who = f" ({leaks['speakers'][pair]:,} speakers)" if kind == "speaker" else ""
+            parts.append(f"{n:,} {side} rows share their {kind}{who} with {other}")
+    if not parts:
+        return "leaks across splits: none (no speaker and no audio in two splits)"
+    action = "removed (--keep-leaks keeps them)" if leaks["removed"] else "kept (--keep-leaks)"
+    return f"leaks across splits: {'; '.join(parts)}: {action}"
+
+
+def format_summary(
+    summary: dict[str, Any], train_path: Path, val_path: Path, test_path: Path | None = None
+) -> str:
     lines = [format_confusion(summary["lang_corrections"])]
     if summary["unresolved_devanagari_conflicts"]:
         lines.append(
@@ -714,31 +944,63 @@ def format_summary(summary: dict[str, Any], train_path: Path, val_path: Path) ->
             + ", ".join(f"{k}={v:,}" for k, v in summary["unresolved_devanagari_conflicts"].items())
         )
     dropped = sum(summary["dropped"].values())
+    test_rows = summary.get("test_rows", 0)
     lines.append(
         f"rows: {summary['rows_in']:,} in = {summary['rows_out']:,} train + {summary['val_rows']:,} val "
-        f"+ {dropped:,} dropped"
+        + (f"+ {test_rows:,} test " if test_rows else "")
+        + f"+ {dropped:,} dropped"
     )
     for reason, n in sorted(summary["dropped"].items()):
         lines.append(f"  dropped {reason:<24} {n:>12,}")
+    test_by_lang = summary.get("test_by_lang", {})
     langs = sorted(
-        set(summary["kept_by_lang"]) | set(summary["val_by_lang"]) | set(summary["dropped_by_lang"])
+        set(summary["kept_by_lang"])
+        | set(summary["val_by_lang"])
+        | set(test_by_lang)
+        | set(summary["dropped_by_lang"])
     )
-    lines.append(f"  {'lang':<8} {'train':>12} {'val':>8} {'dropped':>10}")
+    test_head = f" {'test':>8}" if test_rows else ""
+    lines.append(f"  {'lang':<8} {'train':>12} {'val':>8}{test_head} {'dropped':>10}")
     for lang in langs:
+        test_cell = f" {test_by_lang.get(lang, 0):>8,}" if test_rows else ""
         lines.append(
-            f"  {lang:<8} {summary['kept_by_lang'].get(lang, 0):>12,} {summary['val_by_lang'].get(lang, 0):>8,} "
-            f"{sum(summary['dropped_by_lang'].get(lang, {}).values()):>10,}"
+            f"  {lang:<8} {summary['kept_by_lang'].get(lang, 0):>12,} {summary['val_by_lang'].get(lang, 0):>8,}"
+            f"{test_cell} {sum(summary['dropped_by_lang'].get(lang, {}).values()):>10,}"
         )
     if summary["val_shortfall"]:
         lines.append(
             "validation short of its quota (groups too large to fit): "
             + ", ".join(f"{k}={v}" for k, v in summary["val_shortfall"].items())
         )
-    lines.append(
-        f"split grouped by {summary['split']['grouped_by']}: {summary['split']['val_groups']:,} val groups, "
-        f"{summary['split']['train_groups']:,} train groups"
-    )
-    lines.append(f"wrote {train_path}, {val_path} and {summary_path(train_path).name}")
+    split = summary["split"]
+    if split.get("mode") == "keep":
+        kept = split["kept"]
+        lines.append(
+            f"splits kept as the sources gave them: {kept['train']:,} train, {kept['val']:,} dev, "
+            f"{kept['test']:,} test rows"
+            + (
+                f"; rows without a split split by speaker for {', '.join(split['resplit_languages'])}"
+                if split["resplit_languages"]
+                else ""
+            )
+            + " (--splits resplit splits train and dev by speaker instead)"
+        )
+    if "grouped_by" in split:
+        lines.append(
+            f"split grouped by {split['grouped_by']}: {split['val_groups']:,} val groups, "
+            f"{split['train_groups']:,} train groups"
+        )
+    if "leaks" in summary:
+        lines.append(format_leaks(summary["leaks"]))
+    written = [train_path, val_path]
+    if summary.get("test_manifest"):
+        written.append(Path(summary["test_manifest"]))
+    lines.append(f"wrote {', '.join(map(str, written))} and {summary_path(train_path).name}")
+    if summary.get("test_manifest"):
+        lines.append(
+            f"score a model on the test split: python scripts/evaluate.py MODEL --manifest "
+            f"{summary['test_manifest']}"
+        )
     if summary.get("nemo_json"):
         lines.append(f"wrote NeMo JSON manifests {', '.join(summary['nemo_json'])}")
     return "\n".join(lines)
@@ -770,6 +1032,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=Path,
         default=None,
         help=f"validation manifest to write (default VAL_MANIFEST_PATH = {config.VAL_MANIFEST_PATH})",
+    )
+    parser.add_argument(
+        "--test",
+        type=Path,
+        default=None,
+        help="test manifest to write when the master has test rows (default TEST_MANIFEST_PATH = "
+        f"{config.TEST_MANIFEST_PATH})",
+    )
+    parser.add_argument(
+        "--splits",
+        choices=("keep", "resplit"),
+        default=None,
+        help="keep: each row goes where its source's split puts it (train, dev -> validation, "
+        "test -> test manifest); resplit: train and dev pooled and split by speaker (test rows "
+        "still go to the test manifest). Default: keep when the master has a split column",
+    )
+    parser.add_argument(
+        "--keep-leaks",
+        action="store_true",
+        help="keep rows whose speaker or audio is also in a more held-out split (reported either "
+        "way; removed by default)",
     )
     parser.add_argument(
         "--val-per-lang",
@@ -829,6 +1112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.master,
             train_path,
             val_path,
+            test_path=args.test,
+            splits=args.splits,
+            keep_leaks=args.keep_leaks,
             val_per_lang=args.val_per_lang,
             seed=args.seed,
             lang_fixes=args.lang_fixes,

@@ -13,7 +13,10 @@ Options: ``name`` (the ``source`` column and the group ids; default the file or 
 ``lang`` (the language of every row), ``lang_field``, ``text_field``, ``speaker_field``,
 ``duration_field``, ``quality_field``, ``id_field``, ``audio_field`` (the field to read instead of
 the first of ``FIELDS``), ``tars`` (NeMo's ``{a..b}`` or ``_OP_a..b_CL_`` pattern of a tarred
-manifest's tar files), ``check`` (``header``, the default, ``exists`` or ``none``: see below).
+manifest's tar files), ``check`` (``header``, the default, ``exists`` or ``none``: see below),
+``split`` (``train``, ``dev`` or ``test``: the source's own split of every row, kept in the master's
+``split`` column for make_train_val.py; one source per split. A Common Voice folder takes none:
+each of its rows keeps its TSV's).
 
 Per row: the segment_id is ``<name>/<own id>``, or ``<name>:<place>`` without one (``RowIds``);
 the language comes from the ``lang`` option, else the row's field, else the transcript's
@@ -48,7 +51,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from manifest_schema import ManifestError
+import polars as pl
+
+from manifest_schema import SOURCE_SPLITS, SPLIT_COLUMN, ManifestError
 from source_readers.common import (
     BAD_ROW_REASONS,
     DONE_MARKER,
@@ -123,9 +128,18 @@ def parse_source(text: str) -> SourceSpec:
         raise ManifestError(f"source {text!r}: check must be header, exists or none")
     if kind == "shards" and options:
         raise ManifestError(f"source {text!r}: shards take no options")
+    if options.get("split", "train") not in SOURCE_SPLITS:
+        raise ManifestError(
+            f"source {text!r}: split={options['split']} is not one of {', '.join(SOURCE_SPLITS)}"
+        )
     spec = SourceSpec(kind, Path(path), options)
     if not spec.path.exists():
         raise ManifestError(f"source {text!r}: {spec.path} does not exist")
+    if kind == "cv" and "split" in options and spec.path.is_dir():
+        raise ManifestError(
+            f"source {text!r}: a Common Voice folder keeps each TSV's own split; drop split= or "
+            f"point cv: at one TSV"
+        )
     if kind != "shards" and (not spec.name or "/" in spec.name or ":" in spec.name):
         raise ManifestError(
             f"source {text!r}: its name {spec.name!r} must be non-empty without '/' or ':' (it "
@@ -160,6 +174,10 @@ def read_source(
             first = result.bad_files[0]
             raise ManifestError(f"{first['path']}: {first['reason']} (--strict)")
         result.rows = _fill_languages(result.rows, result.shards)
+        if "split" in spec.options:
+            result.rows = result.rows.with_columns(
+                pl.lit(spec.options["split"], dtype=pl.String).alias(SPLIT_COLUMN)
+            )
         yield result
 
 

@@ -31,7 +31,7 @@ FIELDS = {
     "quality": ("tx_quality_score",),
     "id": ("segment_id", "utt_id", "id"),
 }
-OPTIONS = frozenset({f"{k}_field" for k in FIELDS} | {"name", "lang", "tars", "check"})
+OPTIONS = frozenset({f"{k}_field" for k in FIELDS} | {"name", "lang", "tars", "check", "split"})
 # A row's stated duration may differ from its audio header by this many seconds, plus 1 %.
 DURATION_TOLERANCE = 0.1
 BAD_ROW_REASONS = (

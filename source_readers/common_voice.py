@@ -2,7 +2,7 @@
 ``validated.tsv``, ``other.tsv``, ``invalidated.tsv`` as present, ``clips/`` with the MP3s and, in
 newer releases, ``clip_durations.tsv``), or one of its TSVs.
 
-    cv:/data/cv-corpus-17.0-2024-03-15/hi                     train and dev
+    cv:/data/cv-corpus-17.0-2024-03-15/hi                     train, dev and test
     cv:/data/cv-corpus-17.0-2024-03-15/hi:splits=validated    every validated clip
     cv:/data/cv-corpus-17.0-2024-03-15/hi/test.tsv:name=cv_hi_test   the test split alone
     cv:/data/cv/hi:min_up_votes=3,max_down_votes=0,segment=Benchmark
@@ -15,8 +15,8 @@ headers. ``check`` works as for NeMo manifests: ``header`` reads every clip's he
 only looks up the clips ``clip_durations.tsv`` times, ``none`` trusts them.
 
 Options besides the common ones: ``splits`` (the TSVs of a folder to read, joined by ``+``:
-default ``train+dev``: the test split is imported on its own, for
-evaluation), and filters on what Common Voice marks: ``min_up_votes``,
+default ``train+dev+test``; make_train_val.py puts the test rows into the test manifest, never into
+train), and filters on what Common Voice marks: ``min_up_votes``,
 ``max_down_votes``, ``segment``, ``variant``, ``gender``, ``age`` (the last four keep the rows
 whose field is one of the values, joined by ``+``). Rows a filter leaves out are not bad: they are
 counted in the summary's ``left_out``.
@@ -51,8 +51,8 @@ from source_readers.common import (
 
 # Common Voice's TSVs, held-out first: a clip listed by several is imported from the first.
 SPLITS = ("test", "dev", "train", "validated", "other", "invalidated")
-# test stays out unless asked for: make_train_val.py would otherwise train on part of it
-DEFAULT_SPLITS = ("train", "dev")
+# test is safe to import with the rest: make_train_val.py routes its rows to the test manifest
+DEFAULT_SPLITS = ("train", "dev", "test")
 # The three the release itself splits into; the others overlap them by design.
 RELEASE_SPLITS = frozenset({"train", "dev", "test"})
 FILTERS = ("min_up_votes", "max_down_votes", "segment", "variant", "gender", "age")

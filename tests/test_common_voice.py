@@ -121,11 +121,62 @@ def test_a_field_in_quotes_holding_a_tab_is_one_field(release, tmp_path):
     assert (row["speaker_id"], row["segment_language"]) == (en[25]["client_id"], "en")
 
 
-def test_a_folder_gives_train_and_dev_and_leaves_test_for_evaluation(release, tmp_path):
+def test_a_folder_gives_train_dev_and_test(release, tmp_path):
     en_folder, _ = release["en"]
     master, summary = build(tmp_path, f"cv:{en_folder}")
-    assert master["split"].value_counts().sort("split").rows() == [("dev", 5), ("train", 20)]
-    assert summary["sources"][0]["rows_read"] == 25
+    assert master["split"].value_counts().sort("split").rows() == [
+        ("dev", 5),
+        ("test", 5),
+        ("train", 20),
+    ]
+    assert summary["sources"][0]["rows_read"] == 30
+
+
+def test_a_release_becomes_train_validation_and_test_manifests_with_its_own_splits(tmp_path):
+    """Speakers as a release has them (none in two splits) but one: a train speaker who also
+    recorded a test clip, whose train rows leave train."""
+    from scripts import make_train_val as mtv
+
+    rows = cv.clip_rows("hi", 8, "train") + cv.clip_rows("hi", 3, "dev", 8)
+    rows += cv.clip_rows("hi", 3, "test", 11)
+    for i, r in enumerate(rows):
+        r["client_id"] = {"train": f"t{i % 2}", "dev": "d", "test": "x"}[r["split"]]
+    rows[0]["client_id"] = "x"
+    folder = cv.write_release(tmp_path / "cv", "hi", rows)
+    master, _ = build(tmp_path, f"cv:{folder}")
+    summary = mtv.make_train_val(
+        tmp_path / "master.parquet",
+        tmp_path / "train.parquet",
+        tmp_path / "val.parquet",
+        test_path=tmp_path / "test.parquet",
+        languages=(),
+    )
+    clip = pl.col("segment_id").str.replace(r"^hi/", "") + ".mp3"
+    sides = {
+        s: set(pl.read_parquet(tmp_path / f"{s}.parquet").select(clip).to_series())
+        for s in ("train", "val", "test")
+    }
+    by_split = {s: {r["path"] for r in rows if r["split"] == s} for s in ("train", "dev", "test")}
+    assert sides["test"] == by_split["test"] and sides["val"] == by_split["dev"]
+    assert sides["train"] == by_split["train"] - {rows[0]["path"]}
+    assert summary["leaks"]["rows"] == {"speaker": {"train/test": 1}}
+
+
+def test_one_source_per_split_names_its_split_with_the_split_option(tmp_path):
+    from tests import byod_factory
+
+    utts = byod_factory.utterances(2, langs=("hi",))
+    manifest = byod_factory.write_nemo_json(tmp_path / "nemo", utts)
+    master, _ = build(tmp_path, f"nemo:{manifest}:name=hi_dev,split=dev")
+    assert set(master["split"]) == {"dev"} and master.height == 2
+
+
+def test_a_split_option_outside_train_dev_test_or_on_a_cv_folder_is_refused(release, tmp_path):
+    hi_folder, _ = release["hi"]
+    with pytest.raises(ManifestError, match="split=holdout is not one of train, dev, test"):
+        source_readers.parse_source(f"cv:{hi_folder / 'test.tsv'}:split=holdout")
+    with pytest.raises(ManifestError, match="keeps each TSV's own split"):
+        source_readers.parse_source(f"cv:{hi_folder}:split=train")
 
 
 def test_one_tsv_imports_as_its_split(release, tmp_path):

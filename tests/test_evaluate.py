@@ -800,3 +800,31 @@ def test_rows_evaluate_cannot_score_are_counted_per_language_and_named(tiny, cap
     )
     assert "excl" in printed.splitlines()[1]
     assert f"hi 2 (more tokens than encoder frames: {ids[0]}, {ids[1]})" in printed
+
+
+def test_the_test_manifest_of_a_kept_split_evaluates(tiny, tmp_path, capsys):
+    """A master whose rows carry their source's split: make_train_val writes the test rows to the
+    test manifest, which evaluate.py scores as it is."""
+    import polars as pl
+
+    from scripts import make_train_val
+
+    frame = pl.read_parquet(tiny.manifest).with_row_index("i")
+    master = tmp_path / "master.parquet"
+    frame.with_columns(
+        pl.col("segment_id").alias("speaker_id"),
+        pl.when(pl.col("i") % 4 == 3)
+        .then(pl.lit("test"))
+        .when(pl.col("i") % 4 == 2)
+        .then(pl.lit("dev"))
+        .otherwise(pl.lit("train"))
+        .alias("split"),
+    ).drop("i").write_parquet(master)
+    test = tmp_path / "test.parquet"
+    summary = make_train_val.make_train_val(
+        master, tmp_path / "train.parquet", tmp_path / "val.parquet", test_path=test, languages=()
+    )
+    out = tmp_path / "test.csv"
+    assert evaluate.main([str(tiny.nemo), "--manifest", str(test), "--out", str(out)]) == 0
+    rows = read_csv(out)
+    assert int(rows[-1]["utterances"]) == summary["test_rows"] == frame.height // 4

@@ -635,3 +635,152 @@ def test_the_flag_the_warning_names_keeps_validation_within_a_third(tmp_path):
     assert "warning" not in result.stderr
     assert summary["split"]["large_val_share"] == {}
     assert summary["val_by_lang"] == {"en": 5, "hi": 5, "ta": 5}
+
+
+# --- a source's own splits ------------------------------------------------------------------------
+def with_split(split: str | None, *args, **kwargs) -> dict:
+    """A master row (``row``) that its source put in ``split`` (None: no split of its own)."""
+    return row(*args, **kwargs) | {"split": split}
+
+
+def run_splits(tmp_path: Path, rows: list[dict], **kwargs):
+    """make_train_val on a master with a split column: (train, val, test or None, summary)."""
+    master = tmp_path / "master_manifest.parquet"
+    pl.DataFrame(rows).write_parquet(master)
+    options = dict(val_per_lang=2, seed=1, languages=(), threshold=0.9, max_val_fraction=0.5)
+    options.update(kwargs)
+    test_path = tmp_path / "test.parquet"
+    summary = mtv.make_train_val(
+        master, tmp_path / "train.parquet", tmp_path / "val.parquet", test_path=test_path, **options
+    )
+    test = pl.read_parquet(test_path) if test_path.exists() else None
+    return (
+        pl.read_parquet(tmp_path / "train.parquet"),
+        pl.read_parquet(tmp_path / "val.parquet"),
+        test,
+        summary,
+    )
+
+
+def ids(frame: pl.DataFrame | None) -> list[str]:
+    return [] if frame is None else sorted(frame["segment_id"])
+
+
+def released(lang: str = "hi", body: str = "नमस्ते दुनिया") -> list[dict]:
+    """A release of ``lang``: 4 train rows (speakers a, b), 2 dev (c), 2 test (d); texts differ."""
+    place = [("train", "a"), ("train", "a"), ("train", "b"), ("train", "b")]
+    place += [("dev", "c"), ("dev", "c"), ("test", "d"), ("test", "d")]
+    return [
+        with_split(split, f"{lang}{i}", f"{body} {i}", lang, speaker=f"{lang}-{spk}")
+        for i, (split, spk) in enumerate(place)
+    ]
+
+
+def test_rows_stay_in_the_splits_their_source_gave_them(tmp_path):
+    rows = released("hi") + released("en", "hello world")
+    train, val, test, summary = run_splits(tmp_path, rows)
+    assert ids(train) == ["en0", "en1", "en2", "en3", "hi0", "hi1", "hi2", "hi3"]
+    assert ids(val) == ["en4", "en5", "hi4", "hi5"]
+    assert ids(test) == ["en6", "en7", "hi6", "hi7"]
+    assert summary["settings"]["splits"] == "keep"
+    assert summary["test_rows"] == 4 and summary["test_by_lang"] == {"en": 2, "hi": 2}
+    assert summary["leaks"]["rows"] == {}
+    assert set(test["split"]) == {"test"}  # the source's split travels with the row
+
+
+def test_the_test_manifest_is_one_set_with_train_and_validation(tmp_path):
+    run_splits(tmp_path, released())
+    from manifest_schema import split_id
+
+    assert split_id(tmp_path / "test.parquet") == split_id(tmp_path / "train.parquet") is not None
+
+
+def test_duplicates_within_a_split_are_dropped_as_before(tmp_path):
+    rows = released()
+    rows.append(rows[0] | {"segment_id": "hi0-again", "text": tagged_text("hi", "और कुछ")})
+    rows.append(rows[4] | {"segment_id": "hi4-copy", "audio_filepath": "/data/copy.flac"})
+    train, val, _, summary = run_splits(tmp_path, rows)
+    assert summary["dropped"] == {"duplicate_audio": 1, "duplicate_text": 1}
+    assert "hi0-again" not in ids(train) and "hi4-copy" not in ids(val)
+
+
+def test_a_speaker_in_train_and_test_is_reported_and_removed_from_train(tmp_path, capsys):
+    rows = released()
+    rows[2]["speaker_id"] = rows[3]["speaker_id"] = "hi-d"  # speaker b is test's speaker d
+    train, _, test, summary = run_splits(tmp_path, rows)
+    assert ids(train) == ["hi0", "hi1"] and ids(test) == ["hi6", "hi7"]
+    assert summary["dropped"] == {"leak_speaker": 2}
+    assert summary["leaks"] == {
+        "removed": True,
+        "rows": {"speaker": {"train/test": 2}},
+        "speakers": {"train/test": 1},
+    }
+    mtv.main(["--master", str(tmp_path / "master_manifest.parquet"), "--train",
+              str(tmp_path / "t.parquet"), "--val", str(tmp_path / "v.parquet"), "--test",
+              str(tmp_path / "x.parquet"), "--val-per-lang", "2"])  # fmt: skip
+    assert (
+        "leaks across splits: 2 train rows share their speaker (1 speakers) with test: removed"
+        in capsys.readouterr().out
+    )
+
+
+def test_the_same_audio_in_dev_and_train_is_removed_from_train(tmp_path):
+    rows = released()
+    rows[0]["audio_filepath"] = rows[4]["audio_filepath"]  # train's hi0 is dev's hi4 under a new id
+    train, val, _, summary = run_splits(tmp_path, rows)
+    assert "hi0" not in ids(train) and "hi4" in ids(val)
+    assert summary["dropped"] == {"leak_audio": 1}
+    assert summary["leaks"]["rows"] == {"audio": {"train/val": 1}}
+
+
+def test_a_speaker_in_dev_and_test_is_removed_from_dev_not_test(tmp_path):
+    rows = released()
+    rows[4]["speaker_id"] = "hi-d"
+    _, val, test, summary = run_splits(tmp_path, rows)
+    assert ids(val) == ["hi5"] and ids(test) == ["hi6", "hi7"]
+    assert summary["leaks"]["rows"] == {"speaker": {"val/test": 1}}
+
+
+def test_keep_leaks_keeps_the_leaking_rows_and_still_reports_them(tmp_path):
+    rows = released()
+    rows[2]["speaker_id"] = "hi-d"
+    train, _, _, summary = run_splits(tmp_path, rows, keep_leaks=True)
+    assert "hi2" in ids(train) and summary["dropped"] == {}
+    assert summary["leaks"]["rows"] == {"speaker": {"train/test": 1}}
+    assert summary["leaks"]["removed"] is False
+
+
+def test_resplit_pools_train_and_dev_by_speaker_and_still_holds_test_out(tmp_path):
+    rows = released()
+    train, val, test, summary = run_splits(tmp_path, rows, splits="resplit")
+    assert ids(test) == ["hi6", "hi7"]
+    assert sorted(ids(train) + ids(val)) == ["hi0", "hi1", "hi2", "hi3", "hi4", "hi5"]
+    assert summary["split"]["mode"] == "resplit"
+    speakers = {side: set(f["speaker_id"]) for side, f in (("train", train), ("val", val))}
+    assert not speakers["train"] & speakers["val"]
+
+
+def test_rows_without_a_split_are_split_by_speaker_where_their_language_has_no_dev(tmp_path):
+    rows = released()
+    rows += [with_split(None, f"hi-x{i}", f"फिर से {i}", "hi", speaker="hi-x") for i in range(2)]
+    rows += [
+        with_split(None, f"ta{i}", f"வணக்கம் {i}", "ta", speaker=f"ta-{i % 3}") for i in range(6)
+    ]
+    train, val, _, summary = run_splits(tmp_path, rows)
+    assert {"hi-x0", "hi-x1"} <= set(ids(train))  # hi has its own dev: its other rows train
+    ta_val = val.filter(pl.col("lang") == "ta")
+    assert ta_val.height == 2 and ta_val["speaker_id"].n_unique() == 1
+    assert summary["split"]["resplit_languages"] == ["ta"]
+
+
+def test_a_language_with_train_rows_and_no_dev_rows_is_an_error_naming_the_fixes(tmp_path):
+    rows = [r for r in released() if r["split"] != "dev"]
+    with pytest.raises(mtv.SplitError, match=r"no validation rows for hi: .*split=dev.*resplit"):
+        run_splits(tmp_path, rows)
+
+
+def test_a_split_name_keep_does_not_know_is_an_error_naming_it(tmp_path):
+    rows = released()
+    rows[0]["split"] = "extra"
+    with pytest.raises(mtv.SplitError, match=r"split column holds 'extra' \(1 rows\).*resplit"):
+        run_splits(tmp_path, rows)
