@@ -105,6 +105,7 @@ from source_readers import (
 )
 from source_readers import MAX_EXAMPLES as MAX_BAD_ROWS
 from transcript_cleaning import WARM_UP_TEXTS, clean_text_column
+from transcript_style import STYLE_KEY, base_mismatch, resolve_style
 
 REQUIRED_METADATA = {
     "segment_id": "string",
@@ -413,6 +414,7 @@ class Filters:
     min_duration: float
     max_duration: float
     min_quality: float
+    style: str = "plain"  # transcript_cleaning.STYLES: how the kept transcripts are cleaned
 
 
 # The drop reasons in the order of the module doc. An Enum column of them costs a byte a row where
@@ -552,8 +554,8 @@ def joined_batches(
             yield result
 
 
-def clean_in_parallel(texts: pl.Series, workers: int) -> pl.Series:
-    """``clean_text_column`` over chunks of ``texts`` on a thread pool, in order.
+def clean_in_parallel(texts: pl.Series, workers: int, style: str = "plain") -> pl.Series:
+    """``clean_text_column`` in ``style`` over chunks of ``texts`` on a thread pool, in order.
 
     Up to two chunks per worker of at least 30k rows (each chunk costs a few milliseconds of
     fixed work); they shrink towards the end (sizes in proportion to 2, 2, 1, 1 for two workers),
@@ -564,7 +566,7 @@ def clean_in_parallel(texts: pl.Series, workers: int) -> pl.Series:
     bounds = np.concatenate([[0], np.cumsum(weights)]) * texts.len() // weights.sum()
     chunks = [texts.slice(int(a), int(b - a)) for a, b in zip(bounds[:-1], bounds[1:])]
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        cleaned = list(pool.map(clean_text_column, chunks))
+        cleaned = list(pool.map(functools.partial(clean_text_column, style=style), chunks))
     return pl.concat(cleaned) if cleaned else texts.clear()
 
 
@@ -684,7 +686,9 @@ def assemble_manifest(
     if not _is_sorted(candidates, order):  # shards often list their segments in order already
         candidates = candidates.sort(order, maintain_order=True)
     candidates = candidates.with_columns(
-        clean_in_parallel(candidates.get_column("transcription_native"), workers).alias("cleaned")
+        clean_in_parallel(
+            candidates.get_column("transcription_native"), workers, filters.style
+        ).alias("cleaned")
     )
     candidates = candidates.with_columns(
         pl.when(pl.col("cleaned") == "")
@@ -1086,6 +1090,21 @@ def sources_of(texts: Sequence[str] | None, shards_dir: Path | None) -> list[Sou
     return specs
 
 
+def resolve_transcript_style(style: str | None) -> str:
+    """``style`` (default TRANSCRIPT_STYLE) resolved (``transcript_style.resolve_style``); prints
+    which style and why, and one warning line when the base (INIT_MODEL) writes the other."""
+    try:
+        style, why = resolve_style(style)
+    except ValueError as exc:
+        raise ManifestError(str(exc)) from None
+    print(f"build_manifest: transcripts cleaned {style} ({why})", file=sys.stderr)
+    if not why.startswith("TRANSCRIPT_STYLE=auto"):
+        mismatch = base_mismatch(style)
+        if mismatch:
+            print(f"build_manifest: warning: {mismatch}", file=sys.stderr)
+    return style
+
+
 def build_manifest(
     shards_dir: Path | None = None,
     output: Path | None = None,
@@ -1097,6 +1116,7 @@ def build_manifest(
     min_duration: float | None = None,
     max_duration: float | None = None,
     min_quality: float | None = None,
+    style: str | None = None,
     workers: int | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
@@ -1106,8 +1126,10 @@ def build_manifest(
     ``shards:DIR``); none means the in-house shards under ``shards_dir``. Imported audio that has
     to be written out goes under ``audio_dir``. None means the config value (SHARDS_DIR,
     MASTER_MANIFEST_PATH, DATA_SOURCES, IMPORTED_AUDIO_DIR, LANGUAGES, MIN_DURATION, MAX_DURATION,
-    MIN_QUALITY). Unreadable shards and files and bad rows are reported in the summary and
-    skipped; with ``strict`` the first raises ManifestError before anything is written.
+    MIN_QUALITY, TRANSCRIPT_STYLE). Unreadable shards and files and bad rows are reported in the
+    summary and skipped; with ``strict`` the first raises ManifestError before anything is written.
+    The transcript style (``transcript_style.resolve_style``: plain, or punctuated with sentence
+    punctuation kept) is written into the master's parquet metadata and the summary's settings.
     """
     started = time.perf_counter()
     output = Path(config.MASTER_MANIFEST_PATH if output is None else output)
@@ -1117,6 +1139,7 @@ def build_manifest(
         config.MIN_DURATION if min_duration is None else min_duration,
         config.MAX_DURATION if max_duration is None else max_duration,
         config.MIN_QUALITY if min_quality is None else min_quality,
+        resolve_transcript_style(style),
     )
     workers = workers or min(8, os.cpu_count() or 1)
     specs = sources_of(sources, shards_dir)
@@ -1163,7 +1186,7 @@ def build_manifest(
     # The master is written on a thread while the summary is counted; both become visible together.
     summary_ready: Future = Future()
     writers = {
-        output: functools.partial(write_manifest_file, kept),
+        output: functools.partial(write_manifest_file, kept, metadata={STYLE_KEY: filters.style}),
         summary_path(output): lambda tmp: Path(tmp).write_text(
             json_text(summary_ready.result()), encoding="utf-8"
         ),
@@ -1205,6 +1228,7 @@ def build_manifest(
                     "min_duration": filters.min_duration,
                     "max_duration": filters.max_duration,
                     "min_quality": filters.min_quality,
+                    STYLE_KEY: filters.style,
                 },
             }
         except BaseException as exc:

@@ -37,8 +37,10 @@ import process_control
 import training_metrics
 from collectives import all_gather_objects
 from dataset import BAD_AUDIO_REASONS
+from punctuation_scoring import punctuation_case_scores, punctuation_metrics
 from rank_watchdog import RankWatchdog
 from run_logging import already_logged, log_to_loggers
+from transcript_style import manifest_style
 
 _log = _logging.getLogger("callbacks")
 
@@ -753,6 +755,7 @@ class PerLanguageWERCallback(_pl.Callback):
         self.references: dict[int, str] = {}
         self.last_results: dict[str, evaluation.ErrorCounts] = {}
         self.excluded: dict[str, dict[str, tuple[int, list[str]]]] = {}
+        self.punctuated = False  # the manifest's targets keep punctuation: score it too
         self._seen_step = 0
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -783,6 +786,7 @@ class PerLanguageWERCallback(_pl.Callback):
             self.indices = np.arange(len(self.dataset))
         texts = evaluation.manifest_texts(self.dataset)
         self.references = {int(i): texts[int(i)] for i in self.indices}
+        self.punctuated = manifest_style(self.manifest_path) == "punctuated"
         self.excluded = evaluation.excluded_rows(self.dataset)
         if trainer.is_global_zero:
             if self.excluded:
@@ -897,6 +901,8 @@ class PerLanguageWERCallback(_pl.Callback):
             metrics = training_metrics.evaluation_metrics(results, len(done), seconds)
             if loss is not None:
                 metrics["val/loss"] = loss
+            if self.punctuated:
+                metrics.update(punctuation_metrics(punctuation_case_scores(refs, outs, langs)))
             log_to_loggers(trainer, metrics, step=trainer.global_step)
             rows = evaluation.examples_by_language(langs, refs, outs, self.examples_per_lang)
             for logger in trainer.loggers:

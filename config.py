@@ -660,6 +660,19 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     )
     knob("MIN_QUALITY", 0.0, _float, "Lowest tx_quality_score kept", steps=("build_manifest",))
     knob(
+        "TRANSCRIPT_STYLE",
+        "auto",
+        _choice("auto", "plain", "punctuated"),
+        "How build_manifest.py writes the training targets: plain = punctuation and symbols removed "
+        "(the danda too), case as written; punctuated = the sentence punctuation . , ? ! ; : and "
+        "the danda and double danda kept, attached to the word before, and case as written; both "
+        "remove tags, quotes and other symbols and normalize spaces and Unicode. auto = punctuated "
+        "when INIT_MODEL writes punctuation (its recorded style, else its tokenizer has pieces for "
+        ". , or ?), else plain. Recorded in the manifest; train.py refuses a manifest of another "
+        "style (docs/training.md)",
+        steps=("build_manifest", "train"),
+    )
+    knob(
         "MAX_TOKEN_LEN",
         512,
         _int,
@@ -1196,6 +1209,7 @@ TARGET_SAMPLE_RATE: int
 MIN_DURATION: float
 MAX_DURATION: float
 MIN_QUALITY: float
+TRANSCRIPT_STYLE: str
 MAX_TOKEN_LEN: int
 AUDIO_DURATION_TOLERANCE: float
 VAL_PER_LANG: int

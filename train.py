@@ -79,6 +79,7 @@ import checkpoints  # noqa: E402
 import config  # noqa: E402
 import model_languages  # noqa: E402
 import run_logging  # noqa: E402
+import transcript_style  # noqa: E402
 from sampler import BatchingSettings  # noqa: E402
 from training_step import (  # noqa: E402
     TrainingModule,
@@ -310,14 +311,16 @@ def check_inputs() -> str | None:
     at full size): the manifests and their split, the tokenizer, INIT_MODEL or MODEL_CONFIG, and
     RESUME_FROM with the CHECKPOINT_DIR it writes into (``checkpoints.plan_resume``: a requeue
     continues its run's newest checkpoint, a rewind moves the later steps aside) and the
-    run-defining settings against the checkpoint's. Returns the checkpoint to resume (None:
-    fresh); a problem is a UserError naming the variable."""
+    run-defining settings against the checkpoint's, and the train manifest's transcript style
+    against TRANSCRIPT_STYLE. Returns the checkpoint to resume (None: fresh); a problem is a
+    UserError naming the variable."""
     from manifest_schema import check_same_split
 
     train = train_manifest_path()
     val = validation_manifest()
     if val is not None:
         check_same_split(train, val)
+    transcript_style.check_manifest_style(train)
     asr_model.check_model_inputs()
     plan = checkpoints.plan_resume()
     checkpoints.check_directory_for_run(plan.path, set_aside=plan.set_aside)
@@ -400,6 +403,8 @@ def run(argv: list[str] | None = None) -> int:
     model_languages.record_trained_languages(
         model, model_languages.trained_languages(module.batching.base_languages, data_languages)
     )
+    # ...and in which style it writes (transcript_style: auto for a finetune of it follows it).
+    transcript_style.record_style(model, transcript_style.manifest_style(train_manifest_path()))
     # Missing audio (a wrong DATA_DIR on a node, extraction never run) stops the job here, not
     # after hours of skipped steps.
     check_audio_sample(

@@ -220,6 +220,12 @@ EVALUATION_METRICS: tuple[Metric, ...] = (
            "wer_sub + wer_del + wer_ins)"),
     Metric("val/wer_del/<lang>", "gathered", "deleted words per reference word"),
     Metric("val/wer_ins/<lang>", "gathered", "inserted words per reference word"),
+    Metric("val/punct_f1/<lang>", "gathered", "punctuated targets (TRANSCRIPT_STYLE) only: F1 of the "
+           "sentence marks ending each word (. , ? ! ; : danda), words aligned ignoring case and "
+           "marks (punctuation_scoring.py); 1 = every mark right"),
+    Metric("val/case_err/<lang>", "gathered", "punctuated targets only: share of the correctly "
+           "recognized words with a cased letter written in another case than the reference's "
+           "(languages with case only)"),
     Metric("val/loss", "gathered", "the training loss on the validation utterances (the training loss's "
            "reduction per batch, averaged over utterances: comparable with train/loss)"),
     Metric("val/utterances", "gathered", "validation utterances decoded (bad audio excluded)"),

@@ -4,6 +4,11 @@
 ``clean_text_column`` runs the rules as Rust-regex passes over a polars column, and a row takes
 only the passes that can change it; ``clean_text`` and ``clean_texts`` are the same rules for
 Python strings. The rules and their order are listed in ``clean_text``'s docstring.
+
+Two styles (``STYLES``, the TRANSCRIPT_STYLE knob): ``plain`` removes every punctuation mark and
+symbol; ``punctuated`` keeps the sentence punctuation (``SENTENCE_MARKS``: . , ? ! ; : and the
+danda, double danda and Arabic-script comma, question mark and full stop) attached to the word
+before it, for a model that writes punctuation. Neither changes case.
 """
 
 from __future__ import annotations
@@ -83,20 +88,57 @@ _APOSTROPHES_OUTSIDE_WORDS = (
 )
 _APOSTROPHE_ODD_NEIGHBOUR = rf"[^\p{{L}}\p{{M}} {_APOSTROPHES}]{_A}|{_A}[^\p{{L}} {_APOSTROPHES}]"
 
+STYLES = ("plain", "punctuated")
+# The punctuated style keeps these where the text has them: the marks a model that writes
+# punctuation (Parakeet-TDT 0.6B v2/v3) writes, and their Indic and Arabic-script counterparts.
+# Quotes, brackets, dashes and symbols go as in the plain style: what a speaker says is the same
+# with or without them, and bases write them inconsistently.
+SENTENCE_MARKS = ".,?!;:\u0964\u0965\u060c\u061f\u06d4"
+_M = f"[{SENTENCE_MARKS}]"
+_TAG_OR_MARK_BUT_SENTENCE = _TAG_OR_MARK.replace("--[ ]]", f"--[ {SENTENCE_MARKS}]]")
+_TAGS_PUNCT_SPACE_BUT_SENTENCE = (
+    rf" *{_TAG_OR_MARK_BUT_SENTENCE}(?:{_TAG_OR_MARK_BUT_SENTENCE}| )*| {{2,}}"
+)
+# A joiner between a letter and a kept mark, or right after a mark, spells nothing (as a joiner at
+# a word's edge in rule 6); one after a combining sign (a chillu) stays.
+_JOINER_AT_MARK = rf"([^\p{{M}}{_ZW_JOINERS}])[{_ZW_JOINERS}]+({_M})|({_M})[{_ZW_JOINERS}]+"
+# A kept mark belongs to the word before it ("what ?" -> "what?", "है ।" -> "है।"); a mark with
+# no word before it (the text's start, after a removed tag) is dropped with the spaces around it.
+_SPACE_BEFORE_MARK = rf" +({_M})"
+_LEADING_MARKS = rf"^[ {SENTENCE_MARKS}]+"
 
-def _clean(expr: pl.Expr, apostrophes: bool = True, joiners: bool = True) -> pl.Expr:
-    """Rules 3-7 on text that rules 1-2 made; a rule that cannot change a row may be switched off."""
+
+def _clean(
+    expr: pl.Expr, apostrophes: bool = True, joiners: bool = True, punctuated: bool = False
+) -> pl.Expr:
+    """Rules 3-7 on text that rules 1-2 made; a rule that cannot change a row may be switched off.
+    ``punctuated``: rule 4 keeps ``SENTENCE_MARKS``, and rule 8 attaches them to their word."""
     placeholder = r"${1}" + _APOSTROPHE_SLOT + r"${2}"
     if apostrophes:
         expr = expr.str.replace_all(_IN_WORD_APOSTROPHE, placeholder).str.replace_all(
             _IN_WORD_APOSTROPHE, placeholder
         )
-    expr = expr.str.replace_all(_TAGS_PUNCT_SPACE, " ")
+    expr = expr.str.replace_all(
+        _TAGS_PUNCT_SPACE_BUT_SENTENCE if punctuated else _TAGS_PUNCT_SPACE, " "
+    )
     if apostrophes:
         expr = expr.str.replace_all(_APOSTROPHE_SLOT, "'", literal=True)
     if joiners:
         expr = expr.str.replace_all(_STRAY_JOINERS, "${1}${2}${3}")
+    if punctuated:
+        expr = (
+            expr.str.replace_all(_JOINER_AT_MARK, "${1}${2}${3}")
+            .str.replace_all(_SPACE_BEFORE_MARK, "${1}")
+            .str.replace_all(_LEADING_MARKS, "")
+        )
     return expr.str.strip_chars()
+
+
+def check_style(style: str, variable: str = "TRANSCRIPT_STYLE") -> str:
+    """``style`` when it is one of ``STYLES``; else ValueError naming ``variable``."""
+    if style not in STYLES:
+        raise ValueError(f"{variable}={style!r}: expected one of {', '.join(STYLES)}")
+    return style
 
 
 def clean_text_expr(expr: pl.Expr) -> pl.Expr:
@@ -199,8 +241,10 @@ def _clean_special(texts: pl.Series) -> pl.Series:
     return pl.concat(parts).sort("i").get_column("t")
 
 
-def clean_text_column(texts: pl.Series) -> pl.Series:
-    """``clean_text`` over a string Series, vectorized (null stays null).
+def clean_text_column(texts: pl.Series, style: str = "plain") -> pl.Series:
+    """``clean_text`` over a string Series, vectorized (null stays null), in ``style``.
+
+    The punctuated style runs every pass on every row (rules 1-2 only where they can change it).
 
     Most transcripts hold no invisible character, are NFC already and hold no joiner at a word
     edge: one check finds them, and they take a single tags/punctuation/space pass and the trim
@@ -210,6 +254,13 @@ def clean_text_column(texts: pl.Series) -> pl.Series:
     check that this equals ``clean_text_expr`` on every row.
     """
     texts = texts.cast(pl.String)
+    if check_style(style) == "punctuated":
+        return (
+            pl.DataFrame({"t": _delete_invisibles_and_normalize(texts)})
+            .select(_clean(pl.col("t"), punctuated=True))
+            .get_column("t")
+            .alias(texts.name)
+        )
     t, special, apostrophe, odd = (
         pl.col("t"),
         pl.col("special"),
@@ -263,13 +314,13 @@ WARM_UP_TEXTS = [
 ]
 
 
-def clean_texts(texts: Sequence[str | None]) -> list[str | None]:
+def clean_texts(texts: Sequence[str | None], style: str = "plain") -> list[str | None]:
     """``clean_text`` over a sequence."""
-    return clean_text_column(pl.Series("t", list(texts), dtype=pl.String)).to_list()
+    return clean_text_column(pl.Series("t", list(texts), dtype=pl.String), style).to_list()
 
 
-def clean_text(text: str) -> str:
-    """Clean one transcript; the rules, in order:
+def clean_text(text: str, style: str = "plain") -> str:
+    """Clean one transcript in ``style`` (``STYLES``); the rules, in order:
 
     1. Invisible format characters deleted (bidi marks, BOM, soft hyphen, word joiner), except
        ZWNJ/ZWJ (Indic conjunct control, Malayalam chillus); the zero-width space separates words.
@@ -284,5 +335,9 @@ def clean_text(text: str) -> str:
     6. ZWNJ/ZWJ that spell nothing removed: alone, at the start of a word, or at the end of a word
        after anything but a combining sign (a chillu, NA + VIRAMA + ZWJ, ends a word and stays).
     7. Leading and trailing whitespace trimmed.
+    8. Punctuated style only: rule 4 keeps ``SENTENCE_MARKS`` (. , ? ! ; : danda, double danda,
+       Arabic comma, question mark and full stop), written as they are; the spaces before one are
+       removed, so it ends the word before it ("what ?" -> "what?"), and marks with no word before
+       them are dropped. Case is never changed, in either style.
     """
-    return clean_texts([text])[0] or ""
+    return clean_texts([text], style)[0] or ""

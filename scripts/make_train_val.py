@@ -79,6 +79,7 @@ from manifest_schema import (
     write_manifest_file,
 )
 from script_languages import SCRIPT_LANGUAGES, detect_corrections
+from transcript_style import STYLE_KEY, manifest_style
 
 
 class SplitError(ManifestError):
@@ -354,6 +355,7 @@ def make_train_val(
         halves[test_path] = test.sort(order).select(columns)
         summary["test_manifest"] = str(test_path)
     summary["split_id"] = split_id = _split_id(halves.values(), seed)
+    summary["settings"][STYLE_KEY] = style = manifest_style(master)
     if nemo_json:
         summary["nemo_json"] = [str(nemo_json_path(path)) for path in halves]
     write_split(
@@ -361,6 +363,7 @@ def make_train_val(
         summary,
         summary_path(train_path),
         split_id,
+        style=style,
         nemo_json=nemo_json,
         nemo_json_tags=nemo_json_tags,
     )
@@ -858,12 +861,15 @@ def write_split(
     split_id: str,
     nemo_json: bool = False,
     nemo_json_tags: bool = False,
+    style: str | None = None,
 ) -> None:
     """Write the manifests (``split_id`` in each parquet's metadata; with ``nemo_json`` a NeMo JSON
     manifest beside each) and the summary as one set (``atomic_files.write_together``, the summary
-    last): a failure leaves the previous set whole."""
+    last): a failure leaves the previous set whole. ``style``: the master's transcript style, kept
+    in each parquet's metadata (``transcript_style.STYLE_KEY``; None: unrecorded)."""
     writers = {
-        path: functools.partial(_write_half, frame, split_id) for path, frame in manifests.items()
+        path: functools.partial(_write_half, frame, split_id, style)
+        for path, frame in manifests.items()
     }
     if nemo_json:
         for path, frame in manifests.items():
@@ -882,8 +888,9 @@ def write_split(
     # them) and no summary.
 
 
-def _write_half(frame: pl.DataFrame, split_id: str, path: str) -> None:
-    write_manifest_file(frame, path, metadata={SPLIT_ID_KEY: split_id})
+def _write_half(frame: pl.DataFrame, split_id: str, style: str | None, path: str) -> None:
+    metadata = {SPLIT_ID_KEY: split_id, **({STYLE_KEY: style} if style else {})}
+    write_manifest_file(frame, path, metadata=metadata)
 
 
 def _write_nemo_json(frame: pl.DataFrame, keep_tag: bool, path: str) -> None:

@@ -1,0 +1,125 @@
+"""How well a punctuated model writes punctuation and case: punctuation F1 and case error rate,
+per language, beside the word error rate (which evaluation.py computes on normalized text).
+
+Each text is split into words at whitespace; a word's mark is the run of sentence marks
+(``transcript_cleaning.SENTENCE_MARKS``: what the punctuated style keeps) that ends it ("raining?"
+is the word "raining" with the mark "?"). Reference and hypothesis words are aligned by their
+lower-cased letters, marks removed (one minimal edit alignment), so a misrecognized word costs the
+WER, not these scores:
+
+- punctuation F1: a hypothesis mark is correct when the reference word it is aligned with ends in
+  the same mark. precision = correct / hypothesis marks, recall = correct / reference marks, F1
+  their harmonic mean (1.0 when neither side has a mark). Marks of inserted and deleted words
+  count against precision and recall.
+- case error rate: of the aligned words recognized correctly (equal once lower-cased) that hold a
+  cased letter, the share written in another case than the reference's (Indic scripts have no
+  case: their words do not count).
+
+Usage::
+
+    scores = punctuation_case_scores(references, hypotheses, languages)   # per language + "all"
+    metrics = punctuation_metrics(scores)      # {"val/punct_f1/hi": ..., "val/case_err/hi": ...}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from manifest_schema import strip_lang_tag
+from transcript_cleaning import SENTENCE_MARKS
+
+_GAP = "\x00"  # the alignment's gap symbol: no word holds it
+
+
+def split_marks(text: str) -> list[tuple[str, str]]:
+    """(word, mark) per whitespace-separated word of ``text``: ``mark`` is the run of sentence
+    marks that ends the word ('' when none); a token of marks alone is a mark of the word before."""
+    out: list[tuple[str, str]] = []
+    for token in text.split():
+        word = token.rstrip(SENTENCE_MARKS)
+        mark = token[len(word) :]
+        if word:
+            out.append((word, mark))
+        elif out:
+            out[-1] = (out[-1][0], out[-1][1] + mark)
+    return out
+
+
+@dataclasses.dataclass
+class PunctuationCounts:
+    """Mark and case counts summed over utterances (rates are corpus-level)."""
+
+    marks_correct: int = 0
+    marks_hypothesis: int = 0
+    marks_reference: int = 0
+    cased_words: int = 0
+    case_errors: int = 0
+    utterances: int = 0
+
+    @property
+    def precision(self) -> float:
+        return self.marks_correct / self.marks_hypothesis if self.marks_hypothesis else math.nan
+
+    @property
+    def recall(self) -> float:
+        return self.marks_correct / self.marks_reference if self.marks_reference else math.nan
+
+    @property
+    def f1(self) -> float:
+        """2 correct / (hypothesis marks + reference marks); 1.0 when neither side has one."""
+        total = self.marks_hypothesis + self.marks_reference
+        return 2 * self.marks_correct / total if total else 1.0
+
+    @property
+    def case_error_rate(self) -> float:
+        return self.case_errors / self.cased_words if self.cased_words else math.nan
+
+    def add(self, reference: str, hypothesis: str) -> None:
+        """Count one utterance; both sides are tag-stripped."""
+        from kaldialign import align  # C++ alignment; NeMo's ASR extra installs it
+
+        ref = split_marks(strip_lang_tag(reference))
+        hyp = split_marks(strip_lang_tag(hypothesis))
+        ref_iter, hyp_iter = iter(ref), iter(hyp)
+        for r_key, h_key in align([w.lower() for w, _ in ref], [w.lower() for w, _ in hyp], _GAP):
+            r_word, r_mark = next(ref_iter) if r_key != _GAP else ("", "")
+            h_word, h_mark = next(hyp_iter) if h_key != _GAP else ("", "")
+            self.marks_reference += bool(r_mark)
+            self.marks_hypothesis += bool(h_mark)
+            self.marks_correct += bool(r_mark) and r_mark == h_mark
+            if r_key == h_key and r_key != r_key.upper():  # recognized, holds a cased letter
+                self.cased_words += 1
+                self.case_errors += r_word != h_word
+        self.utterances += 1
+
+
+def punctuation_case_scores(
+    references: Sequence[str], hypotheses: Sequence[str], languages: Sequence[str]
+) -> dict[str, PunctuationCounts]:
+    """PunctuationCounts per language plus "all" (every utterance), tags stripped."""
+    if not len(references) == len(hypotheses) == len(languages):
+        raise ValueError(
+            f"punctuation_case_scores: {len(references)} references, {len(hypotheses)} "
+            f"hypotheses and {len(languages)} languages; expected one of each per utterance"
+        )
+    counts: dict[str, PunctuationCounts] = {}
+    total = PunctuationCounts()
+    for ref, hyp, lang in zip(references, hypotheses, languages):
+        counts.setdefault(lang, PunctuationCounts()).add(ref, hyp)
+        total.add(ref, hyp)
+    counts = dict(sorted(counts.items()))
+    counts["all"] = total
+    return counts
+
+
+def punctuation_metrics(scores: dict[str, PunctuationCounts]) -> dict[str, float]:
+    """``val/punct_f1/<lang>`` and ``val/case_err/<lang>`` (the latter only for a language with
+    cased words) of ``punctuation_case_scores``."""
+    out: dict[str, float] = {}
+    for lang, counts in scores.items():
+        out[f"val/punct_f1/{lang}"] = counts.f1
+        if counts.cased_words:
+            out[f"val/case_err/{lang}"] = counts.case_error_rate
+    return out
