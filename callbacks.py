@@ -895,6 +895,7 @@ class PerLanguageWERCallback(_pl.Callback):
             "loss": loss,
             "results": {lang: dataclasses.asdict(c) for lang, c in results.items()},
             "excluded": evaluation.describe_excluded(self.excluded),
+            "scoring": evaluation.NORMALIZED_SCORING,
         }
         if trainer.is_global_zero:
             seconds = time.perf_counter() - started

@@ -1,9 +1,10 @@
 """Scoring a model on a manifest: corpus-level WER and CER per language, greedy transcription.
 
 The one implementation behind the in-training evaluation (callbacks.PerLanguageWERCallback) and
-scripts/evaluate.py: ``ErrorCounts`` / ``corpus_error_rates`` (tags stripped from both sides,
-corpus-level rates), ``greedy_transcribe`` (the training pipeline's audio loading and collate, the
-model's greedy decoding via asr_model), and the helpers that choose and split what is decoded.
+scripts/evaluate.py: ``ErrorCounts`` / ``corpus_error_rates`` (corpus-level rates of hypothesis and
+reference after one normalization, ``normalize_for_scoring``), ``greedy_transcribe`` (the training
+pipeline's audio loading and collate, the model's greedy decoding via asr_model), and the helpers
+that choose and split what is decoded.
 """
 
 from __future__ import annotations
@@ -19,6 +20,37 @@ import torch
 
 import asr_model
 from manifest_schema import strip_lang_tag
+
+# What ``normalize_for_scoring`` does, in words: printed by scripts/evaluate.py, in docs/metrics.md.
+SCORING_NORMALIZATION = (
+    "both sides Unicode NFC, tags (<|hi|>, [noise]) removed, punctuation and symbols "
+    "(danda, double danda, quotes, dashes, ...) turned into spaces, whitespace collapsed, "
+    "lower-cased; letters, digits, in-word apostrophes and combining signs "
+    "(virama, nukta, vowel signs) kept"
+)
+
+# The ``scoring`` a validation record (``last_evaluation``) carries when its counts are of
+# normalized texts; records written before normalized scoring carry none (tags stripped only).
+NORMALIZED_SCORING = "normalized"
+
+
+def normalize_for_scoring(texts: Sequence[str]) -> list[str]:
+    """Each text as it is scored: the plain training targets' cleaning
+    (``transcript_cleaning.clean_text``: NFC, tags removed, punctuation and symbols to spaces,
+    whitespace collapsed, in-word apostrophes kept as ``'``), then lower-cased.
+
+    Guarantees: a plain training target, a raw transcript of it (punctuation, capitals, dandas,
+    quotes, spacing) and the same text written in another case all give one string, so a perfect
+    transcript scores 0 whatever the manifest's origin or the targets' style; letters and
+    combining signs of every script are kept, so Indic spelling errors still count. Vectorized
+    (polars), for corpora of any size.
+    """
+    import polars as pl
+
+    from transcript_cleaning import clean_text_column
+
+    column = pl.Series("text", list(texts), dtype=pl.String)
+    return clean_text_column(column).str.to_lowercase().to_list()
 
 
 @dataclasses.dataclass
@@ -48,8 +80,9 @@ class ErrorCounts:
         return edits / self.words if self.words else math.nan
 
     def add(self, reference: str, hypothesis: str) -> None:
-        """Count one utterance; both sides are tag-stripped. CER counts characters including the single
-        spaces between words (jiwer's convention)."""
+        """Count one utterance as given (tags stripped, whitespace collapsed: normalizing is
+        ``corpus_error_rates``'s). CER counts characters including the single spaces between words
+        (jiwer's convention)."""
         from kaldialign import edit_distance  # C++ Levenshtein; NeMo's ASR extra installs it
 
         ref, hyp = strip_lang_tag(reference), strip_lang_tag(hypothesis)
@@ -65,13 +98,24 @@ class ErrorCounts:
 
 
 def corpus_error_rates(
-    references: Sequence[str], hypotheses: Sequence[str], languages: Sequence[str]
+    references: Sequence[str],
+    hypotheses: Sequence[str],
+    languages: Sequence[str],
+    *,
+    as_written: bool = False,
 ) -> dict[str, ErrorCounts]:
-    """ErrorCounts per language plus "all" (every utterance), corpus-level, tags stripped."""
+    """ErrorCounts per language plus "all" (every utterance), corpus-level, of both sides after
+    ``normalize_for_scoring``; with ``as_written``, of the texts as written (tags stripped and
+    whitespace collapsed only: punctuation, case and dandas count)."""
     if not len(references) == len(hypotheses) == len(languages):
         raise ValueError(
             f"corpus_error_rates: {len(references)} references, {len(hypotheses)} hypotheses and "
             f"{len(languages)} languages; expected one of each per utterance"
+        )
+    if not as_written:
+        references, hypotheses = (
+            normalize_for_scoring(references),
+            normalize_for_scoring(hypotheses),
         )
     counts: dict[str, ErrorCounts] = {}
     total = ErrorCounts()

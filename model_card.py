@@ -17,7 +17,7 @@ from typing import Any
 
 import asr_model
 from atomic_files import write_together
-from evaluation import base_and_final_rates
+from evaluation import NORMALIZED_SCORING, base_and_final_rates
 
 # The settings a reader needs to judge or repeat the training, in this order.
 TRAINING_SETTINGS = (
@@ -130,6 +130,16 @@ def _vocabulary_lines(record: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _scoring(evaluation: dict) -> str:
+    """How the texts of ``evaluation``'s counts were compared, in words."""
+    if evaluation.get("scoring") == NORMALIZED_SCORING:
+        return (
+            "hypothesis and reference normalized alike: lower case, punctuation, dandas and "
+            "language tags removed (docs/metrics.md)"
+        )
+    return "language tags stripped from both sides"
+
+
 def _whose_numbers(
     record: dict[str, Any], evaluation: dict[str, Any], nemo_name: str
 ) -> tuple[str, str]:
@@ -226,7 +236,7 @@ def render(record: dict[str, Any], model, nemo_name: str) -> str:
         whose, lead = _whose_numbers(record, evaluation, nemo_name)
         lines += [
             f"{lead} on `{manifest}`"
-            f" (corpus-level rates, language tags stripped from both sides"
+            f" (corpus-level rates, {_scoring(evaluation)}"
             + (f"; validation loss {loss:.4f}" if isinstance(loss, float) else "")
             + "):",
             "",

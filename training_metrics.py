@@ -213,7 +213,8 @@ STEP_METRICS: tuple[Metric, ...] = (
 )  # fmt: skip
 
 EVALUATION_METRICS: tuple[Metric, ...] = (
-    Metric("val/wer/<lang>", "gathered", "greedy WER on the validation set, corpus-level, tags stripped; "
+    Metric("val/wer/<lang>", "gathered", "greedy WER on the validation set, corpus-level, hypothesis and "
+           "reference normalized alike (lower case, no punctuation, dandas or tags: see below); "
            "<lang> = all pools every language"),
     Metric("val/cer/<lang>", "gathered", "the same for CER (characters, single spaces included)"),
     Metric("val/wer_sub/<lang>", "gathered", "substituted words per reference word (the WER is "

@@ -8,8 +8,14 @@ Usage:
     python scripts/evaluate.py model.nemo --manifest test.json --lang hi   # a NeMo JSON manifest
 
 Rates are corpus-level per language: total word edits / total reference words (not a mean of
-per-utterance WERs), CER likewise over characters (single spaces between words included), with the
-``<|lang|>`` tag stripped from reference and hypothesis. The row ``all`` pools every utterance.
+per-utterance WERs), CER likewise over characters (single spaces between words included). The row
+``all`` pools every utterance. Hypothesis and reference are compared after one normalization
+(``evaluation.normalize_for_scoring``, the one validation uses; the output states it): the plain
+training targets' cleaning (NFC, tags removed, punctuation, symbols, dandas and quotes to spaces,
+whitespace collapsed) and lower case. So a perfect transcript scores 0 on a raw NeMo JSON manifest
+(punctuation, capitals, dandas as written) as on an imported parquet one, and a model that writes
+punctuation and case is scored on its words. ``raw_wer`` / ``raw_cer`` (CSV, and ``raw WER`` in the
+table) score the texts as written instead (tags stripped only): punctuation and case count there.
 
 A ``.nemo`` file is restored as is. A ``.ckpt`` (train.py's step checkpoint) rebuilds its model from
 the description it carries (older checkpoints: the way train.py builds it, from INIT_MODEL or
@@ -23,7 +29,8 @@ The manifest is a parquet manifest of this pipeline, or a NeMo JSON manifest (on
 The CSV (default: ``<model stem>.<manifest stem>.wer.csv`` beside the model) has one row per language
 plus ``all``: lang, utterances, words, word_edits (= substitutions + deletions + insertions, also
 given), wer, chars, char_edits, cer, bad_audio, excluded (rows of a parquet manifest left out unscored:
-more tokens than encoder frames, or no valid duration; the first ids are printed below the table).
+more tokens than encoder frames, or no valid duration; the first ids are printed below the table),
+raw_wer, raw_cer (the same utterances scored as written).
 The table shows each kind of word edit per reference word (sub + del + ins = WER).
 """
 
@@ -55,6 +62,8 @@ CSV_COLUMNS = (
     "cer",
     "bad_audio",
     "excluded",
+    "raw_wer",
+    "raw_cer",
 )
 
 
@@ -107,8 +116,8 @@ def evaluate(
     lang: str | None = None,
 ) -> tuple[dict, dict[str, int]]:
     """(ErrorCounts per language + 'all', bad-audio count per language, the rows left out unscored:
-    ``evaluation.excluded_rows``) of ``model`` on ``manifest`` (parquet, or NeMo JSON: see
-    ``scoring_set``)."""
+    ``evaluation.excluded_rows``, ErrorCounts of the texts as written) of ``model`` on ``manifest``
+    (parquet, or NeMo JSON: see ``scoring_set``; scored by ``score``)."""
     import numpy as np
 
     import evaluation
@@ -126,25 +135,48 @@ def evaluate(
     hyps = evaluation.greedy_transcribe(
         model, dataset, indices, max_batch_seconds=batch_seconds, device=device, progress=progress
     )
-    done = [i for i in sorted(hyps) if hyps[i] is not None]
-    if not done:
+    decoded = sum(h is not None for h in hyps.values())
+    if not decoded:
         raise NothingToScore(
             f"no utterance of {manifest} could be scored: {len(indices)} selected, "
-            f"{len(indices) - len(done)} of them bad audio ({note}); check the manifest and that "
+            f"{len(indices) - decoded} of them bad audio ({note}); check the manifest and that "
             f"its audio exists (DATA_DIR / SHARDS_DIR, scripts/extract_audio.py)"
         )
+    results, as_written, bad = score(texts, hyps, langs)
+    return results, bad, evaluation.excluded_rows(dataset), as_written
+
+
+def score(
+    texts: list[str], hypotheses: dict[int, str | None], langs: list[str]
+) -> tuple[dict, dict, dict[str, int]]:
+    """(ErrorCounts per language + 'all' after ``evaluation.normalize_for_scoring``, the same as
+    written, bad-audio count per language + 'all') of ``hypotheses`` ({index: text, or None for
+    bad audio}) against the references ``texts`` (``scoring_set``'s, by index)."""
+    import evaluation
+
+    done = [i for i in sorted(hypotheses) if hypotheses[i] is not None]
     bad: dict[str, int] = {}
-    for i in sorted(hyps):
-        if hyps[i] is None:
+    for i in sorted(hypotheses):
+        if hypotheses[i] is None:
             bad[langs[i]] = bad.get(langs[i], 0) + 1
-    results = evaluation.corpus_error_rates(
-        [texts[i] for i in done], [hyps[i] for i in done], [langs[i] for i in done]
-    )
     bad["all"] = sum(bad.values())
-    return results, bad, evaluation.excluded_rows(dataset)
+    refs, hyps, of = (
+        [texts[i] for i in done],
+        [hypotheses[i] for i in done],
+        [langs[i] for i in done],
+    )
+    return (
+        evaluation.corpus_error_rates(refs, hyps, of),
+        evaluation.corpus_error_rates(refs, hyps, of, as_written=True),
+        bad,
+    )
 
 
-def result_rows(results: dict, bad: dict[str, int], excluded: dict | None = None) -> list[dict]:
+def result_rows(
+    results: dict, bad: dict[str, int], excluded: dict | None = None, as_written: dict | None = None
+) -> list[dict]:
+    """The CSV's rows, one per language of ``results`` (raw_wer / raw_cer from ``as_written``)."""
+    as_written = as_written or {}
     left_out = {
         lang: sum(n for n, _ in by_reason.values()) for lang, by_reason in (excluded or {}).items()
     }
@@ -164,6 +196,8 @@ def result_rows(results: dict, bad: dict[str, int], excluded: dict | None = None
             "cer": round(c.cer, 6),
             "bad_audio": bad.get(lang, 0),
             "excluded": left_out.get(lang, 0),
+            "raw_wer": round(as_written[lang].wer, 6) if lang in as_written else math.nan,
+            "raw_cer": round(as_written[lang].cer, 6) if lang in as_written else math.nan,
         }
         for lang, c in results.items()
     ]
@@ -172,7 +206,7 @@ def result_rows(results: dict, bad: dict[str, int], excluded: dict | None = None
 def format_table(rows: list[dict]) -> str:
     lines = [
         f"{'lang':<8} {'utts':>7} {'words':>9} {'WER':>8} {'sub':>7} {'del':>7} {'ins':>7} "
-        f"{'CER':>8} {'bad':>5} {'excl':>5}"
+        f"{'CER':>8} {'bad':>5} {'excl':>5} {'raw WER':>8}"
     ]
     for r in rows:
         shares = [
@@ -183,6 +217,7 @@ def format_table(rows: list[dict]) -> str:
             f"{r['lang']:<8} {r['utterances']:>7} {r['words']:>9} {r['wer']:>8.4f} "
             + " ".join(f"{v:>7.4f}" for v in shares)
             + f" {r['cer']:>8.4f} {r['bad_audio']:>5} {r.get('excluded', 0):>5}"
+            + f" {r.get('raw_wer', math.nan):>8.4f}"
         )
     return "\n".join(lines)
 
@@ -260,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         model = asr_model.load_trained_model(model_path, device)
-        results, bad, excluded = evaluate(
+        results, bad, excluded, as_written = evaluate(
             model,
             manifest,
             per_lang=args.per_lang,
@@ -272,10 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"evaluate: error: {exc}", file=sys.stderr)
         return 2
-    rows = result_rows(results, bad, excluded)
+    from evaluation import SCORING_NORMALIZATION
+
+    rows = result_rows(results, bad, excluded, as_written)
     write_csv(rows, out)
+    print(f"{model_path} on {manifest} (greedy decoding, corpus-level rates):")
     print(
-        f"{model_path} on {manifest} (greedy decoding, corpus-level rates, language tags stripped):"
+        f"normalized before scoring: {SCORING_NORMALIZATION} (raw WER: as written, tags stripped)"
     )
     print(format_table(rows))
     if excluded:

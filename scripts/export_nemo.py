@@ -349,7 +349,7 @@ def blend_sweep(
     for amount in amounts:
         model.load_state_dict(blend_weights(weights, base, amount))
         model.to(device)
-        results, _, _ = evaluate.evaluate(model, manifest, device=device, progress=False)
+        results = evaluate.evaluate(model, manifest, device=device, progress=False)[0]
         model.to("cpu")
         rows.append(
             {
@@ -450,6 +450,7 @@ def score_weights(model, manifest: Path, settings: dict, device: str) -> dict:
         "loss": decoded.loss if decoded.loss_utterances else None,
         "results": {lang: dataclasses.asdict(c) for lang, c in results.items()},
         "excluded": evaluation.describe_excluded(evaluation.excluded_rows(dataset)),
+        "scoring": evaluation.NORMALIZED_SCORING,
         "scored_at_export": True,
         "manifest": str(manifest),
     }

@@ -798,8 +798,163 @@ def test_rows_evaluate_cannot_score_are_counted_per_language_and_named(tiny, cap
     assert int(rows["all"]["excluded"]) == sum(
         int(r["excluded"]) for k, r in rows.items() if k != "all"
     )
-    assert "excl" in printed.splitlines()[1]
+    assert "excl" in next(line for line in printed.splitlines() if line.startswith("lang "))
     assert f"hi 2 (more tokens than encoder frames: {ids[0]}, {ids[1]})" in printed
+
+
+# ---- scoring after one normalization, whatever the manifest's origin ---------------------------
+
+# A test split as a corpus writes it: punctuation, capitals, dandas, quotes, extra spaces, and a
+# nukta written as its own sign.
+RAW_TEST_TEXTS = {
+    "en": [
+        '  "Hello,  World!" she said.  ',
+        "Don\u2019t open the DOOR?",
+        "It's 5 o'clock... (really)",
+    ],
+    "hi": [
+        "नमस्ते,  दुनिया।",
+        "\u201cक्या आप ठीक हैं?\u201d \u0965",
+        "दरवाज\u093c\u093e खोलो \u2014 अभी!",
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def raw_test_split(tiny):
+    """RAW_TEST_TEXTS as a raw NeMo JSON manifest (WAVs beside it) and the same imported by
+    build_manifest (its text cleaned as training targets are)."""
+    import build_manifest
+    from tests import byod_factory as byod
+
+    root = tiny.root / "raw-test-split"
+    utts = [
+        {"id": f"{lang}{i}", "lang": lang, "text": text, "seconds": 3.0, "speaker": lang, "k": k}
+        for k, (lang, i, text) in enumerate(
+            (lang, i, text)
+            for lang, texts in RAW_TEST_TEXTS.items()
+            for i, text in enumerate(texts)
+        )
+    ]
+    raw = byod.write_nemo_json(root, utts)
+    imported = root / "test.parquet"
+    build_manifest.build_manifest(
+        None,
+        imported,
+        sources=[f"nemo:{raw}"],
+        audio_dir=root / "imported",
+        languages=(),
+        min_duration=0.1,
+        max_duration=30.0,
+        min_quality=0.0,
+        workers=1,
+        progress=False,
+    )
+    return SimpleNamespace(raw=raw, imported=imported)
+
+
+def echo_model(manifest: Path, tokenizer, write) -> EchoModel:
+    """An EchoModel that 'decodes' each utterance of ``manifest`` to ``write(its reference)``, the
+    reference as ``evaluate.scoring_set`` reads it."""
+    dataset, texts, _, _ = evaluate.scoring_set(manifest, tokenizer, progress=False)
+    return EchoModel(
+        tokenizer,
+        {EchoModel.fingerprint(dataset[i]["signal"]): write(texts[i]) for i in range(len(dataset))},
+    )
+
+
+def spm_tokenizer(tiny):
+    from nemo.collections.common.tokenizers import SentencePieceTokenizer
+
+    return SentencePieceTokenizer(str(tiny.tokenizer / "tokenizer.model"))
+
+
+@pytest.mark.parametrize("origin", ["raw", "imported"])
+def test_the_references_own_cleaned_text_scores_zero_on_a_raw_and_on_an_imported_manifest(
+    tiny, raw_test_split, origin
+):
+    from transcript_cleaning import clean_text
+
+    manifest = getattr(raw_test_split, origin)
+    tokenizer = spm_tokenizer(tiny)
+    model = echo_model(manifest, tokenizer, clean_text)
+    results, bad, excluded, _ = evaluate.evaluate(model, manifest, device="cpu", progress=False)
+    assert results["all"].utterances == 6 and bad["all"] == 0 and not excluded  # every row scored
+    for lang in ("en", "hi", "all"):
+        assert results[lang].wer == results[lang].cer == 0.0, lang
+
+
+def test_evaluate_states_the_normalization_and_keeps_the_as_written_score(
+    tiny, raw_test_split, monkeypatch, capsys
+):
+    import asr_model
+    from transcript_cleaning import clean_text
+
+    model = echo_model(raw_test_split.raw, spm_tokenizer(tiny), clean_text)
+    monkeypatch.setattr(asr_model, "load_trained_model", lambda path, device: model)
+    out = tiny.root / "raw-test-split.csv"
+    args = [str(tiny.nemo), "--manifest", str(raw_test_split.raw), "--out", str(out)]
+    assert evaluate.main(args) == 0
+    rows = {r["lang"]: r for r in read_csv(out)}
+    assert float(rows["all"]["wer"]) == float(rows["all"]["cer"]) == 0.0
+    # as written, the references' punctuation, capitals and dandas are errors of a plain transcript
+    assert float(rows["en"]["raw_wer"]) > 0 and float(rows["hi"]["raw_cer"]) > 0
+    printed = capsys.readouterr().out
+    assert f"normalized before scoring: {evaluation.SCORING_NORMALIZATION}" in printed
+    assert "raw WER" in printed
+
+
+def test_validation_scores_a_punctuated_cased_hypothesis_against_plain_targets_as_perfect(
+    tiny, raw_test_split, monkeypatch
+):
+    tokenizer = spm_tokenizer(tiny)
+    manifest = raw_test_split.imported
+    model = echo_model(manifest, tokenizer, lambda ref: f"{ref.upper()}?")
+    monkeypatch.setattr(callbacks, "all_gather_objects", lambda obj: [obj])
+    module = SimpleNamespace(model=model, device=torch.device("cpu"), last_evaluation=None)
+    cb = callbacks.PerLanguageWERCallback(
+        every_n_steps=5, manifest_path=manifest, with_loss=False, at_start=False
+    )
+    trainer = fake_trainer(0, [])
+    trainer.world_size = 1
+    cb.on_train_start(trainer, module)
+    results = cb.evaluate(trainer, module)
+    assert results["all"].utterances == 6 and results["all"].wer == results["all"].cer == 0.0
+    assert module.last_evaluation["scoring"] == evaluation.NORMALIZED_SCORING
+
+
+def test_scoring_normalization_folds_case_punctuation_and_tags_only():
+    assert evaluation.normalize_for_scoring(
+        ["<|en|>  \u201cDon\u2019t,\u201d she SAID\u2026 [noise] (twice)!", "नमस्ते।  दुनिया॥"]
+    ) == ["don't she said twice", "नमस्ते दुनिया"]
+
+
+def test_scoring_normalization_keeps_every_indic_sign():
+    # virama, nukta (precomposed and as its own sign: one spelling after NFC), vowel signs,
+    # anusvara, a Malayalam chillu (NA + VIRAMA + ZWJ)
+    texts = ["क्षत्रिय", "\u095bरूर", "ज\u093cरूर", "हिंदी", "பூனை", "അവന\u0d4d\u200d"]
+    normalized = evaluation.normalize_for_scoring(texts)
+    assert normalized[:3] == ["क्षत्रिय", "ज\u093cरूर", "ज\u093cरूर"]
+    assert normalized[3:] == texts[3:]
+    # so a missing sign is still an error
+    counts = evaluation.corpus_error_rates(["क्षत्रिय"], ["कषत्रिय"], ["hi"])["hi"]
+    assert counts.word_edits == 1 and counts.char_edits == 1
+
+
+def test_the_as_written_score_counts_punctuation_and_case():
+    refs, hyps = ["Hello, World!"], ["hello world"]
+    assert evaluation.corpus_error_rates(refs, hyps, ["en"])["en"].wer == 0.0
+    as_written = evaluation.corpus_error_rates(refs, hyps, ["en"], as_written=True)["en"]
+    assert as_written.word_edits == 2 and as_written.char_edits == 4
+
+
+def test_the_model_card_says_how_its_scores_compared_the_texts(tiny):
+    normalized = {**RUN_RECORD["evaluation"], "scoring": evaluation.NORMALIZED_SCORING}
+    card = model_card.render({**RUN_RECORD, "evaluation": normalized}, tiny.model, "tiny.nemo")
+    assert "hypothesis and reference normalized alike" in card
+    # a record written before normalized scoring: its counts compared the texts as written
+    older = model_card.render(RUN_RECORD, tiny.model, "tiny.nemo")
+    assert "language tags stripped from both sides" in older and "normalized alike" not in older
 
 
 def test_the_test_manifest_of_a_kept_split_evaluates(tiny, tmp_path, capsys):
