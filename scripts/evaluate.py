@@ -30,7 +30,10 @@ The CSV (default: ``<model stem>.<manifest stem>.wer.csv`` beside the model) has
 plus ``all``: lang, utterances, words, word_edits (= substitutions + deletions + insertions, also
 given), wer, chars, char_edits, cer, bad_audio, excluded (rows of a parquet manifest left out unscored:
 more tokens than encoder frames, or no valid duration; the first ids are printed below the table),
-raw_wer, raw_cer (the same utterances scored as written).
+raw_wer, raw_cer (the same utterances scored as written), punct_f1 and case_err (how the marks ending
+each word and the case of correctly recognized words come out against the references as written:
+``punctuation_scoring``, as a punctuated run's validation reports them; empty where the language has
+no cased words).
 The table shows each kind of word edit per reference word (sub + del + ins = WER).
 """
 
@@ -64,6 +67,8 @@ CSV_COLUMNS = (
     "excluded",
     "raw_wer",
     "raw_cer",
+    "punct_f1",
+    "case_err",
 )
 
 
@@ -114,9 +119,10 @@ def evaluate(
     device: str = "cpu",
     progress: bool = True,
     lang: str | None = None,
-) -> tuple[dict, dict[str, int]]:
+) -> tuple[dict, dict[str, int], dict, dict, dict]:
     """(ErrorCounts per language + 'all', bad-audio count per language, the rows left out unscored:
-    ``evaluation.excluded_rows``, ErrorCounts of the texts as written) of ``model`` on ``manifest``
+    ``evaluation.excluded_rows``, ErrorCounts of the texts as written, PunctuationCounts per
+    language + 'all') of ``model`` on ``manifest``
     (parquet, or NeMo JSON: see ``scoring_set``; scored by ``score``)."""
     import numpy as np
 
@@ -142,17 +148,19 @@ def evaluate(
             f"{len(indices) - decoded} of them bad audio ({note}); check the manifest and that "
             f"its audio exists (DATA_DIR / SHARDS_DIR, scripts/extract_audio.py)"
         )
-    results, as_written, bad = score(texts, hyps, langs)
-    return results, bad, evaluation.excluded_rows(dataset), as_written
+    results, as_written, bad, punctuation = score(texts, hyps, langs)
+    return results, bad, evaluation.excluded_rows(dataset), as_written, punctuation
 
 
 def score(
     texts: list[str], hypotheses: dict[int, str | None], langs: list[str]
-) -> tuple[dict, dict, dict[str, int]]:
+) -> tuple[dict, dict, dict[str, int], dict]:
     """(ErrorCounts per language + 'all' after ``evaluation.normalize_for_scoring``, the same as
-    written, bad-audio count per language + 'all') of ``hypotheses`` ({index: text, or None for
+    written, bad-audio count per language + 'all', ``punctuation_scoring.punctuation_case_scores``
+    of the texts as written) of ``hypotheses`` ({index: text, or None for
     bad audio}) against the references ``texts`` (``scoring_set``'s, by index)."""
     import evaluation
+    from punctuation_scoring import punctuation_case_scores
 
     done = [i for i in sorted(hypotheses) if hypotheses[i] is not None]
     bad: dict[str, int] = {}
@@ -169,14 +177,20 @@ def score(
         evaluation.corpus_error_rates(refs, hyps, of),
         evaluation.corpus_error_rates(refs, hyps, of, as_written=True),
         bad,
+        punctuation_case_scores(refs, hyps, of),
     )
 
 
 def result_rows(
-    results: dict, bad: dict[str, int], excluded: dict | None = None, as_written: dict | None = None
+    results: dict,
+    bad: dict[str, int],
+    excluded: dict | None = None,
+    as_written: dict | None = None,
+    punctuation: dict | None = None,
 ) -> list[dict]:
-    """The CSV's rows, one per language of ``results`` (raw_wer / raw_cer from ``as_written``)."""
-    as_written = as_written or {}
+    """The CSV's rows, one per language of ``results`` (raw_wer / raw_cer from ``as_written``,
+    punct_f1 / case_err from ``punctuation``)."""
+    as_written, punctuation = as_written or {}, punctuation or {}
     left_out = {
         lang: sum(n for n, _ in by_reason.values()) for lang, by_reason in (excluded or {}).items()
     }
@@ -198,6 +212,10 @@ def result_rows(
             "excluded": left_out.get(lang, 0),
             "raw_wer": round(as_written[lang].wer, 6) if lang in as_written else math.nan,
             "raw_cer": round(as_written[lang].cer, 6) if lang in as_written else math.nan,
+            "punct_f1": round(punctuation[lang].f1, 6) if lang in punctuation else math.nan,
+            "case_err": round(punctuation[lang].case_error_rate, 6)
+            if lang in punctuation and punctuation[lang].cased_words
+            else math.nan,
         }
         for lang, c in results.items()
     ]
@@ -295,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         model = asr_model.load_trained_model(model_path, device)
-        results, bad, excluded, as_written = evaluate(
+        results, bad, excluded, as_written, punctuation = evaluate(
             model,
             manifest,
             per_lang=args.per_lang,
@@ -309,13 +327,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from evaluation import SCORING_NORMALIZATION
 
-    rows = result_rows(results, bad, excluded, as_written)
+    rows = result_rows(results, bad, excluded, as_written, punctuation)
     write_csv(rows, out)
     print(f"{model_path} on {manifest} (greedy decoding, corpus-level rates):")
     print(
         f"normalized before scoring: {SCORING_NORMALIZATION} (raw WER: as written, tags stripped)"
     )
     print(format_table(rows))
+    print(
+        "punctuation F1 / case errors, against the references as written: "
+        + ", ".join(
+            f"{r['lang']} {r['punct_f1']:.3f} / "
+            + ("-" if math.isnan(r["case_err"]) else f"{r['case_err']:.3f}")
+            for r in rows
+        )
+    )
     if excluded:
         from evaluation import describe_excluded
 

@@ -878,7 +878,7 @@ def test_the_references_own_cleaned_text_scores_zero_on_a_raw_and_on_an_imported
     manifest = getattr(raw_test_split, origin)
     tokenizer = spm_tokenizer(tiny)
     model = echo_model(manifest, tokenizer, clean_text)
-    results, bad, excluded, _ = evaluate.evaluate(model, manifest, device="cpu", progress=False)
+    results, bad, excluded, _, _ = evaluate.evaluate(model, manifest, device="cpu", progress=False)
     assert results["all"].utterances == 6 and bad["all"] == 0 and not excluded  # every row scored
     for lang in ("en", "hi", "all"):
         assert results[lang].wer == results[lang].cer == 0.0, lang
@@ -902,6 +902,30 @@ def test_evaluate_states_the_normalization_and_keeps_the_as_written_score(
     printed = capsys.readouterr().out
     assert f"normalized before scoring: {evaluation.SCORING_NORMALIZATION}" in printed
     assert "raw WER" in printed
+
+
+def test_evaluate_scores_punctuation_and_case_against_the_references_as_written(
+    tiny, raw_test_split, monkeypatch, capsys
+):
+    import asr_model
+    from transcript_cleaning import clean_text
+
+    def run(transcribe, name):
+        model = echo_model(raw_test_split.raw, spm_tokenizer(tiny), transcribe)
+        monkeypatch.setattr(asr_model, "load_trained_model", lambda path, device: model)
+        out = tiny.root / f"{name}.csv"
+        args = [str(tiny.nemo), "--manifest", str(raw_test_split.raw), "--out", str(out)]
+        assert evaluate.main(args) == 0
+        return {r["lang"]: r for r in read_csv(out)}
+
+    as_written = run(lambda ref: ref, "as-written")
+    assert float(as_written["all"]["punct_f1"]) == 1.0 and float(as_written["en"]["case_err"]) == 0
+    plain = run(clean_text, "plain")  # every mark gone, so none of the references' is found
+    assert float(plain["all"]["punct_f1"]) == 0.0 and float(plain["all"]["wer"]) == 0.0
+    assert (
+        "punctuation F1 / case errors, against the references as written: "
+        in capsys.readouterr().out
+    )
 
 
 def test_validation_scores_a_punctuated_cased_hypothesis_against_plain_targets_as_perfect(
