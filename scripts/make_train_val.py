@@ -367,8 +367,26 @@ def make_train_val(
         nemo_json=nemo_json,
         nemo_json_tags=nemo_json_tags,
     )
+    if not test.height:
+        _set_aside_superseded(test_path, split_id)
     summary["seconds"] = round(time.perf_counter() - started, 3)
     return summary
+
+
+def _set_aside_superseded(test_path: Path, split_id: str) -> None:
+    """A test manifest left by an earlier split, when this one has no test rows, would pass for this
+    split's: its rows may now be in train. It is renamed ``<name>.superseded<suffix>`` (its NeMo JSON
+    twin too), with a warning; nothing is deleted."""
+    for path in (test_path, nemo_json_path(test_path)):
+        if path.exists():
+            aside = path.with_name(f"{path.stem}.superseded{path.suffix}")
+            path.replace(aside)
+            print(
+                f"make_train_val: warning: {path} belonged to an earlier split (this one, "
+                f"{split_id}, has no test rows): renamed {aside}, so it is not evaluated as this "
+                f"split's test set",
+                file=sys.stderr,
+            )
 
 
 # --- the steps, in order ------------------------------------------------------------------------

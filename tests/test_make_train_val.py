@@ -695,6 +695,15 @@ def test_the_test_manifest_is_one_set_with_train_and_validation(tmp_path):
     assert split_id(tmp_path / "test.parquet") == split_id(tmp_path / "train.parquet") is not None
 
 
+def test_a_split_without_test_rows_sets_an_earlier_splits_test_manifest_aside(tmp_path):
+    run_splits(tmp_path, released())
+    earlier = pl.read_parquet(tmp_path / "test.parquet")
+    without_test = [row for row in released() if row["split"] != "test"]
+    _, _, test, summary = run_splits(tmp_path, without_test)
+    assert test is None and "test_manifest" not in summary
+    assert pl.read_parquet(tmp_path / "test.superseded.parquet").equals(earlier)
+
+
 def test_duplicates_within_a_split_are_dropped_as_before(tmp_path):
     rows = released()
     rows.append(rows[0] | {"segment_id": "hi0-again", "text": tagged_text("hi", "और कुछ")})
