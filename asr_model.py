@@ -199,6 +199,13 @@ class ModelFamily:
         """Greedy transcripts from the encoder's output."""
         raise NotImplementedError
 
+    def first_tokens_of_encoded(
+        self, model, encoded, encoded_len
+    ) -> list[tuple[int, float] | None]:
+        """Per utterance, (piece id, probability) of the first piece greedy decoding emits, None
+        when it emits none."""
+        raise NotImplementedError
+
     def check_loss_on_device(self, model, device: torch.device) -> str | None:
         """Run the loss on a known problem on ``device``: a line for the log, None for no check."""
         return None
@@ -346,6 +353,45 @@ class TDT(ModelFamily):
             encoder_output=encoded, encoded_lengths=encoded_len
         )
         return [hyp.text for hyp in hyps]
+
+    def first_tokens_of_encoded(
+        self, model, encoded, encoded_len
+    ) -> list[tuple[int, float] | None]:
+        """Per utterance, (piece id, probability) of the first piece greedy decoding emits, None
+        when it emits none; the probability is the softmax over the pieces and blank of the joint's
+        output at that step.
+
+        Until its first piece, greedy decoding feeds the prediction network its start state
+        alone, so the joint of every frame with that one state decides it: from frame 0, a blank
+        moves on by its predicted duration (at least one frame, as NeMo's greedy TDT does), the
+        first piece ends the walk. One joint over all frames, on any device and precision: the
+        joint's log-softmax on CPU shifts every output by one constant, which changes neither the
+        argmaxes nor the softmax over the pieces and blank."""
+        blank = int(model.decoder.blank_idx)
+        durations = list(getattr(model.decoding.decoding, "durations", None) or [])
+        frames = encoded.transpose(1, 2)  # [B, T, D]
+        start, _ = model.decoder.predict(None, None, add_sos=False, batch_size=frames.shape[0])
+        logits = model.joint.joint(frames, start)[:, :, 0, :].float()  # [B, T, V + 1 (+ D)]
+        probs = logits[..., : blank + 1].softmax(-1)
+        best, tokens = probs.max(-1)
+        if durations:
+            steps = [
+                [max(1, durations[d]) for d in row]
+                for row in logits[..., blank + 1 : blank + 1 + len(durations)].argmax(-1).tolist()
+            ]
+        else:
+            steps = [[1] * frames.shape[1] for _ in range(frames.shape[0])]
+        tokens, best = tokens.tolist(), best.tolist()
+        out: list[tuple[int, float] | None] = []
+        for b, length in enumerate(encoded_len.tolist()):
+            t, first = 0, None
+            while t < length:
+                if tokens[b][t] != blank:
+                    first = (int(tokens[b][t]), float(best[b][t]))
+                    break
+                t += steps[b][t]
+            out.append(first)
+        return out
 
     def check_loss_on_device(self, model, device: torch.device) -> str | None:
         """The CUDA TDT loss against ``tdt_loss.tdt_loss`` (``tdt_loss.check_cuda_loss``)."""
@@ -836,6 +882,19 @@ def greedy_texts(model, signal: torch.Tensor, signal_len: torch.Tensor) -> list[
     """Greedy transcripts (tags included, as the model emits them) of a padded batch of audio."""
     encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=signal_len)
     return family(model).greedy_texts_of_encoded(model, encoded, encoded_len)
+
+
+@torch.no_grad()
+def greedy_texts_and_first_tokens(
+    model, signal: torch.Tensor, signal_len: torch.Tensor
+) -> tuple[list[str], list[tuple[int, float] | None]]:
+    """Greedy transcripts of a padded batch of audio (as ``greedy_texts``) and, per utterance,
+    (piece id, probability) of the first piece the decoding emits (the language tag of a model of
+    this project), None when it emits none; from one encoder forward."""
+    encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=signal_len)
+    kind = family(model)
+    texts = kind.greedy_texts_of_encoded(model, encoded, encoded_len)
+    return texts, kind.first_tokens_of_encoded(model, encoded, encoded_len)
 
 
 @torch.no_grad()

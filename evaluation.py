@@ -165,12 +165,15 @@ def pack_by_duration(
 class Decoded:
     """What ``decode`` returns: {dataset index: greedy text, or None for bad audio}, and with the
     loss asked for, the sum over batches of (batch loss x utterances) and those utterances;
+    with the first tokens asked for, {index: (piece id, probability) of the first piece greedy
+    decoding emitted, or None} (``asr_model.greedy_texts_and_first_tokens``);
     ``stopped``: ``should_stop`` ended the decoding before every index was decoded."""
 
     texts: dict[int, str | None]
     loss_sum: float = 0.0
     loss_utterances: int = 0
     stopped: bool = False
+    first_tokens: dict[int, tuple[int, float] | None] = dataclasses.field(default_factory=dict)
 
     @property
     def loss(self) -> float:
@@ -188,11 +191,13 @@ def decode(
     autocast: Callable[[], Any] | None = None,
     progress: bool = False,
     with_loss: bool = False,
+    with_first_tokens: bool = False,
     after_batch: Callable[[], None] | None = None,
     should_stop: Callable[[], Any] | None = None,
 ) -> Decoded:
     """Greedy hypotheses of ``dataset[i]`` for each ``i`` in ``indices`` (and with ``with_loss`` the
-    loss of the same batches, from the same encoder forward).
+    loss of the same batches, from the same encoder forward; or with ``with_first_tokens`` the
+    first emitted piece and its probability, ``Decoded.first_tokens``).
 
     Audio goes through the training pipeline's own loading and collate (soundfile + soxr, the same
     resampling and padding) and ``asr_model``'s greedy decoding: no temporary manifests, no NeMo
@@ -202,6 +207,8 @@ def decode(
     batch (a watchdog's sign of life); when ``should_stop()`` is true after a batch, decoding ends
     there (``Decoded.stopped``).
     """
+    if with_loss and with_first_tokens:
+        raise ValueError("decode: with_loss and with_first_tokens are not asked for together")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     modes = {m: m.training for m in model.modules()}
     model.eval()
@@ -214,7 +221,16 @@ def decode(
     try:
         with asr_model.decoding_graphs(model):
             for batch_indices in batches:
-                _decode_batch(model, dataset, batch_indices, out, device, autocast, with_loss)
+                _decode_batch(
+                    model,
+                    dataset,
+                    batch_indices,
+                    out,
+                    device,
+                    autocast,
+                    with_loss,
+                    with_first_tokens,
+                )
                 if after_batch is not None:
                     after_batch()
                 if should_stop is not None and should_stop():
@@ -226,8 +242,18 @@ def decode(
     return out
 
 
-def _decode_batch(model, dataset, batch_indices, out: Decoded, device, autocast, with_loss) -> None:
-    """Decode one batch of ``dataset`` into ``out`` (its texts, and its loss with ``with_loss``)."""
+def _decode_batch(
+    model,
+    dataset,
+    batch_indices,
+    out: Decoded,
+    device,
+    autocast,
+    with_loss,
+    with_first_tokens=False,
+) -> None:
+    """Decode one batch of ``dataset`` into ``out`` (its texts, its loss with ``with_loss``, its
+    first tokens with ``with_first_tokens``)."""
     from dataset import collate_asr_batch
 
     items = [dataset[i] for i in batch_indices]
@@ -242,6 +268,11 @@ def _decode_batch(model, dataset, batch_indices, out: Decoded, device, autocast,
             if math.isfinite(loss):
                 out.loss_sum += loss * len(good)
                 out.loss_utterances += len(good)
+        elif with_first_tokens:
+            texts, firsts = asr_model.greedy_texts_and_first_tokens(
+                model, batch.signal, batch.signal_len
+            )
+            out.first_tokens.update(zip(good, firsts))
         else:
             texts = asr_model.greedy_texts(model, batch.signal, batch.signal_len)
     out.texts.update(zip(good, texts))

@@ -12,7 +12,9 @@ libsndfile reads; resampled to the model's rate, downmixed to mono) or a manifes
 (``audio_filepath`` per line) or this pipeline's parquet (the extracted FLAC of each row).
 
 The model writes ``<|lang|>`` first: each output row holds that language (``lang``; null when the
-hypothesis starts with no tag) and the text without it. Files are decoded longest-first in batches
+hypothesis starts with no tag), how sure the model was of it (``lang_prob``: the softmax probability
+of that tag at the decoding step that emitted it, over every piece and blank; null without a tag)
+and the text without it. Files are decoded longest-first in batches
 of ``--batch-seconds`` of audio, on the GPU when there is one. An unreadable file gets a row with
 ``"error"`` instead of a text and is named on stderr; the exit status is 1 when any file failed.
 
@@ -86,22 +88,25 @@ def stdout_kept_for_results():
 def transcribe(
     model, paths: list[str], *, batch_seconds: float = 120.0, device: str = "cpu"
 ) -> list[dict]:
-    """One row per path, in input order: {"audio_filepath", "duration", "lang", "text"}, or
-    {"audio_filepath", "error"} for a file that could not be read ("file not found" when it does
-    not exist)."""
+    """One row per path, in input order: {"audio_filepath", "duration", "lang", "lang_prob",
+    "text"}, or {"audio_filepath", "error"} for a file that could not be read ("file not found"
+    when it does not exist). ``lang_prob`` is the probability of the first emitted piece when that
+    piece is the tag of ``lang``, else null."""
     import evaluation
     from dataset import AudioFileDataset
-    from manifest_schema import leading_lang, strip_lang_tag
+    from manifest_schema import lang_tag, leading_lang, strip_lang_tag
 
     dataset = AudioFileDataset(paths)
-    texts = evaluation.greedy_transcribe(
+    decoded = evaluation.decode(
         model,
         dataset,
         range(len(dataset)),
         max_batch_seconds=batch_seconds,
         device=device,
         progress=len(paths) > 1 and sys.stderr.isatty(),
+        with_first_tokens=True,
     )
+    texts = decoded.texts
     rows = []
     for i, path in enumerate(paths):
         hypothesis = texts.get(i)
@@ -109,11 +114,18 @@ def transcribe(
             error = "unreadable or empty audio" if Path(path).exists() else "file not found"
             rows.append({"audio_filepath": path, "error": error})
             continue
+        lang, first = leading_lang(hypothesis), decoded.first_tokens.get(i)
+        tag_first = (
+            lang is not None
+            and first is not None
+            and model.tokenizer.ids_to_tokens([first[0]])[0] == lang_tag(lang)
+        )
         rows.append(
             {
                 "audio_filepath": path,
                 "duration": round(float(dataset.durations[i]), 3),
-                "lang": leading_lang(hypothesis),
+                "lang": lang,
+                "lang_prob": round(first[1], 4) if tag_first else None,
                 "text": strip_lang_tag(hypothesis),
             }
         )
