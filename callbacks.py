@@ -714,9 +714,12 @@ class PerLanguageWERCallback(_pl.Callback):
     The utterances are split across ranks (rank r decodes every world_size-th by duration, longest and
     shortest spread evenly); hypotheses and loss sums are gathered with all_gather_object, and rank 0
     logs ``val/wer/<lang>``, ``val/cer/<lang>``, ``val/wer_sub|del|ins/<lang>``, ``val/loss`` (the
-    training loss's reduction, averaged over utterances; comparable with ``train/loss``) and a table
-    ``val/examples`` (lang, reference, hypothesis; up to ``examples_per_lang`` per language). W&B keeps
-    the best (lowest) ``val/wer/*``, ``val/cer/*`` and ``val/loss`` as the run's summary. The result
+    training loss's reduction, averaged over utterances; comparable with ``train/loss``),
+    ``val/lid_acc/<lang>`` (how often the hypothesis starts with the language's own tag) and the
+    tables ``val/examples`` (lang, reference, hypothesis; up to ``examples_per_lang`` per language)
+    and ``val/lid_confusion`` (true, guessed language, utterances;
+    ``evaluation.language_confusion``). W&B keeps the best (lowest) ``val/wer/*``, ``val/cer/*`` and
+    ``val/loss`` (highest ``val/lid_acc/*``) as the run's summary. The result
     goes to ``pl_module.last_evaluation`` (every checkpoint and the model card carry it); a run whose
     last step is not a multiple of ``every_n_steps`` is validated once more at its end. A step in
     which the ranks agreed to stop (``stop_agreed``) is not validated: they save it and exit. Decoding
@@ -799,6 +802,7 @@ class PerLanguageWERCallback(_pl.Callback):
                 if callable(define_metric):
                     for pattern in ("val/wer/*", "val/cer/*", "val/loss"):
                         define_metric(pattern, summary="min")
+                    define_metric("val/lid_acc/*", summary="max")
             _log.info(
                 "validation every %d optimizer steps on %d utterances of %s (%s)",
                 self.every_n_steps,
@@ -888,6 +892,7 @@ class PerLanguageWERCallback(_pl.Callback):
         refs = [self.references[i] for i in done]
         outs = [gathered[i] for i in done]
         results = evaluation.corpus_error_rates(refs, outs, langs)
+        confusion = evaluation.language_confusion(langs, outs)
         self.last_results = results
         loss = loss_sum / loss_utterances if loss_utterances else None
         pl_module.last_evaluation = {
@@ -899,7 +904,8 @@ class PerLanguageWERCallback(_pl.Callback):
         }
         if trainer.is_global_zero:
             seconds = time.perf_counter() - started
-            metrics = training_metrics.evaluation_metrics(results, len(done), seconds)
+            lid = evaluation.language_id_accuracy(confusion)
+            metrics = training_metrics.evaluation_metrics(results, len(done), seconds, lid)
             if loss is not None:
                 metrics["val/loss"] = loss
             if self.punctuated:
@@ -916,12 +922,20 @@ class PerLanguageWERCallback(_pl.Callback):
                         rows,
                         step=trainer.global_step,
                     )
+                    logger.log_table(
+                        "val/lid_confusion",
+                        ["true", "guessed", "utterances"],
+                        evaluation.confusion_rows(confusion),
+                        step=trainer.global_step,
+                    )
             _log.info(
-                "step %d: validation on %d utterances in %.1f s: loss %s; greedy WER %s",
+                "step %d: validation on %d utterances in %.1f s: loss %s; greedy WER %s; "
+                "language identified %s",
                 trainer.global_step,
                 len(done),
                 seconds,
                 "n/a" if loss is None else f"{loss:.4f}",
                 ", ".join(f"{lang} {c.wer:.3f}" for lang, c in results.items()),
+                ", ".join(f"{lang} {a:.3f}" for lang, a in lid.items()),
             )
         return results

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 import asr_model
-from manifest_schema import strip_lang_tag
+from manifest_schema import leading_lang, strip_lang_tag
 
 # What ``normalize_for_scoring`` does, in words: printed by scripts/evaluate.py, in docs/metrics.md.
 SCORING_NORMALIZATION = (
@@ -125,6 +125,53 @@ def corpus_error_rates(
     counts = dict(sorted(counts.items()))
     counts["all"] = total
     return counts
+
+
+# ---- language identification: the tag a hypothesis starts with ------------------------------------
+
+# The guess of a hypothesis that starts with no language tag (its first token is no tag).
+NO_TAG = "none"
+
+
+def language_confusion(
+    languages: Sequence[str], hypotheses: Sequence[str]
+) -> dict[str, dict[str, int]]:
+    """{true language: {guessed language: utterances}} of greedy hypotheses (tags included, as the
+    model emits them): the guess is the language of the tag a hypothesis starts with, its first
+    decoded token (``NO_TAG`` when it starts with none). Languages sorted, guesses in the order of
+    their counts, largest first."""
+    if len(languages) != len(hypotheses):
+        raise ValueError(
+            f"language_confusion: {len(languages)} languages and {len(hypotheses)} hypotheses; "
+            "expected one of each per utterance"
+        )
+    counts: dict[str, dict[str, int]] = {}
+    for lang, hypothesis in zip(languages, hypotheses):
+        guess = leading_lang(hypothesis) or NO_TAG
+        row = counts.setdefault(lang, {})
+        row[guess] = row.get(guess, 0) + 1
+    return {
+        lang: dict(sorted(row.items(), key=lambda kv: (-kv[1], kv[0])))
+        for lang, row in sorted(counts.items())
+    }
+
+
+def language_id_accuracy(confusion: dict[str, dict[str, int]]) -> dict[str, float]:
+    """{language: share of its utterances whose hypothesis starts with its own tag}, plus "all"
+    (every utterance pooled), from ``language_confusion``."""
+    out: dict[str, float] = {}
+    right = total = 0
+    for lang, row in confusion.items():
+        n = sum(row.values())
+        out[lang] = row.get(lang, 0) / n if n else math.nan
+        right, total = right + row.get(lang, 0), total + n
+    out["all"] = right / total if total else math.nan
+    return out
+
+
+def confusion_rows(confusion: dict[str, dict[str, int]]) -> list[list[Any]]:
+    """``language_confusion`` as table rows [true language, guessed language, utterances]."""
+    return [[lang, guess, n] for lang, row in confusion.items() for guess, n in row.items()]
 
 
 # ---- greedy decoding with the training pipeline's dataset and collate ---------------------------

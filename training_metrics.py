@@ -227,18 +227,33 @@ EVALUATION_METRICS: tuple[Metric, ...] = (
     Metric("val/case_err/<lang>", "gathered", "punctuated targets only: share of the correctly "
            "recognized words with a cased letter written in another case than the reference's "
            "(languages with case only)"),
+    Metric("val/lid_acc/<lang>", "gathered", "language identification: share of the language's "
+           "utterances whose greedy hypothesis (auto decoding) starts with the language's own tag, "
+           "the first decoded token; <lang> = all pools every utterance"),
     Metric("val/loss", "gathered", "the training loss on the validation utterances (the training loss's "
            "reduction per batch, averaged over utterances: comparable with train/loss)"),
     Metric("val/utterances", "gathered", "validation utterances decoded (bad audio excluded)"),
     Metric("val/seconds", "rank 0", "wall time of the evaluation"),
 )  # fmt: skip
 
-TABLES = {"val/examples": "up to 3 (lang, reference, hypothesis) rows per language per evaluation"}
+TABLES = {
+    "val/examples": "up to 3 (lang, reference, hypothesis) rows per language per evaluation",
+    "val/lid_confusion": "language identification per evaluation: (true, guessed, utterances) rows, "
+    "the guess being the tag the greedy hypothesis starts with, none when it starts with no tag",
+}
 
 
-def evaluation_metrics(results: Mapping[str, Any], utterances: int, seconds: float) -> dict:
-    """The EVALUATION_METRICS values of one evaluation (``results``: ErrorCounts per language)."""
+def evaluation_metrics(
+    results: Mapping[str, Any],
+    utterances: int,
+    seconds: float,
+    lid_accuracy: Mapping[str, float] | None = None,
+) -> dict:
+    """The EVALUATION_METRICS values of one evaluation (``results``: ErrorCounts per language;
+    ``lid_accuracy``: evaluation.language_id_accuracy)."""
     out = {"val/utterances": float(utterances), "val/seconds": float(seconds)}
+    for lang, accuracy in (lid_accuracy or {}).items():
+        out[f"val/lid_acc/{lang}"] = accuracy
     for lang, counts in results.items():
         out[f"val/wer/{lang}"] = counts.wer
         out[f"val/cer/{lang}"] = counts.cer

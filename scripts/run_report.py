@@ -15,6 +15,8 @@ Written to ``--out`` (default ``<run dir>/report``):
 - ``validation.png``: WER and CER per language at every validation (step 0 is the base when finetuning).
 - ``language_mix.png``: the realized share of each language against the sampler's target.
 - ``data_path.png``: padding efficiency, audio seconds per second, skipped steps and bad audio.
+- ``language_id.png``: which language the model guessed (the tag its hypothesis starts with) for each
+  language's validation utterances, at the first and the latest validation, as a heatmap.
 - ``report.md``: the numbers to quote, with the charts.
 """
 
@@ -43,6 +45,8 @@ class RunMetrics:
     steps: dict[int, dict] = field(default_factory=dict)
     settings: dict = field(default_factory=dict)
     skipped_lines: int = 0
+    # {table key: {step: [rows]}}, the last record of a step winning (as for the scalars)
+    tables: dict[str, dict[int, list]] = field(default_factory=dict)
 
     def series(self, key: str) -> list[tuple[int, float]]:
         """(step, value) of every step that logged ``key`` with a number, in step order."""
@@ -65,7 +69,7 @@ class RunMetrics:
 
 def read_metrics(run_dir: Path) -> RunMetrics:
     """The run's metrics.jsonl and hparams.json. A line that does not parse (the one a running job is
-    writing) is counted in ``skipped_lines``, not fatal; table records are left out."""
+    writing) is counted in ``skipped_lines``, not fatal; table records go to ``tables``."""
     metrics = RunMetrics()
     path = run_dir / "metrics.jsonl"
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -75,7 +79,13 @@ def read_metrics(run_dir: Path) -> RunMetrics:
             except ValueError:
                 metrics.skipped_lines += 1
                 continue
-            if not isinstance(record, dict) or "table" in record or record.get("step") is None:
+            if not isinstance(record, dict) or record.get("step") is None:
+                continue
+            if "table" in record:
+                rows = record.get("rows")
+                if isinstance(rows, list):
+                    by_step = metrics.tables.setdefault(str(record["table"]), {})
+                    by_step[int(record["step"])] = rows
                 continue
             step = int(record["step"])
             # A step logs its training scalars and, at a validation, its val/ scalars in separate
@@ -153,6 +163,68 @@ def language_mix(metrics: RunMetrics) -> list[tuple[str, float | None, float | N
         (lang, metrics.latest(f"lang_share/{lang}"), metrics.latest(f"lang_target/{lang}"))
         for lang in sorted(langs)
     ]
+
+
+def language_confusion(metrics: RunMetrics, step: int) -> dict[str, dict[str, int]]:
+    """{true language: {guessed language: utterances}} of the validation at ``step``, from its
+    ``val/lid_confusion`` table."""
+    out: dict[str, dict[str, int]] = {}
+    for row in metrics.tables.get("val/lid_confusion", {}).get(step, []):
+        if isinstance(row, list) and len(row) == 3 and isinstance(row[2], (int, float)):
+            true, guess = str(row[0]), str(row[1])
+            out.setdefault(true, {})[guess] = out.get(true, {}).get(guess, 0) + int(row[2])
+    return out
+
+
+def plot_language_id(metrics: RunMetrics):
+    """Heatmaps of the language confusion (rows: true language, columns: guessed, cells: share of
+    the row's utterances, with counts) at the first and the latest validation."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from evaluation import NO_TAG
+
+    steps = sorted(metrics.tables.get("val/lid_confusion", {}))
+    if not steps:
+        return None
+    shown = [steps[0]] if len(steps) == 1 else [steps[0], steps[-1]]
+    confusions = [language_confusion(metrics, step) for step in shown]
+    trues = sorted({lang for c in confusions for lang in c})
+    guessed = {g for c in confusions for row in c.values() for g in row}
+    # the true languages in the same order along both axes, then other guesses, "none" last
+    columns = (
+        trues + sorted(guessed - set(trues) - {NO_TAG}) + ([NO_TAG] if NO_TAG in guessed else [])
+    )
+    width = 1.2 + 0.6 * len(columns)
+    fig, axes = plt.subplots(
+        1, len(shown), figsize=(width * len(shown) + 1.5, 1.5 + 0.5 * len(trues)), squeeze=False
+    )
+    for ax, step, confusion in zip(axes[0], shown, confusions):
+        counts = np.array([[confusion.get(t, {}).get(g, 0) for g in columns] for t in trues], float)
+        totals = counts.sum(axis=1, keepdims=True)
+        shares = np.divide(counts, totals, out=np.zeros_like(counts), where=totals > 0)
+        ax.imshow(shares, cmap="Blues", vmin=0, vmax=1, aspect="auto")
+        for i, j in np.ndindex(counts.shape):
+            if counts[i, j]:
+                ax.text(
+                    j,
+                    i,
+                    f"{100 * shares[i, j]:.0f}%\n{counts[i, j]:.0f}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if shares[i, j] > 0.6 else "black",
+                )
+        ax.set_xticks(range(len(columns)), columns)
+        ax.set_yticks(range(len(trues)), trues)
+        ax.set_xlabel("guessed (first token)")
+        ax.set_ylabel("true language")
+        label = (
+            "base (step 0)" if step == 0 and metrics.settings.get("INIT_MODEL") else f"step {step}"
+        )
+        ax.set_title(f"language identification, {label}", fontsize=10)
+    fig.tight_layout()
+    return fig
 
 
 def plot_training(metrics: RunMetrics):
@@ -332,6 +404,21 @@ def render_report(run_dir: Path, metrics: RunMetrics, charts: list[str]) -> str:
                 f"| {lang} | {_fmt(first, '.1f', 100)} | {100 * best:.1f} ({best_step}) "
                 f"| {100 * latest:.1f} ({latest_step}) |"
             )
+    lid = validation_table(metrics, "lid_acc")
+    if any(series for _, series in lid):
+        lines += [
+            "",
+            "## Language identification % (hypotheses starting with the right tag)",
+            "",
+            "| language | first (step) | latest (step) |",
+            "|---|---|---|",
+        ]
+        for lang, series in lid:
+            if series:
+                (first_step, first), (latest_step, latest) = series[0], series[-1]
+                lines.append(
+                    f"| {lang} | {100 * first:.1f} ({first_step}) | {100 * latest:.1f} ({latest_step}) |"
+                )
     mix = language_mix(metrics)
     if mix:
         lines += [
@@ -368,6 +455,7 @@ def write_report(run_dir: Path, out_dir: Path) -> Path:
         ("validation.png", plot_validation),
         ("language_mix.png", plot_language_mix),
         ("data_path.png", plot_data_path),
+        ("language_id.png", plot_language_id),
     ):
         fig = plot(metrics)
         if fig is None:  # nothing of it logged yet

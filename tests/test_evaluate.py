@@ -1012,6 +1012,67 @@ def test_validation_scores_a_punctuated_cased_hypothesis_against_plain_targets_a
     assert module.last_evaluation["scoring"] == evaluation.NORMALIZED_SCORING
 
 
+def test_validation_reports_language_identification_per_language_and_its_confusion(
+    tiny, monkeypatch
+):
+    """Hypotheses starting with chosen tags: the first Hindi utterance starts with <|en|>, the
+    second with no tag, the others with <|hi|>; the first English one with <|hi|>, the others
+    with <|en|>."""
+    from manifest_schema import strip_lang_tag
+
+    tokenizer = spm_tokenizer(tiny)
+    dataset, texts, _, _ = evaluate.scoring_set(tiny.manifest, tokenizer, progress=False)
+    langs = [dataset.lang_names[dataset.lang_codes[i]] for i in range(len(dataset))]
+    wrong = {"hi": ["en", None], "en": ["hi"]}
+    seen = {"hi": 0, "en": 0}
+    lookup = {}
+    for i, lang in enumerate(langs):
+        guess = wrong[lang][seen[lang]] if seen[lang] < len(wrong[lang]) else lang
+        seen[lang] += 1
+        words = strip_lang_tag(texts[i])
+        lookup[EchoModel.fingerprint(dataset[i]["signal"])] = (
+            f"<|{guess}|> {words}" if guess else words
+        )
+    n_hi, n_en = seen["hi"], seen["en"]
+    assert n_hi >= 3 and n_en >= 2
+    monkeypatch.setattr(callbacks, "all_gather_objects", lambda obj: [obj])
+    jsonl = run_logging.JsonlMetricsLogger(tiny.root / "lid" / "metrics.jsonl")
+    module = SimpleNamespace(
+        model=EchoModel(tokenizer, lookup), device=torch.device("cpu"), last_evaluation=None
+    )
+    cb = callbacks.PerLanguageWERCallback(
+        every_n_steps=5, manifest_path=tiny.manifest, with_loss=False
+    )
+    trainer = fake_trainer(0, [jsonl])
+    trainer.world_size = 1
+    cb.on_train_start(trainer, module)
+    results = cb.evaluate(trainer, module)
+    assert results["all"].wer == 0.0  # a wrong tag is no word error
+    lines = [json.loads(line) for line in jsonl.path.read_text(encoding="utf-8").splitlines()]
+    scalars = next(line for line in lines if "val/wer/all" in line)
+    assert scalars["val/lid_acc/hi"] == pytest.approx((n_hi - 2) / n_hi)
+    assert scalars["val/lid_acc/en"] == pytest.approx((n_en - 1) / n_en)
+    assert scalars["val/lid_acc/all"] == pytest.approx((n_hi + n_en - 3) / (n_hi + n_en))
+    table = next(line for line in lines if line.get("table") == "val/lid_confusion")
+    assert table["step"] == 20 and table["columns"] == ["true", "guessed", "utterances"]
+    assert sorted(map(tuple, table["rows"])) == [
+        ("en", "en", n_en - 1),
+        ("en", "hi", 1),
+        ("hi", "en", 1),
+        ("hi", "hi", n_hi - 2),
+        ("hi", "none", 1),
+    ]
+
+
+def test_language_confusion_takes_only_the_leading_tag_as_the_guess():
+    confusion = evaluation.language_confusion(
+        ["hi", "hi", "en", "en"],
+        ["<|hi|> नमस्ते", "नमस्ते <|hi|>", "", "<|ur|> خ <|en|>"],
+    )
+    assert confusion == {"en": {"none": 1, "ur": 1}, "hi": {"hi": 1, "none": 1}}
+    assert evaluation.language_id_accuracy(confusion) == {"en": 0.0, "hi": 0.5, "all": 0.25}
+
+
 def test_scoring_normalization_folds_case_punctuation_and_tags_only():
     assert evaluation.normalize_for_scoring(
         ["<|en|>  \u201cDon\u2019t,\u201d she SAID\u2026 [noise] (twice)!", "नमस्ते।  दुनिया॥"]

@@ -73,6 +73,49 @@ def test_the_report_quotes_base_best_and_latest_per_language(tmp_path):
         assert f"({chart})" in report
 
 
+def test_the_language_confusion_of_metrics_jsonl_is_drawn_and_its_accuracy_tabled(tmp_path):
+    """The tables a validation logs through JsonlMetricsLogger: the first and the latest
+    validation's confusion become language_id.png, the accuracy a table in report.md; a resumed
+    step's table replaces the earlier one."""
+    import run_logging
+
+    run = tmp_path / "lid"
+    logger = run_logging.JsonlMetricsLogger(run / "metrics.jsonl")
+    columns = ["true", "guessed", "utterances"]
+    for step in range(1, 11):
+        logger.log_metrics(training_record(step), step=step)
+    for step, rows, acc in (
+        (0, [["en", "en", 9], ["en", "ur", 1], ["hi", "hi", 8], ["hi", "none", 2]], (0.9, 0.8)),
+        (10, [["en", "en", 5], ["en", "ta", 5], ["hi", "hi", 10]], (0.5, 1.0)),
+        (10, [["en", "en", 6], ["en", "ta", 4], ["hi", "hi", 10]], (0.6, 1.0)),  # resumed
+    ):
+        logger.log_metrics(
+            {"val/wer/all": 0.3, "val/lid_acc/en": acc[0], "val/lid_acc/hi": acc[1]}, step=step
+        )
+        logger.log_table("val/lid_confusion", columns, rows, step=step)
+    (run / "hparams.json").write_text(json.dumps({"INIT_MODEL": "base.nemo"}), encoding="utf-8")
+    metrics = run_report.read_metrics(run)
+    assert run_report.language_confusion(metrics, 0) == {
+        "en": {"en": 9, "ur": 1},
+        "hi": {"hi": 8, "none": 2},
+    }
+    assert run_report.language_confusion(metrics, 10) == {
+        "en": {"en": 6, "ta": 4},
+        "hi": {"hi": 10},
+    }
+    report = run_report.write_report(run, tmp_path / "out").read_text()
+    assert (tmp_path / "out" / "language_id.png").read_bytes().startswith(PNG_MAGIC)
+    assert "(language_id.png)" in report
+    assert "| en | 90.0 (0) | 60.0 (10) |" in report and "| hi | 80.0 (0) | 100.0 (10) |" in report
+
+
+def test_a_run_without_language_identification_draws_no_confusion(tmp_path):
+    run = write_run(tmp_path / "old", [training_record(1), {"step": 1, "val/wer/all": 0.5}])
+    report = run_report.write_report(run, tmp_path / "out").read_text()
+    assert not (tmp_path / "out" / "language_id.png").exists()
+    assert "Language identification" not in report
+
+
 def test_a_half_written_last_line_and_a_resumed_step_are_read_as_the_run_logged_them(tmp_path):
     records = [training_record(1), training_record(2), training_record(2, **{"train/loss": 1.5})]
     run = write_run(tmp_path / "run", records, tail='{"step": 3, "train/lo')
