@@ -33,7 +33,9 @@ more tokens than encoder frames, or no valid duration; the first ids are printed
 raw_wer, raw_cer (the same utterances scored as written), punct_f1 and case_err (how the marks ending
 each word and the case of correctly recognized words come out against the references as written:
 ``punctuation_scoring``, as a punctuated run's validation reports them; empty where the language has
-no cased words).
+no cased words) and lid_acc (language identification: the share of the language's hypotheses that
+start with its own tag, as validation's ``val/lid_acc/<lang>``; nan for rows of unknown language,
+``und``, which ``all`` leaves out; ``LID`` in the table).
 The table shows each kind of word edit per reference word (sub + del + ins = WER).
 """
 
@@ -69,7 +71,12 @@ CSV_COLUMNS = (
     "raw_cer",
     "punct_f1",
     "case_err",
+    "lid_acc",
 )
+
+# The language of a NeMo JSON row that names none (and no --lang was given): scored, but with no
+# language to identify.
+UNKNOWN_LANG = "und"
 
 
 class NothingToScore(UserError):
@@ -104,7 +111,7 @@ def scoring_set(manifest: Path, tokenizer, *, lang: str | None = None, progress:
     dataset = AudioFileDataset(
         [r.audio_filepath for r in rows],
         durations=None if any(d is None for d in durations) else durations,
-        langs=[r.lang or lang or "und" for r in rows],
+        langs=[r.lang or lang or UNKNOWN_LANG for r in rows],
     )
     return dataset, [r.text for r in rows], dataset.langs, f"{len(rows)} rows read"
 
@@ -119,10 +126,11 @@ def evaluate(
     device: str = "cpu",
     progress: bool = True,
     lang: str | None = None,
-) -> tuple[dict, dict[str, int], dict, dict, dict]:
+) -> tuple[dict, dict[str, int], dict, dict, dict, dict]:
     """(ErrorCounts per language + 'all', bad-audio count per language, the rows left out unscored:
     ``evaluation.excluded_rows``, ErrorCounts of the texts as written, PunctuationCounts per
-    language + 'all') of ``model`` on ``manifest``
+    language + 'all', language-identification accuracy per known language + 'all') of ``model``
+    on ``manifest``
     (parquet, or NeMo JSON: see ``scoring_set``; scored by ``score``)."""
     import numpy as np
 
@@ -148,16 +156,17 @@ def evaluate(
             f"{len(indices) - decoded} of them bad audio ({note}); check the manifest and that "
             f"its audio exists (DATA_DIR / SHARDS_DIR, scripts/extract_audio.py)"
         )
-    results, as_written, bad, punctuation = score(texts, hyps, langs)
-    return results, bad, evaluation.excluded_rows(dataset), as_written, punctuation
+    results, as_written, bad, punctuation, lid = score(texts, hyps, langs)
+    return results, bad, evaluation.excluded_rows(dataset), as_written, punctuation, lid
 
 
 def score(
     texts: list[str], hypotheses: dict[int, str | None], langs: list[str]
-) -> tuple[dict, dict, dict[str, int], dict]:
+) -> tuple[dict, dict, dict[str, int], dict, dict]:
     """(ErrorCounts per language + 'all' after ``evaluation.normalize_for_scoring``, the same as
     written, bad-audio count per language + 'all', ``punctuation_scoring.punctuation_case_scores``
-    of the texts as written) of ``hypotheses`` ({index: text, or None for
+    of the texts as written, ``evaluation.language_id_accuracy`` of the utterances of a known
+    language) of ``hypotheses`` ({index: text, or None for
     bad audio}) against the references ``texts`` (``scoring_set``'s, by index)."""
     import evaluation
     from punctuation_scoring import punctuation_case_scores
@@ -173,11 +182,14 @@ def score(
         [hypotheses[i] for i in done],
         [langs[i] for i in done],
     )
+    known = [k for k, lang in enumerate(of) if lang != UNKNOWN_LANG]
+    confusion = evaluation.language_confusion([of[k] for k in known], [hyps[k] for k in known])
     return (
         evaluation.corpus_error_rates(refs, hyps, of),
         evaluation.corpus_error_rates(refs, hyps, of, as_written=True),
         bad,
         punctuation_case_scores(refs, hyps, of),
+        evaluation.language_id_accuracy(confusion) if known else {},
     )
 
 
@@ -187,10 +199,11 @@ def result_rows(
     excluded: dict | None = None,
     as_written: dict | None = None,
     punctuation: dict | None = None,
+    lid: dict | None = None,
 ) -> list[dict]:
     """The CSV's rows, one per language of ``results`` (raw_wer / raw_cer from ``as_written``,
-    punct_f1 / case_err from ``punctuation``)."""
-    as_written, punctuation = as_written or {}, punctuation or {}
+    punct_f1 / case_err from ``punctuation``, lid_acc from ``lid``)."""
+    as_written, punctuation, lid = as_written or {}, punctuation or {}, lid or {}
     left_out = {
         lang: sum(n for n, _ in by_reason.values()) for lang, by_reason in (excluded or {}).items()
     }
@@ -216,6 +229,7 @@ def result_rows(
             "case_err": round(punctuation[lang].case_error_rate, 6)
             if lang in punctuation and punctuation[lang].cased_words
             else math.nan,
+            "lid_acc": round(lid[lang], 6) if lang in lid else math.nan,
         }
         for lang, c in results.items()
     ]
@@ -224,7 +238,7 @@ def result_rows(
 def format_table(rows: list[dict]) -> str:
     lines = [
         f"{'lang':<8} {'utts':>7} {'words':>9} {'WER':>8} {'sub':>7} {'del':>7} {'ins':>7} "
-        f"{'CER':>8} {'bad':>5} {'excl':>5} {'raw WER':>8}"
+        f"{'CER':>8} {'bad':>5} {'excl':>5} {'raw WER':>8} {'LID':>6}"
     ]
     for r in rows:
         shares = [
@@ -235,7 +249,7 @@ def format_table(rows: list[dict]) -> str:
             f"{r['lang']:<8} {r['utterances']:>7} {r['words']:>9} {r['wer']:>8.4f} "
             + " ".join(f"{v:>7.4f}" for v in shares)
             + f" {r['cer']:>8.4f} {r['bad_audio']:>5} {r.get('excluded', 0):>5}"
-            + f" {r.get('raw_wer', math.nan):>8.4f}"
+            + f" {r.get('raw_wer', math.nan):>8.4f} {r.get('lid_acc', math.nan):>6.3f}"
         )
     return "\n".join(lines)
 
@@ -313,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         model = asr_model.load_trained_model(model_path, device)
-        results, bad, excluded, as_written, punctuation = evaluate(
+        results, bad, excluded, as_written, punctuation, lid = evaluate(
             model,
             manifest,
             per_lang=args.per_lang,
@@ -327,11 +341,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from evaluation import SCORING_NORMALIZATION
 
-    rows = result_rows(results, bad, excluded, as_written, punctuation)
+    rows = result_rows(results, bad, excluded, as_written, punctuation, lid)
     write_csv(rows, out)
     print(f"{model_path} on {manifest} (greedy decoding, corpus-level rates):")
     print(
-        f"normalized before scoring: {SCORING_NORMALIZATION} (raw WER: as written, tags stripped)"
+        f"normalized before scoring: {SCORING_NORMALIZATION} (raw WER: as written, tags stripped; "
+        "LID: share of hypotheses starting with the language's own tag)"
     )
     print(format_table(rows))
     print(

@@ -943,7 +943,7 @@ def test_the_references_own_cleaned_text_scores_zero_on_a_raw_and_on_an_imported
     manifest = getattr(raw_test_split, origin)
     tokenizer = spm_tokenizer(tiny)
     model = echo_model(manifest, tokenizer, clean_text)
-    results, bad, excluded, _, _ = evaluate.evaluate(model, manifest, device="cpu", progress=False)
+    results, bad, excluded, *_ = evaluate.evaluate(model, manifest, device="cpu", progress=False)
     assert results["all"].utterances == 6 and bad["all"] == 0 and not excluded  # every row scored
     for lang in ("en", "hi", "all"):
         assert results[lang].wer == results[lang].cer == 0.0, lang
@@ -967,6 +967,38 @@ def test_evaluate_states_the_normalization_and_keeps_the_as_written_score(
     printed = capsys.readouterr().out
     assert f"normalized before scoring: {evaluation.SCORING_NORMALIZATION}" in printed
     assert "raw WER" in printed
+
+
+def test_evaluate_reports_language_identification_per_language(
+    tiny, raw_test_split, monkeypatch, capsys
+):
+    import asr_model
+
+    model = echo_model(raw_test_split.raw, spm_tokenizer(tiny), lambda ref: f"<|en|> {ref}")
+    monkeypatch.setattr(asr_model, "load_trained_model", lambda path, device: model)
+    out = tiny.root / "lid.csv"
+    assert (
+        evaluate.main([str(tiny.nemo), "--manifest", str(raw_test_split.raw), "--out", str(out)])
+        == 0
+    )
+    rows = {r["lang"]: r for r in read_csv(out)}
+    n_en, n_hi = len(RAW_TEST_TEXTS["en"]), len(RAW_TEST_TEXTS["hi"])
+    assert float(rows["en"]["lid_acc"]) == 1.0 and float(rows["hi"]["lid_acc"]) == 0.0
+    assert float(rows["all"]["lid_acc"]) == pytest.approx(n_en / (n_en + n_hi))
+    assert " LID" in capsys.readouterr().out
+
+
+def test_rows_of_unknown_language_have_no_language_identification():
+    texts, hyps, langs = (
+        ["<|hi|> क", "ख", "ग"],
+        {0: "<|hi|> क", 1: "<|hi|> ख", 2: "ग"},
+        ["hi", "und", "und"],
+    )
+    lid = evaluate.score(texts, hyps, langs)[4]
+    assert lid == {"hi": 1.0, "all": 1.0}  # the und rows are neither right nor wrong
+    rows = evaluate.result_rows(evaluate.score(texts, hyps, langs)[0], {}, lid=lid)
+    assert [r["lang"] for r in rows] == ["hi", "und", "all"]
+    assert rows[1]["lid_acc"] != rows[1]["lid_acc"]  # nan
 
 
 def test_evaluate_scores_punctuation_and_case_against_the_references_as_written(
