@@ -43,10 +43,15 @@ def normalize_for_scoring(texts: Sequence[str]) -> list[str]:
     quotes, spacing) and the same text written in another case all give one string, so a perfect
     transcript scores 0 whatever the manifest's origin or the targets' style; letters and
     combining signs of every script are kept, so Indic spelling errors still count. Vectorized
-    (polars), for corpora of any size.
+    (polars), for corpora of any size; where polars is not installed (a training node), the same
+    rules one string at a time (``transcript_cleaning.clean_text_without_polars``).
     """
-    import polars as pl
+    try:
+        import polars as pl
+    except ImportError:  # a training node installed from the training-only wheelhouse
+        from transcript_cleaning import clean_text_without_polars
 
+        return [clean_text_without_polars(text).lower() for text in texts]
     from transcript_cleaning import clean_text_column
 
     column = pl.Series("text", list(texts), dtype=pl.String)

@@ -17,7 +17,10 @@ import functools
 import unicodedata
 from collections.abc import Sequence
 
-import polars as pl
+try:
+    import polars as pl
+except ImportError:  # a GPU node with the training-only wheelhouse: see clean_text_without_polars
+    pl = None
 
 # Each rule is one Rust-regex replace over a column; their order is part of the contract.
 _ZW_JOINERS = r"\x{200C}\x{200D}"  # ZWNJ, ZWJ
@@ -132,6 +135,47 @@ def _clean(
             .str.replace_all(_LEADING_MARKS, "")
         )
     return expr.str.strip_chars()
+
+
+def _regex_v1(pattern: str):
+    """``pattern`` (Rust-regex syntax, as the polars passes use it) compiled by the ``regex``
+    package in its V1 mode, which reads the same set operations (``&&``, ``--``) and ``\\p{..}``
+    classes; ``\\x{..}`` escapes are rewritten as ``\\U........``."""
+    import re
+
+    import regex
+
+    pattern = re.sub(r"\\x\{([0-9A-Fa-f]+)\}", lambda m: f"\\U{int(m[1], 16):08X}", pattern)
+    return regex.compile(pattern, flags=regex.V1)
+
+
+@functools.cache
+def _plain_rules_without_polars() -> list:
+    """Rules 1 and 3-6 of the plain style as (compiled pattern, replacement) pairs, in order."""
+    slot = r"\g<1>" + _APOSTROPHE_SLOT + r"\g<2>"
+    return [
+        (_regex_v1(_INVISIBLE), ""),
+        (None, "NFC"),
+        (_regex_v1(_IN_WORD_APOSTROPHE), slot),
+        (_regex_v1(_IN_WORD_APOSTROPHE), slot),
+        (_regex_v1(_TAGS_PUNCT_SPACE), " "),
+        (_regex_v1(_APOSTROPHE_SLOT), "'"),
+        (_regex_v1(_STRAY_JOINERS), r"\g<1>\g<2>\g<3>"),
+    ]
+
+
+def clean_text_without_polars(text: str) -> str:
+    """``clean_text(text)`` in the plain style where polars is not installed: the same rules, the
+    same patterns, run by the ``regex`` package (NeMo brings it, through transformers) one
+    string at a time. A training node installed
+    from the training-only wheelhouse has no polars, and its validation scores through this
+    (``evaluation.normalize_for_scoring``); tests hold it equal to ``clean_text``."""
+    for pattern, replacement in _plain_rules_without_polars():
+        if pattern is None:
+            text = unicodedata.normalize("NFC", text)
+        else:  # a group that took no part gives "", as polars' ${n} does
+            text = pattern.sub(replacement, text)
+    return text.strip()
 
 
 def check_style(style: str, variable: str = "TRANSCRIPT_STYLE") -> str:

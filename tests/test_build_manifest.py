@@ -160,6 +160,12 @@ def test_fast_cleaning_path_equals_running_every_rule_on_every_row(texts):
     assert tc.clean_texts(texts) == reference
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(TRICKY, min_size=1, max_size=8))
+def test_the_cleaning_a_node_without_polars_runs_equals_the_polars_one(texts):
+    assert [tc.clean_text_without_polars(text) for text in texts] == tc.clean_texts(texts)
+
+
 # Text the single-pass path takes (no invisible character, nothing NFC changes) dense with what
 # decides an apostrophe: spaces, marks, tags, digits, signs, mid-word joiners, other apostrophes.
 APOSTROPHE_HEAVY = st.lists(
@@ -179,6 +185,12 @@ def test_single_pass_apostrophes_equal_running_every_rule(texts):
         .to_list()
     )
     assert tc.clean_texts(texts) == reference
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(APOSTROPHE_HEAVY, min_size=1, max_size=6))
+def test_apostrophes_cleaned_without_polars_equal_the_polars_cleaning(texts):
+    assert [tc.clean_text_without_polars(text) for text in texts] == tc.clean_texts(texts)
 
 
 def test_apostrophes_outside_words_become_spaces_and_in_word_ones_stay():

@@ -1165,3 +1165,14 @@ def test_the_test_manifest_of_a_kept_split_evaluates(tiny, tmp_path, capsys):
     assert evaluate.main([str(tiny.nemo), "--manifest", str(test), "--out", str(out)]) == 0
     rows = read_csv(out)
     assert int(rows[-1]["utterances"]) == summary["test_rows"] == frame.height // 4
+
+
+def test_scoring_on_a_node_without_polars_normalizes_alike(monkeypatch):
+    texts = [
+        "<|en|>  \u201cDon\u2019t,\u201d she SAID\u2026 [noise] (twice)!",
+        "नमस्ते।  दुनिया॥",
+        "x\u200d y",
+    ]
+    with_polars = evaluation.normalize_for_scoring(texts)
+    monkeypatch.setitem(sys.modules, "polars", None)  # import polars raises ImportError
+    assert evaluation.normalize_for_scoring(texts) == with_polars
