@@ -1097,7 +1097,7 @@ def resolve_transcript_style(style: str | None) -> str:
         style, why = resolve_style(style)
     except ValueError as exc:
         raise ManifestError(str(exc)) from None
-    print(f"build_manifest: transcripts cleaned {style} ({why})", file=sys.stderr)
+    print(f"build_manifest: transcripts cleaned {style} ({why})")  # stderr is for warnings, errors
     if not why.startswith("TRANSCRIPT_STYLE=auto"):
         mismatch = base_mismatch(style)
         if mismatch:
