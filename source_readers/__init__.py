@@ -41,9 +41,9 @@ A file that cannot be used at all (an unreadable parquet file, one without an au
 missing tar) is reported with its path and skipped.
 
 Layout: one module per kind of source (``nemo_json``, ``nemo_tarred``, ``hf_parquet``,
-``kaldi``, ``common_voice``), each with a ``read_*`` function, and ``common`` for what they share (the spec, the rows
-a reader gives, the audio checks, the FLAC writing). A new kind is a module of its own plus its
-entry in ``READERS`` below.
+``kaldi``, ``common_voice``), each with a ``read_*`` function, and ``standard_rows`` for what
+they share (the spec, the rows a reader gives, the audio checks, the FLAC writing). A new kind
+is a module of its own plus its entry in ``READERS`` below.
 """
 
 from __future__ import annotations
@@ -54,7 +54,13 @@ from pathlib import Path
 import polars as pl
 
 from manifest_schema import SOURCE_SPLITS, SPLIT_COLUMN, ManifestError
-from source_readers.common import (
+from source_readers.common_voice import OPTIONS as CV_OPTIONS
+from source_readers.common_voice import read_common_voice
+from source_readers.hf_parquet import read_hf_parquet
+from source_readers.kaldi import read_kaldi
+from source_readers.nemo_json import read_nemo_json
+from source_readers.nemo_tarred import expand_tar_pattern, read_nemo_tarred
+from source_readers.standard_rows import (
     BAD_ROW_REASONS,
     DONE_MARKER,
     DURATION_TOLERANCE,
@@ -69,12 +75,6 @@ from source_readers.common import (
     _fill_languages,
     origin_order,
 )
-from source_readers.common_voice import OPTIONS as CV_OPTIONS
-from source_readers.common_voice import read_common_voice
-from source_readers.hf_parquet import read_hf_parquet
-from source_readers.kaldi import read_kaldi
-from source_readers.nemo_json import read_nemo_json
-from source_readers.nemo_tarred import expand_tar_pattern, read_nemo_tarred
 
 __all__ = [
     "BAD_ROW_REASONS",

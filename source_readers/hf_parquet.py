@@ -9,7 +9,7 @@ import numpy as np
 import polars as pl
 
 from manifest_schema import ManifestError
-from source_readers.common import (
+from source_readers.standard_rows import (
     ROW_SCHEMA,
     RowIds,
     Shard,

@@ -13,7 +13,7 @@ from pathlib import Path
 import polars as pl
 
 from manifest_schema import ManifestError
-from source_readers.common import (
+from source_readers.standard_rows import (
     FIELDS,
     ROW_SCHEMA,
     RowIds,

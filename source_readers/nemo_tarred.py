@@ -12,7 +12,8 @@ import numpy as np
 import polars as pl
 
 from manifest_schema import ManifestError
-from source_readers.common import (
+from source_readers.nemo_json import _nemo_fields, _read_json_rows
+from source_readers.standard_rows import (
     ROW_SCHEMA,
     RowIds,
     Shard,
@@ -28,7 +29,6 @@ from source_readers.common import (
     _unit_done,
     origin_order,
 )
-from source_readers.nemo_json import _nemo_fields, _read_json_rows
 
 _BRACES = re.compile(r"\{(\d+)\.\.(\d+)\}|_OP_(\d+)\.\.(\d+)_CL_")
 

@@ -359,7 +359,7 @@ def test_files_are_found_by_listing_their_folder_when_many_rows_share_it(tmp_pat
         (tmp_path / f"{k}.wav").touch()
     paths = [str(tmp_path / f"{k}.wav") for k in range(40)] + [str(tmp_path / "absent.wav")]
     paths += [str(tmp_path / "elsewhere" / "x.wav")]
-    found = source_readers.common._exists(paths, workers=2)
+    found = source_readers.standard_rows._exists(paths, workers=2)
     assert found.tolist() == [True] * 40 + [False, False]
 
 

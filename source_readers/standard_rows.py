@@ -1,4 +1,4 @@
-"""What every reader of source_readers shares: the source spec, the rows a reader gives
+"""The standard rows every reader of source_readers produces: the source spec, the rows a reader
 build_manifest.py, the bad-row reasons, and the audio checks and FLAC writing the readers use."""
 
 from __future__ import annotations
