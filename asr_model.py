@@ -11,8 +11,8 @@ Another family is a new ``ModelFamily`` here plus a model config.
 Around it, what holds for every family: building a model (``build_model``: INIT_MODEL, MODEL_CONFIG,
 TOKENIZER_DIR), giving it our vocabulary (``use_tokenizer``), checking that it agrees with the data
 pipeline's settings (``check_frontend``), reaching its encoder (``encoder``,
-``set_encoder_trainable``), the loss of one micro-batch (``training_loss``), greedy decoding
-(``greedy_texts``, ``greedy_texts_and_loss``), checking the loss on the training device
+``set_encoder_trainable``), the loss of one micro-batch (``training_loss``), greedy decoding auto
+or with the language given (``greedy_texts``, ``decode_batch``), checking the loss on the training device
 (``check_loss_on_device``), describing a model so that a checkpoint rebuilds it alone
 (``portable_description``, ``model_from_description``) and loading a trained model for inference
 (``load_trained_model``).
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import importlib
 import logging
 import math
@@ -195,8 +196,12 @@ class ModelFamily:
         """The loss of a non-empty AsrBatch from the encoder's output (the model's reduction)."""
         raise NotImplementedError
 
-    def greedy_texts_of_encoded(self, model, encoded, encoded_len) -> list[str]:
-        """Greedy transcripts from the encoder's output."""
+    def greedy_texts_of_encoded(
+        self, model, encoded, encoded_len, first_pieces: list[int | None] | None = None
+    ) -> list[str]:
+        """Greedy transcripts from the encoder's output; where ``first_pieces`` gives an utterance a
+        piece id, its decoding starts from that piece as if it had emitted it (the language given),
+        None decodes it as it comes (auto)."""
         raise NotImplementedError
 
     def first_tokens_of_encoded(
@@ -348,11 +353,82 @@ class TDT(ModelFamily):
             target_lengths=target_len,
         )
 
-    def greedy_texts_of_encoded(self, model, encoded, encoded_len) -> list[str]:
+    def greedy_texts_of_encoded(
+        self, model, encoded, encoded_len, first_pieces: list[int | None] | None = None
+    ) -> list[str]:
+        given = first_pieces is not None and any(p is not None for p in first_pieces)
         hyps = model.decoding.rnnt_decoder_predictions_tensor(
-            encoder_output=encoded, encoded_lengths=encoded_len
+            encoder_output=encoded,
+            encoded_lengths=encoded_len,
+            partial_hypotheses=self.started_hypotheses(model, first_pieces) if given else None,
         )
         return [hyp.text for hyp in hyps]
+
+    def started_hypotheses(self, model, first_pieces: list[int | None]) -> list:
+        """NeMo partial hypotheses, one per utterance, that have emitted ``first_pieces[b]`` at
+        frame 0 (None where it is None: that utterance decodes from the start state).
+
+        NeMo's label-looping greedy decoding (``greedy_batch``, its default for TDT, with or
+        without CUDA graphs) continues a batch from such a state, as it continues a stream chunk
+        by chunk: the prediction network has read the start symbol and then the piece, exactly
+        the sequence training feeds it, and the search begins at frame 0. The piece costs one
+        prediction-network step for the batch; the search itself is the same loop."""
+        from nemo.collections.asr.parts.submodules.transducer_decoding.label_looping_base import (
+            BatchedLabelLoopingState,
+        )
+        from nemo.collections.asr.parts.utils.rnnt_utils import Hypothesis
+
+        computer = getattr(model.decoding.decoding, "decoding_computer", None)
+        if computer is None:
+            raise config.ConfigError(
+                "decoding with the language given needs NeMo's label-looping greedy decoding "
+                "(decoding.strategy: greedy_batch with greedy.loop_labels: true, NeMo's default); "
+                f"this model decodes with {type(model.decoding.decoding).__name__}: set its "
+                "decoding config (model.change_decoding_strategy) or decode without a language"
+            )
+        device = next(model.joint.parameters()).device
+        size = len(first_pieces)
+        blank = int(model.decoder.blank_idx)
+        pieces = torch.tensor([blank if p is None else int(p) for p in first_pieces], device=device)
+        with torch.inference_mode():
+            # the start state is one for every utterance: read the start symbol once
+            _, start = model.decoder.predict(
+                torch.full((1, 1), blank, dtype=torch.long, device=device),
+                None,
+                add_sos=False,
+                batch_size=1,
+            )
+            start = model.decoder.batch_unsplit_states(
+                model.decoder.batch_split_states(start) * size
+            )
+            out, state = model.decoder.predict(
+                pieces.unsqueeze(1), start, add_sos=False, batch_size=size
+            )
+            batched = BatchedLabelLoopingState(
+                predictor_states=state,
+                predictor_outputs=model.joint.project_prednet(out),
+                labels=pieces,
+                decoded_lengths=torch.zeros(size, dtype=torch.long, device=device),
+                time_jumps=torch.zeros(size, dtype=torch.long, device=device),
+            )
+            items = computer.split_batched_state(batched)
+        # one (piece, frame 0) pair per piece: merging concatenates, so hypotheses may share them
+        emitted = {
+            p: (torch.tensor([int(p)], dtype=torch.long), torch.zeros(1, dtype=torch.long))
+            for p in set(first_pieces)
+            if p is not None
+        }
+        return [
+            None
+            if piece is None
+            else Hypothesis(
+                score=0.0,
+                y_sequence=emitted[piece][0],
+                timestamp=emitted[piece][1],
+                dec_state=item,
+            )
+            for piece, item in zip(first_pieces, items)
+        ]
 
     def first_tokens_of_encoded(
         self, model, encoded, encoded_len
@@ -877,11 +953,49 @@ def training_loss(model, batch, *, encoder_frozen: bool) -> torch.Tensor:
     return family(model).loss_of_encoded(model, encoded, encoded_len, batch)
 
 
+class LanguageNotInModel(config.ConfigError):
+    """A language given for decoding whose tag is no single piece of the model's vocabulary."""
+
+
+def language_tag_pieces(model, languages) -> list[int | None]:
+    """The piece id of each language's tag ``<|lang|>`` in ``model``'s vocabulary, None where the
+    language is None or empty (decoded auto); LanguageNotInModel naming the language and the
+    tags the model has when one has no single piece."""
+    from manifest_schema import lang_tag, leading_lang
+
+    tokenizer = model.tokenizer
+    known: dict[str, int | None] = {}
+    out: list[int | None] = []
+    for lang in languages:
+        if not lang:
+            out.append(None)
+            continue
+        if lang not in known:
+            tag = lang_tag(lang)
+            piece = int(tokenizer.token_to_id(tag))
+            # an unknown piece maps to <unk>: mapping the id back tells them apart
+            known[lang] = piece if tokenizer.ids_to_tokens([piece]) == [tag] else None
+        if known[lang] is None:
+            tags = sorted({leading_lang(p) for p in (model_pieces(model) or []) if leading_lang(p)})
+            raise LanguageNotInModel(
+                f"the model has no tag {lang_tag(lang)} for the language {lang!r} given to "
+                f"decode with (its tags: {', '.join(tags) or 'none'}); give one of those, or "
+                "no language to let the model guess it"
+            )
+        out.append(known[lang])
+    return out
+
+
 @torch.no_grad()
-def greedy_texts(model, signal: torch.Tensor, signal_len: torch.Tensor) -> list[str]:
-    """Greedy transcripts (tags included, as the model emits them) of a padded batch of audio."""
+def greedy_texts(
+    model, signal: torch.Tensor, signal_len: torch.Tensor, languages=None
+) -> list[str]:
+    """Greedy transcripts (tags included, as the model emits them) of a padded batch of audio.
+    ``languages``, one per utterance: decode starting from that language's tag (the language
+    given); None (for all or for one) decodes as the model guesses."""
     encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=signal_len)
-    return family(model).greedy_texts_of_encoded(model, encoded, encoded_len)
+    firsts = None if languages is None else language_tag_pieces(model, languages)
+    return family(model).greedy_texts_of_encoded(model, encoded, encoded_len, firsts)
 
 
 @torch.no_grad()
@@ -907,6 +1021,54 @@ def greedy_texts_and_loss(model, batch) -> tuple[list[str], float]:
     kind = family(model)
     texts = kind.greedy_texts_of_encoded(model, encoded, encoded_len)
     return texts, float(kind.loss_of_encoded(model, encoded, encoded_len, batch))
+
+
+@dataclasses.dataclass
+class BatchDecoding:
+    """What ``decode_batch`` returns, one entry per utterance where a list: ``texts``, greedy
+    transcripts decoded auto (the model names the language); ``given_texts``, decoded from the
+    given language's tag (decoded auto where no language was given for that utterance);
+    ``first_tokens``,
+    (piece id, probability) of the first piece auto decoding emits, None where it emits none;
+    ``loss``, the batch's loss (the training loss's reduction). A part not asked for is None."""
+
+    texts: list[str] | None = None
+    given_texts: list[str | None] | None = None
+    first_tokens: list[tuple[int, float] | None] | None = None
+    loss: float | None = None
+
+
+@torch.no_grad()
+def decode_batch(
+    model,
+    signal: torch.Tensor,
+    signal_len: torch.Tensor,
+    *,
+    auto: bool = True,
+    languages=None,
+    first_tokens: bool = False,
+    loss_batch=None,
+) -> BatchDecoding:
+    """Every decoding asked for of one padded batch of audio, from one encoder forward: auto
+    (``auto``), with the language given (``languages``: one per utterance, None or "" for an
+    utterance decodes it auto there too), the first piece of auto decoding (``first_tokens``) and
+    the loss of ``loss_batch`` (the AsrBatch of this audio, with its tokens)."""
+    encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=signal_len)
+    kind = family(model)
+    out = BatchDecoding()
+    if auto:
+        out.texts = kind.greedy_texts_of_encoded(model, encoded, encoded_len)
+    if languages is not None:
+        firsts = language_tag_pieces(model, languages)
+        if auto and not any(p is not None for p in firsts):
+            out.given_texts = list(out.texts)  # no language given: the same decoding
+        else:
+            out.given_texts = kind.greedy_texts_of_encoded(model, encoded, encoded_len, firsts)
+    if first_tokens:
+        out.first_tokens = kind.first_tokens_of_encoded(model, encoded, encoded_len)
+    if loss_batch is not None:
+        out.loss = float(kind.loss_of_encoded(model, encoded, encoded_len, loss_batch))
+    return out
 
 
 @contextlib.contextmanager

@@ -706,6 +706,37 @@ def log_base_and_final(base: dict | None, final: dict | None) -> None:
         )
 
 
+def warn_of_forgetting(step: int, forgetting: dict[str, dict[str, float | None]]) -> None:
+    """One warning line per base language whose auto WER rose more than FORGETTING_WARN_POINTS
+    above its step-0 validation (``evaluation.forgetting``), with the numbers and what to do."""
+    limit = float(_config.FORGETTING_WARN_POINTS)
+    if limit <= 0:
+        return
+    for lang, row in forgetting.items():
+        if row["points"] is None or row["points"] <= limit:
+            continue
+        given = (
+            f"; with the language given {100 * row['base_given']:.1f} -> "
+            f"{100 * row['now_given']:.1f}"
+            if row.get("points_given") is not None
+            else ""
+        )
+        _log.warning(
+            "step %d: the base language %s is being forgotten: its WER rose %.1f points above "
+            "step 0's (%.1f -> %.1f%s; FORGETTING_WARN_POINTS=%g). Keep more of it: raise "
+            "BASE_LANGUAGE_SHARE (the replay share), lower ENCODER_LR_SCALE or PHASE2_LR, or blend "
+            "with the base at export (scripts/export_nemo.py --blend-sweep); docs/training.md, "
+            '"Forgetting"',
+            step,
+            lang,
+            row["points"],
+            100 * row["base"],
+            100 * row["now"],
+            given,
+            limit,
+        )
+
+
 class PerLanguageWERCallback(_pl.Callback):
     """Validation every ``every_n_steps`` optimizer steps (EVAL_EVERY_STEPS, default CHECKPOINT_EVERY;
     0 = off): greedy WER and CER per language and the loss on VAL_MANIFEST_PATH, all of it
@@ -753,6 +784,10 @@ class PerLanguageWERCallback(_pl.Callback):
         )
         self.examples_per_lang = examples_per_lang
         self.with_loss = with_loss
+        # both decodings from one encoder forward: auto, and from each utterance's language tag
+        self.language_given = _config.VAL_LANGUAGE_GIVEN == "1"
+        # the base's languages, whose WER against the step-0 validation is the forgetting
+        self.base_languages: tuple[str, ...] | None = None
         self.dataset = None
         self.indices = np.zeros(0, dtype=np.int64)
         self.references: dict[int, str] = {}
@@ -791,6 +826,10 @@ class PerLanguageWERCallback(_pl.Callback):
         self.references = {int(i): texts[int(i)] for i in self.indices}
         self.punctuated = manifest_style(self.manifest_path) == "punctuated"
         self.excluded = evaluation.excluded_rows(self.dataset)
+        if _config.INIT_MODEL:
+            import model_languages
+
+            self.base_languages = model_languages.base_languages()
         if trainer.is_global_zero:
             if self.excluded:
                 _log.warning(
@@ -800,7 +839,13 @@ class PerLanguageWERCallback(_pl.Callback):
             for logger in trainer.loggers:
                 define_metric = getattr(getattr(logger, "experiment", None), "define_metric", None)
                 if callable(define_metric):
-                    for pattern in ("val/wer/*", "val/cer/*", "val/loss"):
+                    for pattern in (
+                        "val/wer/*",
+                        "val/cer/*",
+                        "val/wer_given/*",
+                        "val/cer_given/*",
+                        "val/loss",
+                    ):
                         define_metric(pattern, summary="min")
                     define_metric("val/lid_acc/*", summary="max")
             _log.info(
@@ -854,6 +899,7 @@ class PerLanguageWERCallback(_pl.Callback):
             self.indices, self.dataset.durations, trainer.global_rank, trainer.world_size
         )
         watchdogs = [cb for cb in getattr(trainer, "callbacks", []) if hasattr(cb, "alive")]
+        names, codes = self.dataset.lang_names, self.dataset.lang_codes
         decoded = evaluation.decode(
             pl_module.model,
             self.dataset,
@@ -862,17 +908,26 @@ class PerLanguageWERCallback(_pl.Callback):
             device=pl_module.device,
             autocast=trainer.precision_plugin.forward_context,
             with_loss=self.with_loss,
+            languages=(lambda i: names[codes[i]]) if self.language_given else None,
             after_batch=lambda: [w.alive(trainer) for w in watchdogs],
             should_stop=process_control.stop_requested,
         )
         gathered: dict[int, str | None] = {}
+        gathered_given: dict[int, str | None] = {}
         loss_sum, loss_utterances, stopped = 0.0, 0, False
         for part in all_gather_objects(
-            (decoded.texts, decoded.loss_sum, decoded.loss_utterances, decoded.stopped)
+            (
+                decoded.texts,
+                decoded.loss_sum,
+                decoded.loss_utterances,
+                decoded.stopped,
+                decoded.given_texts,
+            )
         ):
             gathered.update(part[0])
             loss_sum, loss_utterances = loss_sum + part[1], loss_utterances + part[2]
             stopped = stopped or part[3]
+            gathered_given.update(part[4])
         if stopped:
             # A stop signal reached a rank during the pass: what was decoded is a partial set, and
             # the job's time is short. Every rank saw the same gathered flag: they save this step
@@ -885,13 +940,16 @@ class PerLanguageWERCallback(_pl.Callback):
                     time.perf_counter() - started,
                 )
             return {}
-        names = self.dataset.lang_names
-        codes = self.dataset.lang_codes
         done = [i for i in sorted(gathered) if gathered[i] is not None]
         langs = [names[codes[i]] for i in done]
         refs = [self.references[i] for i in done]
         outs = [gathered[i] for i in done]
         results = evaluation.corpus_error_rates(refs, outs, langs)
+        results_given = (
+            evaluation.corpus_error_rates(refs, [gathered_given[i] for i in done], langs)
+            if self.language_given
+            else None
+        )
         confusion = evaluation.language_confusion(langs, outs)
         self.last_results = results
         loss = loss_sum / loss_utterances if loss_utterances else None
@@ -902,12 +960,24 @@ class PerLanguageWERCallback(_pl.Callback):
             "excluded": evaluation.describe_excluded(self.excluded),
             "scoring": evaluation.NORMALIZED_SCORING,
         }
+        if results_given is not None:
+            pl_module.last_evaluation["results_given"] = {
+                lang: dataclasses.asdict(c) for lang, c in results_given.items()
+            }
+        forgetting = evaluation.forgetting(
+            getattr(pl_module, "base_evaluation", None),
+            pl_module.last_evaluation,
+            self.base_languages,
+        )
         if trainer.is_global_zero:
             seconds = time.perf_counter() - started
             lid = evaluation.language_id_accuracy(confusion)
-            metrics = training_metrics.evaluation_metrics(results, len(done), seconds, lid)
+            metrics = training_metrics.evaluation_metrics(
+                results, len(done), seconds, lid, results_given, forgetting
+            )
             if loss is not None:
                 metrics["val/loss"] = loss
+            warn_of_forgetting(trainer.global_step, forgetting)
             if self.punctuated:
                 metrics.update(punctuation_metrics(punctuation_case_scores(refs, outs, langs)))
             log_to_loggers(trainer, metrics, step=trainer.global_step)
@@ -929,13 +999,17 @@ class PerLanguageWERCallback(_pl.Callback):
                         step=trainer.global_step,
                     )
             _log.info(
-                "step %d: validation on %d utterances in %.1f s: loss %s; greedy WER %s; "
+                "step %d: validation on %d utterances in %.1f s: loss %s; greedy WER %s%s; "
                 "language identified %s",
                 trainer.global_step,
                 len(done),
                 seconds,
                 "n/a" if loss is None else f"{loss:.4f}",
                 ", ".join(f"{lang} {c.wer:.3f}" for lang, c in results.items()),
+                ""
+                if results_given is None
+                else "; with the language given "
+                + ", ".join(f"{lang} {c.wer:.3f}" for lang, c in results_given.items()),
                 ", ".join(f"{lang} {a:.3f}" for lang, a in lid.items()),
             )
         return results

@@ -1003,6 +1003,24 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         steps=("train",),
     )
     knob(
+        "VAL_LANGUAGE_GIVEN",
+        "1",
+        _choice("1", "0"),
+        "Validation decodes every utterance twice from one encoder forward: auto (the model names "
+        "the language: val/wer/<lang>) and from its language's tag (val/wer_given/<lang>), so a "
+        "wrong language is told from a wrong word; 0 = auto only",
+        steps=("train",),
+    )
+    knob(
+        "FORGETTING_WARN_POINTS",
+        5.0,
+        _float,
+        "Warn at each validation where a base language's WER (auto) has risen more than this many "
+        "points above its step-0 validation (val/forgetting/<lang>); 0 = never warn",
+        _non_negative,
+        steps=("train",),
+    )
+    knob(
         "EVAL_SAMPLES_PER_LANG",
         0,
         _int,
@@ -1250,6 +1268,8 @@ GRAD_CLIP: float
 EVAL_EVERY_STEPS: int
 EVAL_BASE: str
 EVAL_SAMPLES_PER_LANG: int
+VAL_LANGUAGE_GIVEN: str
+FORGETTING_WARN_POINTS: float
 SEED: int
 PRECISION: str
 ACCELERATOR: str

@@ -215,17 +215,20 @@ def pack_by_duration(
 
 @dataclasses.dataclass
 class Decoded:
-    """What ``decode`` returns: {dataset index: greedy text, or None for bad audio}, and with the
-    loss asked for, the sum over batches of (batch loss x utterances) and those utterances;
-    with the first tokens asked for, {index: (piece id, probability) of the first piece greedy
-    decoding emitted, or None} (``asr_model.greedy_texts_and_first_tokens``);
-    ``stopped``: ``should_stop`` ended the decoding before every index was decoded."""
+    """What ``decode`` returns: ``texts``, {dataset index: greedy text decoded auto, or None for
+    bad audio}; with languages given, ``given_texts``, {index: greedy text decoded from the
+    language's tag (auto where the index has no language), or None for bad audio}; with the loss asked for, the sum over
+    batches of (batch loss x utterances) and those utterances; with the first tokens asked for,
+    ``first_tokens``, {index: (piece id, probability) of the first piece auto decoding emitted, or
+    None} (``asr_model.decode_batch``); ``stopped``: ``should_stop`` ended the decoding before
+    every index was decoded."""
 
     texts: dict[int, str | None]
     loss_sum: float = 0.0
     loss_utterances: int = 0
     stopped: bool = False
     first_tokens: dict[int, tuple[int, float] | None] = dataclasses.field(default_factory=dict)
+    given_texts: dict[int, str | None] = dataclasses.field(default_factory=dict)
 
     @property
     def loss(self) -> float:
@@ -244,12 +247,17 @@ def decode(
     progress: bool = False,
     with_loss: bool = False,
     with_first_tokens: bool = False,
+    languages: Callable[[int], str | None] | None = None,
+    auto: bool = True,
     after_batch: Callable[[], None] | None = None,
     should_stop: Callable[[], Any] | None = None,
 ) -> Decoded:
-    """Greedy hypotheses of ``dataset[i]`` for each ``i`` in ``indices`` (and with ``with_loss`` the
-    loss of the same batches, from the same encoder forward; or with ``with_first_tokens`` the
-    first emitted piece and its probability, ``Decoded.first_tokens``).
+    """Greedy hypotheses of ``dataset[i]`` for each ``i`` in ``indices``: decoded auto (unless
+    ``auto`` is False, when ``Decoded.texts`` holds only the bad audio's None), and with
+    ``languages`` (dataset index -> language, None for none) decoded from that language's tag
+    too, ``Decoded.given_texts``; with ``with_loss`` the loss of the same batches and with
+    ``with_first_tokens`` the first piece auto decoding emits and its probability, all from the
+    same encoder forward.
 
     Audio goes through the training pipeline's own loading and collate (soundfile + soxr, the same
     resampling and padding) and ``asr_model``'s greedy decoding: no temporary manifests, no NeMo
@@ -259,8 +267,8 @@ def decode(
     batch (a watchdog's sign of life); when ``should_stop()`` is true after a batch, decoding ends
     there (``Decoded.stopped``).
     """
-    if with_loss and with_first_tokens:
-        raise ValueError("decode: with_loss and with_first_tokens are not asked for together")
+    if not auto and languages is None:
+        raise ValueError("decode: nothing to decode (auto is off and no languages are given)")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     modes = {m: m.training for m in model.modules()}
     model.eval()
@@ -270,19 +278,13 @@ def decode(
         from tqdm import tqdm
 
         batches = tqdm(batches, desc="decoding", unit="batch")
+    asked = dict(
+        with_loss=with_loss, with_first_tokens=with_first_tokens, languages=languages, auto=auto
+    )
     try:
         with asr_model.decoding_graphs(model):
             for batch_indices in batches:
-                _decode_batch(
-                    model,
-                    dataset,
-                    batch_indices,
-                    out,
-                    device,
-                    autocast,
-                    with_loss,
-                    with_first_tokens,
-                )
+                _decode_batch(model, dataset, batch_indices, out, device, autocast, **asked)
                 if after_batch is not None:
                     after_batch()
                 if should_stop is not None and should_stop():
@@ -301,33 +303,43 @@ def _decode_batch(
     out: Decoded,
     device,
     autocast,
-    with_loss,
-    with_first_tokens=False,
+    *,
+    with_loss: bool,
+    with_first_tokens: bool,
+    languages: Callable[[int], str | None] | None,
+    auto: bool,
 ) -> None:
-    """Decode one batch of ``dataset`` into ``out`` (its texts, its loss with ``with_loss``, its
-    first tokens with ``with_first_tokens``)."""
+    """Decode one batch of ``dataset`` into ``out``: what ``decode`` was asked for."""
     from dataset import collate_asr_batch
 
     items = [dataset[i] for i in batch_indices]
     good = [i for i, item in zip(batch_indices, items) if item is not None]
-    out.texts.update({i: None for i, item in zip(batch_indices, items) if item is None})
+    bad = {i: None for i, item in zip(batch_indices, items) if item is None}
+    out.texts.update(bad)
+    if languages is not None:
+        out.given_texts.update(bad)
     if not good:
         return
     batch = collate_asr_batch([item for item in items if item is not None]).on_device(device)
     with autocast() if autocast is not None else contextlib.nullcontext():
-        if with_loss:
-            texts, loss = asr_model.greedy_texts_and_loss(model, batch)
-            if math.isfinite(loss):
-                out.loss_sum += loss * len(good)
-                out.loss_utterances += len(good)
-        elif with_first_tokens:
-            texts, firsts = asr_model.greedy_texts_and_first_tokens(
-                model, batch.signal, batch.signal_len
-            )
-            out.first_tokens.update(zip(good, firsts))
-        else:
-            texts = asr_model.greedy_texts(model, batch.signal, batch.signal_len)
-    out.texts.update(zip(good, texts))
+        decoded = asr_model.decode_batch(
+            model,
+            batch.signal,
+            batch.signal_len,
+            auto=auto,
+            languages=None if languages is None else [languages(i) for i in good],
+            first_tokens=with_first_tokens,
+            loss_batch=batch if with_loss else None,
+        )
+    if decoded.loss is not None and math.isfinite(decoded.loss):
+        out.loss_sum += decoded.loss * len(good)
+        out.loss_utterances += len(good)
+    if decoded.first_tokens is not None:
+        out.first_tokens.update(zip(good, decoded.first_tokens))
+    if decoded.texts is not None:
+        out.texts.update(zip(good, decoded.texts))
+    if decoded.given_texts is not None:
+        out.given_texts.update(zip(good, decoded.given_texts))
 
 
 def greedy_transcribe(
@@ -385,6 +397,43 @@ def base_and_final_rates(base: dict | None, final: dict | None) -> dict[str, tup
         if lang in (base.get("results") or {}):
             (bw, bc), (fw, fc) = rates(base["results"][lang]), rates(counts)
             out[lang] = (bw, fw, bc, fc)
+    return out
+
+
+def _word_error_rate(counts: dict | None) -> float | None:
+    """The WER of one language's counts as a validation record holds them, None without words."""
+    if not counts or not counts.get("words"):
+        return None
+    return counts.get("word_edits", 0) / counts["words"]
+
+
+def forgetting(
+    base: dict | None, now: dict | None, base_languages: Sequence[str] | None
+) -> dict[str, dict[str, float | None]]:
+    """How far each of the base's languages has moved from the step-0 validation: {language:
+    {"base", "now": auto WER; "points": 100 x (now - base); and with the language given where
+    both validations decoded it, "base_given", "now_given", "points_given" (else None)}}, for the
+    base languages both validations scored ("all" is no language). {} when the base's languages
+    are unknown or there is no step-0 validation. Positive points: the language got worse."""
+    if not base or not now or not base_languages or base.get("step") != 0:
+        return {}
+    out: dict[str, dict[str, float | None]] = {}
+    for lang in base_languages:
+        before = _word_error_rate((base.get("results") or {}).get(lang))
+        after = _word_error_rate((now.get("results") or {}).get(lang))
+        if before is None or after is None:
+            continue
+        before_given = _word_error_rate((base.get("results_given") or {}).get(lang))
+        after_given = _word_error_rate((now.get("results_given") or {}).get(lang))
+        given = before_given is not None and after_given is not None
+        out[lang] = {
+            "base": before,
+            "now": after,
+            "points": 100 * (after - before),
+            "base_given": before_given if given else None,
+            "now_given": after_given if given else None,
+            "points_given": 100 * (after_given - before_given) if given else None,
+        }
     return out
 
 

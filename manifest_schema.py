@@ -274,7 +274,8 @@ def is_nemo_json(path: str | Path) -> bool:
 
 def read_nemo_manifest(path: str | Path) -> list[NemoManifestRow]:
     """The rows of a NeMo JSON manifest. A relative ``audio_filepath`` is resolved against the
-    manifest's directory (as NeMo does); ``text`` loses a leading language tag. ManifestError names
+    manifest's directory (as NeMo does); ``text`` loses a leading language tag, which gives ``lang``
+    where the row has none. ManifestError names
     the file and line of a row that is not a JSON object with an ``audio_filepath``, or a ``duration``
     that is not a number."""
     path = Path(path)
@@ -296,7 +297,7 @@ def read_nemo_manifest(path: str | Path) -> list[NemoManifestRow]:
             if duration is not None and not isinstance(duration, (int, float)):
                 raise ManifestError(f"{path}:{number}: duration {duration!r} is not a number")
             text = row.get("text")
-            lang = row.get("lang") or None
+            lang = row.get("lang") or (leading_lang(str(text)) if text is not None else None)
             rows.append(
                 NemoManifestRow(
                     str(audio),

@@ -230,6 +230,15 @@ EVALUATION_METRICS: tuple[Metric, ...] = (
     Metric("val/lid_acc/<lang>", "gathered", "language identification: share of the language's "
            "utterances whose greedy hypothesis (auto decoding) starts with the language's own tag, "
            "the first decoded token; <lang> = all pools every utterance"),
+    Metric("val/wer_given/<lang>", "gathered", "VAL_LANGUAGE_GIVEN=1 (default): the greedy WER "
+           "with the language given, every utterance decoded from its own language's tag (the "
+           "same encoder forward as val/wer); val/wer minus this is the error a wrong language "
+           "guess costs"),
+    Metric("val/cer_given/<lang>", "gathered", "the same for CER"),
+    Metric("val/forgetting/<lang>", "rank 0", "when finetuning, for each of the base's languages "
+           "(BASE_LANGUAGES or the base's record): val/wer now minus at the step-0 validation, in "
+           "WER points (positive: worse than the base); a warning above FORGETTING_WARN_POINTS"),
+    Metric("val/forgetting_given/<lang>", "rank 0", "the same for val/wer_given"),
     Metric("val/loss", "gathered", "the training loss on the validation utterances (the training loss's "
            "reduction per batch, averaged over utterances: comparable with train/loss)"),
     Metric("val/utterances", "gathered", "validation utterances decoded (bad audio excluded)"),
@@ -248,12 +257,22 @@ def evaluation_metrics(
     utterances: int,
     seconds: float,
     lid_accuracy: Mapping[str, float] | None = None,
+    results_given: Mapping[str, Any] | None = None,
+    forgetting: Mapping[str, Mapping[str, float | None]] | None = None,
 ) -> dict:
-    """The EVALUATION_METRICS values of one evaluation (``results``: ErrorCounts per language;
-    ``lid_accuracy``: evaluation.language_id_accuracy)."""
+    """The EVALUATION_METRICS values of one evaluation (``results``: ErrorCounts per language,
+    decoded auto; ``lid_accuracy``: evaluation.language_id_accuracy; ``results_given``: ErrorCounts
+    per language decoded with the language given; ``forgetting``: evaluation.forgetting)."""
     out = {"val/utterances": float(utterances), "val/seconds": float(seconds)}
     for lang, accuracy in (lid_accuracy or {}).items():
         out[f"val/lid_acc/{lang}"] = accuracy
+    for lang, counts in (results_given or {}).items():
+        out[f"val/wer_given/{lang}"] = counts.wer
+        out[f"val/cer_given/{lang}"] = counts.cer
+    for lang, row in (forgetting or {}).items():
+        out[f"val/forgetting/{lang}"] = row["points"]
+        if row.get("points_given") is not None:
+            out[f"val/forgetting_given/{lang}"] = row["points_given"]
     for lang, counts in results.items():
         out[f"val/wer/{lang}"] = counts.wer
         out[f"val/cer/{lang}"] = counts.cer

@@ -6,6 +6,7 @@ Usage:
     python scripts/evaluate.py model.nemo --per-lang 200 --device cuda --out results/wer.csv
     python scripts/evaluate.py last                     # the newest step checkpoint in CHECKPOINT_DIR
     python scripts/evaluate.py model.nemo --manifest test.json --lang hi   # a NeMo JSON manifest
+    python scripts/evaluate.py model.nemo --decode auto   # only as the model guesses the language
 
 Rates are corpus-level per language: total word edits / total reference words (not a mean of
 per-utterance WERs), CER likewise over characters (single spaces between words included). The row
@@ -37,6 +38,13 @@ no cased words) and lid_acc (language identification: the share of the language'
 start with its own tag, as validation's ``val/lid_acc/<lang>``; nan for rows of unknown language,
 ``und``, which ``all`` leaves out; ``LID`` in the table).
 The table shows each kind of word edit per reference word (sub + del + ins = WER).
+
+Every utterance is decoded twice from one encoder forward (``--decode both``, the default): auto,
+the model naming the language (``wer``, ``cer``: what a user who does not know the language gets),
+and with the language given, decoding started from the row's language tag (``wer_given``,
+``cer_given``; ``WER given`` in the table): the gap between the two is what wrong language guesses
+cost. Rows of unknown language (``und``) are decoded auto in both. ``--decode auto`` or ``given``
+decodes once; the other pair of columns is then empty.
 """
 
 from __future__ import annotations
@@ -72,6 +80,8 @@ CSV_COLUMNS = (
     "punct_f1",
     "case_err",
     "lid_acc",
+    "wer_given",
+    "cer_given",
 )
 
 # The language of a NeMo JSON row that names none (and no --lang was given): scored, but with no
@@ -126,12 +136,15 @@ def evaluate(
     device: str = "cpu",
     progress: bool = True,
     lang: str | None = None,
-) -> tuple[dict, dict[str, int], dict, dict, dict, dict]:
+    decode: str = "both",
+) -> tuple[dict, dict[str, int], dict, dict, dict, dict, dict]:
     """(ErrorCounts per language + 'all', bad-audio count per language, the rows left out unscored:
     ``evaluation.excluded_rows``, ErrorCounts of the texts as written, PunctuationCounts per
-    language + 'all', language-identification accuracy per known language + 'all') of ``model``
-    on ``manifest``
-    (parquet, or NeMo JSON: see ``scoring_set``; scored by ``score``)."""
+    language + 'all', language-identification accuracy per known language + 'all', ErrorCounts
+    per language + 'all' decoded with the language given) of ``model`` on ``manifest`` (parquet,
+    or NeMo JSON: see ``scoring_set``; scored by ``score``). ``decode``: "both" decodes auto and
+    with the language given, "auto" or "given" only that one (the first five then describe it,
+    the last is {} for "auto"; with "given", the language-identification accuracy is {})."""
     import numpy as np
 
     import evaluation
@@ -146,9 +159,24 @@ def evaluate(
         if per_lang > 0
         else np.arange(len(dataset))
     )
-    hyps = evaluation.greedy_transcribe(
-        model, dataset, indices, max_batch_seconds=batch_seconds, device=device, progress=progress
+    if decode not in ("both", "auto", "given"):
+        raise ValueError(f"decode={decode!r}: expected both, auto or given")
+    given = decode in ("both", "given")
+    if given:
+        import asr_model
+
+        asr_model.language_tag_pieces(model, [x for x in names if x != UNKNOWN_LANG])
+    out = evaluation.decode(
+        model,
+        dataset,
+        indices,
+        max_batch_seconds=batch_seconds,
+        device=device,
+        progress=progress,
+        auto=decode != "given",
+        languages=(lambda i: None if langs[i] == UNKNOWN_LANG else langs[i]) if given else None,
     )
+    hyps = out.texts if decode != "given" else out.given_texts
     decoded = sum(h is not None for h in hyps.values())
     if not decoded:
         raise NothingToScore(
@@ -157,7 +185,11 @@ def evaluate(
             f"its audio exists (DATA_DIR / SHARDS_DIR, scripts/extract_audio.py)"
         )
     results, as_written, bad, punctuation, lid = score(texts, hyps, langs)
-    return results, bad, evaluation.excluded_rows(dataset), as_written, punctuation, lid
+    if decode == "given":
+        return results, bad, evaluation.excluded_rows(dataset), as_written, punctuation, {}, results
+    results_given = score(texts, out.given_texts, langs)[0] if given else {}
+    excluded = evaluation.excluded_rows(dataset)
+    return results, bad, excluded, as_written, punctuation, lid, results_given
 
 
 def score(
@@ -200,10 +232,17 @@ def result_rows(
     as_written: dict | None = None,
     punctuation: dict | None = None,
     lid: dict | None = None,
+    given: dict | None = None,
 ) -> list[dict]:
     """The CSV's rows, one per language of ``results`` (raw_wer / raw_cer from ``as_written``,
-    punct_f1 / case_err from ``punctuation``, lid_acc from ``lid``)."""
-    as_written, punctuation, lid = as_written or {}, punctuation or {}, lid or {}
+    punct_f1 / case_err from ``punctuation``, lid_acc from ``lid``, wer_given / cer_given from
+    ``given``)."""
+    as_written, punctuation, lid, given = (
+        as_written or {},
+        punctuation or {},
+        lid or {},
+        given or {},
+    )
     left_out = {
         lang: sum(n for n, _ in by_reason.values()) for lang, by_reason in (excluded or {}).items()
     }
@@ -230,6 +269,8 @@ def result_rows(
             if lang in punctuation and punctuation[lang].cased_words
             else math.nan,
             "lid_acc": round(lid[lang], 6) if lang in lid else math.nan,
+            "wer_given": round(given[lang].wer, 6) if lang in given else math.nan,
+            "cer_given": round(given[lang].cer, 6) if lang in given else math.nan,
         }
         for lang, c in results.items()
     ]
@@ -238,7 +279,7 @@ def result_rows(
 def format_table(rows: list[dict]) -> str:
     lines = [
         f"{'lang':<8} {'utts':>7} {'words':>9} {'WER':>8} {'sub':>7} {'del':>7} {'ins':>7} "
-        f"{'CER':>8} {'bad':>5} {'excl':>5} {'raw WER':>8} {'LID':>6}"
+        f"{'CER':>8} {'bad':>5} {'excl':>5} {'raw WER':>8} {'LID':>6} {'WER given':>9}"
     ]
     for r in rows:
         shares = [
@@ -250,6 +291,7 @@ def format_table(rows: list[dict]) -> str:
             + " ".join(f"{v:>7.4f}" for v in shares)
             + f" {r['cer']:>8.4f} {r['bad_audio']:>5} {r.get('excluded', 0):>5}"
             + f" {r.get('raw_wer', math.nan):>8.4f} {r.get('lid_acc', math.nan):>6.3f}"
+            + f" {r.get('wer_given', math.nan):>9.4f}"
         )
     return "\n".join(lines)
 
@@ -306,6 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default=None, help="cpu or cuda (default cuda when available)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the --per-lang choice")
+    parser.add_argument(
+        "--decode",
+        choices=("both", "auto", "given"),
+        default="both",
+        help="auto: the model names the language; given: decoding starts from each row's "
+        "language tag; both (default): both, from one encoder forward",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -327,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         model = asr_model.load_trained_model(model_path, device)
-        results, bad, excluded, as_written, punctuation, lid = evaluate(
+        results, bad, excluded, as_written, punctuation, lid, given = evaluate(
             model,
             manifest,
             per_lang=args.per_lang,
@@ -335,15 +384,21 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             device=device,
             lang=args.lang,
+            decode=args.decode,
         )
     except UserError as exc:
         print(f"evaluate: error: {exc}", file=sys.stderr)
         return 2
     from evaluation import SCORING_NORMALIZATION
 
-    rows = result_rows(results, bad, excluded, as_written, punctuation, lid)
+    rows = result_rows(results, bad, excluded, as_written, punctuation, lid, given)
     write_csv(rows, out)
-    print(f"{model_path} on {manifest} (greedy decoding, corpus-level rates):")
+    how = {
+        "both": "auto; WER given: from each row's language tag",
+        "auto": "auto",
+        "given": "from each row's language tag",
+    }
+    print(f"{model_path} on {manifest} (greedy decoding {how[args.decode]}, corpus-level rates):")
     print(
         f"normalized before scoring: {SCORING_NORMALIZATION} (raw WER: as written, tags stripped; "
         "LID: share of hypotheses starting with the language's own tag)"

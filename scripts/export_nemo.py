@@ -349,7 +349,9 @@ def blend_sweep(
     for amount in amounts:
         model.load_state_dict(blend_weights(weights, base, amount))
         model.to(device)
-        results = evaluate.evaluate(model, manifest, device=device, progress=False)[0]
+        results = evaluate.evaluate(model, manifest, device=device, progress=False, decode="auto")[
+            0
+        ]
         model.to("cpu")
         rows.append(
             {

@@ -3,6 +3,7 @@
 Usage:
     python scripts/transcribe.py model.nemo a.flac b.wav              # prints lang + text per file
     python scripts/transcribe.py last --manifest test.json --out hyps.jsonl
+    python scripts/transcribe.py model.nemo --lang hi call1.wav call2.wav  # the language known
     python scripts/transcribe.py step_00600000.ckpt --manifest data/val_manifest_v2.parquet
 
 The model is a .nemo file, a train.py step checkpoint (.ckpt, rebuilt from the description it
@@ -14,7 +15,12 @@ libsndfile reads; resampled to the model's rate, downmixed to mono) or a manifes
 The model writes ``<|lang|>`` first: each output row holds that language (``lang``; null when the
 hypothesis starts with no tag), how sure the model was of it (``lang_prob``: the softmax probability
 of that tag at the decoding step that emitted it, over every piece and blank; null without a tag)
-and the text without it. Files are decoded longest-first in batches
+and the text without it. With the language known, ``--lang hi`` decodes every file from the tag
+``<|hi|>`` (the model writes Hindi from its first piece on, and cannot take the audio for another
+language), and ``--lang manifest`` takes each row's language from the manifest (its ``lang``, or the
+tag its ``text`` starts with; a row without one is decoded auto). ``lang_given`` says which: true
+where the language was given (``lang`` is then that language and ``lang_prob`` null). Files are
+decoded longest-first in batches
 of ``--batch-seconds`` of audio, on the GPU when there is one. An unreadable file gets a row with
 ``"error"`` instead of a text and is named on stderr; the exit status is 1 when any file failed.
 
@@ -37,32 +43,57 @@ from pathlib import Path
 
 from process_control import UserError
 
+FROM_MANIFEST = "manifest"
 
-def inputs_of(files: list[Path], manifest: Path | None) -> list[str]:
-    """The audio paths to transcribe: the files given, or the manifest's."""
+
+def inputs_of(
+    files: list[Path], manifest: Path | None, lang: str | None = None
+) -> tuple[list[str], list[str | None] | None]:
+    """The audio paths to transcribe (the files given, or the manifest's) and the language to
+    decode each with: None for all without ``lang``; ``lang`` for every file; with
+    ``lang="manifest"``, each manifest row's ``lang`` or the tag its ``text`` starts with (None
+    for a row with neither)."""
     from manifest_schema import (
         ManifestError,
         audio_columns,
         audio_path_expr,
         is_nemo_json,
+        leading_lang,
         read_nemo_manifest,
     )
 
+    if lang == FROM_MANIFEST and manifest is None:
+        raise ManifestError("--lang manifest takes each row's language from --manifest; give one")
     if manifest is None:
         if not files:
             raise ManifestError("give audio files or --manifest")
-        return [str(f) for f in files]
+        return [str(f) for f in files], None if lang is None else [lang] * len(files)
     if files:
         raise ManifestError("give audio files or --manifest, not both")
     if not manifest.is_file():
         raise ManifestError(f"--manifest {manifest} does not exist")
     if is_nemo_json(manifest):
-        return [r.audio_filepath for r in read_nemo_manifest(manifest)]
-    import polars as pl
+        rows = read_nemo_manifest(manifest)
+        paths = [r.audio_filepath for r in rows]
+        langs = [r.lang or leading_lang(r.text or "") for r in rows]
+    else:
+        import polars as pl
 
-    names = pl.read_parquet_schema(manifest)
-    frame = pl.read_parquet(manifest, columns=audio_columns(names))
-    return frame.select(audio_path_expr(frame.columns)).to_series().to_list()
+        names = pl.read_parquet_schema(manifest)
+        columns = audio_columns(names) + [c for c in ("lang", "text") if c in names]
+        frame = pl.read_parquet(manifest, columns=list(dict.fromkeys(columns)))
+        paths = frame.select(audio_path_expr(frame.columns)).to_series().to_list()
+        if "lang" in frame.columns:
+            langs = frame.get_column("lang").to_list()
+        elif "text" in frame.columns:
+            langs = [leading_lang(t or "") for t in frame.get_column("text").to_list()]
+        else:
+            langs = [None] * len(paths)
+    if lang is None:
+        return paths, None
+    if lang != FROM_MANIFEST:
+        return paths, [lang] * len(paths)
+    return paths, [x or None for x in langs]
 
 
 @contextlib.contextmanager
@@ -86,16 +117,26 @@ def stdout_kept_for_results():
 
 
 def transcribe(
-    model, paths: list[str], *, batch_seconds: float = 120.0, device: str = "cpu"
+    model,
+    paths: list[str],
+    *,
+    batch_seconds: float = 120.0,
+    device: str = "cpu",
+    languages: list[str | None] | None = None,
 ) -> list[dict]:
-    """One row per path, in input order: {"audio_filepath", "duration", "lang", "lang_prob",
-    "text"}, or {"audio_filepath", "error"} for a file that could not be read ("file not found"
-    when it does not exist). ``lang_prob`` is the probability of the first emitted piece when that
-    piece is the tag of ``lang``, else null."""
+    """One row per path, in input order: {"audio_filepath", "duration", "lang", "lang_given",
+    "lang_prob", "text"}, or {"audio_filepath", "error"} for a file that could not be read ("file
+    not found" when it does not exist). ``languages`` (one per path, None for none): decode from
+    that language's tag; ``lang_given`` is then true and ``lang`` that language. Decoded auto,
+    ``lang`` is the tag the hypothesis starts with and ``lang_prob`` the probability of the first
+    emitted piece when that piece is the tag of ``lang``, else null."""
+    import asr_model
     import evaluation
     from dataset import AudioFileDataset
     from manifest_schema import lang_tag, leading_lang, strip_lang_tag
 
+    if languages is not None:
+        asr_model.language_tag_pieces(model, sorted({x for x in languages if x}))  # one line
     dataset = AudioFileDataset(paths)
     decoded = evaluation.decode(
         model,
@@ -105,8 +146,10 @@ def transcribe(
         device=device,
         progress=len(paths) > 1 and sys.stderr.isatty(),
         with_first_tokens=True,
+        auto=languages is None,
+        languages=None if languages is None else languages.__getitem__,
     )
-    texts = decoded.texts
+    texts = decoded.texts if languages is None else decoded.given_texts
     rows = []
     for i, path in enumerate(paths):
         hypothesis = texts.get(i)
@@ -114,9 +157,11 @@ def transcribe(
             error = "unreadable or empty audio" if Path(path).exists() else "file not found"
             rows.append({"audio_filepath": path, "error": error})
             continue
+        given = languages[i] if languages is not None else None
         lang, first = leading_lang(hypothesis), decoded.first_tokens.get(i)
         tag_first = (
-            lang is not None
+            not given
+            and lang is not None
             and first is not None
             and model.tokenizer.ids_to_tokens([first[0]])[0] == lang_tag(lang)
         )
@@ -124,7 +169,8 @@ def transcribe(
             {
                 "audio_filepath": path,
                 "duration": round(float(dataset.durations[i]), 3),
-                "lang": lang,
+                "lang": given or lang,
+                "lang_given": bool(given),
                 "lang_prob": round(first[1], 4) if tag_first else None,
                 "text": strip_lang_tag(hypothesis),
             }
@@ -149,12 +195,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--manifest", type=Path, default=None, help="NeMo JSON or parquet manifest of audio"
     )
+    parser.add_argument(
+        "--lang",
+        default=None,
+        help="decode every file from this language's tag (e.g. hi), or 'manifest': each row's "
+        "language from --manifest; default: the model names the language",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSONL path (default stdout)")
     parser.add_argument(
         "--batch-seconds", type=float, default=120.0, help="seconds of audio per decoding batch"
     )
     parser.add_argument("--device", default=None, help="cpu or cuda (default cuda when available)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # files may follow the options
     logging.basicConfig(
         level=logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -175,12 +227,16 @@ def run(args: argparse.Namespace, results, interactive: bool) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        paths = inputs_of(args.files, args.manifest)
+        paths, languages = inputs_of(args.files, args.manifest, args.lang)
         model = asr_model.load_trained_model(checkpoints.resolve_model_path(args.model), device)
+        if languages is not None:
+            asr_model.language_tag_pieces(model, sorted({x for x in languages if x}))
     except (UserError, FileNotFoundError, ValueError) as exc:
         print(f"transcribe: error: {exc}", file=sys.stderr)
         return 2
-    rows = transcribe(model, paths, batch_seconds=args.batch_seconds, device=device)
+    rows = transcribe(
+        model, paths, batch_seconds=args.batch_seconds, device=device, languages=languages
+    )
     failed = [r for r in rows if "error" in r]
     for r in failed:
         print(f"transcribe: cannot read {r['audio_filepath']}: {r['error']}", file=sys.stderr)

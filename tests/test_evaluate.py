@@ -35,6 +35,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    yield from tiny_model_files(tmp_path_factory)
+
+
+def tiny_model_files(tmp_path_factory):
     """A manifest, its tokenizer, the tiny model as .nemo and as a train.py-style .ckpt, config pointed at them."""
     import asr_model
 
@@ -330,11 +334,12 @@ class EncDecRNNTBPEModel(torch.nn.Module):
 class EchoModel(EncDecRNNTBPEModel):
     """'Decodes' each utterance to its manifest text (tag included), recognised by its signal."""
 
-    def __init__(self, tokenizer, texts_by_signal: dict):
+    def __init__(self, tokenizer, texts_by_signal: dict, given_texts_by_signal: dict | None = None):
         super().__init__()
         self.tokenizer = tokenizer
         self.layer = torch.nn.Linear(1, 1)
         self.texts_by_signal = texts_by_signal
+        self.given_texts_by_signal = given_texts_by_signal or {}
         self.decoding = SimpleNamespace(rnnt_decoder_predictions_tensor=self.decode)
         self.decoded = 0
 
@@ -345,11 +350,43 @@ class EchoModel(EncDecRNNTBPEModel):
     def forward(self, input_signal, input_signal_length):
         return input_signal, input_signal_length
 
-    def decode(self, encoder_output, encoded_lengths):
+    def decode(self, encoder_output, encoded_lengths, partial_hypotheses=None):
+        """The text of each signal; where ``partial_hypotheses`` (``let_echo_models_start_from_a_
+        piece``) starts an utterance from a piece, that piece and the signal's words in
+        ``given_texts_by_signal`` (else its text's), as decoding from the piece would."""
+        from manifest_schema import strip_lang_tag
+
         self.decoded += len(encoded_lengths)
-        return [
-            SimpleNamespace(text=self.texts_by_signal[self.fingerprint(s)]) for s in encoder_output
-        ]
+        starts = partial_hypotheses or [None] * len(encoded_lengths)
+        out = []
+        for signal, start in zip(encoder_output, starts):
+            key = self.fingerprint(signal)
+            text = self.texts_by_signal[key]
+            if start is not None:
+                words = strip_lang_tag(self.given_texts_by_signal.get(key, text))
+                text = f"{self.tokenizer.ids_to_tokens([start.piece])[0]} {words}"
+            out.append(SimpleNamespace(text=text))
+        return out
+
+
+@pytest.fixture(autouse=True)
+def echo_models_start_from_a_piece(monkeypatch):
+    let_echo_models_start_from_a_piece(monkeypatch)
+
+
+def let_echo_models_start_from_a_piece(monkeypatch) -> None:
+    """An EchoModel has no prediction network to start from a piece: its partial hypotheses are
+    the piece alone (``EchoModel.decode`` reads it)."""
+    import asr_model
+
+    real = asr_model.TDT.started_hypotheses
+
+    def started(self, model, pieces):
+        if isinstance(model, EchoModel):
+            return [None if p is None else SimpleNamespace(piece=p) for p in pieces]
+        return real(self, model, pieces)
+
+    monkeypatch.setattr(asr_model.TDT, "started_hypotheses", started)
 
 
 class GraphRecordingModel(EchoModel):
@@ -365,9 +402,9 @@ class GraphRecordingModel(EchoModel):
     def disable_cuda_graphs(self):
         self.calls.append("disable")
 
-    def decode(self, encoder_output, encoded_lengths):
+    def decode(self, encoder_output, encoded_lengths, partial_hypotheses=None):
         self.calls.append("decode")
-        return super().decode(encoder_output, encoded_lengths)
+        return super().decode(encoder_output, encoded_lengths, partial_hypotheses)
 
 
 def test_validation_rebuilds_the_decoding_graphs_before_and_releases_them_after(tiny):
@@ -449,13 +486,16 @@ def test_wer_callback_splits_utterances_across_ranks_and_gathers_them_on_rank_ze
         cb.on_train_start(trainer, module)
 
         def gather(obj, rank=rank):
-            shares[rank] = obj[0]
-            return [(shares.get(r, {}), 0.0, 0, False) for r in (0, 1)]
+            shares[rank] = obj
+            return [shares.get(r, ({}, 0.0, 0, False, {})) for r in (0, 1)]
 
         monkeypatch.setattr(callbacks, "all_gather_objects", gather)
         results[rank] = cb.evaluate(trainer, module)
-        assert model.decoded == 3  # half of 3 per language x 2 languages
-    assert set(shares[0]).isdisjoint(shares[1]) and len(shares[0]) + len(shares[1]) == 6
+        # half of 3 per language x 2 languages, decoded auto and with the language given
+        assert model.decoded == 3 + 3
+        assert shares[rank][4].keys() == shares[rank][0].keys()
+    texts = {r: shares[r][0] for r in (0, 1)}
+    assert set(texts[0]).isdisjoint(texts[1]) and len(texts[0]) + len(texts[1]) == 6
     assert results[0]["all"].utterances == 6 and results[0]["all"].wer == 0.0
     lines = [json.loads(l) for l in (tiny.root / "wer" / "metrics.jsonl").read_text().splitlines()]
     scalars = [l for l in lines if "val/wer/all" in l]
@@ -602,10 +642,10 @@ def test_transcribe_writes_the_language_and_the_text_without_the_tag(tiny, monke
     hi_tag = tiny.model.tokenizer.token_to_id("<|hi|>")
     monkeypatch.setattr(
         asr_model,
-        "greedy_texts_and_first_tokens",
-        lambda model, signal, lens: (
-            ["<|hi|> नमस्ते  दुनिया", "no tag"][: len(lens)],
-            [(hi_tag, 0.875), None][: len(lens)],
+        "decode_batch",
+        lambda model, signal, lens, **asked: asr_model.BatchDecoding(
+            texts=["<|hi|> नमस्ते  दुनिया", "no tag"][: len(lens)],
+            first_tokens=[(hi_tag, 0.875), None][: len(lens)],
         ),
     )
     rows = transcribe.transcribe(tiny.model, files, batch_seconds=1.0)  # one file per batch
@@ -625,8 +665,10 @@ def test_transcribe_gives_no_language_probability_when_the_first_piece_is_no_tag
     paths = nemo_json_frame(pl.read_parquet(tiny.manifest)).get_column("audio_filepath")
     monkeypatch.setattr(
         asr_model,
-        "greedy_texts_and_first_tokens",
-        lambda model, signal, lens: (["words first"] * len(lens), [(3, 0.5)] * len(lens)),
+        "decode_batch",
+        lambda model, signal, lens, **asked: asr_model.BatchDecoding(
+            texts=["words first"] * len(lens), first_tokens=[(3, 0.5)] * len(lens)
+        ),
     )
     rows = transcribe.transcribe(tiny.model, [paths[0]])
     assert rows[0]["lang"] is None and rows[0]["lang_prob"] is None
@@ -761,7 +803,13 @@ def test_transcribe_reads_the_audio_of_a_parquet_manifest_like_its_nemo_json(tin
     json_manifest = write_nemo_json(tiny, tiny.root / "same-audio.json")
     from_parquet = transcribe.inputs_of([], tiny.manifest)
     assert from_parquet == transcribe.inputs_of([], json_manifest)
-    assert len(from_parquet) == 12 and all(Path(p).is_file() for p in from_parquet)
+    paths, languages = from_parquet
+    assert len(paths) == 12 and all(Path(p).is_file() for p in paths) and languages is None
+    # --lang manifest: each row's language, from either kind of manifest
+    given = transcribe.inputs_of([], tiny.manifest, "manifest")
+    assert given == transcribe.inputs_of([], json_manifest, "manifest")
+    assert sorted(set(given[1])) == ["en", "hi"] and given[0] == paths
+    assert transcribe.inputs_of([], json_manifest, "ta")[1] == ["ta"] * 12
 
 
 def _averaging_run(tiny, name: str) -> Path:

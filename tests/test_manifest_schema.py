@@ -166,7 +166,9 @@ def test_leading_lang_reads_the_tag_a_hypothesis_starts_with():
     assert leading_lang("hello <|hi|>") is None and leading_lang("") is None
 
 
-def test_a_nemo_json_manifest_resolves_relative_audio_and_drops_a_leading_tag(tmp_path):
+def test_a_nemo_json_manifest_resolves_relative_audio_and_reads_a_leading_tag_as_the_language(
+    tmp_path,
+):
     from manifest_schema import ManifestError, read_nemo_manifest
 
     path = tmp_path / "sub" / "m.json"
@@ -181,7 +183,7 @@ def test_a_nemo_json_manifest_resolves_relative_audio_and_drops_a_leading_tag(tm
         str(path.parent / "a" / "x.flac"),
         1.5,
         "नमस्ते",
-        None,
+        "hi",
     )
     assert (b.audio_filepath, b.duration, b.lang) == ("/abs/y.wav", None, "en")
     path.write_text('{"audio_filepath": "x.flac", "duration": "long"}\n', encoding="utf-8")

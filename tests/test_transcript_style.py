@@ -273,9 +273,10 @@ def punctuated_validation_metrics(tmp_path, monkeypatch, style: str | None) -> d
     import evaluation
     import run_logging
     from dataset import LocalShardDataset
-    from tests.test_evaluate import EchoModel, fake_trainer
+    from tests.test_evaluate import EchoModel, fake_trainer, let_echo_models_start_from_a_piece
     from tests.tiny_training_data import make_training_data
 
+    let_echo_models_start_from_a_piece(monkeypatch)
     data = make_training_data(tmp_path, per_lang=3)
     table = pq.read_table(data["manifest"])
     texts = [f"{t}?" for t in table.column("text").to_pylist()]

@@ -1,0 +1,297 @@
+"""Decoding with the language given: greedy TDT started from the language's tag, in
+asr_model.decode_batch, evaluate.py, transcribe.py and validation (beside auto decoding), and the
+forgetting of the base's languages that validation measures against step 0.
+
+The decoding itself is checked on the real tiny TDT model against a plain greedy TDT written
+here from its definition; the plumbing with a model that echoes each utterance's text."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import asr_model
+import callbacks
+import config
+import evaluation
+import run_logging
+from tests.test_evaluate import (
+    EchoModel,
+    fake_trainer,
+    let_echo_models_start_from_a_piece,
+    spm_tokenizer,
+    tiny_model_files,
+    write_nemo_json,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    yield from tiny_model_files(tmp_path_factory)
+
+
+@pytest.fixture(autouse=True)
+def echo_models_start_from_a_piece(monkeypatch):
+    let_echo_models_start_from_a_piece(monkeypatch)
+
+
+def reference_greedy_tdt(model, encoded, encoded_len, first_piece, max_symbols):
+    """Greedy TDT of one utterance, written from its definition: at frame t the joint of the
+    frame and the prediction network's output gives the best of pieces and blank and the best
+    duration; a blank moves on by its duration (at least one frame), a piece is emitted, fed to
+    the prediction network and moves on by its duration (after ``max_symbols`` pieces on one
+    frame, by one). ``first_piece``: emitted before frame 0, as if the search had found it."""
+    blank = int(model.decoder.blank_idx)
+    durations = list(model.decoding.decoding.durations)
+    frames = encoded.transpose(1, 2)  # [1, T, D]
+    out, state = model.decoder.predict(None, None, add_sos=False, batch_size=1)
+    ids = []
+    if first_piece is not None:
+        ids.append(first_piece)
+        out, state = model.decoder.predict(
+            torch.tensor([[first_piece]]), state, add_sos=False, batch_size=1
+        )
+    t, on_this_frame = 0, 0
+    while t < int(encoded_len):
+        logits = model.joint.joint(frames[:, t : t + 1], out)[0, 0, 0]
+        piece = int(logits[: blank + 1].argmax())
+        duration = durations[int(logits[blank + 1 :].argmax())]
+        if piece == blank:
+            t, on_this_frame = t + max(1, duration), 0
+            continue
+        ids.append(piece)
+        out, state = model.decoder.predict(
+            torch.tensor([[piece]]), state, add_sos=False, batch_size=1
+        )
+        on_this_frame += 1
+        if duration > 0:
+            t, on_this_frame = t + duration, 0
+        elif on_this_frame >= max_symbols:
+            t, on_this_frame = t + 1, 0
+    return ids
+
+
+def test_decoding_with_the_language_given_is_greedy_tdt_started_from_the_tag(tiny):
+    """A batch mixing languages given and not: each utterance given a language decodes as greedy
+    TDT that emitted the tag first; the others as auto decoding does (the reference reproduces
+    NeMo's auto decoding too, so it is the definition both are held to)."""
+    model = asr_model.load_trained_model(tiny.nemo, "cpu").eval()
+    blank = model.decoder.blank_idx
+    torch.manual_seed(1)
+    signal, lens = torch.randn(4, 32000), torch.tensor([32000, 24000, 16000, 9000])
+    with torch.no_grad():
+        # what the prediction network has read weighs more than the frame (untrained, the
+        # frame decides alone): a wrong start state changes the transcripts
+        model.joint.pred.weight *= 8
+        model.joint.enc.weight *= 0.2
+        for weight in model.decoder.prediction.parameters():
+            weight *= 4
+        encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=lens)
+        start, _ = model.decoder.predict(None, None, add_sos=False, batch_size=4)
+        logits = model.joint.joint(encoded.transpose(1, 2), start)[:, :, 0, : blank + 1]
+        margin = logits[..., :blank].max(-1).values - logits[..., blank]
+        # blank wins about half of the frames: the search skips and emits
+        model.joint.joint_net[-1].bias[blank] += float(margin.median())
+    languages = ["hi", None, "en", "hi"]
+    decoded = asr_model.decode_batch(model, signal, lens, languages=languages)
+    max_symbols = model.decoding.decoding.max_symbols
+    tags = asr_model.language_tag_pieces(model, languages)
+    with torch.no_grad():
+        for b in range(4):
+            auto = reference_greedy_tdt(
+                model, encoded[b : b + 1], encoded_len[b], None, max_symbols
+            )
+            given = reference_greedy_tdt(
+                model, encoded[b : b + 1], encoded_len[b], tags[b], max_symbols
+            )
+            assert decoded.texts[b] == model.tokenizer.ids_to_text(auto)
+            assert decoded.given_texts[b] == model.tokenizer.ids_to_text(given)
+            if tags[b] is not None:
+                assert decoded.given_texts[b].startswith(f"<|{languages[b]}|>")
+                assert len(given) > 1  # it went on decoding after the tag
+    assert decoded.given_texts[1] == decoded.texts[1]  # no language: auto
+    assert all(len(text) > 1 for text in decoded.texts)  # blanks and pieces both won frames
+    # the same through the one-call helper, with every utterance given
+    assert asr_model.greedy_texts(model, signal, lens, ["en"] * 4)[2] == decoded.given_texts[2]
+
+
+def test_a_language_the_model_has_no_tag_for_is_one_line_naming_it_and_the_tags_it_has(tiny):
+    with pytest.raises(asr_model.LanguageNotInModel) as caught:
+        asr_model.language_tag_pieces(tiny.model, ["hi", "ta"])
+    message = str(caught.value)
+    assert "<|ta|>" in message and "its tags: en, hi" in message and "\n" not in message
+    assert asr_model.language_tag_pieces(tiny.model, [None, ""]) == [None, None]
+
+
+def test_transcribe_with_the_language_given_writes_that_language_from_its_tag(tiny, capsys):
+    from scripts import transcribe
+
+    json_manifest = write_nemo_json(tiny, tiny.root / "given.json")
+    out = tiny.root / "given.jsonl"
+    assert (
+        transcribe.main(
+            [str(tiny.nemo), "--manifest", str(json_manifest), "--lang", "hi", "--out", str(out)]
+        )
+        == 0
+    )
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert len(rows) == 12
+    assert all(r["lang"] == "hi" and r["lang_given"] and r["lang_prob"] is None for r in rows)
+    assert all("<|" not in r["text"] for r in rows)
+    # each row's own language from the manifest
+    assert (
+        transcribe.main(
+            [str(tiny.nemo), "--manifest", str(json_manifest), "--lang", "manifest"]
+            + ["--out", str(out)]
+        )
+        == 0
+    )
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert sorted({r["lang"] for r in rows}) == ["en", "hi"] and all(r["lang_given"] for r in rows)
+    # auto: the model's own guess, said so
+    assert (
+        transcribe.main([str(tiny.nemo), "--manifest", str(json_manifest), "--out", str(out)]) == 0
+    )
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert not any(r["lang_given"] for r in rows)
+    capsys.readouterr()
+    # a language the model has no tag for: one line, nothing written
+    out.unlink()
+    assert transcribe.main([str(tiny.nemo), "--lang", "ta", "--out", str(out), "a.flac"]) == 2
+    err = capsys.readouterr().err
+    assert "<|ta|>" in err and not out.exists()
+    assert transcribe.main([str(tiny.nemo), "--lang", "manifest", "a.flac"]) == 2
+    assert "--lang manifest" in capsys.readouterr().err
+
+
+def test_evaluate_reports_the_error_rates_with_the_language_given_beside_auto(tiny, capsys):
+    from scripts import evaluate
+
+    both, given, auto = (tiny.root / f"{k}.csv" for k in ("both", "given", "auto"))
+    for decode, out in (("both", both), ("given", given), ("auto", auto)):
+        argv = [str(tiny.nemo), "--manifest", str(tiny.manifest), "--out", str(out)]
+        assert evaluate.main(argv + ["--decode", decode]) == 0
+    printed = capsys.readouterr().out
+    assert "WER given" in printed and "from each row's language tag" in printed
+
+    def rows(path):
+        with open(path, encoding="utf-8") as f:
+            return {r["lang"]: r for r in csv.DictReader(f)}
+
+    b, g, a = rows(both), rows(given), rows(auto)
+    assert set(b) == {"hi", "en", "all"}
+    for lang in b:
+        assert b[lang]["wer_given"] == g[lang]["wer"] and b[lang]["cer_given"] == g[lang]["cer"]
+        assert b[lang]["wer"] == a[lang]["wer"] and a[lang]["wer_given"] == "nan"
+
+
+def language_given_validation(tiny, monkeypatch, tmp_path, *, base=None, base_languages=("en",)):
+    """One validation at step 20 by a model that echoes each reference, but decoded auto gets
+    every English utterance's words wrong ("x" per word) and starts the first with <|hi|>;
+    decoded from the English tag, it gets them right. Returns (metrics logged, warnings, module)."""
+    from manifest_schema import strip_lang_tag
+    from scripts import evaluate
+
+    tokenizer = spm_tokenizer(tiny)
+    dataset, texts, langs, _ = evaluate.scoring_set(tiny.manifest, tokenizer, progress=False)
+    auto, given = {}, {}
+    first_en = True
+    for i, lang in enumerate(langs):
+        key = EchoModel.fingerprint(dataset[i]["signal"])
+        auto[key] = given[key] = texts[i]
+        if lang == "en":
+            wrong = " ".join("x" for _ in strip_lang_tag(texts[i]).split())
+            auto[key] = f"<|{'hi' if first_en else 'en'}|> {wrong}"
+            first_en = False
+    monkeypatch.setattr(callbacks, "all_gather_objects", lambda obj: [obj])
+    monkeypatch.setattr(config, "INIT_MODEL", str(tmp_path / "base.nemo"))
+    monkeypatch.setattr(config, "BASE_LANGUAGES", list(base_languages))
+    jsonl = run_logging.JsonlMetricsLogger(tmp_path / "metrics.jsonl")
+    module = SimpleNamespace(
+        model=EchoModel(tokenizer, auto, given),
+        device=torch.device("cpu"),
+        last_evaluation=None,
+        base_evaluation=base,
+    )
+    cb = callbacks.PerLanguageWERCallback(
+        every_n_steps=5, manifest_path=tiny.manifest, with_loss=False
+    )
+    trainer = fake_trainer(0, [jsonl])
+    trainer.world_size = 1
+    cb.on_train_start(trainer, module)
+    warned = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    handler.setLevel(logging.WARNING)
+    logging.getLogger(callbacks.__name__).addHandler(handler)
+    try:
+        cb.evaluate(trainer, module)
+    finally:
+        logging.getLogger(callbacks.__name__).removeHandler(handler)
+    lines = [json.loads(line) for line in jsonl.path.read_text(encoding="utf-8").splitlines()]
+    return next(line for line in lines if "val/wer/all" in line), warned, module
+
+
+def test_validation_reports_the_wer_with_the_language_given_beside_auto(
+    tiny, monkeypatch, tmp_path
+):
+    metrics, warned, module = language_given_validation(tiny, monkeypatch, tmp_path)
+    assert metrics["val/wer/en"] == 1.0 and metrics["val/wer_given/en"] == 0.0
+    assert metrics["val/wer/hi"] == metrics["val/wer_given/hi"] == 0.0
+    assert metrics["val/wer_given/all"] == 0.0
+    assert metrics["val/lid_acc/en"] < 1.0  # the guess was measured on auto decoding
+    assert "results_given" in module.last_evaluation
+    assert not warned  # no step-0 validation: nothing to compare with
+    assert not any(k.startswith("val/forgetting") for k in metrics)
+
+
+def test_a_base_language_rising_above_the_threshold_warns_once_with_its_numbers(
+    tiny, monkeypatch, tmp_path
+):
+    """Step 0 scored English at WER 0.10 (auto and given): at step 20 auto is 1.0 (90 points
+    worse, a warning), given 0.0 (10 points better). Hindi is no base language: no metric."""
+    counts = {"words": 100, "word_edits": 10, "chars": 400, "char_edits": 40}
+    base = {
+        "step": 0,
+        "results": {"en": counts, "hi": counts},
+        "results_given": {"en": counts, "hi": counts},
+    }
+    metrics, warned, _ = language_given_validation(tiny, monkeypatch, tmp_path, base=base)
+    assert metrics["val/forgetting/en"] == pytest.approx(90.0)
+    assert metrics["val/forgetting_given/en"] == pytest.approx(-10.0)
+    assert "val/forgetting/hi" not in metrics
+    assert len(warned) == 1
+    line = warned[0]
+    assert "step 20" in line and " en " in line and "90.0 points" in line and "\n" not in line
+    assert "10.0 -> 100.0" in line and "language given 10.0 -> 0.0" in line
+    assert "BASE_LANGUAGE_SHARE" in line and "--blend-sweep" in line
+    # below the threshold, or the warning off: the metric, no warning
+    monkeypatch.setattr(config, "FORGETTING_WARN_POINTS", 95.0)
+    metrics, warned, _ = language_given_validation(tiny, monkeypatch, tmp_path / "b", base=base)
+    assert metrics["val/forgetting/en"] == pytest.approx(90.0) and not warned
+
+
+def test_validation_without_the_language_given_decodes_once(tiny, monkeypatch, tmp_path):
+    monkeypatch.setattr(config, "VAL_LANGUAGE_GIVEN", "0")
+    metrics, _, module = language_given_validation(tiny, monkeypatch, tmp_path)
+    assert not any(k.startswith("val/wer_given") for k in metrics)
+    assert module.model.decoded == metrics["val/utterances"]
+    assert "results_given" not in module.last_evaluation
+
+
+def test_forgetting_needs_a_step_zero_validation_and_the_bases_languages():
+    counts = {"words": 10, "word_edits": 1}
+    worse = {"words": 10, "word_edits": 3}
+    base = {"step": 0, "results": {"en": counts, "te": counts}}
+    now = {"step": 600, "results": {"en": worse, "te": counts, "hi": worse}}
+    rows = evaluation.forgetting(base, now, ("en", "te"))
+    assert rows["en"]["points"] == pytest.approx(20.0) and rows["te"]["points"] == 0.0
+    assert rows["en"]["points_given"] is None and "hi" not in rows
+    assert evaluation.forgetting(base, now, None) == {}  # the base's languages unknown
+    assert evaluation.forgetting({**base, "step": 10}, now, ("en",)) == {}  # no step-0 record
+    assert evaluation.forgetting(None, now, ("en",)) == {}
