@@ -356,117 +356,160 @@ class TDT(ModelFamily):
     def greedy_texts_of_encoded(
         self, model, encoded, encoded_len, first_pieces: list[int | None] | None = None
     ) -> list[str]:
-        given = first_pieces is not None and any(p is not None for p in first_pieces)
-        hyps = model.decoding.rnnt_decoder_predictions_tensor(
-            encoder_output=encoded,
-            encoded_lengths=encoded_len,
-            partial_hypotheses=self.started_hypotheses(model, first_pieces) if given else None,
-        )
-        return [hyp.text for hyp in hyps]
+        if first_pieces is None or all(p is None for p in first_pieces):
+            hyps = model.decoding.rnnt_decoder_predictions_tensor(
+                encoder_output=encoded, encoded_lengths=encoded_len
+            )
+            return [hyp.text for hyp in hyps]
+        return self.started_texts(model, encoded, encoded_len, first_pieces)
 
-    def started_hypotheses(self, model, first_pieces: list[int | None]) -> list:
-        """NeMo partial hypotheses, one per utterance, that have emitted ``first_pieces[b]`` at
-        frame 0 (None where it is None: that utterance decodes from the start state).
+    def started_texts(
+        self, model, encoded, encoded_len, first_pieces: list[int | None]
+    ) -> list[str]:
+        """Greedy transcripts of a batch in which utterance b writes ``first_pieces[b]`` where greedy
+        decoding writes its first piece (None: the utterance decodes auto).
 
-        NeMo's label-looping greedy decoding (``greedy_batch``, its default for TDT, with or
-        without CUDA graphs) continues a batch from such a state, as it continues a stream chunk
-        by chunk: the prediction network has read the start symbol and then the piece, exactly
-        the sequence training feeds it, and the search begins at frame 0. The piece costs one
-        prediction-network step for the batch; the search itself is the same loop."""
-        from nemo.collections.asr.parts.submodules.transducer_decoding.label_looping_base import (
-            BatchedLabelLoopingState,
-        )
-        from nemo.collections.asr.parts.utils.rnnt_utils import Hypothesis
+        Greedy decoding walks the frames with the start state until a piece beats blank
+        (``first_emissions``): there, at frame t with duration d, it writes the given piece
+        instead of the one it chose, the prediction network reads it, and the search goes on from
+        frame t + d. So an utterance whose language the model names right decodes exactly as auto;
+        one it takes for another language is written from its own tag on. NeMo's label-looping
+        greedy decoding (``greedy_batch``, its default for TDT, with or without CUDA graphs)
+        continues a batch from such a state and frame, as it continues a stream chunk by chunk;
+        the state is built for the whole batch at once and the search is auto decoding's loop.
+        The piece is then put in front of each transcript."""
+        from nemo.collections.asr.parts.utils.rnnt_utils import batched_hyps_to_hypotheses
 
-        computer = getattr(model.decoding.decoding, "decoding_computer", None)
+        infer = model.decoding.decoding
+        computer = getattr(infer, "decoding_computer", None)
         if computer is None:
             raise config.ConfigError(
                 "decoding with the language given needs NeMo's label-looping greedy decoding "
                 "(decoding.strategy: greedy_batch with greedy.loop_labels: true, NeMo's default); "
-                f"this model decodes with {type(model.decoding.decoding).__name__}: set its "
+                f"this model decodes with {type(infer).__name__}: set its "
                 "decoding config (model.change_decoding_strategy) or decode without a language"
             )
+        modes = (model.decoder.training, model.joint.training)
+        model.decoder.eval()
+        model.joint.eval()
+        try:
+            with torch.inference_mode():
+                starts = self.first_emissions(model, encoded, encoded_len)
+                frames = [
+                    int(length) if first is None else first[2] + first[3]
+                    for first, length in zip(starts, encoded_len.tolist())
+                ]
+                state = self.started_state(model, first_pieces, frames)
+                batched, _ = computer(
+                    x=encoded.transpose(1, 2), out_len=encoded_len, prev_batched_state=state
+                )
+        finally:
+            model.decoder.train(modes[0])
+            model.joint.train(modes[1])
+        hyps = batched_hyps_to_hypotheses(batched, batch_size=encoded.shape[0])
+        emitted = {p: torch.tensor([int(p)]) for p in set(first_pieces) if p is not None}
+        for hyp, piece in zip(hyps, first_pieces):
+            if piece is not None:
+                hyp.y_sequence = torch.cat((emitted[piece], hyp.y_sequence.to(torch.long)))
+        return [hyp.text for hyp in model.decoding.decode_hypothesis(hyps)]
+
+    def started_state(self, model, first_pieces: list[int | None], frames: list[int]):
+        """NeMo's batched label-looping state after the prediction network read the start symbol
+        and then ``first_pieces[b]`` (after the start symbol alone where it is None), at frame
+        ``frames[b]`` (0 where the piece is None)."""
+        from nemo.collections.asr.parts.submodules.transducer_decoding.label_looping_base import (
+            BatchedLabelLoopingState,
+        )
+
         device = next(model.joint.parameters()).device
         size = len(first_pieces)
         blank = int(model.decoder.blank_idx)
+        given = torch.tensor([p is not None for p in first_pieces], device=device)
         pieces = torch.tensor([blank if p is None else int(p) for p in first_pieces], device=device)
-        with torch.inference_mode():
-            # the start state is one for every utterance: read the start symbol once
-            _, start = model.decoder.predict(
-                torch.full((1, 1), blank, dtype=torch.long, device=device),
-                None,
-                add_sos=False,
-                batch_size=1,
-            )
-            start = model.decoder.batch_unsplit_states(
-                model.decoder.batch_split_states(start) * size
-            )
-            out, state = model.decoder.predict(
-                pieces.unsqueeze(1), start, add_sos=False, batch_size=size
-            )
-            batched = BatchedLabelLoopingState(
-                predictor_states=state,
-                predictor_outputs=model.joint.project_prednet(out),
-                labels=pieces,
-                decoded_lengths=torch.zeros(size, dtype=torch.long, device=device),
-                time_jumps=torch.zeros(size, dtype=torch.long, device=device),
-            )
-            items = computer.split_batched_state(batched)
-        # one (piece, frame 0) pair per piece: merging concatenates, so hypotheses may share them
-        emitted = {
-            p: (torch.tensor([int(p)], dtype=torch.long), torch.zeros(1, dtype=torch.long))
-            for p in set(first_pieces)
-            if p is not None
-        }
-        return [
-            None
-            if piece is None
-            else Hypothesis(
-                score=0.0,
-                y_sequence=emitted[piece][0],
-                timestamp=emitted[piece][1],
-                dec_state=item,
-            )
-            for piece, item in zip(first_pieces, items)
-        ]
+        # the start state is one for every utterance: read the start symbol once
+        start_out, start = model.decoder.predict(
+            torch.full((1, 1), blank, dtype=torch.long, device=device),
+            None,
+            add_sos=False,
+            batch_size=1,
+        )
+        start = model.decoder.batch_unsplit_states(model.decoder.batch_split_states(start) * size)
+        start_out = model.joint.project_prednet(start_out).expand(size, -1, -1)
+        out, state = model.decoder.predict(
+            pieces.unsqueeze(1), start, add_sos=False, batch_size=size
+        )
+        out = torch.where(given[:, None, None], model.joint.project_prednet(out), start_out)
+        model.decoder.batch_replace_states_mask(src_states=start, dst_states=state, mask=~given)
+        return BatchedLabelLoopingState(
+            predictor_states=state,
+            predictor_outputs=out.contiguous(),
+            labels=pieces,
+            decoded_lengths=torch.zeros(size, dtype=torch.long, device=device),
+            time_jumps=torch.tensor(
+                [0 if p is None else int(f) for p, f in zip(first_pieces, frames)],
+                dtype=torch.long,
+                device=device,
+            ),
+        )
 
     def first_tokens_of_encoded(
         self, model, encoded, encoded_len
     ) -> list[tuple[int, float] | None]:
-        """Per utterance, (piece id, probability) of the first piece greedy decoding emits, None
-        when it emits none; the probability is the softmax over the pieces and blank of the joint's
-        output at that step.
+        return [
+            None if first is None else first[:2]
+            for first in self.first_emissions(model, encoded, encoded_len)
+        ]
+
+    def first_emissions(
+        self, model, encoded, encoded_len, chunk: int = 32
+    ) -> list[tuple[int, float, int, int] | None]:
+        """Per utterance, (piece id, probability, frame, duration) of the first piece greedy
+        decoding emits, None when it emits none; the probability is the softmax over the pieces
+        and blank of the joint's output at that step, the duration the frames greedy decoding
+        then moves on by (the best duration there; 0 for a model without durations).
 
         Until its first piece, greedy decoding feeds the prediction network its start state
-        alone, so the joint of every frame with that one state decides it: from frame 0, a blank
+        alone, so the joint of each frame with that one state decides it: from frame 0, a blank
         moves on by its predicted duration (at least one frame, as NeMo's greedy TDT does), the
-        first piece ends the walk. One joint over all frames, on any device and precision: the
-        joint's log-softmax on CPU shifts every output by one constant, which changes neither the
-        argmaxes nor the softmax over the pieces and blank."""
+        first piece ends the walk. The joint runs over ``chunk`` frames at a time, from the
+        earliest frame an unfinished utterance has reached, so a walk that ends early (the usual
+        case: the language tag comes first) costs a few frames' joint, on any device and
+        precision: the joint's log-softmax on CPU shifts every output by one constant, which
+        changes neither the argmaxes nor the softmax over the pieces and blank."""
         blank = int(model.decoder.blank_idx)
         durations = list(getattr(model.decoding.decoding, "durations", None) or [])
         frames = encoded.transpose(1, 2)  # [B, T, D]
-        start, _ = model.decoder.predict(None, None, add_sos=False, batch_size=frames.shape[0])
-        logits = model.joint.joint(frames, start)[:, :, 0, :].float()  # [B, T, V + 1 (+ D)]
-        probs = logits[..., : blank + 1].softmax(-1)
-        best, tokens = probs.max(-1)
-        if durations:
-            steps = [
-                [max(1, durations[d]) for d in row]
-                for row in logits[..., blank + 1 : blank + 1 + len(durations)].argmax(-1).tolist()
-            ]
-        else:
-            steps = [[1] * frames.shape[1] for _ in range(frames.shape[0])]
-        tokens, best = tokens.tolist(), best.tolist()
-        out: list[tuple[int, float] | None] = []
-        for b, length in enumerate(encoded_len.tolist()):
-            t, first = 0, None
-            while t < length:
-                if tokens[b][t] != blank:
-                    first = (int(tokens[b][t]), float(best[b][t]))
-                    break
-                t += steps[b][t]
-            out.append(first)
+        size = frames.shape[0]
+        start, _ = model.decoder.predict(None, None, add_sos=False, batch_size=size)
+        lengths = [int(n) for n in encoded_len.tolist()]
+        out: list[tuple[int, float, int, int] | None] = [None] * size
+        at = [0] * size
+        walking = [b for b in range(size) if lengths[b] > 0]
+        while walking:
+            low = min(at[b] for b in walking)
+            rows = torch.tensor(walking, device=frames.device)
+            logits = model.joint.joint(frames[rows, low : low + chunk], start[rows])[:, :, 0]
+            logits = logits.float()
+            best, tokens = logits[..., : blank + 1].softmax(-1).max(-1)
+            steps = (
+                logits[..., blank + 1 : blank + 1 + len(durations)].argmax(-1).tolist()
+                if durations
+                else None
+            )
+            tokens, best = tokens.tolist(), best.tolist()
+            still = []
+            for k, b in enumerate(walking):
+                end = min(lengths[b], low + len(tokens[k]))
+                while at[b] < end:
+                    j = at[b] - low
+                    duration = durations[steps[k][j]] if durations else 0
+                    if tokens[k][j] != blank:
+                        out[b] = (int(tokens[k][j]), float(best[k][j]), at[b], duration)
+                        break
+                    at[b] += max(1, duration)
+                if out[b] is None and at[b] < lengths[b]:
+                    still.append(b)
+            walking = still
         return out
 
     def check_loss_on_device(self, model, device: torch.device) -> str | None:

@@ -375,18 +375,19 @@ def echo_models_start_from_a_piece(monkeypatch):
 
 
 def let_echo_models_start_from_a_piece(monkeypatch) -> None:
-    """An EchoModel has no prediction network to start from a piece: its partial hypotheses are
-    the piece alone (``EchoModel.decode`` reads it)."""
+    """An EchoModel has no prediction network to start from a piece: decoding from one hands
+    ``EchoModel.decode`` the piece of each utterance (None: auto)."""
     import asr_model
 
-    real = asr_model.TDT.started_hypotheses
+    real = asr_model.TDT.started_texts
 
-    def started(self, model, pieces):
+    def started(self, model, encoded, encoded_len, pieces):
         if isinstance(model, EchoModel):
-            return [None if p is None else SimpleNamespace(piece=p) for p in pieces]
-        return real(self, model, pieces)
+            starts = [None if p is None else SimpleNamespace(piece=p) for p in pieces]
+            return [h.text for h in model.decode(encoded, encoded_len, starts)]
+        return real(self, model, encoded, encoded_len, pieces)
 
-    monkeypatch.setattr(asr_model.TDT, "started_hypotheses", started)
+    monkeypatch.setattr(asr_model.TDT, "started_texts", started)
 
 
 class GraphRecordingModel(EchoModel):

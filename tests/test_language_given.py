@@ -45,17 +45,13 @@ def reference_greedy_tdt(model, encoded, encoded_len, first_piece, max_symbols):
     frame and the prediction network's output gives the best of pieces and blank and the best
     duration; a blank moves on by its duration (at least one frame), a piece is emitted, fed to
     the prediction network and moves on by its duration (after ``max_symbols`` pieces on one
-    frame, by one). ``first_piece``: emitted before frame 0, as if the search had found it."""
+    frame, by one). ``first_piece``: the first piece emitted is this one instead of the one the
+    search chose (at its frame, with its duration), and the search goes on from there afresh."""
     blank = int(model.decoder.blank_idx)
     durations = list(model.decoding.decoding.durations)
     frames = encoded.transpose(1, 2)  # [1, T, D]
     out, state = model.decoder.predict(None, None, add_sos=False, batch_size=1)
     ids = []
-    if first_piece is not None:
-        ids.append(first_piece)
-        out, state = model.decoder.predict(
-            torch.tensor([[first_piece]]), state, add_sos=False, batch_size=1
-        )
     t, on_this_frame = 0, 0
     while t < int(encoded_len):
         logits = model.joint.joint(frames[:, t : t + 1], out)[0, 0, 0]
@@ -64,44 +60,68 @@ def reference_greedy_tdt(model, encoded, encoded_len, first_piece, max_symbols):
         if piece == blank:
             t, on_this_frame = t + max(1, duration), 0
             continue
+        forced = first_piece is not None and not ids
+        if forced:
+            piece = first_piece
         ids.append(piece)
         out, state = model.decoder.predict(
             torch.tensor([[piece]]), state, add_sos=False, batch_size=1
         )
-        on_this_frame += 1
+        on_this_frame = 0 if forced else on_this_frame + 1
         if duration > 0:
             t, on_this_frame = t + duration, 0
         elif on_this_frame >= max_symbols:
             t, on_this_frame = t + 1, 0
+    if first_piece is not None and not ids:
+        ids.append(first_piece)  # nothing emitted: the tag alone
     return ids
 
 
-def test_decoding_with_the_language_given_is_greedy_tdt_started_from_the_tag(tiny):
-    """A batch mixing languages given and not: each utterance given a language decodes as greedy
-    TDT that emitted the tag first; the others as auto decoding does (the reference reproduces
-    NeMo's auto decoding too, so it is the definition both are held to)."""
+def shaped_model(tiny, shape: str):
+    """The tiny model (untrained: the frame alone decides) reshaped so that decoding shows what
+    is checked: "prediction" (what the prediction network has read weighs more than the frame,
+    so a wrong start state changes the transcripts; blank wins about half of the frames) or
+    "blanks first" (blank wins the first frames, each predicting a skip of 2 frames, so the
+    first piece comes after a walk)."""
     model = asr_model.load_trained_model(tiny.nemo, "cpu").eval()
     blank = model.decoder.blank_idx
     torch.manual_seed(1)
     signal, lens = torch.randn(4, 32000), torch.tensor([32000, 24000, 16000, 9000])
     with torch.no_grad():
-        # what the prediction network has read weighs more than the frame (untrained, the
-        # frame decides alone): a wrong start state changes the transcripts
-        model.joint.pred.weight *= 8
-        model.joint.enc.weight *= 0.2
-        for weight in model.decoder.prediction.parameters():
-            weight *= 4
-        encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=lens)
+        if shape == "prediction":
+            model.joint.pred.weight *= 8
+            model.joint.enc.weight *= 0.2
+            for weight in model.decoder.prediction.parameters():
+                weight *= 4
+        encoded, _ = model.forward(input_signal=signal, input_signal_length=lens)
         start, _ = model.decoder.predict(None, None, add_sos=False, batch_size=4)
         logits = model.joint.joint(encoded.transpose(1, 2), start)[:, :, 0, : blank + 1]
-        margin = logits[..., :blank].max(-1).values - logits[..., blank]
-        # blank wins about half of the frames: the search skips and emits
-        model.joint.joint_net[-1].bias[blank] += float(margin.median())
+        margin = logits[..., :blank].max(-1).values - logits[..., blank]  # piece over blank
+        out = model.joint.joint_net[-1]
+        if shape == "prediction":
+            out.bias[blank] += float(margin.median())
+        else:
+            out.bias[blank] += max(float(margin[0].median()), float(margin[0, 0]) + 1e-4)
+            out.bias[blank + 1 + model.decoding.decoding.durations.index(2)] += 10.0
+    return model, signal, lens
+
+
+@pytest.mark.parametrize("shape", ["prediction", "blanks first"])
+def test_decoding_with_the_language_given_is_greedy_tdt_whose_first_piece_is_the_tag(tiny, shape):
+    """A batch mixing languages given and not: each utterance given a language decodes as greedy
+    TDT whose first emitted piece is the tag, where the search emits its first piece; the others
+    as auto decoding does (the reference reproduces NeMo's auto decoding too, so it is the
+    definition both are held to). An utterance whose first piece already is its tag decodes
+    exactly as auto."""
+    model, signal, lens = shaped_model(tiny, shape)
     languages = ["hi", None, "en", "hi"]
     decoded = asr_model.decode_batch(model, signal, lens, languages=languages)
     max_symbols = model.decoding.decoding.max_symbols
     tags = asr_model.language_tag_pieces(model, languages)
+    went_on = []
     with torch.no_grad():
+        encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=lens)
+        firsts = asr_model.family(model).first_emissions(model, encoded, encoded_len)
         for b in range(4):
             auto = reference_greedy_tdt(
                 model, encoded[b : b + 1], encoded_len[b], None, max_symbols
@@ -113,9 +133,22 @@ def test_decoding_with_the_language_given_is_greedy_tdt_started_from_the_tag(tin
             assert decoded.given_texts[b] == model.tokenizer.ids_to_text(given)
             if tags[b] is not None:
                 assert decoded.given_texts[b].startswith(f"<|{languages[b]}|>")
-                assert len(given) > 1  # it went on decoding after the tag
+                went_on.append(len(given) > 1)
     assert decoded.given_texts[1] == decoded.texts[1]  # no language: auto
-    assert all(len(text) > 1 for text in decoded.texts)  # blanks and pieces both won frames
+    if shape == "prediction":
+        assert any(went_on)  # decoding went on after the tag
+        assert all(len(text) > 1 for text in decoded.texts)  # blanks and pieces both won
+    else:
+        assert any(f is not None and f[2] > 0 for f in firsts)  # blanks walked before a piece
+    # given the language each utterance starts with, decoding is auto decoding
+    named = [model.tokenizer.ids_to_tokens([f[0]])[0] if f else "" for f in firsts]
+    same = [n[2:-2] if n.startswith("<|") else None for n in named]
+    again = asr_model.decode_batch(model, signal, lens, languages=same)
+    assert again.given_texts == again.texts
+    # under bf16 autocast, as a bf16-mixed run validates
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = asr_model.decode_batch(model, signal, lens, languages=languages)
+    assert len(bf16.given_texts) == 4 and all(isinstance(t, str) for t in bf16.given_texts)
     # the same through the one-call helper, with every utterance given
     assert asr_model.greedy_texts(model, signal, lens, ["en"] * 4)[2] == decoded.given_texts[2]
 
