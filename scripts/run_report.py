@@ -155,6 +155,30 @@ def validation_table(metrics: RunMetrics, unit: str) -> list[tuple[str, list[tup
     ]
 
 
+def forgetting_limit(metrics: RunMetrics) -> float:
+    """FORGETTING_WARN_POINTS of the run (its recorded settings; this shell's when absent)."""
+    import config
+
+    try:
+        return float(metrics.settings.get("FORGETTING_WARN_POINTS", config.FORGETTING_WARN_POINTS))
+    except (TypeError, ValueError):
+        return float(config.FORGETTING_WARN_POINTS)
+
+
+def forgetting_rows(
+    metrics: RunMetrics,
+) -> list[tuple[str, list[tuple[int, float]], list[tuple[int, float]]]]:
+    """(base language, [(step, val/forgetting points)], [(step, val/forgetting_given points)])."""
+    return [
+        (
+            key.rsplit("/", 1)[1],
+            metrics.series(key),
+            metrics.series(f"val/forgetting_given/{key.rsplit('/', 1)[1]}"),
+        )
+        for key in metrics.keys_with_prefix("val/forgetting/")
+    ]
+
+
 def language_mix(metrics: RunMetrics) -> list[tuple[str, float | None, float | None]]:
     """(language, realized share, target share) at the newest step that logged them."""
     langs = {k.split("/", 1)[1] for k in metrics.keys_with_prefix("lang_share/")}
@@ -261,19 +285,41 @@ def plot_validation(metrics: RunMetrics):
     tables = {unit: validation_table(metrics, unit) for unit in ("wer", "cer")}
     if not any(series for _, series in tables["wer"]):
         return None
+    limit = forgetting_limit(metrics)
+    forgotten = {
+        lang: {s for s, points in series if limit > 0 and points > limit}
+        for lang, series, _ in forgetting_rows(metrics)
+    }
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, unit in zip(axes, ("wer", "cer")):
+        given = dict(validation_table(metrics, f"{unit}_given"))
         for lang, series in tables[unit]:
             if series:
                 steps, values = zip(*series)
-                ax.plot(
+                (line,) = ax.plot(
                     steps,
                     [100 * v for v in values],
                     "o-",
                     lw=2.2 if lang == "all" else 1.2,
                     label=lang,
                 )
-        ax.set_title(f"validation {unit.upper()} %")
+                if given.get(lang):
+                    g_steps, g_values = zip(*given[lang])
+                    ax.plot(
+                        g_steps, [100 * v for v in g_values], "--", color=line.get_color(), lw=1
+                    )
+                marked = [(s, 100 * v) for s, v in series if s in forgotten.get(lang, ())]
+                if marked and unit == "wer":
+                    ax.plot(*zip(*marked), "x", color="red", ms=11, mew=2.5)
+        ax.set_title(
+            f"validation {unit.upper()} %"
+            + (" (dashed: language given)" if given else "")
+            + (
+                f"; x: forgetting above {limit:g} points"
+                if unit == "wer" and any(forgotten.values())
+                else ""
+            )
+        )
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
@@ -403,6 +449,52 @@ def render_report(run_dir: Path, metrics: RunMetrics, charts: list[str]) -> str:
             lines.append(
                 f"| {lang} | {_fmt(first, '.1f', 100)} | {100 * best:.1f} ({best_step}) "
                 f"| {100 * latest:.1f} ({latest_step}) |"
+            )
+    given = dict(validation_table(metrics, "wer_given"))
+    if any(given.values()):
+        lines += [
+            "",
+            "## Validation WER % with the language given (decoded from each utterance's own tag)",
+            "",
+            "| language | first (step) | latest (step) | latest auto | auto - given |",
+            "|---|---|---|---|---|",
+        ]
+        auto = dict(validation_table(metrics, "wer"))
+        for lang, series in given.items():
+            if not series:
+                continue
+            (first_step, first), (latest_step, latest) = series[0], series[-1]
+            auto_now = dict(auto.get(lang, [])).get(latest_step)
+            lines.append(
+                f"| {lang} | {100 * first:.1f} ({first_step}) | {100 * latest:.1f} ({latest_step}) "
+                f"| {_fmt(auto_now, '.1f', 100)} "
+                f"| {_fmt(None if auto_now is None else auto_now - latest, '+.1f', 100)} |"
+            )
+    forgetting = forgetting_rows(metrics)
+    if forgetting:
+        limit = forgetting_limit(metrics)
+        lines += [
+            "",
+            f"## Forgetting: the base's languages against step 0 (WER points; warned above "
+            f"{limit:g}, FORGETTING_WARN_POINTS)",
+            "",
+            "| base language | latest (step) | worst (step) | latest, language given | verdict |",
+            "|---|---|---|---|---|",
+        ]
+        for lang, series, given_series in forgetting:
+            if not series:
+                continue
+            latest_step, latest = series[-1]
+            worst_step, worst = max(series, key=lambda sv: (sv[1], -sv[0]))
+            flagged = [s for s, v in series if limit > 0 and v > limit]
+            verdict = (
+                f"**forgetting** at step {', '.join(map(str, flagged))}: see docs/training.md"
+                if flagged
+                else "kept"
+            )
+            lines.append(
+                f"| {lang} | {latest:+.1f} ({latest_step}) | {worst:+.1f} ({worst_step}) "
+                f"| {_fmt(given_series[-1][1] if given_series else None, '+.1f')} | {verdict} |"
             )
     lid = validation_table(metrics, "lid_acc")
     if any(series for _, series in lid):

@@ -109,6 +109,39 @@ def test_the_language_confusion_of_metrics_jsonl_is_drawn_and_its_accuracy_table
     assert "| en | 90.0 (0) | 60.0 (10) |" in report and "| hi | 80.0 (0) | 100.0 (10) |" in report
 
 
+def test_the_language_given_and_the_forgetting_of_a_base_language_are_reported(tmp_path):
+    """English, the base's language, 10 points worse auto at step 10 (above the run's 5): marked
+    as forgetting at that step; with the language given it is 2 points worse, under it."""
+    records = [training_record(s) for s in range(1, 11)]
+    records += [
+        {
+            "step": step,
+            "val/wer/all": 0.5,
+            "val/wer/en": en,
+            "val/wer_given/en": given,
+            "val/wer/hi": 0.5,
+            "val/wer_given/hi": 0.45,
+            "val/forgetting/en": 100 * (en - 0.10),
+            "val/forgetting_given/en": 100 * (given - 0.10),
+        }
+        for step, en, given in ((0, 0.10, 0.10), (5, 0.14, 0.11), (10, 0.20, 0.12))
+    ]
+    run = write_run(
+        tmp_path / "ft", records, INIT_MODEL="base.nemo", MAX_STEPS=10, FORGETTING_WARN_POINTS=5
+    )
+    report = run_report.write_report(run, tmp_path / "out").read_text()
+    assert "## Validation WER % with the language given" in report
+    assert "| en | 10.0 (0) | 12.0 (10) | 20.0 | +8.0 |" in report
+    assert "| hi | 45.0 (0) | 45.0 (10) | 50.0 | +5.0 |" in report
+    assert "warned above 5, FORGETTING_WARN_POINTS" in report
+    assert "| en | +10.0 (10) | +10.0 (10) | +2.0 | **forgetting** at step 10" in report
+    assert (tmp_path / "out" / "validation.png").read_bytes().startswith(PNG_MAGIC)
+    # a higher threshold: kept
+    run = write_run(tmp_path / "ft2", records, INIT_MODEL="b.nemo", FORGETTING_WARN_POINTS=12)
+    report = run_report.write_report(run, tmp_path / "out2").read_text()
+    assert "| en | +10.0 (10) | +10.0 (10) | +2.0 | kept |" in report
+
+
 def test_a_run_without_language_identification_draws_no_confusion(tmp_path):
     run = write_run(tmp_path / "old", [training_record(1), {"step": 1, "val/wer/all": 0.5}])
     report = run_report.write_report(run, tmp_path / "out").read_text()
