@@ -6,6 +6,7 @@ Usage:
     python benchmarks/bench_finetune_init.py --work /tmp/ft --base-steps 400 --steps 300
     python benchmarks/bench_finetune_init.py --only extended,defaults   # some variants (again)
     python benchmarks/bench_finetune_init.py --set new_lr:NEW_PIECE_LR_SCALE=30   # a variant's knob
+    python benchmarks/bench_finetune_init.py --seeds 1234,7,42 --only defaults   # over seeds
 
 What it runs, with the commands a user runs (scripts/*.py, torchrun train.py with 2 CPU processes,
 the demo's model configs/demo_tdt.yaml), all under ``--work``:
@@ -35,6 +36,11 @@ the demo's model configs/demo_tdt.yaml), all under ``--work``:
    new_tokenizer (the fresh-tokenizer run). Then, on the defaults' run,
    ``scripts/export_nemo.py --blend-sweep`` (weight-space interpolation with the base, for a few A)
    of its final checkpoint and of the mean of its last checkpoints.
+With ``--seeds``, each chosen variant runs once per SEED (model init of the new rows, sampler
+plan, workers) and the table is decoding with the language given against auto decoding: WER per
+language at every validation (train.py's ``val/wer_given/<lang>`` beside ``val/wer/<lang>``) and
+language identification (``val/lid_acc/<lang>``), as mean, min and max over the seeds, with the
+check that English with the language given stays within 0.05 WER of the base at every validation.
 The printed tables and PNGs of the curves go to ``--work``. Reruns reuse what is built.
 """
 
@@ -200,15 +206,23 @@ def train(
 
 
 def curves(metrics: Path) -> dict[str, dict]:
-    """{"wer"|"cer"|"ins": {step: {lang: value}}, "loss": {step: train loss}}, the last record of
-    each step winning."""
-    out: dict[str, dict] = {"wer": {}, "cer": {}, "ins": {}, "loss": {}}
+    """{"wer"|"cer"|"ins"|"wer_given"|"cer_given"|"lid": {step: {lang: value}}, "loss": {step:
+    train loss}}, the last record of each step winning."""
+    prefixes = {
+        "wer": "val/wer/",
+        "cer": "val/cer/",
+        "ins": "val/wer_ins/",
+        "wer_given": "val/wer_given/",
+        "cer_given": "val/cer_given/",
+        "lid": "val/lid_acc/",
+    }
+    out: dict[str, dict] = {key: {} for key in prefixes} | {"loss": {}}
     for line in metrics.read_text().splitlines():
         record = json.loads(line)
         step = record.get("step")
         if "train/loss" in record:
             out["loss"][step] = record["train/loss"]
-        for key, prefix in (("wer", "val/wer/"), ("cer", "val/cer/"), ("ins", "val/wer_ins/")):
+        for key, prefix in prefixes.items():
             found = {k[len(prefix) :]: v for k, v in record.items() if k.startswith(prefix)}
             if found:
                 out[key][step] = found
@@ -337,6 +351,69 @@ def largest_insertion(r: dict) -> tuple[float, str, int | str]:
     )
 
 
+def seeds_report(runs: dict[str, dict[int, dict]], base_own: dict) -> list[str]:
+    """Per variant, over its seeds: WER auto and with the language given per language at every
+    validation, and language identification, as mean [min, max]; then whether English with the
+    language given stayed within 0.05 WER of the base (the base itself, auto) at every one."""
+    langs = list(BASE_LANGS) + list(NEW_LANGS) + ["all"]
+
+    def spread(values: list[float]) -> str:
+        if not values:
+            return f"{'-':>19}"
+        mean = sum(values) / len(values)
+        return f"{mean:.3f} [{min(values):.3f},{max(values):.3f}]"
+
+    lines = []
+    for name, by_seed in runs.items():
+        seeds = sorted(by_seed)
+        steps = sorted(set.intersection(*(set(r["wer"]) for r in by_seed.values())))
+        lines += [
+            "",
+            f"{name}: WER auto / with the language given, mean [min, max] over seeds "
+            f"{', '.join(map(str, seeds))}; LID = val/lid_acc (auto decoding)",
+            f"{'step':>5} {'lang':<4} {'auto':>19} {'given':>19} {'given - auto':>12} {'LID':>19}",
+        ]
+        for step in steps:
+            for lang in langs:
+                auto = [r["wer"][step][lang] for r in by_seed.values() if lang in r["wer"][step]]
+                given = [
+                    r["wer_given"][step][lang]
+                    for r in by_seed.values()
+                    if lang in r["wer_given"].get(step, {})
+                ]
+                lid = [
+                    r["lid"][step][lang] for r in by_seed.values() if lang in r["lid"].get(step, {})
+                ]
+                gap = (
+                    f"{(sum(given) - sum(auto)) / len(auto):>+12.3f}"
+                    if given and len(given) == len(auto)
+                    else f"{'-':>12}"
+                )
+                lines.append(
+                    f"{step:>5} {lang:<4} {spread(auto)} {spread(given)} {gap} {spread(lid)}"
+                )
+        for lang in BASE_LANGS:
+            if lang not in base_own["wer"]:
+                continue
+            base = base_own["wer"][lang]
+            worst = [
+                max(r["wer_given"][s][lang] for s in r["wer_given"] if lang in r["wer_given"][s])
+                for r in by_seed.values()
+                if r["wer_given"]
+            ]
+            worst_auto = [
+                max(r["wer"][s][lang] for s in r["wer"] if lang in r["wer"][s])
+                for r in by_seed.values()
+            ]
+            verdict = "ok" if worst and max(worst) - base <= 0.05 else "MISS"
+            lines.append(
+                f"{lang} with the language given within 0.05 of the base ({base:.3f}) at every "
+                f"validation: {verdict} (worst per seed {', '.join(f'{w:.3f}' for w in worst)}; "
+                f"auto: {', '.join(f'{w:.3f}' for w in worst_auto)})"
+            )
+    return lines
+
+
 def parse_sets(items: list[str]) -> dict[str, dict[str, str]]:
     """--set VARIANT:KNOB=VALUE (repeatable) -> {variant: {knob: value}}."""
     out: dict[str, dict[str, str]] = {}
@@ -368,6 +445,12 @@ def main(argv: list[str] | None = None) -> int:
         help="change one knob of one variant (its run directory is named after the change)",
     )
     parser.add_argument("--no-blend", action="store_true", help="skip the --blend-base sweep")
+    parser.add_argument(
+        "--seeds",
+        default="",
+        help="comma-separated SEEDs: run each chosen variant once per seed and report the "
+        "language given against auto over them",
+    )
     args = parser.parse_args(argv)
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -401,6 +484,42 @@ def main(argv: list[str] | None = None) -> int:
 
     changes = parse_sets(args.set)
     chosen = [v for v in variants(args.steps) if not args.only or v in args.only.split(",")]
+    if args.seeds:
+        seeds = [int(x) for x in args.seeds.split(",")]
+        runs: dict[str, dict[int, dict]] = {}
+        for name in chosen:
+            spec = {**variants(args.steps)[name], **changes.get(name, {})}
+            tok = toks[spec.pop("tokenizer")]
+            for seed in seeds:
+                print(f"== {name}, SEED={seed}: {spec}", flush=True)
+                metrics = train(
+                    data,
+                    work / f"{name}_seed{seed}",
+                    args.steps,
+                    args.eval_every,
+                    TOKENIZER_DIR=str(tok),
+                    INIT_MODEL=str(base_nemo),
+                    SEED=str(seed),
+                    **spec,
+                )
+                runs.setdefault(name, {})[seed] = curves(metrics)
+        lines = [
+            f"base model: {base_nemo.name} ({args.base_steps} steps on {BASE_SIZES}); finetunes: "
+            f"{args.steps} steps on {FINETUNE_SIZES}, validation {val.name}",
+            "the base model itself on the finetune's validation (its own tokenizer, auto): "
+            + ", ".join(
+                f"{lang} WER {base_own['wer'][lang]:.3f}"
+                for lang in BASE_LANGS
+                if lang in base_own["wer"]
+            ),
+            *seeds_report(runs, base_own),
+            f"\ntotal {time.monotonic() - started:.0f} s",
+        ]
+        text = "\n".join(lines)
+        print(text)
+        (work / "seeds.txt").write_text(text + "\n")
+        print(f"wrote {work / 'seeds.txt'}")
+        return 0
     results = {}
     for name in chosen:
         spec = {**variants(args.steps)[name], **changes.get(name, {})}

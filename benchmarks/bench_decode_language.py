@@ -1,0 +1,223 @@
+"""Greedy decoding with the language given against auto decoding: the same model, the same batches,
+side by side in one process, and the ratio of their times.
+
+Usage:
+    python benchmarks/bench_decode_language.py                       # a fresh demo model, CPU
+    python benchmarks/bench_decode_language.py --model step_00000050.nemo --manifest val.parquet
+    python benchmarks/bench_decode_language.py --model m.nemo --device cuda   # CUDA graphs
+
+The model is ``--model`` (a .nemo or a train.py checkpoint) or a fresh one of MODEL_CONFIG with
+TOKENIZER_DIR (default: configs/demo_tdt.yaml and data/acceptance/tokenizer, untrained). The audio
+is ``--manifest`` (a parquet manifest of this pipeline, each row decoded from its own language)
+or, without one, ``--utterances`` clips of noise of 2 to 12 s, each given one of the model's
+languages in turn. The batches hold ``--batch-seconds`` of audio each (longest first).
+
+Every batch is encoded once; then, in ``--rounds`` rounds (the order of the two swapped each
+round), every batch is decoded auto and from its languages' tags, inside the decoder's CUDA
+graphs on a GPU (``asr_model.decoding_graphs``, as validation and evaluate.py decode). Printed:
+the decoding time of each (median over rounds) and their ratio (given / auto: the issue's bound is
+1.05), the ratio with the encoder's time added (what a user of evaluate.py or transcribe.py
+waits for), the pieces each emitted, and on a GPU the CUDA-graph mode NeMo used and whether the
+given decoding with graphs writes the same texts as without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def load_model(args, device):
+    import torch
+
+    import asr_model
+    import config
+
+    if args.model:
+        return asr_model.load_trained_model(Path(args.model), device).eval()
+    config.INIT_MODEL = ""
+    config.MODEL_CONFIG = Path(args.config)
+    config.TOKENIZER_DIR = Path(args.tokenizer)
+    torch.manual_seed(0)
+    return asr_model.build_model().to(device).eval()
+
+
+def batches_of(args, model, device):
+    """[(signal, lengths, languages)] on ``device``, longest batch first."""
+    import numpy as np
+    import torch
+
+    import evaluation
+    from dataset import LocalShardDataset, collate_asr_batch
+
+    if args.manifest:
+        dataset = LocalShardDataset(Path(args.manifest), model.tokenizer, progress=False)
+        names, codes = dataset.lang_names, dataset.lang_codes
+        indices = list(range(len(dataset)))[: args.utterances or None]
+        out = []
+        for batch in evaluation.pack_by_duration(indices, dataset.durations, args.batch_seconds):
+            items = [(i, dataset[i]) for i in batch]
+            items = [(i, item) for i, item in items if item is not None]
+            if not items:
+                continue
+            collated = collate_asr_batch([item for _, item in items]).on_device(device)
+            langs = [names[codes[i]] for i, _ in items]
+            out.append((collated.signal, collated.signal_len, langs))
+        if not out:
+            raise SystemExit(f"{args.manifest}: no readable audio (are its audio paths here?)")
+        return out[::-1]
+    from manifest_schema import leading_lang
+
+    pieces = asr_model_pieces(model)
+    tags = sorted({leading_lang(p) for p in pieces if leading_lang(p)})
+    rng = np.random.default_rng(0)
+    durations = rng.uniform(2.0, 12.0, args.utterances or 64)
+    rate = int(model.cfg.preprocessor.sample_rate)
+    out = []
+    order = evaluation.pack_by_duration(range(len(durations)), durations, args.batch_seconds)
+    for batch in order[::-1]:
+        lengths = torch.tensor([int(durations[i] * rate) for i in batch])
+        signal = torch.from_numpy(
+            rng.standard_normal((len(batch), int(lengths.max()))).astype("float32") * 0.1
+        )
+        langs = [tags[i % len(tags)] for i in batch]
+        out.append((signal.to(device), lengths.to(device), langs))
+    return out
+
+
+def asr_model_pieces(model) -> list[str]:
+    import asr_model
+
+    return asr_model.model_pieces(model) or []
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="", help="a .nemo or train.py checkpoint")
+    parser.add_argument("--config", default=str(REPO / "configs" / "demo_tdt.yaml"))
+    parser.add_argument("--tokenizer", default=str(REPO / "data" / "acceptance" / "tokenizer"))
+    parser.add_argument("--manifest", default="", help="parquet manifest (default: noise)")
+    parser.add_argument("--utterances", type=int, default=0, help="at most this many (0: all)")
+    parser.add_argument("--batch-seconds", type=float, default=120.0)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there)")
+    parser.add_argument(
+        "--precision",
+        choices=("32", "bf16"),
+        default="32",
+        help="bf16: everything under bf16 autocast, as a bf16-mixed run validates",
+    )
+    args = parser.parse_args(argv)
+
+    import contextlib
+
+    import torch
+
+    import asr_model
+
+    asr_model.quiet_harmless_messages()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    model = load_model(args, device)
+    batches = batches_of(args, model, device)
+    kind = asr_model.family(model)
+
+    def autocast():
+        if args.precision == "bf16":
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    with torch.inference_mode(), autocast():
+        sync()
+        started = time.perf_counter()
+        encoded = [model.forward(input_signal=s, input_signal_length=n) for s, n, _ in batches]
+        sync()
+        encoder_s = time.perf_counter() - started
+        firsts = [asr_model.language_tag_pieces(model, langs) for _, _, langs in batches]
+
+    def decode_all(given: bool) -> tuple[float, list[str]]:
+        texts: list[str] = []
+        sync()
+        started = time.perf_counter()
+        with autocast():
+            for (enc, enc_len), first in zip(encoded, firsts):
+                texts += kind.greedy_texts_of_encoded(model, enc, enc_len, first if given else None)
+        sync()
+        return time.perf_counter() - started, texts
+
+    times: dict[str, list[float]] = {"auto": [], "given": []}
+    ratios = []
+    with asr_model.decoding_graphs(model):
+        decode_all(False), decode_all(True)  # warm-up: graph capture, allocator
+        for r in range(args.rounds):
+            pair = {}
+            for name in ("auto", "given") if r % 2 == 0 else ("given", "auto"):
+                pair[name], texts = decode_all(name == "given")
+                times[name].append(pair[name])
+                if name == "given":
+                    given_texts = texts
+                else:
+                    auto_texts = texts
+            ratios.append(pair["given"] / pair["auto"])
+        mode = getattr(
+            getattr(model.decoding.decoding, "decoding_computer", None), "cuda_graphs_mode", None
+        )
+    auto_s, given_s = statistics.median(times["auto"]), statistics.median(times["given"])
+    utterances = sum(len(langs) for _, _, langs in batches)
+    audio_s = sum(float(n.sum()) for _, n, _ in batches) / int(model.cfg.preprocessor.sample_rate)
+
+    def pieces(texts):  # words written, tags aside
+        from manifest_schema import strip_lang_tag
+
+        return sum(len(strip_lang_tag(t).split()) for t in texts)
+
+    print(
+        f"model {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
+        f"parameters on {device}, precision {args.precision}; {utterances} utterances, {audio_s:.0f} s of audio in "
+        f"{len(batches)} batches; {args.rounds} rounds"
+    )
+    print(f"encoder (once)             {encoder_s:8.3f} s")
+    print(f"decoding auto              {auto_s:8.3f} s   {pieces(auto_texts)} words written")
+    print(f"decoding, language given   {given_s:8.3f} s   {pieces(given_texts)} words written")
+    print(
+        f"given / auto, decoding     {given_s / auto_s:8.3f}   per round: "
+        + ", ".join(f"{r:.3f}" for r in ratios)
+    )
+    print(
+        f"given / auto, with encoder {(encoder_s + given_s) / (encoder_s + auto_s):8.3f}   "
+        "(what evaluate.py and transcribe.py wait for)"
+    )
+    if cuda:
+        # NeMo's CUDA graphs decode in the weights' precision (autocast off), its torch loop under
+        # autocast: in bf16 the two may part on near ties, auto and given alike
+        differ = {}
+        with torch.inference_mode(), autocast():
+            model.disable_cuda_graphs()
+            for name, reference in (("auto", auto_texts), ("given", given_texts)):
+                plain = []
+                for (enc, enc_len), first in zip(encoded, firsts):
+                    plain += kind.greedy_texts_of_encoded(
+                        model, enc, enc_len, first if name == "given" else None
+                    )
+                differ[name] = sum(a != b for a, b in zip(plain, reference))
+        print(
+            f"CUDA graphs: {mode}; texts with graphs against without, differing: "
+            f"auto {differ['auto']}, given {differ['given']} of {len(auto_texts)}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
