@@ -2,15 +2,15 @@
 
 Usage (on a machine that reaches the package index; the project's .venv is enough to run it):
     python scripts/build_wheelhouse.py --out wheelhouse                 # for this machine's Python
-    pip freeze > node_freeze.txt                                         # on the GPU node
+    python -m pip freeze > node_freeze.txt                               # on the GPU node
     python scripts/build_wheelhouse.py --out wheelhouse --python-version 3.12 \\
         --platform manylinux_2_28_x86_64 --target-freeze node_freeze.txt --training-only
 
 Then, on the node (no index, the wheelhouse copied next to the checkout):
-    pip install --no-index --find-links wheelhouse -r wheelhouse/requirements.txt
-    pip install --no-index --find-links wheelhouse --no-deps -e .        # the project's own modules
+    python -m pip install --no-index --find-links wheelhouse -r wheelhouse/requirements.txt
+    python -m pip install --no-index --find-links wheelhouse --no-deps -e .   # the project's modules
 or, where the node's Python cannot be written to, into a directory of its own:
-    pip install --no-index --no-deps --target /scratch/site wheelhouse/*.whl
+    python -m pip install --no-index --no-deps --target /scratch/site wheelhouse/*.whl
     export PYTHONPATH=/scratch/site:$PWD
 
 What goes in: requirements.txt and requirements-gpu.txt, each pin with every dependency it needs,
@@ -23,7 +23,7 @@ What stays out, each printed with its reason:
 - the test and lint tools (pytest, hypothesis, ruff);
 - with ``--training-only``, what only the offline steps import (polars, matplotlib): for a node that
   trains on data prepared elsewhere;
-- with ``--target-freeze`` (the node's ``pip freeze``), what the node already has: a pinned package
+- with ``--target-freeze`` (the node's ``python -m pip freeze``), what the node already has: a pinned package
   whose installed version the project accepts (ACCEPTS below: the node's CUDA build of torch, its
   numpy, ...) and every dependency the installed packages already satisfy. A pin the node has in a
   version the project does not accept (lightning 2.6.6: NeMo 3.0 does not import with it) is
@@ -477,8 +477,9 @@ def print_summary(summary: dict, out: Path) -> None:
     for name, size in largest:
         print(f"  {size / 2**20:6.1f} MiB  {name}")
     print(
-        f"\non the node:\n  pip install --no-index --find-links {out} -r {out}/requirements.txt\n"
-        f"  pip install --no-index --find-links {out} --no-deps -e .   # in the checkout"
+        f"\non the node (python -m pip: the pip of the Python that trains):\n"
+        f"  python -m pip install --no-index --find-links {out} -r {out}/requirements.txt\n"
+        f"  python -m pip install --no-index --find-links {out} --no-deps -e .   # in the checkout"
     )
 
 
