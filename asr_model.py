@@ -1005,8 +1005,8 @@ def language_tag_pieces(model, languages) -> list[int | None]:
     language is None or empty (decoded auto); LanguageNotInModel naming the language and the
     tags the model has when one has no single piece."""
     from manifest_schema import lang_tag, leading_lang
+    from training_cache import tag_piece_id
 
-    tokenizer = model.tokenizer
     known: dict[str, int | None] = {}
     out: list[int | None] = []
     for lang in languages:
@@ -1014,10 +1014,7 @@ def language_tag_pieces(model, languages) -> list[int | None]:
             out.append(None)
             continue
         if lang not in known:
-            tag = lang_tag(lang)
-            piece = int(tokenizer.token_to_id(tag))
-            # an unknown piece maps to <unk>: mapping the id back tells them apart
-            known[lang] = piece if tokenizer.ids_to_tokens([piece]) == [tag] else None
+            known[lang] = tag_piece_id(model.tokenizer, lang)
         if known[lang] is None:
             tags = sorted({leading_lang(p) for p in (model_pieces(model) or []) if leading_lang(p)})
             raise LanguageNotInModel(
@@ -1029,41 +1026,32 @@ def language_tag_pieces(model, languages) -> list[int | None]:
     return out
 
 
-@torch.no_grad()
 def greedy_texts(
     model, signal: torch.Tensor, signal_len: torch.Tensor, languages=None
 ) -> list[str]:
     """Greedy transcripts (tags included, as the model emits them) of a padded batch of audio.
     ``languages``, one per utterance: decode starting from that language's tag (the language
     given); None (for all or for one) decodes as the model guesses."""
-    encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=signal_len)
-    firsts = None if languages is None else language_tag_pieces(model, languages)
-    return family(model).greedy_texts_of_encoded(model, encoded, encoded_len, firsts)
+    if languages is None:
+        return decode_batch(model, signal, signal_len).texts
+    return decode_batch(model, signal, signal_len, auto=False, languages=languages).given_texts
 
 
-@torch.no_grad()
 def greedy_texts_and_first_tokens(
     model, signal: torch.Tensor, signal_len: torch.Tensor
 ) -> tuple[list[str], list[tuple[int, float] | None]]:
     """Greedy transcripts of a padded batch of audio (as ``greedy_texts``) and, per utterance,
     (piece id, probability) of the first piece the decoding emits (the language tag of a model of
     this project), None when it emits none; from one encoder forward."""
-    encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=signal_len)
-    kind = family(model)
-    texts = kind.greedy_texts_of_encoded(model, encoded, encoded_len)
-    return texts, kind.first_tokens_of_encoded(model, encoded, encoded_len)
+    decoded = decode_batch(model, signal, signal_len, first_tokens=True)
+    return decoded.texts, decoded.first_tokens
 
 
-@torch.no_grad()
 def greedy_texts_and_loss(model, batch) -> tuple[list[str], float]:
     """Greedy transcripts of a non-empty AsrBatch and its loss (the training loss's reduction),
     from one encoder forward."""
-    encoded, encoded_len = model.forward(
-        input_signal=batch.signal, input_signal_length=batch.signal_len
-    )
-    kind = family(model)
-    texts = kind.greedy_texts_of_encoded(model, encoded, encoded_len)
-    return texts, float(kind.loss_of_encoded(model, encoded, encoded_len, batch))
+    decoded = decode_batch(model, batch.signal, batch.signal_len, loss_batch=batch)
+    return decoded.texts, decoded.loss
 
 
 @dataclasses.dataclass

@@ -142,14 +142,22 @@ class CacheError(process_control.UserError, ValueError):
 # --------------------------------------------------------------------------------------------------
 
 
-def tag_token_id(tokenizer, lang: str) -> int:
-    """The single token id of ``lang_tag(lang)``; CacheError when the tokenizer has no such piece."""
+def tag_piece_id(tokenizer, lang: str) -> int | None:
+    """The single token id of ``lang_tag(lang)``, None when the tokenizer has no such piece."""
     tag = lang_tag(lang)
     token_id = int(tokenizer.token_to_id(tag))
     # An unknown piece maps to <unk>; mapping the id back is the test that does not depend on which
     # id <unk> has.
-    if tokenizer.ids_to_tokens([token_id]) != [tag]:
-        raise CacheError(_no_tag_message(tag, token_id, tokenizer.ids_to_tokens([token_id])[0]))
+    return token_id if tokenizer.ids_to_tokens([token_id]) == [tag] else None
+
+
+def tag_token_id(tokenizer, lang: str) -> int:
+    """The single token id of ``lang_tag(lang)``; CacheError when the tokenizer has no such piece."""
+    token_id = tag_piece_id(tokenizer, lang)
+    if token_id is None:
+        tag = lang_tag(lang)
+        unknown = int(tokenizer.token_to_id(tag))
+        raise CacheError(_no_tag_message(tag, unknown, tokenizer.ids_to_tokens([unknown])[0]))
     return token_id
 
 
