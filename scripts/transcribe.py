@@ -130,13 +130,10 @@ def transcribe(
     that language's tag; ``lang_given`` is then true and ``lang`` that language. Decoded auto,
     ``lang`` is the tag the hypothesis starts with and ``lang_prob`` the probability of the first
     emitted piece when that piece is the tag of ``lang``, else null."""
-    import asr_model
     import evaluation
     from dataset import AudioFileDataset
     from manifest_schema import lang_tag, leading_lang, strip_lang_tag
 
-    if languages is not None:
-        asr_model.language_tag_pieces(model, sorted({x for x in languages if x}))  # one line
     dataset = AudioFileDataset(paths)
     decoded = evaluation.decode(
         model,
@@ -176,6 +173,23 @@ def transcribe(
             }
         )
     return rows
+
+
+def check_languages(model, languages: list[str | None], args: argparse.Namespace) -> None:
+    """LanguageNotInModel, before any decoding, for a language the model has no tag for, naming
+    where it came from (the manifest's row, or --lang)."""
+    import asr_model
+
+    first_row: dict[str, int] = {}
+    for row, lang in enumerate(languages, 1):
+        if lang:
+            first_row.setdefault(lang, row)
+    for lang, row in first_row.items():
+        try:
+            asr_model.language_tag_pieces(model, [lang])
+        except asr_model.LanguageNotInModel as exc:
+            where = f"{args.manifest} row {row}" if args.lang == FROM_MANIFEST else "--lang"
+            raise asr_model.LanguageNotInModel(f"{where}: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,7 +244,7 @@ def run(args: argparse.Namespace, results, interactive: bool) -> int:
         paths, languages = inputs_of(args.files, args.manifest, args.lang)
         model = asr_model.load_trained_model(checkpoints.resolve_model_path(args.model), device)
         if languages is not None:
-            asr_model.language_tag_pieces(model, sorted({x for x in languages if x}))
+            check_languages(model, languages, args)
     except (UserError, FileNotFoundError, ValueError) as exc:
         print(f"transcribe: error: {exc}", file=sys.stderr)
         return 2

@@ -198,6 +198,16 @@ def test_transcribe_with_the_language_given_writes_that_language_from_its_tag(ti
     assert transcribe.main([str(tiny.nemo), "--lang", "ta", "--out", str(out), "a.flac"]) == 2
     err = capsys.readouterr().err
     assert "<|ta|>" in err and not out.exists()
+    # from the manifest: the row that names it
+    bad = tiny.root / "bad-lang.json"
+    rows = json_manifest.read_text(encoding="utf-8").splitlines()
+    row = json.loads(rows[1])
+    row["lang"] = "HI"
+    bad.write_text("\n".join([rows[0], json.dumps(row), *rows[2:]]) + "\n", encoding="utf-8")
+    assert transcribe.main([str(tiny.nemo), "--manifest", str(bad), "--lang", "manifest"]) == 2
+    err = capsys.readouterr().err
+    line = [x for x in err.splitlines() if f"{bad} row 2: the model has no tag <|HI|>" in x]
+    assert len(line) == 1 and "give one of those" in line[0]
     assert transcribe.main([str(tiny.nemo), "--lang", "manifest", "a.flac"]) == 2
     assert "--lang manifest" in capsys.readouterr().err
 
