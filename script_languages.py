@@ -3,13 +3,18 @@ are counted, and a script holding most of them names a language (Tamil ta, Latin
 
 Used by scripts/make_train_val.py to correct language tags and by build_manifest.py to give a
 language to imported rows that come with none. Devanagari is shared by many languages (hi, mr, ne,
-sa, ...) and never names one by itself.
+sa, ...) and never names one by itself. polars is imported by the functions that count with it, so
+that this module imports on a training node that has no polars.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import polars as pl
+
+if TYPE_CHECKING:
+    import polars as pl
 
 # Script (Rust-regex Script name) -> (language it implies, languages legitimately written in it).
 SCRIPT_LANGUAGES: dict[str, tuple[str | None, frozenset[str]]] = {
@@ -69,6 +74,8 @@ def _by_groups(frame: pl.DataFrame, key: str, compute) -> pl.Series:
     """``compute(group_frame, key_value) -> Series`` per distinct ``key``, reassembled in row order
     (``frame`` needs a row index ``i``). A per-group regex runs over its own rows only, where a
     when/then chain would run every branch over every row."""
+    import polars as pl
+
     parts = []
     for value in frame.get_column(key).unique().to_list():
         group = frame.filter(pl.col(key).is_null() if value is None else pl.col(key) == value)
@@ -86,6 +93,8 @@ def detect_corrections(
     falls short of ``threshold``, and Bengali-script rows holding an Assamese letter, are then
     counted in every script. The deciding script is set where one script reached the threshold.
     """
+    import polars as pl
+
     frame = (
         pl.DataFrame({"body": body, "lang": lang})
         .with_row_index("i")
