@@ -9,6 +9,10 @@ that this module imports on a training node that has no polars.
 
 from __future__ import annotations
 
+import bisect
+import collections
+import functools
+import unicodedata
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -68,6 +72,78 @@ LANG_SCRIPT: dict[str, str] = {}
 for _script, (_, _langs) in SCRIPT_LANGUAGES.items():
     for _lang in sorted(_langs):
         LANG_SCRIPT.setdefault(_lang, _script)
+
+
+# The letters of each script of SCRIPT_LANGUAGES by Unicode block, for counting without polars (a
+# training node has none): where those blocks hold a letter or mark, its script is the block's.
+# A letter of no listed block counts as OTHER_SCRIPT. Generic combining marks (U+0300-U+036F)
+# count as Latin, the script they are written over in these corpora.
+OTHER_SCRIPT = "Other"
+_SCRIPT_BLOCKS: tuple[tuple[int, int, str], ...] = tuple(
+    sorted(
+        [
+            (0x0041, 0x005A, "Latin"),
+            (0x0061, 0x007A, "Latin"),
+            (0x00AA, 0x00AA, "Latin"),
+            (0x00BA, 0x00BA, "Latin"),
+            (0x00C0, 0x02AF, "Latin"),
+            (0x0300, 0x036F, "Latin"),
+            (0x1E00, 0x1EFF, "Latin"),
+            (0x2C60, 0x2C7F, "Latin"),
+            (0xA720, 0xA7FF, "Latin"),
+            (0xFF21, 0xFF3A, "Latin"),
+            (0xFF41, 0xFF5A, "Latin"),
+            (0x0600, 0x06FF, "Arabic"),
+            (0x0750, 0x077F, "Arabic"),
+            (0x0870, 0x08FF, "Arabic"),
+            (0xFB50, 0xFDFF, "Arabic"),
+            (0xFE70, 0xFEFF, "Arabic"),
+            (0x0900, 0x097F, "Devanagari"),
+            (0x1CD0, 0x1CFF, "Devanagari"),
+            (0xA8E0, 0xA8FF, "Devanagari"),
+            (0x0980, 0x09FF, "Bengali"),
+            (0x0A00, 0x0A7F, "Gurmukhi"),
+            (0x0A80, 0x0AFF, "Gujarati"),
+            (0x0B00, 0x0B7F, "Oriya"),
+            (0x0B80, 0x0BFF, "Tamil"),
+            (0x11FC0, 0x11FFF, "Tamil"),
+            (0x0C00, 0x0C7F, "Telugu"),
+            (0x0C80, 0x0CFF, "Kannada"),
+            (0x0D00, 0x0D7F, "Malayalam"),
+        ]
+    )
+)
+_BLOCK_STARTS = [start for start, _, _ in _SCRIPT_BLOCKS]
+
+
+@functools.lru_cache(maxsize=65536)
+def letter_script(char: str) -> str | None:
+    """The script of one character when it is a letter or a mark (a SCRIPT_LANGUAGES key, or
+    OTHER_SCRIPT), None for anything else: digits, punctuation, spaces, joiners, the word-boundary
+    mark of SentencePiece."""
+    if unicodedata.category(char)[0] not in "LM":
+        return None
+    point = ord(char)
+    at = bisect.bisect_right(_BLOCK_STARTS, point) - 1
+    if at >= 0 and _SCRIPT_BLOCKS[at][0] <= point <= _SCRIPT_BLOCKS[at][1]:
+        return _SCRIPT_BLOCKS[at][2]
+    return OTHER_SCRIPT
+
+
+def script_letters(texts) -> dict[str, int]:
+    """How many letters and marks of each script (``letter_script``) the strings ``texts`` hold
+    together; scripts with none are left out."""
+    counts: collections.Counter[str] = collections.Counter()
+    for text in texts:
+        counts.update(letter_script(c) for c in text)
+    counts.pop(None, None)
+    return dict(counts)
+
+
+def scripts_of(text: str) -> frozenset[str]:
+    """The scripts of the letters and marks of ``text`` (empty for a piece of digits or
+    punctuation, or the word-boundary mark alone)."""
+    return frozenset(s for s in map(letter_script, text) if s is not None)
 
 
 def _by_groups(frame: pl.DataFrame, key: str, compute) -> pl.Series:

@@ -57,6 +57,7 @@ import logging
 import os
 import sys
 import warnings
+from pathlib import Path
 
 import process_control
 
@@ -403,6 +404,8 @@ def run(argv: list[str] | None = None) -> int:
     model_languages.record_trained_languages(
         model, model_languages.trained_languages(module.batching.base_languages, data_languages)
     )
+    # ...and the scripts each language is written in (decoding with a language given keeps to them).
+    model_languages.record_language_scripts(model, Path(config.TOKENIZER_DIR))
     # ...and in which style it writes (transcript_style: auto for a finetune of it follows it).
     transcript_style.record_style(model, transcript_style.manifest_style(train_manifest_path()))
     # Missing audio (a wrong DATA_DIR on a node, extraction never run) stops the job here, not

@@ -35,7 +35,10 @@ What it guarantees:
 - The output directory is what NeMo's ``process_asr_text_tokenizer.py`` writes: tokenizer.model,
   tokenizer.vocab and vocab.txt (same rules as NeMo's ``create_spt_model``), plus summary.json and
   piece_counts.json (each piece's occurrences in up to 200k of the sampled texts, tags included:
-  a finetune starts the output bias of each piece its base lacks from its share).
+  a finetune starts the output bias of each piece its base lacks from its share) and
+  language_scripts.json (per language, the letters of each script in up to 20k of its texts: the
+  trained model records the scripts each language is written in, and decoding with a language
+  given writes only pieces of those scripts).
   It is built in a temporary directory beside TOKENIZER_DIR and renamed into place, so a crash
   never leaves a half-written tokenizer.
 - When the corpus cannot fill VOCAB_SIZE pieces (tiny corpora), the vocabulary is capped to what
@@ -66,7 +69,9 @@ from tqdm import tqdm
 
 import config
 from manifest_schema import is_nemo_json, lang_tag, split_lang_tags
+from model_languages import scripts_written_in, write_language_scripts
 from process_control import UserError
+from script_languages import script_letters
 from training_cache import sentencepiece_model_without_paths, write_piece_counts
 
 log = logging.getLogger("train_tokenizer")
@@ -76,6 +81,9 @@ REPORT_SENTENCES_PER_LANG = 2000
 # Sampled sentences whose pieces are counted (piece_counts.json): plenty for the shares of the
 # pieces that matter, a few seconds of encoding.
 COUNT_SENTENCES = 200_000
+# Texts per language whose letters are counted by script (language_scripts.json): a script holding
+# one letter in a hundred shows in thousands of letters.
+SCRIPT_SENTENCES_PER_LANG = 20_000
 
 
 def split_tag(texts) -> tuple[np.ndarray, np.ndarray]:
@@ -467,6 +475,20 @@ def count_pieces(model_file: Path, tags: np.ndarray, rests: np.ndarray) -> list[
     return counts.tolist()
 
 
+def language_script_letters(
+    tags: np.ndarray, rests: np.ndarray, rng: np.random.Generator
+) -> dict[str, dict[str, int]]:
+    """Per language, the letters of each script (``script_languages.script_letters``) in up to
+    SCRIPT_SENTENCES_PER_LANG of its texts, drawn at random."""
+    out = {}
+    for lang in sorted(set(tags.tolist())):
+        rows = np.flatnonzero(tags == lang)
+        if len(rows) > SCRIPT_SENTENCES_PER_LANG:
+            rows = rng.choice(rows, SCRIPT_SENTENCES_PER_LANG, replace=False)
+        out[lang] = script_letters(rests[rows].tolist())
+    return out
+
+
 def report(
     model_file: Path,
     tags: np.ndarray,
@@ -656,6 +678,8 @@ def train_tokenizer(
             count_pieces(work / "tokenizer.model", tags[counted], rests[counted]),
             len(counted),
         )
+        letters = language_script_letters(tags, rests, rng)
+        write_language_scripts(work, letters)
         per_lang = report(
             work / "tokenizer.model",
             tags,
@@ -676,7 +700,10 @@ def train_tokenizer(
             "lang_weighting": lang_weighting,
             "user_defined_symbols": user_symbols,
             "target_share": shares,
-            "per_language": per_lang,
+            "per_language": {
+                lang: {**row, "scripts": scripts_written_in(letters.get(lang, {}))}
+                for lang, row in per_lang.items()
+            },
         }
         (work / "summary.json").write_text(
             json.dumps(summary, indent=2, ensure_ascii=False), encoding="utf-8"
@@ -704,7 +731,8 @@ def print_summary(summary: dict, output_dir: Path) -> None:
             f"{extension['covered_sentences_checked']} sentences the base covers segment as before"
         )
     head = f"{'lang':<8} {'share':>7} {'unk rate':>9} {'tokens/s':>9}"
-    print(head + (f" {'base pieces':>12} {'new pieces':>11}" if extension else ""))
+    head += f" {'base pieces':>12} {'new pieces':>11}" if extension else ""
+    print(head + "  written in (language_scripts.json)")
     for lang, row in summary["per_language"].items():
         line = (
             f"{lang:<8} {summary['target_share'][lang]:>7.3f} {row['unk_rate']:>9.5f} "
@@ -712,7 +740,7 @@ def print_summary(summary: dict, output_dir: Path) -> None:
         )
         if extension:
             line += f" {row['base_piece_share']:>12.1%} {row['appended_piece_share']:>11.1%}"
-        print(line)
+        print(f"{line}  {', '.join(row.get('scripts') or ['no letters'])}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -172,6 +172,18 @@ def test_the_base_trains_on_its_two_languages_and_the_finetune_extends_it(demo):
     summary = json.loads((demo_dir / "tokenizer" / "summary.json").read_text())
     assert summary["mode"] == "extend"
     assert "step_00000004.nemo" in summary["extension"]["base"]
+    # the finetune's .nemo says which scripts each language is written in, for decoding with a
+    # language given: those its tokenizer counted, from every language of its manifest
+    from nemo.collections.asr.models import ASRModel
+
+    import model_languages
+
+    finetuned = ASRModel.restore_from(
+        str(demo_dir / "checkpoints" / "step_00000006.nemo"), map_location="cpu"
+    )
+    scripts = model_languages.language_scripts(finetuned)
+    assert scripts["en"] == {"Latin"} and scripts["hi"] == {"Devanagari"}
+    assert scripts["ta"] == {"Tamil"} and set(scripts) == {"en", "hi", "ta", "te", "kn", "ml", "bn"}
     page = first.stdout.split("Finetuning from the base", 1)[1]
     assert "base  step 0     end" in page
     rows = {line.split()[0]: line.split()[1:] for line in page.splitlines()[3:] if line.strip()}

@@ -198,3 +198,34 @@ def test_a_step_checkpoint_records_its_models_languages_and_an_older_run_from_sc
     older[training_step.RUN_RECORD_KEY]["settings"]["INIT_MODEL"] = "nvidia/parakeet-tdt-0.6b-v2"
     torch.save(older, ckpt)
     assert model_languages.recorded_languages(str(ckpt)) is None  # its base's are unknown
+
+
+def test_the_scripts_of_each_language_travel_in_the_model_and_a_finetune_adds_its_own(tmp_path):
+    """train.py records, per language, the scripts its tokenizer's sampled texts are written in
+    (a script from 1% of the letters on); a model restored from its .nemo reads them back, and
+    a finetune of it keeps the base's record for the languages its own tokenizer did not count."""
+    from nemo.collections.asr.models import ASRModel
+
+    import asr_model
+    from tests.tiny_training_data import make_training_data
+
+    data = make_training_data(tmp_path, per_lang=4, langs=("hi", "en"), vocab_size=64)
+    model = asr_model.build_model("", TINY, data["tokenizer"])
+    assert model_languages.language_scripts(model) == {}
+    counts = {"hi": {"Devanagari": 950, "Latin": 50}, "te": {"Telugu": 995, "Latin": 5}}
+    model_languages.write_language_scripts(data["tokenizer"], counts)
+    assert model_languages.read_language_scripts(data["tokenizer"]) == counts
+    written = model_languages.record_language_scripts(model, data["tokenizer"])
+    assert written == {"hi": ["Devanagari", "Latin"], "te": ["Telugu"]}
+    model.save_to(str(tmp_path / "base.nemo"))
+    restored = ASRModel.restore_from(str(tmp_path / "base.nemo"), map_location="cpu")
+    assert model_languages.language_scripts(restored)["te"] == frozenset({"Telugu"})
+    finetune_tokenizer = tmp_path / "finetune-tokenizer"
+    finetune_tokenizer.mkdir()
+    model_languages.write_language_scripts(finetune_tokenizer, {"hi": {"Devanagari": 10}})
+    again = model_languages.record_language_scripts(restored, finetune_tokenizer)
+    assert again == {"hi": ["Devanagari"], "te": ["Telugu"]}
+    # a tokenizer directory without the record, or with a broken one: the base's stands
+    (finetune_tokenizer / model_languages.LANGUAGE_SCRIPTS_FILE).write_text("[1, 2]")
+    assert model_languages.read_language_scripts(finetune_tokenizer) is None
+    assert model_languages.record_language_scripts(restored, tmp_path) == again

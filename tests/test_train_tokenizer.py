@@ -68,7 +68,21 @@ def test_writes_the_nemo_tokenizer_files(trained):
         "vocab.txt",
         "summary.json",
         "piece_counts.json",
+        "language_scripts.json",
     }
+
+
+def test_language_scripts_count_each_languages_letters_by_script(trained):
+    """Per language, the letters of each script in its texts: Hindi in Devanagari, English in
+    Latin, Tamil in Tamil; the tags' letters are not counted (the texts are read without them)."""
+    import model_languages
+
+    out, summary = trained
+    letters = model_languages.read_language_scripts(out)
+    assert set(letters) == {"en", "hi", "ta"}
+    assert set(letters["hi"]) == {"Devanagari"} and set(letters["ta"]) == {"Tamil"}
+    assert letters["en"] == {"Latin": sum(letters["en"].values())} and letters["en"]["Latin"] > 0
+    assert summary["per_language"]["hi"]["scripts"] == ["Devanagari"]
 
 
 def test_piece_counts_are_the_sampled_texts_pieces_with_their_tags(trained):
