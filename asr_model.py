@@ -30,6 +30,7 @@ import os
 import shutil
 import tempfile
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -197,11 +198,17 @@ class ModelFamily:
         raise NotImplementedError
 
     def greedy_texts_of_encoded(
-        self, model, encoded, encoded_len, first_pieces: list[int | None] | None = None
+        self,
+        model,
+        encoded,
+        encoded_len,
+        first_pieces: list[int | None] | None = None,
+        kept: list[torch.Tensor | None] | None = None,
     ) -> list[str]:
         """Greedy transcripts from the encoder's output; where ``first_pieces`` gives an utterance a
-        piece id, its decoding starts from that piece as if it had emitted it (the language given),
-        None decodes it as it comes (auto)."""
+        piece id, its decoding starts from that piece as if it had emitted it (the language given)
+        and writes after it only the pieces ``kept`` marks True for it (None: any piece); None
+        decodes it as it comes (auto)."""
         raise NotImplementedError
 
     def first_tokens_of_encoded(
@@ -354,20 +361,31 @@ class TDT(ModelFamily):
         )
 
     def greedy_texts_of_encoded(
-        self, model, encoded, encoded_len, first_pieces: list[int | None] | None = None
+        self,
+        model,
+        encoded,
+        encoded_len,
+        first_pieces: list[int | None] | None = None,
+        kept: list[torch.Tensor | None] | None = None,
     ) -> list[str]:
         if first_pieces is None or all(p is None for p in first_pieces):
             hyps = model.decoding.rnnt_decoder_predictions_tensor(
                 encoder_output=encoded, encoded_lengths=encoded_len
             )
             return [hyp.text for hyp in hyps]
-        return self.started_texts(model, encoded, encoded_len, first_pieces)
+        return self.started_texts(model, encoded, encoded_len, first_pieces, kept)
 
     def started_texts(
-        self, model, encoded, encoded_len, first_pieces: list[int | None]
+        self,
+        model,
+        encoded,
+        encoded_len,
+        first_pieces: list[int | None],
+        kept: list[torch.Tensor | None] | None = None,
     ) -> list[str]:
         """Greedy transcripts of a batch in which utterance b writes ``first_pieces[b]`` where greedy
-        decoding writes its first piece (None: the utterance decodes auto).
+        decoding writes its first piece (None: the utterance decodes auto), and after it only the
+        pieces ``kept[b]`` marks True (a bool tensor over the pieces; None: any piece).
 
         Greedy decoding walks the frames with the start state until a piece beats blank
         (``first_emissions``): there, at frame t with duration d, it writes the given piece
@@ -377,7 +395,9 @@ class TDT(ModelFamily):
         greedy decoding (``greedy_batch``, its default for TDT, with or without CUDA graphs)
         continues a batch from such a state and frame, as it continues a stream chunk by chunk;
         the state is built for the whole batch at once and the search is auto decoding's loop.
-        The piece is then put in front of each transcript."""
+        The piece is then put in front of each transcript. Pieces left out of ``kept`` lose every
+        step of the search to blank or a kept piece (``_KeptPieces``); blank and the durations are
+        always kept."""
         from nemo.collections.asr.parts.utils.rnnt_utils import batched_hyps_to_hypotheses
 
         infer = model.decoding.decoding
@@ -400,9 +420,16 @@ class TDT(ModelFamily):
                     for first, length in zip(starts, encoded_len.tolist())
                 ]
                 state = self.started_state(model, first_pieces, frames)
-                batched, _ = computer(
-                    x=encoded.transpose(1, 2), out_len=encoded_len, prev_batched_state=state
-                )
+                keeping = kept is not None and any(k is not None for k in kept)
+                if keeping:
+                    _KeptPieces.install(computer, len(first_pieces)).keep(kept)
+                try:
+                    batched, _ = computer(
+                        x=encoded.transpose(1, 2), out_len=encoded_len, prev_batched_state=state
+                    )
+                finally:
+                    if keeping:
+                        computer.joint.keep_all()
         finally:
             model.decoder.train(modes[0])
             model.joint.train(modes[1])
@@ -522,6 +549,58 @@ class TDT(ModelFamily):
 
     def describe_loss(self, model) -> str:
         return f"TDT loss {model.loss._loss}"
+
+
+class _KeptPieces:
+    """The joint as NeMo's label-looping search calls it, with one additive row per utterance on
+    its pieces' outputs (0 for a piece kept, -inf for one left out; blank and the durations as
+    they are).
+
+    Installed once in a decoding computer (``install``) and left there, with every row 0 except
+    while a search with kept pieces runs (``keep``, then ``keep_all``), so auto decoding through
+    the same computer is unchanged. The rows live in one buffer that the CUDA graphs of the search
+    read by address: ``keep`` writes into it in place, and the buffer grows (and the computer's
+    graphs are captured again) only when a batch larger than every one before it comes."""
+
+    def __init__(self, joint, rows: int, pieces: int, device):
+        self.joint = joint
+        with torch.inference_mode(False):  # written in place by every later search
+            self.bias = torch.zeros(rows, pieces, device=device)
+
+    def __getattr__(self, name):
+        return getattr(self.joint, name)
+
+    @classmethod
+    def install(cls, computer, size: int) -> _KeptPieces:
+        """The computer's ``_KeptPieces`` (installed now if it has none) with room for ``size``
+        rows and for the batch its CUDA graphs were captured for."""
+        joint = computer.joint
+        state = getattr(computer, "state", None)
+        rows = max(size, int(getattr(state, "batch_size", 0) or 0))
+        if isinstance(joint, cls) and joint.bias.shape[0] >= rows:
+            return joint
+        inner = joint.joint if isinstance(joint, cls) else joint
+        device = next(inner.parameters()).device
+        computer.joint = cls(inner, rows, int(computer._blank_index), device)
+        computer.reset_cuda_graphs_state()  # captured graphs read the joint without these rows
+        return computer.joint
+
+    def keep(self, kept: list[torch.Tensor | None]) -> None:
+        """Row b keeps the pieces ``kept[b]`` marks True (None: every piece); rows past the batch
+        keep every piece."""
+        self.bias.zero_()
+        for b, mask in enumerate(kept):
+            if mask is not None:
+                self.bias[b].masked_fill_(~mask.to(self.bias.device), float("-inf"))
+
+    def keep_all(self) -> None:
+        self.bias.zero_()
+
+    def joint_after_projection(self, f: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        out = self.joint.joint_after_projection(f, g)
+        if out.shape[0] <= self.bias.shape[0]:
+            out[..., : self.bias.shape[1]] += self.bias[: out.shape[0], None, None, :]
+        return out
 
 
 class HybridTDTCTC(TDT):
@@ -1026,6 +1105,86 @@ def language_tag_pieces(model, languages) -> list[int | None]:
     return out
 
 
+# Pieces that are no language's own writing, kept for every language: SentencePiece's special
+# pieces and its byte pieces (<0xE0>: a byte of a character the vocabulary lacks).
+_SPECIAL_PIECES = frozenset({"<unk>", "<s>", "</s>", "<pad>"})
+
+
+def always_kept(piece: str) -> bool:
+    """True for a special or byte piece, which decoding with any language given may write."""
+    return piece in _SPECIAL_PIECES or (
+        len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
+    )
+
+
+# Per tokenizer object (a new vocabulary is a new one): each piece's (special, scripts, is a tag),
+# and the masks built from them, per (language, scripts).
+_PIECE_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def language_piece_masks(model, languages) -> list[torch.Tensor | None]:
+    """Per utterance, which pieces decoding with its language given may write after the tag: a
+    bool tensor over ``model``'s pieces, True for a piece whose letters are all of the scripts the
+    model records that language written in (``model_languages.language_scripts``), for a piece
+    without letters (digits, punctuation, the word boundary) and for ``always_kept`` pieces;
+    False for every language tag. None where the language is None or empty, where the model records no
+    scripts for it, or for a tokenizer that is not SentencePiece: any piece then."""
+    import model_languages
+    from manifest_schema import lang_tag, leading_lang
+    from script_languages import scripts_of
+
+    recorded = model_languages.language_scripts(model)
+    wanted = {lang for lang in languages if lang and lang in recorded}
+    if not wanted:
+        return [None] * len(languages)
+    known = _PIECE_MASKS.setdefault(model.tokenizer, {})
+    if "pieces" not in known:
+        pieces = model_pieces(model)
+        known["pieces"] = (
+            None
+            if pieces is None
+            else [
+                (
+                    always_kept(piece),
+                    scripts_of(piece),
+                    leading_lang(piece) is not None and piece == lang_tag(leading_lang(piece)),
+                )
+                for piece in pieces
+            ]
+        )
+    if known["pieces"] is None:
+        return [None] * len(languages)
+    masks = {}
+    for lang in wanted:
+        key = (lang, recorded[lang])
+        if key not in known:
+            known[key] = torch.tensor(
+                [
+                    not tag and (special or written <= recorded[lang])
+                    for special, written, tag in known["pieces"]
+                ]
+            )
+        masks[lang] = known[key]
+    return [masks.get(lang) if lang else None for lang in languages]
+
+
+def kept_scripts_phrase(model, languages) -> str:
+    """How decoding with ``languages`` given writes after the tag, for a report's heading: in the
+    scripts the model records for each (LANGUAGE_GIVEN_SCRIPTS=1), or from the tag alone."""
+    import model_languages
+
+    if config.LANGUAGE_GIVEN_SCRIPTS != "1":
+        return "the tag alone (LANGUAGE_GIVEN_SCRIPTS=0)"
+    recorded = model_languages.language_scripts(model)
+    asked = sorted({lang for lang in languages if lang and lang != "und"})
+    kept = [f"{lang} {'+'.join(sorted(recorded[lang]))}" for lang in asked if lang in recorded]
+    alone = [lang for lang in asked if lang not in recorded]
+    parts = [f"then only pieces of its scripts ({', '.join(kept)})"] if kept else []
+    if alone:
+        parts.append(f"the tag alone for {', '.join(alone)} (the model records no scripts for it)")
+    return "; ".join(parts) or "the tag alone"
+
+
 def greedy_texts(
     model, signal: torch.Tensor, signal_len: torch.Tensor, languages=None
 ) -> list[str]:
@@ -1077,13 +1236,16 @@ def decode_batch(
     *,
     auto: bool = True,
     languages=None,
+    scripts: bool | None = None,
     first_tokens: bool = False,
     loss_batch=None,
 ) -> BatchDecoding:
     """Every decoding asked for of one padded batch of audio, from one encoder forward: auto
     (``auto``), with the language given (``languages``: one per utterance, None or "" for an
-    utterance decodes it auto there too), the first piece of auto decoding (``first_tokens``) and
-    the loss of ``loss_batch`` (the AsrBatch of this audio, with its tokens)."""
+    utterance decodes it auto there too; ``scripts``, default LANGUAGE_GIVEN_SCRIPTS=1: after the
+    tag, only the pieces of ``language_piece_masks``), the first piece of auto decoding
+    (``first_tokens``) and the loss of ``loss_batch`` (the AsrBatch of this audio, with its
+    tokens)."""
     encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=signal_len)
     kind = family(model)
     out = BatchDecoding()
@@ -1094,7 +1256,12 @@ def decode_batch(
         if auto and not any(p is not None for p in firsts):
             out.given_texts = list(out.texts)  # no language given: the same decoding
         else:
-            out.given_texts = kind.greedy_texts_of_encoded(model, encoded, encoded_len, firsts)
+            if scripts is None:
+                scripts = config.LANGUAGE_GIVEN_SCRIPTS == "1"
+            kept = language_piece_masks(model, languages) if scripts else None
+            out.given_texts = kind.greedy_texts_of_encoded(
+                model, encoded, encoded_len, firsts, kept
+            )
     if first_tokens:
         out.first_tokens = kind.first_tokens_of_encoded(model, encoded, encoded_len)
     if loss_batch is not None:

@@ -1012,6 +1012,16 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         steps=("train",),
     )
     knob(
+        "LANGUAGE_GIVEN_SCRIPTS",
+        "1",
+        _choice("1", "0"),
+        "Decoding with the language given (validation's val/wer_given, evaluate.py, transcribe.py "
+        "--lang) writes, after the tag, only pieces of the scripts the model records that "
+        "language written in (train_tokenizer.py counts them; pieces without letters always "
+        "pass), so an English utterance cannot drift into Tamil script; 0 = the tag alone",
+        steps=("train", "evaluate", "transcribe"),
+    )
+    knob(
         "FORGETTING_WARN_POINTS",
         5.0,
         _float,
@@ -1269,6 +1279,7 @@ EVAL_EVERY_STEPS: int
 EVAL_BASE: str
 EVAL_SAMPLES_PER_LANG: int
 VAL_LANGUAGE_GIVEN: str
+LANGUAGE_GIVEN_SCRIPTS: str
 FORGETTING_WARN_POINTS: float
 SEED: int
 PRECISION: str

@@ -231,9 +231,10 @@ EVALUATION_METRICS: tuple[Metric, ...] = (
            "utterances whose greedy hypothesis (auto decoding) starts with the language's own tag, "
            "the first decoded token; <lang> = all pools every utterance"),
     Metric("val/wer_given/<lang>", "gathered", "VAL_LANGUAGE_GIVEN=1 (default): the greedy WER "
-           "with the language given, every utterance decoded from its own language's tag (the "
-           "same encoder forward as val/wer); val/wer minus this is the error a wrong language "
-           "guess costs"),
+           "with the language given, every utterance decoded from its own language's tag and, "
+           "with LANGUAGE_GIVEN_SCRIPTS=1 (default), in that language's scripts (the same "
+           "encoder forward as val/wer); val/wer minus this is the error a wrong language guess "
+           "costs"),
     Metric("val/cer_given/<lang>", "gathered", "the same for CER"),
     Metric("val/forgetting/<lang>", "rank 0", "when finetuning, for each of the base's languages "
            "(BASE_LANGUAGES or the base's record): val/wer now minus at the step-0 validation, in "

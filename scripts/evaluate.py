@@ -393,10 +393,11 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = result_rows(results, bad, excluded, as_written, punctuation, lid, given)
     write_csv(rows, out)
+    kept = asr_model.kept_scripts_phrase(model, [r["lang"] for r in rows if r["lang"] != "all"])
     how = {
-        "both": "auto; WER given: from each row's language tag",
+        "both": f"auto; WER given: from each row's language tag, {kept}",
         "auto": "auto",
-        "given": "from each row's language tag",
+        "given": f"from each row's language tag, {kept}",
     }
     print(f"{model_path} on {manifest} (greedy decoding {how[args.decode]}, corpus-level rates):")
     print(

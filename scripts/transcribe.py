@@ -17,8 +17,10 @@ hypothesis starts with no tag), how sure the model was of it (``lang_prob``: the
 of that tag at the decoding step that emitted it, over every piece and blank; null without a tag)
 and the text without it. With the language known, ``--lang hi`` decodes every file from the tag
 ``<|hi|>`` (the model writes Hindi from its first piece on, and cannot take the audio for another
-language), and ``--lang manifest`` takes each row's language from the manifest (its ``lang``, or the
-tag its ``text`` starts with; a row without one is decoded auto). ``lang_given`` says which: true
+language; after the tag it writes only pieces of the scripts the model records for Hindi, as
+LANGUAGE_GIVEN_SCRIPTS=1 says), and ``--lang manifest`` takes each row's language from the manifest
+(its ``lang``, or the tag its ``text`` starts with; a row without one is decoded auto); stderr
+says how the given languages were decoded. ``lang_given`` says which: true
 where the language was given (``lang`` is then that language and ``lang_prob`` null). Files are
 decoded longest-first in batches
 of ``--batch-seconds`` of audio, on the GPU when there is one. An unreadable file gets a row with
@@ -245,6 +247,8 @@ def run(args: argparse.Namespace, results, interactive: bool) -> int:
         model = asr_model.load_trained_model(checkpoints.resolve_model_path(args.model), device)
         if languages is not None:
             check_languages(model, languages, args)
+            how = asr_model.kept_scripts_phrase(model, languages)
+            print(f"transcribe: with the language given: its tag, {how}", file=sys.stderr)
     except (UserError, FileNotFoundError, ValueError) as exc:
         print(f"transcribe: error: {exc}", file=sys.stderr)
         return 2

@@ -381,11 +381,11 @@ def let_echo_models_start_from_a_piece(monkeypatch) -> None:
 
     real = asr_model.TDT.started_texts
 
-    def started(self, model, encoded, encoded_len, pieces):
+    def started(self, model, encoded, encoded_len, pieces, kept=None):
         if isinstance(model, EchoModel):
             starts = [None if p is None else SimpleNamespace(piece=p) for p in pieces]
             return [h.text for h in model.decode(encoded, encoded_len, starts)]
-        return real(self, model, encoded, encoded_len, pieces)
+        return real(self, model, encoded, encoded_len, pieces, kept)
 
     monkeypatch.setattr(asr_model.TDT, "started_texts", started)
 

@@ -40,13 +40,14 @@ def echo_models_start_from_a_piece(monkeypatch):
     let_echo_models_start_from_a_piece(monkeypatch)
 
 
-def reference_greedy_tdt(model, encoded, encoded_len, first_piece, max_symbols):
+def reference_greedy_tdt(model, encoded, encoded_len, first_piece, max_symbols, kept=None):
     """Greedy TDT of one utterance, written from its definition: at frame t the joint of the
     frame and the prediction network's output gives the best of pieces and blank and the best
     duration; a blank moves on by its duration (at least one frame), a piece is emitted, fed to
     the prediction network and moves on by its duration (after ``max_symbols`` pieces on one
     frame, by one). ``first_piece``: the first piece emitted is this one instead of the one the
-    search chose (at its frame, with its duration), and the search goes on from there afresh."""
+    search chose (at its frame, with its duration), and the search goes on from there afresh,
+    choosing after it only among blank and the pieces ``kept`` marks True (None: all)."""
     blank = int(model.decoder.blank_idx)
     durations = list(model.decoding.decoding.durations)
     frames = encoded.transpose(1, 2)  # [1, T, D]
@@ -55,6 +56,9 @@ def reference_greedy_tdt(model, encoded, encoded_len, first_piece, max_symbols):
     t, on_this_frame = 0, 0
     while t < int(encoded_len):
         logits = model.joint.joint(frames[:, t : t + 1], out)[0, 0, 0]
+        if kept is not None and ids:
+            logits = logits.clone()
+            logits[:blank][~kept] = float("-inf")
         piece = int(logits[: blank + 1].argmax())
         duration = durations[int(logits[blank + 1 :].argmax())]
         if piece == blank:
@@ -153,6 +157,114 @@ def test_decoding_with_the_language_given_is_greedy_tdt_whose_first_piece_is_the
     assert asr_model.greedy_texts(model, signal, lens, ["en"] * 4)[2] == decoded.given_texts[2]
 
 
+def test_with_the_language_given_decoding_writes_only_pieces_of_its_scripts(tiny, monkeypatch):
+    """A model that records English written in Latin and Hindi in Devanagari: decoding with the
+    language given writes, after the tag, only pieces of that script or of none (the reference
+    greedy TDT choosing among those pieces and blank); the same batch decoded from the tag alone
+    writes pieces of the other script, so the keeping is what made the difference. Auto decoding
+    is unchanged, before and after, and LANGUAGE_GIVEN_SCRIPTS=0 decodes from the tag alone."""
+    from omegaconf import open_dict
+
+    from script_languages import scripts_of
+
+    model, signal, lens = shaped_model(tiny, "prediction")
+    before = asr_model.decode_batch(model, signal, lens).texts
+    languages = ["en", "hi", None, "en"]
+    tag_alone = asr_model.decode_batch(model, signal, lens, languages=languages, scripts=False)
+    with open_dict(model.cfg):
+        model.cfg.language_scripts = {"en": ["Latin"], "hi": ["Devanagari"]}
+    kept = asr_model.language_piece_masks(model, languages)
+    pieces = asr_model.model_pieces(model)
+    assert kept[2] is None and bool(kept[0][pieces.index("<|en|>")]) is False  # tags are out
+    decoded = asr_model.decode_batch(model, signal, lens, languages=languages)
+    assert decoded.texts == before
+    assert asr_model.decode_batch(model, signal, lens).texts == before  # the rows are cleared
+    tags = asr_model.language_tag_pieces(model, languages)
+    max_symbols = model.decoding.decoding.max_symbols
+    other = {"en": "Devanagari", "hi": "Latin"}
+    strayed = 0
+    with torch.no_grad():
+        encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=lens)
+        for b, lang in enumerate(languages):
+            ids = reference_greedy_tdt(
+                model, encoded[b : b + 1], encoded_len[b], tags[b], max_symbols, kept[b]
+            )
+            assert decoded.given_texts[b] == model.tokenizer.ids_to_text(ids)
+            if lang is None:
+                assert decoded.given_texts[b] == decoded.texts[b]
+                continue
+            assert all(not (scripts_of(pieces[i]) - {kept_script(lang)}) for i in ids[1:])
+            unkept = reference_greedy_tdt(
+                model, encoded[b : b + 1], encoded_len[b], tags[b], max_symbols
+            )
+            assert tag_alone.given_texts[b] == model.tokenizer.ids_to_text(unkept)
+            strayed += any(other[lang] in scripts_of(pieces[i]) for i in unkept[1:])
+    assert strayed  # from the tag alone, some utterance wrote the other script
+    monkeypatch.setattr(config, "LANGUAGE_GIVEN_SCRIPTS", "0")
+    off = asr_model.decode_batch(model, signal, lens, languages=languages)
+    assert off.given_texts == tag_alone.given_texts
+
+
+def test_kept_pieces_hold_in_the_search_cuda_graphs_run(tiny, monkeypatch):
+    """NeMo's CUDA-graph search keeps its state for the largest batch it has seen and runs
+    smaller ones padded to it; its stateful implementation (what the graphs capture, run here
+    without capture: "no_graphs") writes what the plain loop writes, with pieces kept, for a
+    batch as large as the state's and for a smaller one after it, and auto decoding after them
+    is unchanged."""
+    from omegaconf import open_dict
+
+    languages = ["en", "hi", None, "en"]
+    for fresh in range(2):  # the plain loop's texts, then a model that has decoded nothing
+        model, signal, lens = shaped_model(tiny, "prediction")
+        with open_dict(model.cfg):
+            model.cfg.language_scripts = {"en": ["Latin"], "hi": ["Devanagari"]}
+        if not fresh:
+            plain = asr_model.decode_batch(model, signal, lens, languages=languages)
+    computer = model.decoding.decoding.decoding_computer
+    computer.force_cuda_graphs_mode("no_graphs")
+
+    def stateful(self, x, out_len, prev_batched_state=None, multi_biasing_ids=None):
+        return self.cuda_graphs_impl(
+            encoder_output=x,
+            encoder_output_length=out_len,
+            prev_batched_state=prev_batched_state,
+            multi_biasing_ids=multi_biasing_ids,
+        )
+
+    monkeypatch.setattr(type(computer), "__call__", stateful)
+    part = asr_model.decode_batch(model, signal[:2], lens[:2], languages=languages[:2])
+    assert part.given_texts == plain.given_texts[:2]
+    assert asr_model.decode_batch(model, signal, lens).texts == plain.texts  # a state for 4
+    part = asr_model.decode_batch(model, signal[:2], lens[:2], languages=languages[:2])
+    assert part.given_texts == plain.given_texts[:2]
+    whole = asr_model.decode_batch(model, signal, lens, languages=languages)
+    assert whole.given_texts == plain.given_texts and whole.texts == plain.texts
+    part = asr_model.decode_batch(model, signal[:2], lens[:2], languages=languages[:2])
+    assert computer.state.batch_size == 4  # the smaller batch ran padded to the state's
+    assert part.given_texts == plain.given_texts[:2]
+    assert asr_model.decode_batch(model, signal, lens).texts == plain.texts
+
+
+def test_reports_say_how_the_language_given_was_decoded(monkeypatch):
+    from omegaconf import OmegaConf
+
+    model = SimpleNamespace(cfg=OmegaConf.create({"language_scripts": {"hi": ["Devanagari"]}}))
+    assert asr_model.kept_scripts_phrase(model, ["hi", "und", None]) == (
+        "then only pieces of its scripts (hi Devanagari)"
+    )
+    assert asr_model.kept_scripts_phrase(model, ["hi", "ta"]).endswith(
+        "; the tag alone for ta (the model records no scripts for it)"
+    )
+    monkeypatch.setattr(config, "LANGUAGE_GIVEN_SCRIPTS", "0")
+    assert (
+        asr_model.kept_scripts_phrase(model, ["hi"]) == "the tag alone (LANGUAGE_GIVEN_SCRIPTS=0)"
+    )
+
+
+def kept_script(lang: str) -> str:
+    return {"en": "Latin", "hi": "Devanagari"}[lang]
+
+
 def test_a_language_the_model_has_no_tag_for_is_one_line_naming_it_and_the_tags_it_has(tiny):
     with pytest.raises(asr_model.LanguageNotInModel) as caught:
         asr_model.language_tag_pieces(tiny.model, ["hi", "ta"])
@@ -175,6 +287,8 @@ def test_transcribe_with_the_language_given_writes_that_language_from_its_tag(ti
     rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert len(rows) == 12
     assert all(r["lang"] == "hi" and r["lang_given"] and r["lang_prob"] is None for r in rows)
+    said = "its tag, the tag alone for hi (the model records no scripts for it)"
+    assert said in capsys.readouterr().err
     assert all("<|" not in r["text"] for r in rows)
     # each row's own language from the manifest
     assert (
