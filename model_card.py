@@ -74,6 +74,37 @@ def _evaluation_rows(results: dict[str, dict[str, int]]) -> list[str]:
     return rows
 
 
+def _given_rows(evaluation: dict[str, Any], settings: dict[str, Any]) -> list[str]:
+    """Auto against the language given, per language, when the validation decoded both ways."""
+    given = evaluation.get("results_given") or {}
+    if not given:
+        return []
+    how = (
+        "then only pieces of its scripts"
+        if str(settings.get("LANGUAGE_GIVEN_SCRIPTS", "1")) == "1"
+        else "then any piece"
+    )
+    rows = [
+        "",
+        f"With the language given (each utterance decoded from its own language's tag, {how}; "
+        f"`transcribe.py --lang`), on the same utterances:",
+        "",
+        "| language | WER | WER given | CER | CER given |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for lang, c in evaluation["results"].items():
+        g = given.get(lang) or {}
+
+        def rate(counts: dict, edits: str, total: str) -> str:
+            return _rate(counts.get(edits, 0) / counts[total] if counts.get(total) else None)
+
+        rows.append(
+            f"| {lang} | {rate(c, 'word_edits', 'words')} | {rate(g, 'word_edits', 'words')} | "
+            f"{rate(c, 'char_edits', 'chars')} | {rate(g, 'char_edits', 'chars')} |"
+        )
+    return rows
+
+
 def _base_comparison_rows(
     base: dict[str, Any] | None, final: dict[str, Any], whose: str
 ) -> list[str]:
@@ -246,6 +277,7 @@ def render(record: dict[str, Any], model, nemo_name: str) -> str:
                 if evaluation.get("excluded")
                 else []
             ),
+            *_given_rows(evaluation, settings),
             *_base_comparison_rows(record.get("base_evaluation"), evaluation, whose),
         ]
     else:
@@ -259,6 +291,7 @@ def render(record: dict[str, Any], model, nemo_name: str) -> str:
         "",
         "```bash",
         f"python scripts/transcribe.py {nemo_name} audio1.flac audio2.wav   # JSONL: lang + text",
+        f"python scripts/transcribe.py {nemo_name} --lang hi call.wav       # the language known",
         f"python scripts/evaluate.py {nemo_name} --manifest test.json        # NeMo JSON or parquet",
         "```",
         "",

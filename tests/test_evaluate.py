@@ -1188,6 +1188,18 @@ def test_the_model_card_says_how_its_scores_compared_the_texts(tiny):
     assert "language tags stripped from both sides" in older and "normalized alike" not in older
 
 
+def test_the_model_card_shows_the_error_rates_with_the_language_given_beside_auto(tiny):
+    given = {"hi": {"utterances": 4, "words": 10, "word_edits": 1, "chars": 40, "char_edits": 2}}
+    record = {**RUN_RECORD, "evaluation": {**RUN_RECORD["evaluation"], "results_given": given}}
+    card = model_card.render(record, tiny.model, "tiny.nemo")
+    assert "| language | WER | WER given | CER | CER given |" in card
+    assert "| hi | 0.3000 | 0.1000 | 0.1000 | 0.0500 |" in card
+    assert "then only pieces of its scripts" in card and "--lang hi" in card
+    off = {**record, "settings": {**record["settings"], "LANGUAGE_GIVEN_SCRIPTS": "0"}}
+    assert "then any piece" in model_card.render(off, tiny.model, "tiny.nemo")
+    assert "WER given" not in model_card.render(RUN_RECORD, tiny.model, "tiny.nemo")
+
+
 def test_the_test_manifest_of_a_kept_split_evaluates(tiny, tmp_path, capsys):
     """A master whose rows carry their source's split: make_train_val writes the test rows to the
     test manifest, which evaluate.py scores as it is."""
