@@ -369,11 +369,19 @@ class TDT(ModelFamily):
         kept: list[torch.Tensor | None] | None = None,
     ) -> list[str]:
         if first_pieces is None or all(p is None for p in first_pieces):
-            hyps = model.decoding.rnnt_decoder_predictions_tensor(
-                encoder_output=encoded, encoded_lengths=encoded_len
-            )
-            return [hyp.text for hyp in hyps]
+            return self.auto_decoding(model, encoded, encoded_len)[0]
         return self.started_texts(model, encoded, encoded_len, first_pieces, kept)
+
+    def auto_decoding(self, model, encoded, encoded_len) -> tuple[list[str], list | None]:
+        """Greedy transcripts decoded auto and the piece ids of each (None when the decoding
+        does not give them)."""
+        hyps = model.decoding.rnnt_decoder_predictions_tensor(
+            encoder_output=encoded, encoded_lengths=encoded_len
+        )
+        ids = [getattr(hyp, "y_sequence", None) for hyp in hyps]
+        if any(i is None for i in ids):
+            return [hyp.text for hyp in hyps], None
+        return [hyp.text for hyp in hyps], [[int(i) for i in seq] for seq in ids]
 
     def started_texts(
         self,
@@ -1249,24 +1257,51 @@ def decode_batch(
     encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=signal_len)
     kind = family(model)
     out = BatchDecoding()
+    auto_ids = None
     if auto:
-        out.texts = kind.greedy_texts_of_encoded(model, encoded, encoded_len)
+        out.texts, auto_ids = kind.auto_decoding(model, encoded, encoded_len)
     if languages is not None:
         firsts = language_tag_pieces(model, languages)
-        if auto and not any(p is not None for p in firsts):
-            out.given_texts = list(out.texts)  # no language given: the same decoding
-        else:
-            if scripts is None:
-                scripts = config.LANGUAGE_GIVEN_SCRIPTS == "1"
-            kept = language_piece_masks(model, languages) if scripts else None
-            out.given_texts = kind.greedy_texts_of_encoded(
-                model, encoded, encoded_len, firsts, kept
+        if scripts is None:
+            scripts = config.LANGUAGE_GIVEN_SCRIPTS == "1"
+        kept = language_piece_masks(model, languages) if scripts else [None] * len(firsts)
+        rows = list(range(len(firsts)))
+        if auto:
+            # Where auto decoding wrote the given tag first and then only kept pieces, the search
+            # with the language given takes every step auto's took: its text is auto's.
+            rows = [
+                b
+                for b in rows
+                if firsts[b] is not None
+                and (auto_ids is None or not _auto_is_given(auto_ids[b], firsts[b], kept[b]))
+            ]
+        out.given_texts = list(out.texts) if auto else [None] * len(firsts)
+        if rows:
+            at = torch.tensor(rows, device=encoded.device)
+            texts = kind.greedy_texts_of_encoded(
+                model,
+                encoded if len(rows) == len(firsts) else encoded[at],
+                encoded_len if len(rows) == len(firsts) else encoded_len[at],
+                [firsts[b] for b in rows],
+                [kept[b] for b in rows],
             )
+            for b, text in zip(rows, texts):
+                out.given_texts[b] = text
     if first_tokens:
         out.first_tokens = kind.first_tokens_of_encoded(model, encoded, encoded_len)
     if loss_batch is not None:
         out.loss = float(kind.loss_of_encoded(model, encoded, encoded_len, loss_batch))
     return out
+
+
+def _auto_is_given(ids: list[int], tag: int, kept: torch.Tensor | None) -> bool:
+    """True when auto decoding's pieces ``ids`` start with ``tag`` and go on in ``kept`` pieces
+    alone (None: any), so that decoding from ``tag`` would write them too."""
+    if not ids or ids[0] != tag:
+        return False
+    if kept is None or len(ids) == 1:
+        return True
+    return bool(kept[ids[1:]].all())
 
 
 @contextlib.contextmanager

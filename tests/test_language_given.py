@@ -144,11 +144,11 @@ def test_decoding_with_the_language_given_is_greedy_tdt_whose_first_piece_is_the
         assert all(len(text) > 1 for text in decoded.texts)  # blanks and pieces both won
     else:
         assert any(f is not None and f[2] > 0 for f in firsts)  # blanks walked before a piece
-    # given the language each utterance starts with, decoding is auto decoding
+    # given the language each utterance starts with, the search writes what auto decoding wrote
     named = [model.tokenizer.ids_to_tokens([f[0]])[0] if f else "" for f in firsts]
     same = [n[2:-2] if n.startswith("<|") else None for n in named]
-    again = asr_model.decode_batch(model, signal, lens, languages=same)
-    assert again.given_texts == again.texts
+    again = asr_model.decode_batch(model, signal, lens, auto=False, languages=same)
+    assert again.given_texts == decoded.texts
     # under bf16 autocast, as a bf16-mixed run validates
     with torch.autocast("cpu", dtype=torch.bfloat16):
         bf16 = asr_model.decode_batch(model, signal, lens, languages=languages)
@@ -263,6 +263,48 @@ def test_reports_say_how_the_language_given_was_decoded(monkeypatch):
 
 def kept_script(lang: str) -> str:
     return {"en": "Latin", "hi": "Devanagari"}[lang]
+
+
+def test_decoding_both_ways_searches_again_only_where_auto_is_not_already_the_given(
+    tiny, monkeypatch
+):
+    """Decoded auto and with the language given from one forward, an utterance whose auto
+    decoding wrote its given tag first and then only kept pieces is not searched again (its text
+    is auto's); the others are, and every text is what the search alone writes. The model is
+    made to write <|en|> first, then Devanagari pieces."""
+    from omegaconf import open_dict
+
+    model, signal, lens = shaped_model(tiny, "prediction")
+    pieces = asr_model.model_pieces(model)
+    with torch.no_grad(), open_dict(model.cfg):
+        model.joint.joint_net[-1].bias[pieces.index("<|en|>")] += 1.0
+        model.cfg.language_scripts = {"en": ["Latin"], "hi": ["Devanagari"]}
+    kind = asr_model.family(model)
+    with torch.no_grad():
+        encoded = model.forward(input_signal=signal, input_signal_length=lens)
+        auto_texts, auto_ids = kind.auto_decoding(model, *encoded)
+    assert all(pieces[ids[0]] == "<|en|>" and len(ids) > 1 for ids in auto_ids)
+    searched = []
+    real = asr_model.TDT.started_texts
+
+    def spy(self, model, encoded, encoded_len, firsts, kept=None):
+        searched.append(len(firsts))
+        return real(self, model, encoded, encoded_len, firsts, kept)
+
+    monkeypatch.setattr(asr_model.TDT, "started_texts", spy)
+    for languages, scripts, rows in (
+        (["en"] * 4, False, []),  # auto already is the given: no search
+        (["en"] * 4, True, [4]),  # Devanagari after <|en|> is not kept: all searched
+        (["en", "hi", None, "hi"], False, [2]),  # the Hindi rows alone
+    ):
+        searched.clear()
+        both = asr_model.decode_batch(model, signal, lens, languages=languages, scripts=scripts)
+        assert searched == rows, (languages, scripts)
+        alone = asr_model.decode_batch(
+            model, signal, lens, auto=False, languages=languages, scripts=scripts
+        )
+        assert both.texts == auto_texts and both.given_texts == alone.given_texts
+        assert languages[2] == "en" or both.given_texts[2] == auto_texts[2]  # none given
 
 
 def test_a_language_the_model_has_no_tag_for_is_one_line_naming_it_and_the_tags_it_has(tiny):
