@@ -1255,6 +1255,31 @@ def decode_batch(
     (``first_tokens``) and the loss of ``loss_batch`` (the AsrBatch of this audio, with its
     tokens)."""
     encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=signal_len)
+    return decode_encoded(
+        model,
+        encoded,
+        encoded_len,
+        auto=auto,
+        languages=languages,
+        scripts=scripts,
+        first_tokens=first_tokens,
+        loss_batch=loss_batch,
+    )
+
+
+@torch.no_grad()
+def decode_encoded(
+    model,
+    encoded: torch.Tensor,
+    encoded_len: torch.Tensor,
+    *,
+    auto: bool = True,
+    languages=None,
+    scripts: bool | None = None,
+    first_tokens: bool = False,
+    loss_batch=None,
+) -> BatchDecoding:
+    """``decode_batch`` from the encoder's output of the batch."""
     kind = family(model)
     out = BatchDecoding()
     auto_ids = None

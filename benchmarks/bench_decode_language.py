@@ -12,13 +12,16 @@ is ``--manifest`` (a parquet manifest of this pipeline, each row decoded from it
 or, without one, ``--utterances`` clips of noise of 2 to 12 s, each given one of the model's
 languages in turn. The batches hold ``--batch-seconds`` of audio each (longest first).
 
-Every batch is encoded once; then, in ``--rounds`` rounds (the order of the two swapped each
-round), every batch is decoded auto and from its languages' tags, inside the decoder's CUDA
-graphs on a GPU (``asr_model.decoding_graphs``, as validation and evaluate.py decode). Printed:
-the decoding time of each (median over rounds) and their ratio (given / auto: the issue's bound is
-1.05), the ratio with the encoder's time added (what a user of evaluate.py or transcribe.py
-waits for), the pieces each emitted, and on a GPU the CUDA-graph mode NeMo used and whether the
-given decoding with graphs writes the same texts as without them.
+Every batch is encoded once; then, in ``--rounds`` rounds (the order rotated each round), every
+batch is decoded four ways (``asr_model.decode_encoded``), inside the decoder's CUDA graphs on a
+GPU (``asr_model.decoding_graphs``, as validation and evaluate.py decode): auto; from its
+languages' tags alone (LANGUAGE_GIVEN_SCRIPTS=0); from the tags keeping to each language's
+scripts (the default; only for a model that records them); and both auto and given, as validation
+decodes (given searched only where auto's text is not already the given one). Printed: the
+decoding time of each (median over rounds), the ratio of each to auto (the bound for the language
+given is 1.05), the ratio with the encoder's time added (what a user of evaluate.py or
+transcribe.py waits for), the words each wrote, and on a GPU the CUDA-graph mode NeMo used and
+whether each decoding with graphs writes the same texts as without them.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ def load_model(args, device):
 
     import asr_model
     import config
+    import model_languages
 
     if args.model:
         return asr_model.load_trained_model(Path(args.model), device).eval()
@@ -44,7 +48,9 @@ def load_model(args, device):
     config.MODEL_CONFIG = Path(args.config)
     config.TOKENIZER_DIR = Path(args.tokenizer)
     torch.manual_seed(0)
-    return asr_model.build_model().to(device).eval()
+    model = asr_model.build_model()
+    model_languages.record_language_scripts(model, config.TOKENIZER_DIR)  # as train.py does
+    return model.to(device).eval()
 
 
 def batches_of(args, model, device):
@@ -121,13 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import asr_model
+    import model_languages
 
     asr_model.quiet_harmless_messages()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
     model = load_model(args, device)
     batches = batches_of(args, model, device)
-    kind = asr_model.family(model)
 
     def autocast():
         if args.precision == "bf16":
@@ -144,76 +150,100 @@ def main(argv: list[str] | None = None) -> int:
         encoded = [model.forward(input_signal=s, input_signal_length=n) for s, n, _ in batches]
         sync()
         encoder_s = time.perf_counter() - started
-        firsts = [asr_model.language_tag_pieces(model, langs) for _, _, langs in batches]
 
-    def decode_all(given: bool) -> tuple[float, list[str]]:
+    # name -> what decode_encoded is asked; "both" is what validation runs (auto, then the language
+    # given where auto's text is not already the given one)
+    ways = {
+        "auto": {"auto": True},
+        "given_tag": {"auto": False, "given": True, "scripts": False},
+        "given_scripts": {"auto": False, "given": True, "scripts": True},
+        "both": {"auto": True, "given": True, "scripts": True},
+    }
+    has_scripts = bool(model_languages.language_scripts(model))
+    if not has_scripts:
+        del ways["given_scripts"]
+        ways["both"]["scripts"] = False
+
+    def decode_all(way: dict) -> tuple[float, list[str]]:
         texts: list[str] = []
         sync()
         started = time.perf_counter()
         with autocast():
-            for (enc, enc_len), first in zip(encoded, firsts):
-                texts += kind.greedy_texts_of_encoded(model, enc, enc_len, first if given else None)
+            for (enc, enc_len), (_, _, langs) in zip(encoded, batches):
+                out = asr_model.decode_encoded(
+                    model,
+                    enc,
+                    enc_len,
+                    auto=way["auto"],
+                    languages=langs if way.get("given") else None,
+                    scripts=way.get("scripts"),
+                )
+                texts += out.given_texts if way.get("given") else out.texts
         sync()
         return time.perf_counter() - started, texts
 
-    times: dict[str, list[float]] = {"auto": [], "given": []}
-    ratios = []
+    names = list(ways)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    texts: dict[str, list[str]] = {}
+    ratios: dict[str, list[float]] = {name: [] for name in names if name != "auto"}
     with asr_model.decoding_graphs(model):
-        decode_all(False), decode_all(True)  # warm-up: graph capture, allocator
+        for name in names:  # warm-up: graph capture, allocator
+            decode_all(ways[name])
         for r in range(args.rounds):
-            pair = {}
-            for name in ("auto", "given") if r % 2 == 0 else ("given", "auto"):
-                pair[name], texts = decode_all(name == "given")
-                times[name].append(pair[name])
-                if name == "given":
-                    given_texts = texts
-                else:
-                    auto_texts = texts
-            ratios.append(pair["given"] / pair["auto"])
+            took = {}
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                took[name], texts[name] = decode_all(ways[name])
+                times[name].append(took[name])
+            for name in ratios:
+                ratios[name].append(took[name] / took["auto"])
         mode = getattr(
             getattr(model.decoding.decoding, "decoding_computer", None), "cuda_graphs_mode", None
         )
-    auto_s, given_s = statistics.median(times["auto"]), statistics.median(times["given"])
+    median = {name: statistics.median(times[name]) for name in names}
     utterances = sum(len(langs) for _, _, langs in batches)
     audio_s = sum(float(n.sum()) for _, n, _ in batches) / int(model.cfg.preprocessor.sample_rate)
 
-    def pieces(texts):  # words written, tags aside
+    def words(texts):  # words written, tags aside
         from manifest_schema import strip_lang_tag
 
         return sum(len(strip_lang_tag(t).split()) for t in texts)
 
     print(
         f"model {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
-        f"parameters on {device}, precision {args.precision}; {utterances} utterances, {audio_s:.0f} s of audio in "
-        f"{len(batches)} batches; {args.rounds} rounds"
+        f"parameters on {device}, precision {args.precision}; {utterances} utterances, "
+        f"{audio_s:.0f} s of audio in {len(batches)} batches; {args.rounds} rounds"
     )
-    print(f"encoder (once)             {encoder_s:8.3f} s")
-    print(f"decoding auto              {auto_s:8.3f} s   {pieces(auto_texts)} words written")
-    print(f"decoding, language given   {given_s:8.3f} s   {pieces(given_texts)} words written")
-    print(
-        f"given / auto, decoding     {given_s / auto_s:8.3f}   per round: "
-        + ", ".join(f"{r:.3f}" for r in ratios)
-    )
-    print(
-        f"given / auto, with encoder {(encoder_s + given_s) / (encoder_s + auto_s):8.3f}   "
-        "(what evaluate.py and transcribe.py wait for)"
-    )
+    if not has_scripts:
+        print("the model records no scripts for its languages: given_scripts not measured")
+    print(f"encoder (once)        {encoder_s:8.3f} s")
+    what = {
+        "auto": "auto decoding",
+        "given_tag": "the language given, tag alone",
+        "given_scripts": "the language given, its scripts kept (default)",
+        "both": "auto and given, as validation decodes",
+    }
+    for name in names:
+        print(f"{name:<14} {median[name]:8.3f} s   {words(texts[name]):6d} words   {what[name]}")
+    for name, rounds in ratios.items():
+        print(
+            f"{name} / auto: decoding {median[name] / median['auto']:.3f}, with the encoder "
+            f"{(encoder_s + median[name]) / (encoder_s + median['auto']):.3f}   per round: "
+            + ", ".join(f"{x:.3f}" for x in rounds)
+        )
     if cuda:
         # NeMo's CUDA graphs decode in the weights' precision (autocast off), its torch loop under
         # autocast: in bf16 the two may part on near ties, auto and given alike
-        differ = {}
         with torch.inference_mode(), autocast():
             model.disable_cuda_graphs()
-            for name, reference in (("auto", auto_texts), ("given", given_texts)):
-                plain = []
-                for (enc, enc_len), first in zip(encoded, firsts):
-                    plain += kind.greedy_texts_of_encoded(
-                        model, enc, enc_len, first if name == "given" else None
-                    )
-                differ[name] = sum(a != b for a, b in zip(plain, reference))
+            differ = {
+                name: sum(a != b for a, b in zip(decode_all(ways[name])[1], texts[name]))
+                for name in names
+                if name != "both"
+            }
         print(
             f"CUDA graphs: {mode}; texts with graphs against without, differing: "
-            f"auto {differ['auto']}, given {differ['given']} of {len(auto_texts)}"
+            + ", ".join(f"{name} {n}" for name, n in differ.items())
+            + f" of {len(texts['auto'])}"
         )
     return 0
 
