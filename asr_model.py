@@ -1135,14 +1135,15 @@ def language_piece_masks(model, languages) -> list[torch.Tensor | None]:
     bool tensor over ``model``'s pieces, True for a piece whose letters are all of the scripts the
     model records that language written in (``model_languages.language_scripts``), for a piece
     without letters (digits, punctuation, the word boundary) and for ``always_kept`` pieces;
-    False for every language tag. None where the language is None or empty, where the model records no
-    scripts for it, or for a tokenizer that is not SentencePiece: any piece then."""
+    False for every language tag. None (any piece) where the language is None or empty, where
+    the model records no scripts for it (or none: a language whose texts had no letters), or for
+    a tokenizer that is not SentencePiece."""
     import model_languages
     from manifest_schema import lang_tag, leading_lang
     from script_languages import scripts_of
 
     recorded = model_languages.language_scripts(model)
-    wanted = {lang for lang in languages if lang and lang in recorded}
+    wanted = {lang for lang in languages if lang and recorded.get(lang)}
     if not wanted:
         return [None] * len(languages)
     known = _PIECE_MASKS.setdefault(model.tokenizer, {})
@@ -1185,8 +1186,8 @@ def kept_scripts_phrase(model, languages) -> str:
         return "the tag alone (LANGUAGE_GIVEN_SCRIPTS=0)"
     recorded = model_languages.language_scripts(model)
     asked = sorted({lang for lang in languages if lang and lang != "und"})
-    kept = [f"{lang} {'+'.join(sorted(recorded[lang]))}" for lang in asked if lang in recorded]
-    alone = [lang for lang in asked if lang not in recorded]
+    kept = [f"{lang} {'+'.join(sorted(recorded[lang]))}" for lang in asked if recorded.get(lang)]
+    alone = [lang for lang in asked if not recorded.get(lang)]
     parts = [f"then only pieces of its scripts ({', '.join(kept)})"] if kept else []
     if alone:
         parts.append(f"the tag alone for {', '.join(alone)} (the model records no scripts for it)")

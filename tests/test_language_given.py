@@ -176,6 +176,11 @@ def test_with_the_language_given_decoding_writes_only_pieces_of_its_scripts(tiny
     kept = asr_model.language_piece_masks(model, languages)
     pieces = asr_model.model_pieces(model)
     assert kept[2] is None and bool(kept[0][pieces.index("<|en|>")]) is False  # tags are out
+    with open_dict(model.cfg):  # a language recorded without letters: any piece, as unrecorded
+        model.cfg.language_scripts = {"en": ["Latin"], "hi": []}
+    assert asr_model.language_piece_masks(model, ["hi", "ta"]) == [None, None]
+    with open_dict(model.cfg):
+        model.cfg.language_scripts = {"en": ["Latin"], "hi": ["Devanagari"]}
     decoded = asr_model.decode_batch(model, signal, lens, languages=languages)
     assert decoded.texts == before
     assert asr_model.decode_batch(model, signal, lens).texts == before  # the rows are cleared
