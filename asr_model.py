@@ -468,7 +468,7 @@ class TDT(ModelFamily):
             add_sos=False,
             batch_size=1,
         )
-        start = model.decoder.batch_unsplit_states(model.decoder.batch_split_states(start) * size)
+        start = _states_for_batch(model.decoder, start, size)
         start_out = model.joint.project_prednet(start_out).expand(size, -1, -1)
         out, state = model.decoder.predict(
             pieces.unsqueeze(1), start, add_sos=False, batch_size=size
@@ -557,6 +557,18 @@ class TDT(ModelFamily):
 
     def describe_loss(self, model) -> str:
         return f"TDT loss {model.loss._loss}"
+
+
+def _states_for_batch(decoder, state, size: int):
+    """One utterance's prediction-network ``state`` as the state of ``size`` utterances. An LSTM
+    prediction network's (h, c), each [layers, 1, hidden], is expanded along its batch dimension
+    with no loop; any other kind goes through the decoder's split and unsplit, one copy per
+    utterance."""
+    if isinstance(state, (tuple, list)) and all(
+        isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1] == 1 for t in state
+    ):
+        return type(state)(t.expand(-1, size, -1).contiguous() for t in state)
+    return decoder.batch_unsplit_states(decoder.batch_split_states(state) * size)
 
 
 class _KeptPieces:
