@@ -527,11 +527,15 @@ class TDT(ModelFamily):
             logits = logits.float()
             best, tokens = logits[..., : blank + 1].softmax(-1).max(-1)
             steps = (
-                logits[..., blank + 1 : blank + 1 + len(durations)].argmax(-1).tolist()
+                logits[..., blank + 1 : blank + 1 + len(durations)].argmax(-1)
                 if durations
-                else None
+                else torch.zeros_like(tokens)
             )
-            tokens, best = tokens.tolist(), best.tolist()
+            # one copy to the host for the three (each a sync on a GPU); ids are exact in float64
+            host = torch.stack((tokens.double(), best.double(), steps.double())).cpu()
+            tokens = host[0].long().tolist()
+            best = host[1].tolist()
+            steps = host[2].long().tolist() if durations else None
             still = []
             for k, b in enumerate(walking):
                 end = min(lengths[b], low + len(tokens[k]))
