@@ -165,6 +165,7 @@ def test_with_the_language_given_decoding_writes_only_pieces_of_its_scripts(tiny
     is unchanged, before and after, and LANGUAGE_GIVEN_SCRIPTS=0 decodes from the tag alone."""
     from omegaconf import open_dict
 
+    from manifest_schema import strip_lang_tag
     from script_languages import scripts_of
 
     model, signal, lens = shaped_model(tiny, "prediction")
@@ -205,6 +206,10 @@ def test_with_the_language_given_decoding_writes_only_pieces_of_its_scripts(tiny
             assert tag_alone.given_texts[b] == model.tokenizer.ids_to_text(unkept)
             strayed += any(other[lang] in scripts_of(pieces[i]) for i in unkept[1:])
     assert strayed  # from the tag alone, some utterance wrote the other script
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as a bf16-mixed run validates
+        bf16 = asr_model.decode_batch(model, signal, lens, languages=languages)
+    for text, lang in zip(bf16.given_texts, languages):
+        assert lang is None or other[lang] not in scripts_of(strip_lang_tag(text))
     monkeypatch.setattr(config, "LANGUAGE_GIVEN_SCRIPTS", "0")
     off = asr_model.decode_batch(model, signal, lens, languages=languages)
     assert off.given_texts == tag_alone.given_texts
