@@ -20,6 +20,11 @@ left is skipped and says so; a stage past its limit is killed with everything it
   training     scripts/smoke_test.sh on the prepared data: configs/demo_tdt.yaml in PRECISION
                (bf16-mixed), validation at step 4 (the decoder's CUDA graphs), SIGTERM at step 10
                (saved, exit 75), a resume to step 50 and its .nemo export
+  decode-language
+               benchmarks/bench_decode_language.py on the prepared training audio: greedy decoding
+               with the language given (the tag alone, and keeping to its scripts) and both ways
+               as validation decodes, against auto, side by side, in the decoder's CUDA graphs,
+               fp32 and bf16 autocast; whether graphs and the plain loop write the same texts
   step-bench   benchmarks/bench_train_step.py at full size (configs/parakeet_tdt_0.6b.yaml,
                VOCAB_SIZE pieces, MAX_BATCH_DURATION): project against NeMo's training_step,
                step time, audio seconds per second, peak memory, MFU
@@ -44,6 +49,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -72,6 +78,7 @@ DATA_KNOBS = {
 FULL_SIZE_TOKENS_PER_SECOND = "5.0"
 RESULT_MARK = "ACCEPTANCE-RESULT "
 SLOWER_THAN_NEMO = 1.10  # the step-bench ratio that warns
+GIVEN_BOUND = 1.05  # decoding with the language given against auto, with the encoder: above warns
 
 
 @dataclass
@@ -428,6 +435,47 @@ def bench_figure(log: str) -> tuple[str, str]:
     return ("warn" if slower else "ok"), "; ".join(parts)
 
 
+DECODE_RATIO = re.compile(
+    r"^(given_tag|given_scripts|both) / auto: decoding ([\d.]+), with the encoder ([\d.]+)", re.M
+)
+DECODE_PRECISION = re.compile(r"precision (\w+);")
+DECODE_GRAPHS = re.compile(
+    r"^CUDA graphs: (\S+); texts with graphs against without, differing: (.*)$", re.M
+)
+
+
+def decode_language_figure(log: str, returncode: int) -> tuple[str, str]:
+    """One figure from bench_decode_language.py's runs (one per precision): each decoding's
+    ratio to auto, the search alone and with the encoder; warn where the language given (its
+    scripts kept, else the tag alone) costs more than GIVEN_BOUND with the encoder."""
+    runs = [run for run in re.split(r"^(?=model )", log, flags=re.M) if run.startswith("model ")]
+    parts, slow = [], []
+    for run in runs:
+        ratios = {name: (float(a), float(b)) for name, a, b in DECODE_RATIO.findall(run)}
+        if not ratios:
+            continue
+        precision = DECODE_PRECISION.search(run)
+        text = f"{precision.group(1) if precision else '?'}: " + ", ".join(
+            f"{name} {a:.3f} ({b:.3f} with encoder)" for name, (a, b) in ratios.items()
+        )
+        graphs = DECODE_GRAPHS.search(run)
+        if graphs:
+            text += f"; graphs {graphs.group(1)}, texts differing {graphs.group(2)}"
+        given = ratios.get("given_scripts") or ratios.get("given_tag")
+        if given and given[1] > GIVEN_BOUND:
+            slow.append(text.split(":")[0])
+        parts.append(text)
+    if "records no scripts" in log:
+        parts.append("the model records no scripts: given_scripts not measured")
+    if returncode != 0 or not parts:
+        tail = " / ".join(log.strip().splitlines()[-3:])[-400:]
+        return "fail", f"exit {returncode}: " + ("; ".join(parts) or tail)
+    figure = "search / auto: " + "; ".join(parts)
+    if slow:
+        return "warn", f"given above {GIVEN_BOUND} with the encoder in {', '.join(slow)}; {figure}"
+    return "ok", figure
+
+
 PREFLIGHT_LINE = re.compile(r"^(ok|warn|fail|skip)\s+(\S+)\s+(.*)$")
 
 
@@ -487,6 +535,7 @@ def plan_stages(cpu: bool) -> list[Stage]:
         "data": (60, 60, 10),
         "tdt-loss": (120, 60, 20),
         "training": (200, 240, 90),
+        "decode-language": (150, 120, 30),
         "step-bench": (180, 150, 60),
         "preflight": (120, 120, 45),
         "max-batch": (150, 0, 60),
@@ -643,6 +692,31 @@ class Runner:
         code, log = self.spawn(stage, ["bash", "scripts/smoke_test.sh"], env)
         metrics = read_metrics(smoke / "wandb_logs" / "smoke" / "metrics.jsonl")
         stage.verdict, stage.figure = training_figure(log, metrics)
+        if code is None:
+            stage.verdict = "fail"
+            stage.figure = f"killed at its {stage.limit_s:.0f} s limit; " + stage.figure
+
+    def stage_decode_language(self, stage: Stage) -> None:
+        bench = [
+            sys.executable,
+            "benchmarks/bench_decode_language.py",
+            "--manifest",
+            self.env["TRAIN_MANIFEST_PATH"],
+            "--tokenizer",
+            self.env["TOKENIZER_DIR"],
+            "--config",
+            str(REPO / "configs" / "demo_tdt.yaml"),
+        ]
+        if self.cpu:
+            runs = [bench + ["--device", "cpu", "--utterances", "24", "--rounds", "2"]]
+        else:
+            runs = [
+                bench + ["--device", "cuda", "--rounds", "7"],
+                bench + ["--device", "cuda", "--rounds", "7", "--precision", "bf16"],
+            ]
+        script = " && ".join(" ".join(shlex.quote(a) for a in run) for run in runs)
+        code, log = self.spawn(stage, ["bash", "-c", script], self.stage_env())
+        stage.verdict, stage.figure = decode_language_figure(log, code if code is not None else -9)
         if code is None:
             stage.verdict = "fail"
             stage.figure = f"killed at its {stage.limit_s:.0f} s limit; " + stage.figure

@@ -106,19 +106,25 @@ def test_cpu_mode_runs_every_stage_on_a_moved_folder_and_leaves_no_process(prepa
         "data",
         "tdt-loss",
         "training",
+        "decode-language",
         "step-bench",
         "preflight",
         "max-batch",
     ]
     for name, stage in stages.items():
-        # The step benchmark's verdict is a timing on a shared machine: it may warn, never fail.
-        expected = {"max-batch": ("skip",), "step-bench": ("ok", "warn")}.get(name, ("ok",))
+        # The benchmarks' verdicts are timings on a shared machine: they may warn, never fail.
+        timed = ("ok", "warn")
+        expected = {"max-batch": ("skip",), "step-bench": timed, "decode-language": timed}
+        expected = expected.get(name, ("ok",))
         assert stage["verdict"] in expected, (name, stage["figure"])
     assert "CUDA only" in stages["max-batch"]["figure"]
     assert "moved from" in stages["data"]["figure"] and str(prepared) in stages["data"]["figure"]
     training = stages["training"]["figure"]
     assert "50 optimizer steps" in training and "SIGTERM at step 10 saved (exit 75)" in training
     assert "ratio" in stages["step-bench"]["figure"]
+    # the prepared tokenizer counted each language's scripts: all four decodings were timed
+    decoding = stages["decode-language"]["figure"]
+    assert "given_tag" in decoding and "given_scripts" in decoding and "both" in decoding
     table = (out / "acceptance.md").read_text()
     assert "| training | ok |" in table and "CPU mode" in table
     assert "| stage | verdict | seconds | figure |" in done.stdout
@@ -271,6 +277,34 @@ def test_the_step_benchmarks_lines_become_one_figure_with_the_ratios():
             )
         )[0]
         == "warn"
+    )
+
+
+def test_the_decoding_benchmarks_runs_become_one_figure_per_precision():
+    run = (
+        "model EncDecRNNTBPEModel, 1.0 M parameters on cuda, precision {p}; 117 utterances, 478 s "
+        "of audio in 5 batches; 7 rounds\n"
+        "auto              0.054 s     800 words   auto decoding\n"
+        "given_tag / auto: decoding 1.050, with the encoder 1.002   per round: 1.0, 1.1\n"
+        "given_scripts / auto: decoding 1.080, with the encoder {g}   per round: 1.0, 1.1\n"
+        "both / auto: decoding 1.500, with the encoder 1.040   per round: 1.4, 1.6\n"
+        "CUDA graphs: full_graph; texts with graphs against without, differing: auto 0, "
+        "given_tag 0, given_scripts 0 of 117\n"
+    )
+    log = run.format(p="32", g="1.004") + run.format(p="bf16", g="1.009")
+    verdict, figure = ga.decode_language_figure(log, 0)
+    assert verdict == "ok"
+    assert figure.startswith("search / auto: 32: given_tag 1.050 (1.002 with encoder)")
+    assert "bf16: given_tag" in figure and "given_scripts 1.080 (1.009 with encoder)" in figure
+    assert (
+        "graphs full_graph, texts differing auto 0, given_tag 0, given_scripts 0 of 117" in figure
+    )
+    slow = run.format(p="32", g="1.004") + run.format(p="bf16", g="1.090")
+    verdict, figure = ga.decode_language_figure(slow, 0)
+    assert verdict == "warn" and figure.startswith("given above 1.05 with the encoder in bf16;")
+    assert ga.decode_language_figure("Traceback ...\nRuntimeError: boom", 1) == (
+        "fail",
+        "exit 1: Traceback ... / RuntimeError: boom",
     )
 
 
