@@ -588,8 +588,11 @@ class _KeptPieces:
 
     def __init__(self, joint, rows: int, pieces: int, device):
         self.joint = joint
+        self.pieces = pieces
+        # as wide as the joint's output (pieces, blank, durations): one contiguous add per step
+        width = max(int(getattr(joint, "num_classes_with_blank", pieces + 1)), pieces + 1)
         with torch.inference_mode(False):  # written in place by every later search
-            self.bias = torch.zeros(rows, pieces, device=device)
+            self.bias = torch.zeros(rows, width, device=device)
 
     def __getattr__(self, name):
         return getattr(self.joint, name)
@@ -612,10 +615,12 @@ class _KeptPieces:
     def keep(self, kept: list[torch.Tensor | None]) -> None:
         """Row b keeps the pieces ``kept[b]`` marks True (None: every piece); rows past the batch
         keep every piece."""
+        every = torch.ones(self.pieces, dtype=torch.bool)
+        rows = torch.stack([every if mask is None else mask.cpu() for mask in kept])
         self.bias.zero_()
-        for b, mask in enumerate(kept):
-            if mask is not None:
-                self.bias[b].masked_fill_(~mask.to(self.bias.device), float("-inf"))
+        self.bias[: len(kept), : self.pieces].masked_fill_(
+            ~rows.to(self.bias.device), float("-inf")
+        )
 
     def keep_all(self) -> None:
         self.bias.zero_()
@@ -623,7 +628,11 @@ class _KeptPieces:
     def joint_after_projection(self, f: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         out = self.joint.joint_after_projection(f, g)
         if out.shape[0] <= self.bias.shape[0]:
-            out[..., : self.bias.shape[1]] += self.bias[: out.shape[0], None, None, :]
+            bias = self.bias[: out.shape[0], None, None, :]
+            if out.shape[-1] == bias.shape[-1]:
+                out += bias
+            else:
+                out[..., : self.pieces] += bias[..., : self.pieces]
         return out
 
 
