@@ -56,9 +56,10 @@ def inputs_of(
     ``lang="manifest"``, each manifest row's ``lang`` or the tag its ``text`` starts with (None
     for a row with neither)."""
     from manifest_schema import (
+        AUDIO_COLUMN,
         ManifestError,
         audio_columns,
-        audio_path_expr,
+        audio_dirs_and_names,
         is_nemo_json,
         leading_lang,
         read_nemo_manifest,
@@ -79,16 +80,30 @@ def inputs_of(
         paths = [r.audio_filepath for r in rows]
         langs = [r.lang or leading_lang(r.text or "") for r in rows]
     else:
-        import polars as pl
+        # pyarrow, which training needs too: a GPU node's training-only install has no polars
+        import pyarrow as pa
+        import pyarrow.parquet as pq
 
-        names = pl.read_parquet_schema(manifest)
-        columns = audio_columns(names) + [c for c in ("lang", "text") if c in names]
-        frame = pl.read_parquet(manifest, columns=list(dict.fromkeys(columns)))
-        paths = frame.select(audio_path_expr(frame.columns)).to_series().to_list()
-        if "lang" in frame.columns:
-            langs = frame.get_column("lang").to_list()
-        elif "text" in frame.columns:
-            langs = [leading_lang(t or "") for t in frame.get_column("text").to_list()]
+        try:
+            names = pq.read_schema(manifest).names
+        except (OSError, pa.ArrowException) as exc:
+            raise ManifestError(
+                f"--manifest {manifest}: not NeMo JSON nor parquet ({exc})"
+            ) from None
+        where = audio_columns(names)
+        columns = where + [c for c in ("lang", "text") if c in names]
+        table = pq.read_table(manifest, columns=list(dict.fromkeys(columns)))
+        if where == [AUDIO_COLUMN]:
+            paths = table.column(AUDIO_COLUMN).to_pylist()
+        else:
+            dirs, files = audio_dirs_and_names({c: table.column(c).combine_chunks() for c in where})
+            paths = [
+                f"{d}/{f}" for d, f in zip(dirs.cast(pa.string()).to_pylist(), files.to_pylist())
+            ]
+        if "lang" in names:
+            langs = table.column("lang").to_pylist()
+        elif "text" in names:
+            langs = [leading_lang(t or "") for t in table.column("text").to_pylist()]
         else:
             langs = [None] * len(paths)
     if lang is None:

@@ -811,6 +811,32 @@ def test_transcribe_reads_the_audio_of_a_parquet_manifest_like_its_nemo_json(tin
     assert given == transcribe.inputs_of([], json_manifest, "manifest")
     assert sorted(set(given[1])) == ["en", "hi"] and given[0] == paths
     assert transcribe.inputs_of([], json_manifest, "ta")[1] == ["ta"] * 12
+    # a manifest written before the audio column (its tar path and member): the same files
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from manifest_schema import AUDIO_COLUMN, LEGACY_AUDIO_COLUMNS, ManifestError
+
+    table = pq.read_table(tiny.manifest)
+    audio = table.column(AUDIO_COLUMN)
+    tar_path, member = LEGACY_AUDIO_COLUMNS
+    legacy = table.drop_columns([AUDIO_COLUMN]).append_column(
+        tar_path, pc.replace_substring_regex(audio, r"/[^/]*$", "/shard.tar")
+    )
+    legacy = legacy.append_column(member, pc.replace_substring_regex(audio, r"^.*/", ""))
+    pq.write_table(legacy, tiny.root / "legacy.parquet")
+    assert transcribe.inputs_of([], tiny.root / "legacy.parquet") == (paths, None)
+    (tiny.root / "not-a-manifest.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(ManifestError, match="not NeMo JSON nor parquet"):
+        transcribe.inputs_of([], tiny.root / "not-a-manifest.parquet")
+    # pyarrow alone reads it: a training node's install has no polars
+    code = (
+        "import sys; from pathlib import Path; sys.modules['polars'] = None; "
+        "from scripts import transcribe; "
+        f"print(len(transcribe.inputs_of([], Path({str(tiny.manifest)!r}))[0]))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "12", done.stderr[-2000:]
 
 
 def _averaging_run(tiny, name: str) -> Path:
