@@ -38,7 +38,7 @@ import torch
 
 import config
 import tdt_loss
-from checkpoints import CheckpointError, read_checkpoint
+from checkpoints import PORTABLE_KEY, CheckpointError, read_checkpoint
 
 log = logging.getLogger("asr_model")
 
@@ -1425,8 +1425,6 @@ def describe(model) -> str:
     )
 
 
-# The key of a step checkpoint that holds ``portable_description``.
-PORTABLE_KEY = "asr_model"
 # A SentencePiece tokenizer directory as NeMo reads it (scripts/train_tokenizer.py writes all three).
 # The tokenizer directory's files a step checkpoint carries: NeMo's three, and train_tokenizer.py's
 # summary (which languages the base covers) and piece counts (the new pieces' starting biases), so

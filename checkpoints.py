@@ -557,6 +557,9 @@ RUN_RECORD = "run.json"
 # The key of a step checkpoint that holds the run as its model card tells it
 # (``training_step.TrainingModule.run_record``).
 RUN_RECORD_KEY = "run_record"
+# The key of a step checkpoint that holds the model's portable description (asr_model.py writes
+# it: class, config, tokenizer files), read without building the model.
+PORTABLE_KEY = "asr_model"
 # What run.json says about the timeline, kept when a job starts a new W&B run on it.
 TIMELINE_KEYS = frozenset({"validation", "started_from", "started_inside", "started_by"})
 

@@ -77,11 +77,10 @@ def _config_languages(text: str) -> tuple[str, ...] | None:
 
 
 def _checkpoint_languages(path: Path) -> tuple[str, ...] | None:
-    import asr_model
     import checkpoints
 
     checkpoint = checkpoints.read_checkpoint(path, mmap=True)
-    model_config = (checkpoint.get(asr_model.PORTABLE_KEY) or {}).get("config") or {}
+    model_config = (checkpoint.get(checkpoints.PORTABLE_KEY) or {}).get("config") or {}
     languages = model_config.get(CONFIG_KEY)
     if isinstance(languages, list):
         return tuple(str(lang) for lang in languages)
