@@ -276,6 +276,12 @@ REQUEUE_NEUTRAL_SETTINGS = frozenset(
         "WANDB_PROJECT",
         "IGNORE_UNKNOWN_ENV",
         "ACCELERATOR",
+        # How the step runs, not what it computes beyond rounding (step_speed.py).
+        "USE_PYTORCH_SDPA",
+        "JOINT_FUSED_BATCH_SIZE",
+        "FUSED_ADAMW",
+        "COMPILE_ENCODER",
+        "MATMUL_PRECISION",
     }
 )
 

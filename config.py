@@ -1055,6 +1055,52 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         steps=("train",),
     )
 
+    # Step speed (step_speed.py): how the step runs, never what it computes beyond rounding.
+    knob(
+        "USE_PYTORCH_SDPA",
+        "auto",
+        _choice("auto", "1", "0"),
+        "The encoder's attention through torch's scaled_dot_product_attention (fused kernels) "
+        "instead of NeMo's matmul-softmax-matmul: auto = as the model's config says "
+        "(use_pytorch_sdpa), 1 = on, 0 = off",
+        steps=("train",),
+    )
+    knob(
+        "JOINT_FUSED_BATCH_SIZE",
+        0,
+        _int,
+        "Utterances per sub-batch of the fused joint + loss (fused_batch_size): larger runs fewer, "
+        "larger joint kernels and holds more joint memory at once; 0 = as the model's config says "
+        "(4 in Parakeet's)",
+        _non_negative,
+        steps=("train",),
+    )
+    knob(
+        "FUSED_ADAMW",
+        "0",
+        _choice("1", "0"),
+        "AdamW's fused kernel (torch.optim.AdamW(fused=True)): one kernel for the whole update "
+        "instead of a few per parameter list",
+        steps=("train",),
+    )
+    knob(
+        "COMPILE_ENCODER",
+        "0",
+        _choice("1", "0"),
+        "Compile each encoder layer with torch.compile (dynamic shapes; the first steps of each "
+        "new shape pay for compiling)",
+        steps=("train",),
+    )
+    knob(
+        "MATMUL_PRECISION",
+        "highest",
+        _choice("highest", "high", "medium"),
+        "torch.set_float32_matmul_precision for the parts that run in float32 under bf16-mixed "
+        "(the mel front end, attention scores NeMo keeps in float32, the loss): high = TF32 tensor "
+        "cores, still finer than bf16",
+        steps=("train",),
+    )
+
     knob(
         "IGNORE_UNKNOWN_ENV",
         "",
@@ -1284,6 +1330,11 @@ FORGETTING_WARN_POINTS: float
 SEED: int
 PRECISION: str
 ACCELERATOR: str
+USE_PYTORCH_SDPA: str
+JOINT_FUSED_BATCH_SIZE: int
+FUSED_ADAMW: str
+COMPILE_ENCODER: str
+MATMUL_PRECISION: str
 IGNORE_UNKNOWN_ENV: str
 
 

@@ -80,6 +80,7 @@ import checkpoints  # noqa: E402
 import config  # noqa: E402
 import model_languages  # noqa: E402
 import run_logging  # noqa: E402
+import step_speed  # noqa: E402
 import transcript_style  # noqa: E402
 from sampler import BatchingSettings  # noqa: E402
 from training_step import (  # noqa: E402
@@ -386,6 +387,7 @@ def run(argv: list[str] | None = None) -> int:
                 config.MAX_STEPS,
             )
         return 0
+    step_speed.apply_to_process(step_speed.SpeedSettings.from_config())
     # Same seed everywhere for the model's initial weights (DDP also broadcasts rank 0's).
     pl.seed_everything(config.SEED, workers=True)
     model = asr_model.build_model()
@@ -420,6 +422,7 @@ def run(argv: list[str] | None = None) -> int:
     trainer = build_trainer(callback_list, env, ckpt_path)
     log_startup(trainer, env, model)
     if env["rank"] == 0:
+        log.info("step speed: %s", step_speed.describe(module.speed, module.speed_changes))
         log_finetuning_levers(model, module.batching, data_languages)
     trainer.fit(module, ckpt_path=ckpt_path)
     process_control.set_training(False)

@@ -31,6 +31,7 @@ import checkpoints
 import collectives
 import config
 import process_control
+import step_speed
 
 log = logging.getLogger("train")
 
@@ -252,11 +253,14 @@ class TrainingModule(pl.LightningModule):
     monitoring callbacks read.
     """
 
-    def __init__(self, model, batching=None):
+    def __init__(self, model, batching=None, speed=None):
         super().__init__()
         self.model = model
         # The sampler's settings (sampler.BatchingSettings): train.py passes the knobs it read.
         self.batching = batching if batching is not None else _batching_from_config()
+        # How the step runs (step_speed.SpeedSettings), applied to the model it trains right here.
+        self.speed = speed if speed is not None else step_speed.SpeedSettings.from_config()
+        self.speed_changes = step_speed.apply_to_model(model, self.speed)
         self.dataset = None
         self.sampler = None
         self.encoder_frozen = False  # set by enter_phase
@@ -611,7 +615,9 @@ class TrainingModule(pl.LightningModule):
             lr=1.0,
             betas=(0.9, 0.98),
             weight_decay=config.WEIGHT_DECAY,
+            **step_speed.adamw_options(self.speed),
         )
+        step_speed.keep_kernel_choice(optimizer)
         NewPieceLRScale(
             asr_model.new_piece_parameters(self.model), config.NEW_PIECE_LR_SCALE
         ).attach(optimizer)

@@ -1,0 +1,190 @@
+"""How fast one training step runs: the step-speed knobs, applied to a model, its optimizer and the
+process.
+
+Each setting changes how the step's arithmetic is scheduled, not what it computes: the loss and the
+update stay the same up to floating-point rounding (bf16 noise under bf16-mixed). That is why a
+requeue may change them (checkpoints.REQUEUE_NEUTRAL_SETTINGS) and why their defaults are chosen by
+measurement alone (``benchmarks/bench_train_step.py --levers`` times each on and off in one run).
+
+- USE_PYTORCH_SDPA: every attention module of the encoder computes softmax(QK^T + positional scores)V
+  with ``torch.nn.functional.scaled_dot_product_attention`` (NeMo's ``use_pytorch_sdpa`` path)
+  instead of three separate kernels; "auto" keeps what the model's config says.
+- JOINT_FUSED_BATCH_SIZE: utterances per sub-batch of NeMo's fused joint + loss; 0 keeps the
+  model's config value.
+- FUSED_ADAMW: AdamW's single fused kernel for the whole update.
+- COMPILE_ENCODER: each encoder layer compiled by ``torch.compile`` (dynamic shapes), in place, so
+  parameter names, state dicts and checkpoints are unchanged.
+- MATMUL_PRECISION: ``torch.set_float32_matmul_precision`` for the float32 parts.
+
+``TrainingModule`` applies the settings to the model it trains (``apply_to_model``) and to its AdamW
+(``adamw_options``); train.py applies ``apply_to_process`` once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+import config
+
+# The benchmark's levers: name -> the setting that turns it on (off is the model's own).
+LEVERS = {
+    "sdpa": {"sdpa": "1"},
+    "fused-adamw": {"fused_adamw": True},
+    "compile": {"compile_encoder": True},
+    "tf32": {"matmul_precision": "high"},
+}
+
+
+@dataclass(frozen=True)
+class SpeedSettings:
+    """The step-speed knobs as values (``from_config`` reads them); the defaults are the model's own
+    behaviour: nothing changed."""
+
+    sdpa: str = "auto"  # "auto" (the model's config), "1" or "0"
+    fused_batch_size: int = 0  # 0: the model's config
+    fused_adamw: bool = False
+    compile_encoder: bool = False
+    matmul_precision: str = "highest"
+
+    @classmethod
+    def from_config(cls) -> SpeedSettings:
+        return cls(
+            sdpa=config.USE_PYTORCH_SDPA,
+            fused_batch_size=config.JOINT_FUSED_BATCH_SIZE,
+            fused_adamw=config.FUSED_ADAMW == "1",
+            compile_encoder=config.COMPILE_ENCODER == "1",
+            matmul_precision=config.MATMUL_PRECISION,
+        )
+
+    def with_lever(self, lever: str) -> SpeedSettings:
+        """These settings with benchmark lever ``lever`` (LEVERS, or ``fused-batch-size=N``) on."""
+        if lever.startswith("fused-batch-size="):
+            return dataclasses.replace(self, fused_batch_size=int(lever.split("=", 1)[1]))
+        if lever not in LEVERS:
+            raise ValueError(
+                f"unknown lever {lever!r}: expected one of {', '.join(LEVERS)} or fused-batch-size=N"
+            )
+        return dataclasses.replace(self, **LEVERS[lever])
+
+
+def attention_modules(model) -> list[torch.nn.Module]:
+    """The encoder's multi-head attention modules (those NeMo's ``use_pytorch_sdpa`` switches)."""
+    from nemo.collections.asr.parts.submodules.multi_head_attention import MultiHeadAttention
+
+    encoder = getattr(model, "encoder", None)
+    if encoder is None:
+        return []
+    return [m for m in encoder.modules() if isinstance(m, MultiHeadAttention)]
+
+
+def model_sdpa(model) -> bool:
+    """What the model's own config says of use_pytorch_sdpa (False when it says nothing)."""
+    cfg = getattr(model, "cfg", None)
+    encoder_cfg = cfg.get("encoder", None) if cfg is not None else None
+    return bool(encoder_cfg.get("use_pytorch_sdpa", False)) if encoder_cfg is not None else False
+
+
+def model_fused_batch_size(model) -> int | None:
+    """The fused_batch_size of the model's config, None when its joint runs unfused."""
+    cfg = getattr(model, "cfg", None)
+    joint_cfg = cfg.get("joint", None) if cfg is not None else None
+    if joint_cfg is None or not joint_cfg.get("fuse_loss_wer", False):
+        return None
+    return joint_cfg.get("fused_batch_size", None)
+
+
+def apply_to_model(model, settings: SpeedSettings) -> list[str]:
+    """Set the encoder's attention path, the joint's sub-batch and the encoder layers' compilation of
+    ``model`` as ``settings`` say, from whatever they were before (so a model can go back to its own
+    settings: ``SpeedSettings()``). Returns what differs from the model's config, for the log."""
+    changed = []
+    attention = attention_modules(model)
+    own_sdpa = model_sdpa(model)
+    sdpa = own_sdpa if settings.sdpa == "auto" else settings.sdpa == "1"
+    if sdpa:
+        from nemo.collections.asr.parts.submodules.multi_head_attention import (
+            RelPositionMultiHeadAttentionLongformer,
+        )
+
+        local = [m for m in attention if isinstance(m, RelPositionMultiHeadAttentionLongformer)]
+        if local:
+            raise config.ConfigError(
+                f"USE_PYTORCH_SDPA={settings.sdpa}: this model's encoder uses local attention "
+                f"({type(local[0]).__name__}), which NeMo runs without scaled_dot_product_attention; "
+                "set USE_PYTORCH_SDPA=auto"
+            )
+    for m in attention:
+        m.use_pytorch_sdpa = sdpa
+    if attention and sdpa != own_sdpa:
+        changed.append(f"encoder attention through torch SDPA {'on' if sdpa else 'off'}")
+
+    joint = getattr(model, "joint", None)
+    own_fused = model_fused_batch_size(model)
+    if joint is not None and getattr(joint, "fuse_loss_wer", False):
+        size = settings.fused_batch_size or own_fused or joint.fused_batch_size
+        joint.set_fused_batch_size(int(size))
+        if settings.fused_batch_size and settings.fused_batch_size != own_fused:
+            changed.append(f"joint sub-batches of {size} utterances (the model's: {own_fused})")
+    elif settings.fused_batch_size:
+        raise config.ConfigError(
+            f"JOINT_FUSED_BATCH_SIZE={settings.fused_batch_size}: this model's joint does not run "
+            "fused with its loss (joint.fuse_loss_wer is false), so it has no sub-batches; set "
+            "JOINT_FUSED_BATCH_SIZE=0"
+        )
+
+    layers = list(getattr(getattr(model, "encoder", None), "layers", None) or [])
+    for layer in layers:
+        if settings.compile_encoder and layer._compiled_call_impl is None:
+            layer.compile(dynamic=True)
+        elif not settings.compile_encoder:
+            layer._compiled_call_impl = None
+    if settings.compile_encoder and layers:
+        changed.append(f"{len(layers)} encoder layers compiled (torch.compile, dynamic shapes)")
+    return changed
+
+
+def adamw_options(settings: SpeedSettings) -> dict:
+    """AdamW's keyword arguments for ``settings``: ``fused=True`` with FUSED_ADAMW, else nothing
+    (torch's own choice, the multi-tensor kernels on CUDA)."""
+    return {"fused": True} if settings.fused_adamw else {}
+
+
+def keep_kernel_choice(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer`` keep its own kernel choice (fused, foreach) when it loads a state dict.
+
+    torch's ``load_state_dict`` takes every key of the saved parameter groups, ``fused`` included:
+    a job resumed with FUSED_ADAMW=1 from a checkpoint saved without it would run unfused, and the
+    other way round. The saved groups get this optimizer's choice before the load, and the step
+    counters the place that choice keeps them (on the parameter's device when fused, which torch's
+    load then does; a float32 host tensor otherwise)."""
+
+    def own_kernels(opt, state_dict):
+        for saved, own in zip(state_dict["param_groups"], opt.param_groups):
+            saved["fused"], saved["foreach"] = own.get("fused"), own.get("foreach")
+            if own.get("fused") or own.get("capturable"):
+                continue
+            for index in saved["params"]:
+                step = state_dict["state"].get(index, {}).get("step")
+                if torch.is_tensor(step):
+                    state_dict["state"][index]["step"] = step.to("cpu", torch.float32)
+        return state_dict
+
+    optimizer.register_load_state_dict_pre_hook(own_kernels)
+
+
+def apply_to_process(settings: SpeedSettings) -> None:
+    """The process-wide part: float32 matmul precision."""
+    torch.set_float32_matmul_precision(settings.matmul_precision)
+
+
+def describe(settings: SpeedSettings, model_changes: list[str]) -> str:
+    """One line for the start-up log: what runs differently from the model's own settings."""
+    parts = list(model_changes)
+    if settings.fused_adamw:
+        parts.append("fused AdamW")
+    if settings.matmul_precision != "highest":
+        parts.append(f"float32 matmuls at precision {settings.matmul_precision}")
+    return "; ".join(parts) if parts else "as the model's config says"
