@@ -1193,6 +1193,9 @@ def packed_batch_bound(sampler: DurationBucketBatchSampler) -> tuple[float, floa
         spread = np.sqrt(np.maximum(np.cumsum(squares[at]) / held - (summed / held) ** 2, 0.0))
         n = np.floor(room / np.maximum(mean, _MIN_SORT_SECONDS)) + 1
         low = mean - _BOUND_STANDARD_ERRORS * spread / np.sqrt(n)
+        # No mean of the bucket's rows is below its shortest row: for a span of few rows the
+        # standard errors can reach below it (even below zero), which no draw can.
+        low = np.maximum(low, shortest[np.flatnonzero(weight[at])[0]])
         n = np.floor(room / np.maximum(low, _MIN_SORT_SECONDS)) + 1
         np.minimum(n, np.cumsum(rows[at]), out=n)
         n[weight[at] <= 0] = 0  # no batch ends in a bin that no epoch draws from

@@ -125,3 +125,26 @@ def test_the_synthetic_batch_needs_no_base_languages_for_a_base_from_elsewhere(m
     monkeypatch.setattr(config, "BASE_LANGUAGES", ())
     monkeypatch.setattr(config, "BASE_LANGUAGE_SHARE", 0.25)
     assert max_batch.heaviest_batch_shape(90.0, tokens_per_second=5.0).durations
+
+
+def test_a_batch_of_few_long_utterances_holds_no_more_than_fit_in_its_seconds():
+    # A top bucket from 6 s with a pile of utterances at MAX_DURATION (12 s) and a micro-batch of
+    # 20 s: a batch holds rows of at least 6 s each, so at most 3 of them (or one over the cap).
+    rng = np.random.default_rng(0)
+    n = 100_000
+    durations = np.clip(rng.lognormal(np.log(6.0), 0.6, n), 0.5, 12.0)
+    languages = np.array(max_batch.LANGS)[rng.integers(0, len(max_batch.LANGS), n)]
+    tokens = np.clip(1 + np.round(12.5 * durations).astype(np.int64), 2, 150)
+    settings = BatchingSettings.from_config(
+        max_batch_duration=20.0,
+        boundaries=(2.0, 3.0, 4.0, 6.0),
+        seed=0,
+        grad_accum=1,
+        base_languages=(),
+        base_share=0.0,
+    )
+    shape = heaviest_packed_batch(durations, languages, tokens, settings)
+    assert len(shape[0]) <= 3, len(shape[0])
+    sampler = DurationBucketBatchSampler(durations, languages, settings, token_lengths=tokens)
+    dealt = max(len(batch) for batch in sampler if durations[batch].min() >= 6.0)
+    assert dealt <= len(shape[0])
