@@ -38,6 +38,7 @@ import torch
 import config
 from dataset import AsrBatch
 from sampler import BatchingSettings, heaviest_packed_batch, token_density
+from step_speed import SpeedSettings, apply_to_model
 from training_cache import tag_token_id
 from training_step import TrainingModule
 
@@ -205,19 +206,23 @@ def sync(device: torch.device) -> None:
 
 
 class StepTimer(pl.Callback):
-    """Wall time of every training batch (one optimizer step each), device work included."""
+    """Wall time of every optimizer step (``grad_accum`` training batches each), device work
+    included: from the start of its first micro-batch to the end of its last."""
 
-    def __init__(self):
+    def __init__(self, grad_accum: int = 1):
+        self.grad_accum = grad_accum
         self.times: list[float] = []
         self._start = 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        sync(pl_module.device)
-        self._start = time.perf_counter()
+        if batch_idx % self.grad_accum == 0:
+            sync(pl_module.device)
+            self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        sync(pl_module.device)
-        self.times.append(time.perf_counter() - self._start)
+        if (batch_idx + 1) % self.grad_accum == 0:
+            sync(pl_module.device)
+            self.times.append(time.perf_counter() - self._start)
 
 
 class FixedPhase(pl.Callback):
@@ -305,18 +310,26 @@ def run_steps(
     steps: int,
     device: torch.device,
     precision: str,
+    grad_accum: int = 1,
+    speed: SpeedSettings | None = None,
+    callbacks: list[pl.Callback] | None = None,
 ) -> RunResult:
-    """``warmup + steps`` optimizer steps of ``side`` ("project" or "nemo") in one Trainer.fit."""
+    """``warmup + steps`` optimizer steps of ``side`` ("project" or "nemo") in one Trainer.fit,
+    ``grad_accum`` micro-batches (copies of ``batch``) each. The project's step runs with ``speed``
+    (default: the step-speed knobs), NeMo's with the model's own settings. ``callbacks`` (a
+    profiler's, say) run after the phase is set and before the step timer."""
     reset_model(model)
-    timer = StepTimer()
+    timer = StepTimer(grad_accum)
+    micro_batches = (warmup + steps) * grad_accum
     if side == "project":
-        module = TrainingModule(model)
+        module = TrainingModule(model, speed=speed)
         extra = [FixedPhase(phase)]
-        data = [batch] * (warmup + steps)
+        data = [batch] * micro_batches
     else:
+        apply_to_model(model, SpeedSettings())
         module = model
         extra = [NemoFrozenEncoder()] if phase == 1 else []
-        data = [(batch.signal, batch.signal_len, batch.tokens, batch.token_len)] * (warmup + steps)
+        data = [(batch.signal, batch.signal_len, batch.tokens, batch.token_len)] * micro_batches
     trainer = pl.Trainer(
         accelerator=device.type,
         # This very GPU (cuda:<local rank> under torchrun), not the first visible one.
@@ -324,6 +337,7 @@ def run_steps(
         precision=precision,
         max_steps=warmup + steps,
         max_epochs=1,
+        accumulate_grad_batches=grad_accum,
         gradient_clip_val=config.GRAD_CLIP or None,
         logger=False,
         enable_checkpointing=False,
@@ -333,7 +347,7 @@ def run_steps(
         limit_val_batches=0,
         use_distributed_sampler=False,
         log_every_n_steps=NEMO_LOG_EVERY_N_STEPS,
-        callbacks=[*extra, timer],
+        callbacks=[*extra, *(callbacks or []), timer],
     )
     loader = torch.utils.data.DataLoader(data, batch_size=None, collate_fn=_same)
     if device.type == "cuda":

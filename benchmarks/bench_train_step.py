@@ -6,6 +6,9 @@ Usage:
     INIT_MODEL=/models/parakeet-tdt-0.6b-v2.nemo python benchmarks/bench_train_step.py     # a real model
     MODEL_CONFIG=configs/parakeet_tdt_0.6b.yaml PRECISION=bf16-mixed python benchmarks/bench_train_step.py
     MODEL_CONFIG=configs/parakeet_tdt_0.6b.yaml python benchmarks/bench_train_step.py --find-max-batch-duration
+    python benchmarks/bench_train_step.py --grad-accum 4            # optimizer steps as a real job takes them
+    python benchmarks/bench_train_step.py --profile --trace step.json   # where one phase-2 step's time goes
+    python benchmarks/bench_train_step.py --levers sdpa,fused-adamw,fused-batch-size=16,tf32,compile
 
 What it does:
 - Model: ``asr_model.build_model`` (INIT_MODEL, else MODEL_CONFIG) with TOKENIZER_DIR when that holds a
@@ -16,18 +19,35 @@ What it does:
   padded encoder frames of any batch packed in any epoch) from a synthetic corpus of 200k
   utterances (lognormal durations, median 6 s, clipped to MIN_DURATION..MAX_DURATION), with
   ``--tokens-per-second`` tokens per utterance second plus the language tag, and noise as audio.
-- Steps: Lightning ``Trainer.fit`` on that batch repeated, one optimizer step per batch, with
-  PRECISION, ACCELERATOR and GRAD_CLIP; ``--warmup`` steps are dropped, the median of ``--steps``
-  is reported. Phase 1: ``TrainingModule.enter_phase(1)`` freezes the encoder at every batch start; for NeMo the
-  encoder is frozen the NeMo way (``encoder.freeze()``, kept in eval mode). Phase 2: all trains.
+- Steps: Lightning ``Trainer.fit`` on that batch repeated, ``--grad-accum`` micro-batches per
+  optimizer step (default 1; a real job: GRAD_ACCUM), with PRECISION, ACCELERATOR, GRAD_CLIP and the
+  step-speed knobs (step_speed.py; NeMo's side runs the model's own settings); ``--warmup`` steps
+  are dropped, the median of ``--steps`` is reported. Phase 1: ``TrainingModule.enter_phase(1)``
+  freezes the encoder at every batch start; for NeMo the encoder is frozen the NeMo way
+  (``encoder.freeze()``, kept in eval mode). Phase 2: all trains.
   Order: project p1, NeMo p1, project p2, NeMo p2, then the same with NeMo first, ``--rounds``
   runs of each in all (default 2, so neither side always runs first); each side has its own
   optimizer (AdamW both: ours from config.py, NeMo's from ``cfg.optim``), the model is shared.
   NeMo's step decodes a training WER every ``log_every_n_steps`` (10, as in NeMo's configs);
   the median skips those steps unless they are most of them.
-- Printed: parameters, step time per phase and side, audio seconds per second, peak memory
-  (host RSS sampled every 5 ms on CPU; ``torch.cuda.max_memory_allocated`` on CUDA), the ratio
-  project / NeMo (target <= 1.0) and, on CUDA, model FLOPs utilization.
+- Printed: parameters, optimizer step time per phase and side, audio seconds per second (the
+  utterances' own audio, no padding), peak memory (host RSS sampled every 5 ms on CPU;
+  ``torch.cuda.max_memory_allocated`` on CUDA), the ratio project / NeMo (target <= 1.0) and, on
+  CUDA, model FLOPs utilization.
+
+--profile: instead of the timing, ``--warmup`` phase-2 optimizer steps of the project, then one
+under torch.profiler, sorted into its parts (benchmarks/step_profile.py: each part's forward and
+backward, the step boundary, the optimizer, host syncs, the allocator; host and device time) and
+printed as a table; ``--trace FILE`` keeps the chrome trace (chrome://tracing, Perfetto).
+
+--predict-mfu P: instead of the timing, the step time and audio s/s the FLOP count predicts at MFU
+P% of the device's peak (a prediction, printed as one; nothing runs).
+
+--levers A,B,...: instead of the timing, phase-2 optimizer steps of the project with the step-speed
+knobs as set (off) and with each lever on (step_speed.LEVERS: sdpa, fused-adamw, compile, tf32, and
+fused-batch-size=N), alternating, ``--rounds`` runs each; per lever the median on/off ratio of the
+paired rounds, and the loss of the batch in eval mode (no dropout, no SpecAugment) with the lever
+on against off from the same weights, whose relative difference must stay within bf16 noise.
 
 FLOPs of one optimizer step (B utterances padded to T encoder frames and U+1 decoder positions,
 encoder of L layers, width d, P_enc parameters; joint hidden H, V+1+D outputs; k = 3 with the
@@ -51,9 +71,11 @@ import logging
 import statistics
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
+import lightning.pytorch as pl
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -61,6 +83,8 @@ import torch
 
 import asr_model
 import config
+import step_speed
+from benchmarks import step_profile
 from dataset import AsrBatch
 from manifest_schema import tagged_text
 from max_batch import (
@@ -75,7 +99,9 @@ from max_batch import (
     manifest_token_density,
     run_steps,
     step_precision,
+    sync,
 )
+from step_speed import SpeedSettings, apply_to_model
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
@@ -202,6 +228,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="where the synthetic tokenizer is kept between runs",
     )
     parser.add_argument("--phases", default="1,2", help="which phases to time, e.g. 2")
+    parser.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step (a real job: GRAD_ACCUM); step times and audio "
+        "seconds per second are per optimizer step",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one phase-2 optimizer step of the project instead of timing both sides",
+    )
+    parser.add_argument(
+        "--trace", type=Path, default=None, help="with --profile: write the chrome trace here"
+    )
+    parser.add_argument(
+        "--levers",
+        type=lambda text: [t.strip() for t in text.split(",") if t.strip()],
+        default=None,
+        help="time phase 2 with each of these step-speed levers on against off (sdpa, fused-adamw, "
+        "compile, tf32, fused-batch-size=N)",
+    )
     parser.add_argument("--skip-nemo", action="store_true", help="time the project's step only")
     parser.add_argument(
         "--find-max-batch-duration",
@@ -213,6 +261,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--peak-tflops", type=float, default=None, help="device bf16 peak for MFU if not known"
+    )
+    parser.add_argument(
+        "--predict-mfu",
+        type=float,
+        default=None,
+        help="run nothing: print the step time and audio s/s the FLOP count predicts at this MFU "
+        "(percent) on the device's peak (--peak-tflops, default an H100/H200's 989)",
     )
     return parser.parse_args(argv)
 
@@ -290,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     shape = heaviest_batch_shape(config.MAX_BATCH_DURATION, args.tokens_per_second)
-    if device.type == "cpu" and estimated_host_bytes(model, shape) > available_host_bytes():
+    too_large = estimated_host_bytes(model, shape) > available_host_bytes()
+    if device.type == "cpu" and too_large and not args.predict_mfu:
         print(
             f"MAX_BATCH_DURATION={config.MAX_BATCH_DURATION:g}: a phase-2 step of {shape.describe()} needs "
             f"about {estimated_host_bytes(model, shape) / 2**30:.0f} GiB on CPU, {available_host_bytes() / 2**30:.0f} "
@@ -301,8 +357,54 @@ def main(argv: list[str] | None = None) -> int:
     batch = make_batch(shape, model.tokenizer)
     print(
         f"micro-batch: the sampler's heaviest at MAX_BATCH_DURATION={config.MAX_BATCH_DURATION:g}: "
-        f"{shape.describe()}"
+        f"{shape.describe()}; {args.grad_accum} per optimizer step"
     )
+    print(f"step speed: {describe_speed(SpeedSettings.from_config(), model)}")
+    if args.predict_mfu:
+        return predict(model, batch, shape, args)
+    if args.profile:
+        return profile_step(model, batch, shape, args, device, precision)
+    if args.levers:
+        return compare_levers(model, batch, shape, args, device, precision)
+    return time_sides(model, batch, shape, args, device, precision)
+
+
+def predict(model, batch, shape, args) -> int:
+    """What the FLOP count predicts at ``--predict-mfu``: a prediction, printed as one."""
+    peak = (args.peak_tflops or PEAK_BF16_FLOPS["H100"] / 1e12) * 1e12
+    mfu = args.predict_mfu / 100
+    audio = shape.audio_seconds * args.grad_accum
+    for phase in (1, 2):
+        flops = step_flops(model, batch, phase) * args.grad_accum
+        step_s = flops / (mfu * peak)
+        print(
+            f"phase {phase} PREDICTED (not measured) at MFU {args.predict_mfu:g}% of "
+            f"{peak / 1e12:g} TFLOP/s: {flops / 1e9:.4g} GFLOP a step, {step_s:.4g} s/step, "
+            f"{audio / step_s:.0f} audio s/s"
+        )
+    return 0
+
+
+def describe_speed(settings: SpeedSettings, model) -> str:
+    """The step-speed settings as the project's step will run them on ``model`` (the model is
+    left as it was found: its own settings)."""
+    changes = apply_to_model(model, settings)
+    apply_to_model(model, SpeedSettings())
+    return step_speed.describe(settings, changes)
+
+
+def run_kwargs(args, device, precision) -> dict:
+    return dict(
+        warmup=args.warmup,
+        steps=args.steps,
+        device=device,
+        precision=precision,
+        grad_accum=args.grad_accum,
+    )
+
+
+def time_sides(model, batch, shape, args, device, precision) -> int:
+    """Both phases of both sides, ``--rounds`` times: the step times, audio s/s, memory, MFU, ratio."""
     phases = [int(p) for p in args.phases.split(",") if p.strip()]
     sides = ["project"] if args.skip_nemo else ["project", "nemo"]
     results: dict[tuple[str, int], list[RunResult]] = {}
@@ -312,21 +414,13 @@ def main(argv: list[str] | None = None) -> int:
             # warm-up) falls on each side equally often.
             for side in sides if round_ % 2 == 0 else sides[::-1]:
                 results.setdefault((side, phase), []).append(
-                    run_steps(
-                        side,
-                        model,
-                        batch,
-                        phase,
-                        warmup=args.warmup,
-                        steps=args.steps,
-                        device=device,
-                        precision=precision,
-                    )
+                    run_steps(side, model, batch, phase, **run_kwargs(args, device, precision))
                 )
     peak = peak_flops(device, args.peak_tflops)
     memory_kind = "peak GPU memory allocated" if device.type == "cuda" else "peak host RSS"
+    audio = shape.audio_seconds * args.grad_accum
     for phase in phases:
-        flops = step_flops(model, batch, phase)
+        flops = step_flops(model, batch, phase) * args.grad_accum
         medians = {}
         for side in sides:
             runs = results[(side, phase)]
@@ -335,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             medians[side] = med
             line = (
                 f"phase {phase} {side:<7}: median step {med:8.3f} s over {len(times)} steps "
-                f"(min {min(times):.3f}, max {max(times):.3f}), {shape.audio_seconds / med:8.1f} audio s/s, "
+                f"(min {min(times):.3f}, max {max(times):.3f}), {audio / med:8.1f} audio s/s, "
                 f"{memory_kind} {max(r.peak_bytes for r in runs) / 2**30:.2f} GiB, {flops / 1e9:.1f} GFLOP/step"
             )
             if peak:
@@ -352,6 +446,150 @@ def main(argv: list[str] | None = None) -> int:
                 f"({'meets' if ratio <= 1.0 else 'misses'} the target <= 1.0); per round "
                 + ", ".join(f"{r:.3f}" for r in per_round)
             )
+    return 0
+
+
+class ProfileStep(pl.Callback):
+    """Profile optimizer step ``step`` (0-based; ``grad_accum`` micro-batches) of a run: the
+    profiler starts at its first micro-batch and stops after its last, device synchronized at both
+    ends; ``wall_s`` is the time in between."""
+
+    def __init__(self, step: int, grad_accum: int, device: torch.device):
+        self.first = step * grad_accum
+        self.last = self.first + grad_accum - 1
+        self.device = device
+        self.prof = None
+        self.wall_s = 0.0
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.first:
+            sync(self.device)
+            self.prof = torch.profiler.profile(activities=step_profile.activities(self.device))
+            self.prof.start()
+            self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.last and self.prof is not None:
+            sync(self.device)
+            self.wall_s = time.perf_counter() - self._start
+            self.prof.stop()
+
+
+class MarkParts(pl.Callback):
+    """``step_profile.PartMarks`` on the trained model and its module for the whole run."""
+
+    def __init__(self):
+        self.marks = None
+
+    def on_train_start(self, trainer, pl_module):
+        self.marks = step_profile.PartMarks(pl_module.model, pl_module).__enter__()
+
+    def on_train_end(self, trainer, pl_module):
+        if self.marks is not None:
+            self.marks.__exit__(None, None, None)
+
+
+def profile_step(model, batch, shape, args, device, precision) -> int:
+    """``--warmup`` phase-2 optimizer steps of the project, then one profiled: the parts table."""
+    profiler = ProfileStep(args.warmup, args.grad_accum, device)
+    run_steps(
+        "project",
+        model,
+        batch,
+        2,
+        warmup=args.warmup,
+        steps=1,
+        device=device,
+        precision=precision,
+        grad_accum=args.grad_accum,
+        callbacks=[MarkParts(), profiler],
+    )
+    if profiler.prof is None:
+        print("the profiled step did not run", file=sys.stderr)
+        return 1
+    table = step_profile.step_table(profiler.prof.events(), wall_s=profiler.wall_s, device=device)
+    print(
+        step_profile.format_table(
+            table,
+            f"where one phase-2 optimizer step's time goes ({args.grad_accum} micro-batch(es) of "
+            f"{shape.describe()}; {device.type}, {precision}):",
+        )
+    )
+    if args.trace is not None:
+        args.trace.parent.mkdir(parents=True, exist_ok=True)
+        profiler.prof.export_chrome_trace(str(args.trace))
+        print(f"trace written: {args.trace}")
+    return 0
+
+
+def eval_loss(model, batch: AsrBatch, device: torch.device, precision: str) -> float:
+    """The loss of ``batch`` in eval mode (no dropout, no SpecAugment), under ``precision``."""
+    model.eval()
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if precision.startswith("bf16")
+        else contextlib.nullcontext()
+    )
+    with torch.no_grad(), autocast:
+        loss = asr_model.training_loss(
+            model.to(device), batch.on_device(device), encoder_frozen=True
+        )
+    model.train()
+    return float(loss)
+
+
+def compare_levers(model, batch, shape, args, device, precision) -> int:
+    """Phase 2 with each lever on against the knobs as set, alternating, ``--rounds`` rounds."""
+    base = SpeedSettings.from_config()
+    audio = shape.audio_seconds * args.grad_accum
+    print(f"levers, each on against the knobs as set ({describe_speed(base, model)}), phase 2:")
+    for lever in args.levers:
+        try:
+            on = base.with_lever(lever)
+        except ValueError as exc:
+            print(f"error: --levers: {exc}", file=sys.stderr)
+            return 2
+        if on == base:
+            print(f"{lever:<22}: already on in the knobs as set; nothing to compare")
+            continue
+        losses = {}
+        for name, settings in (("off", base), ("on", on)):
+            apply_to_model(model, settings)
+            step_speed.apply_to_process(settings)
+            losses[name] = eval_loss(model, batch, device, precision)
+        apply_to_model(model, SpeedSettings())
+        runs: dict[str, list[RunResult]] = {"off": [], "on": []}
+        for round_ in range(args.rounds):
+            order = ("off", "on") if round_ % 2 == 0 else ("on", "off")
+            for name in order:
+                settings = base if name == "off" else on
+                step_speed.apply_to_process(settings)
+                runs[name].append(
+                    run_steps(
+                        "project",
+                        model,
+                        batch,
+                        2,
+                        speed=settings,
+                        **run_kwargs(args, device, precision),
+                    )
+                )
+        step_speed.apply_to_process(base)
+        medians = {k: statistics.median(t for r in v for t in r.times) for k, v in runs.items()}
+        paired = [
+            on_run.median / off_run.median for on_run, off_run in zip(runs["on"], runs["off"])
+        ]
+        ratio = statistics.median(paired)
+        loss_diff = abs(losses["on"] - losses["off"]) / max(abs(losses["off"]), 1e-12)
+        peak = max(r.peak_bytes for r in runs["on"]) / 2**30
+        print(
+            f"{lever:<22}: on/off step time {ratio:.3f} (paired rounds "
+            + ", ".join(f"{r:.3f}" for r in paired)
+            + f"); on {medians['on']:.3f} s ({audio / medians['on']:.1f} audio s/s, peak "
+            f"{peak:.2f} GiB), off {medians['off']:.3f} s; eval loss on {losses['on']:.5f}, off "
+            f"{losses['off']:.5f} (relative difference {loss_diff:.1e})"
+        )
     return 0
 
 

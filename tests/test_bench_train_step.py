@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import config
@@ -24,3 +26,52 @@ def test_bench_times_both_phases_against_nemo_and_prints_the_ratio(tmp_path, mon
             and f"phase {phase} nemo   : median step" in out
         )
         assert f"phase {phase} ratio project / NeMo step time:" in out
+
+
+@pytest.fixture
+def tiny_bench(tmp_path, monkeypatch):
+    data = make_training_data(tmp_path, per_lang=4, langs=("hi", "en"), vocab_size=64)
+    monkeypatch.setattr(config, "TOKENIZER_DIR", data["tokenizer"])
+    monkeypatch.setattr(config, "MAX_BATCH_DURATION", 10.0)
+    return tmp_path
+
+
+@pytest.mark.slow
+def test_profile_prints_where_an_optimizer_step_of_several_micro_batches_goes(tiny_bench, capsys):
+    trace = tiny_bench / "trace.json"
+    args = ["--profile", "--warmup", "1", "--grad-accum", "2", "--trace", str(trace)]
+    assert bench.main(args) == 0
+    out = capsys.readouterr().out
+    assert "where one phase-2 optimizer step's time goes (2 micro-batch(es) of" in out
+    for row in ("encoder forward", "encoder backward", "joint backward", "TDT loss backward"):
+        assert f"\n{row} " in out, row
+    assert "optimizer (AdamW step, zero_grad)" in out and "wall " in out
+    events = json.loads(trace.read_text())["traceEvents"]
+    # both micro-batches are in the trace: the encoder ran twice
+    assert sum(e.get("name") == "part: encoder" for e in events) == 2
+
+
+@pytest.mark.slow
+def test_levers_time_each_on_against_off_and_compare_the_loss(tiny_bench, capsys):
+    args = ["--levers", "sdpa,fused-adamw", "--steps", "1", "--warmup", "0", "--rounds", "2"]
+    assert bench.main(args) == 0
+    out = capsys.readouterr().out
+    lines = {line.split(":")[0].strip(): line for line in out.splitlines() if "on/off" in line}
+    assert set(lines) == {"sdpa", "fused-adamw"}
+    for line in lines.values():
+        assert "paired rounds" in line and line.count(",") >= 1
+    # SDPA computes the same attention: in float32 the loss agrees far below bf16's resolution
+    diff = float(lines["sdpa"].rsplit("relative difference ", 1)[1].rstrip(")"))
+    assert diff < 1e-4
+
+
+def test_the_prediction_says_it_is_one_and_follows_the_flop_count(tiny_bench, capsys):
+    assert bench.main(["--predict-mfu", "40", "--peak-tflops", "1000"]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if "PREDICTED (not measured)" in line]
+    assert len(lines) == 2
+    for line in lines:
+        gflop = float(line.split(": ")[1].split(" GFLOP")[0])
+        step_s = float(line.split("a step, ")[1].split(" s/step")[0])
+        # step time = FLOPs / (MFU x peak)
+        assert gflop > 0 and step_s == pytest.approx(gflop * 1e9 / (0.4 * 1000e12), rel=0.01)
