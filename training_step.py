@@ -740,10 +740,13 @@ def _batching_from_config():
     return BatchingSettings.from_config()
 
 
-def build_dataloader(dataset, batching, *, world_size: int, rank: int, pin_memory: bool):
-    """(DataLoader, sampler) for this rank: one batch_sampler micro-batch per step, NUM_WORKERS workers
-    that leave stop signals to the rank (``dataset.SignalSafeDataLoader``). ``batching``: the
-    sampler's settings (``sampler.BatchingSettings``), with the encoder frame of ``dataset``'s cache."""
+def build_dataloader(
+    dataset, batching, *, world_size: int, rank: int, pin_memory: bool, workers: int | None = None
+):
+    """(DataLoader, sampler) for this rank: one batch_sampler micro-batch per step, ``workers``
+    (default NUM_WORKERS) workers that leave stop signals to the rank
+    (``dataset.SignalSafeDataLoader``). ``batching``: the sampler's settings
+    (``sampler.BatchingSettings``), with the encoder frame of ``dataset``'s cache."""
     import dataclasses
 
     from dataset import SignalSafeDataLoader, collate_asr_batch
@@ -758,7 +761,7 @@ def build_dataloader(dataset, batching, *, world_size: int, rank: int, pin_memor
         rank=rank,
         token_lengths=dataset.token_lengths,
     )
-    workers = config.NUM_WORKERS
+    workers = config.NUM_WORKERS if workers is None else workers
     loader = SignalSafeDataLoader(
         dataset,
         batch_sampler=sampler,

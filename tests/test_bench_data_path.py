@@ -1,0 +1,78 @@
+"""benchmarks/bench_data_path.py: one worker's rate, the step fed by train.py's loader, and the
+workers a GPU needs."""
+
+from __future__ import annotations
+
+import math
+
+import pyarrow.parquet as pq
+import pytest
+
+import config
+from benchmarks import bench_data_path as bench
+from tests.tiny_training_data import make_training_data
+
+
+def test_the_repeated_corpus_holds_every_row_k_times_under_new_ids(tmp_path):
+    data = make_training_data(tmp_path, per_lang=3, langs=("hi", "en"), vocab_size=64)
+    out = bench.repeated_manifest(data["manifest"], 4, tmp_path / "work")
+    original = pq.read_table(data["manifest"])
+    repeated = pq.read_table(out)
+    assert repeated.num_rows == 4 * original.num_rows
+    ids = repeated.column("segment_id").to_pylist()
+    assert len(set(ids)) == len(ids)
+    # the same audio files, each four times
+    paths = repeated.column("audio_filepath").to_pylist()
+    assert sorted(set(paths)) == sorted(original.column("audio_filepath").to_pylist())
+    assert all(paths.count(p) == 4 for p in set(paths))
+    assert not list((tmp_path / "work").glob("*.partial"))
+
+
+@pytest.mark.parametrize(
+    "demand,per_worker,expected",
+    [(1000.0, 2000.0, 1), (2000.0, 2000.0, 2), (4000.0, 2100.0, 3), (10.0, 5000.0, 1)],
+)
+def test_workers_cover_the_demand_with_a_quarter_to_spare(demand, per_worker, expected):
+    need = bench.workers_needed(demand, per_worker)
+    assert need == expected
+    assert need * per_worker >= 1.25 * demand
+    assert need == 1 or (need - 1) * per_worker < 1.25 * demand
+    assert math.isclose(bench.HEADROOM, 1.25)
+
+
+@pytest.mark.slow
+def test_the_loader_feeds_the_step_and_the_workers_a_node_needs_are_printed(
+    tmp_path, monkeypatch, capsys
+):
+    data = make_training_data(tmp_path, per_lang=6, langs=("hi", "en"), vocab_size=64)
+    monkeypatch.setattr(config, "TOKENIZER_DIR", data["tokenizer"])
+    monkeypatch.setattr(config, "MAX_BATCH_DURATION", 8.0)
+    monkeypatch.setattr(config, "GRAD_ACCUM", 2)
+    monkeypatch.setattr(config, "NUM_WORKERS", 1)
+    argv = [
+        "--manifest",
+        str(data["manifest"]),
+        "--repeat",
+        "6",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--worker-seconds",
+        "2",
+        "--work-dir",
+        str(tmp_path / "work"),
+    ]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    # every feasible row six times (rows with more tokens than frames are dropped, each copy alike)
+    utterances = int(out.split("x 6 = ")[1].split(" utterances")[0])
+    assert 0 < utterances <= 72 and utterances % 6 == 0
+    worker = float(out.split("one worker: ")[1].split(" audio s/s")[0])
+    assert worker > 0
+    fed = out.split("fed by the loader: phase 2, NUM_WORKERS=1: ")[1].splitlines()[0]
+    assert "data wait" in fed and "over 1 steps" in fed
+    need = int(out.split("workers per GPU for a data wait under 2%: ")[1].split(" ")[0])
+    audio = float(fed.split(" s, ")[1].split(" audio s/s")[0])
+    assert need == bench.workers_needed(audio, worker)
+    assert f"a 8-GPU node needs 8 x ({need} + 1) = {8 * (need + 1)} cores" in out
