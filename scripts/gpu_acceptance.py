@@ -9,7 +9,7 @@ Usage:
     python scripts/gpu_acceptance.py run --cpu --data data/acceptance --out acceptance-results
 
 The stages, cheapest and most telling first; each runs as its own process group under its own time
-limit inside the total ``--budget`` (default 540 s). A stage that cannot get its minimum from what is
+limit inside the total ``--budget`` (default 900 s). A stage that cannot get its minimum from what is
 left is skipped and says so; a stage past its limit is killed with everything it started.
 
   environment  GPU, driver (and the CUDA version it runs), torch and its CUDA, libNVVM, the versions
@@ -31,10 +31,18 @@ left is skipped and says so; a stage past its limit is killed with everything it
   preflight    scripts/preflight.py with one rank on the prepared data (no search)
   max-batch    the largest MAX_BATCH_DURATION of the full-size model that fits in 90% of the GPU
                (benchmarks/bench_train_step.py --find-max-batch-duration)
+  throughput   the full-size model at the batch a real job runs (max-batch's value, or
+               --batch-duration), GRAD_ACCUM micro-batches per optimizer step, both phases,
+               against NeMo's training_step (bench_train_step.py --grad-accum): step time, audio
+               s/s, MFU, peak memory; one phase-2 step profiled (--profile: where its time goes,
+               the trace kept as throughput_trace.json beside the results); then train.py's
+               DataLoader feeding the step (benchmarks/bench_data_path.py on the prepared audio
+               repeated): the data wait, one worker's audio s/s and the workers a GPU needs
 
 ``--cpu`` runs the same stages at CPU sizes (configs/demo_tdt.yaml everywhere, float32, a few steps);
-max-batch is CUDA-only and says so. The summary table (stage, verdict, seconds, figure) is printed
-and written to ``--out``/acceptance.md and acceptance.json, beside each stage's log. Exit 0 when no
+max-batch is CUDA-only and says so; throughput then runs at the data stage's MAX_BATCH_DURATION.
+The summary table (stage, verdict, seconds, figure) is printed and written to ``--out``/acceptance.md
+and acceptance.json, beside each stage's log. Exit 0 when no
 stage failed, 1 otherwise, 130/143 when interrupted (the table still written).
 
 ``prepare`` needs the offline steps' packages (polars, espeak-ng where it can install it); ``run``
@@ -47,6 +55,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import re
 import shlex
@@ -62,7 +71,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PREPARED = "prepared.json"
-DEFAULT_BUDGET_S = 540.0
+DEFAULT_BUDGET_S = 900.0
 DEFAULT_MAX_SEARCH_S = 600.0  # the max-batch search's upper end (an H200 holds it: 84 GiB)
 DEFAULT_SIZES = "hi=70,en=50,ta=30"
 # The knobs the prepared data was made with; the run exports them again.
@@ -78,6 +87,9 @@ DATA_KNOBS = {
 FULL_SIZE_TOKENS_PER_SECOND = "5.0"
 RESULT_MARK = "ACCEPTANCE-RESULT "
 SLOWER_THAN_NEMO = 1.10  # the step-bench ratio that warns
+MFU_TARGET = 40.0  # percent: the throughput stage warns below it (GPU)
+DATA_WAIT_TARGET = 2.0  # percent of step time: the throughput stage warns above it
+TRACE_FILE = "throughput_trace.json"
 GIVEN_BOUND = 1.05  # decoding with the language given against auto, with the encoder: above warns
 
 
@@ -523,6 +535,103 @@ def max_batch_figure(log: str, returncode: int, upper_s: float) -> tuple[str, st
     return "fail", f"no result (exit {returncode}): {tail}"
 
 
+PROFILE_ROW = re.compile(
+    r"^(?P<part>\S.*?)\s{2,}(?P<host>[\d.]+)\s+(?P<hshare>[\d.]+)%(?:\s+(?P<dev>[\d.]+)\s+(?P<dshare>[\d.]+)%)?$",
+    re.M,
+)
+PROFILE_SYNCS = re.compile(r"^host syncs \((\d+);", re.M)
+PROFILE_BUSY = re.compile(r"device busy ([\d.]+)% of it")
+WORKER_LINE = re.compile(r"^one worker: ([\d.]+) audio s/s", re.M)
+FED_LINE = re.compile(
+    r"^fed by the loader: .*?NUM_WORKERS=(\d+): median step ([\d.]+) s, ([\d.]+) audio s/s, "
+    r"data wait ([\d.]+)% of step time \(worst step ([\d.]+)%\)",
+    re.M,
+)
+NEED_LINE = re.compile(
+    r"^workers per GPU for a data wait under .*?: (\d+) .*?needs (.*?) cores", re.M
+)
+
+
+def profile_figure(log: str) -> str:
+    """The profile table's three largest parts (by device time on a GPU, host time on a CPU), the
+    device's busy share and the host syncs, in one phrase; "" when the log has no table."""
+    rows = [
+        m
+        for m in PROFILE_ROW.finditer(log)
+        if not m.group("part").startswith(("total", "part", "host syncs", "allocator"))
+    ]
+    if not rows:
+        return ""
+    device = all(m.group("dshare") for m in rows)
+    share = (lambda m: float(m.group("dshare"))) if device else (lambda m: float(m.group("hshare")))
+    top = sorted(rows, key=share, reverse=True)[:3]
+    text = "profile: " + ", ".join(f"{m.group('part')} {share(m):.0f}%" for m in top)
+    busy = PROFILE_BUSY.search(log)
+    if busy:
+        text += f"; device busy {busy.group(1)}%"
+    syncs = PROFILE_SYNCS.search(log)
+    if syncs:
+        text += f"; {syncs.group(1)} host syncs a step"
+    return text
+
+
+def data_path_figure(log: str, demand: float | None) -> tuple[str, str, float | None]:
+    """(verdict, figure, data wait %) of bench_data_path.py's output; ``demand``: the fastest
+    phase's audio s/s measured at full size, for the workers a GPU needs."""
+    worker = WORKER_LINE.search(log)
+    fed = FED_LINE.search(log)
+    need = NEED_LINE.search(log)
+    if not worker:
+        tail = " / ".join(log.strip().splitlines()[-3:])[-300:]
+        return "fail", f"data path: no result ({tail})", None
+    parts, verdict, wait = [], "ok", None
+    if fed:
+        workers, _, audio, wait_s, worst = fed.groups()
+        wait = float(wait_s)
+        parts.append(
+            f"fed by the loader (NUM_WORKERS={workers}): data wait {wait:.1f}% of step time "
+            f"(worst step {float(worst):.1f}%) at {float(audio):.0f} audio s/s"
+        )
+        if wait > DATA_WAIT_TARGET:
+            verdict = "warn"
+    parts.append(f"one worker {float(worker.group(1)):.0f} audio s/s")
+    if need:
+        parts.append(f"{need.group(1)} workers per GPU (8-GPU node: {need.group(2)} cores)")
+    if demand:
+        parts[-1] += f" for {demand:.0f} audio s/s"
+    return verdict, "; ".join(parts), wait
+
+
+def throughput_figure(
+    bench_log: str, profile_log: str, data_log: str, seconds: float, grad_accum: int
+) -> tuple[str, str]:
+    """One verdict and figure of the throughput stage's three runs: the step benchmark at the real
+    batch (``bench_figure``), the profile (``profile_figure``) and the data path; warns where a
+    target is missed: MFU < MFU_TARGET, project slower than NeMo, data wait > DATA_WAIT_TARGET."""
+    verdict, figure = bench_figure(bench_log)
+    if verdict == "fail":
+        return "fail", figure
+    rows = BENCH_LINE.findall(bench_log)
+    demand = max((float(r[3]) for r in rows if r[1] == "project"), default=None)
+    misses = []
+    mfu = [float(r[5]) for r in rows if r[1] == "project" and r[0] == "2" and r[5]]
+    if mfu and mfu[0] < MFU_TARGET:
+        misses.append(f"phase-2 MFU {mfu[0]:.1f}% < {MFU_TARGET:g}%")
+    parts = [f"MAX_BATCH_DURATION={seconds:g} x GRAD_ACCUM {grad_accum}: {figure}"]
+    profile = profile_figure(profile_log)
+    parts.append(profile or "profile: no table (see throughput-profile.log)")
+    data_verdict, data_text, wait = data_path_figure(data_log, demand)
+    parts.append(data_text)
+    if wait is not None and wait > DATA_WAIT_TARGET:
+        misses.append(f"data wait {wait:.1f}% > {DATA_WAIT_TARGET:g}%")
+    if data_verdict == "fail" or not profile:
+        verdict = "fail"
+    elif misses or verdict == "warn":
+        verdict = "warn"
+    text = "; ".join(parts)
+    return verdict, (f"misses: {', '.join(misses)}; " if misses else "") + text
+
+
 # --------------------------------------------------------------------------------------------------
 # run
 # --------------------------------------------------------------------------------------------------
@@ -539,6 +648,7 @@ def plan_stages(cpu: bool) -> list[Stage]:
         "step-bench": (180, 150, 60),
         "preflight": (120, 120, 45),
         "max-batch": (150, 0, 60),
+        "throughput": (420, 240, 90),
     }
     stages = []
     for name, (gpu, cpu_limit, minimum) in limits.items():
@@ -558,6 +668,8 @@ class Runner:
         self.current: subprocess.Popen | None = None
         self.max_search = DEFAULT_MAX_SEARCH_S
         self.env: dict[str, str] = {}
+        # The throughput stage's MAX_BATCH_DURATION: --batch-duration, else what max-batch found.
+        self.batch_duration: float | None = None
 
     def left(self) -> float:
         return self.summary.budget_s - (time.monotonic() - self.start)
@@ -581,12 +693,21 @@ class Runner:
                 return
             time.sleep(0.05)
 
-    def spawn(self, stage: Stage, cmd: list[str], env: dict[str, str]) -> tuple[int | None, str]:
-        """Run ``cmd`` for at most the stage's limit (and what the budget has left); returns
-        (exit code or None when killed at the limit, its output)."""
-        log_path = self.out / f"{stage.name}.log"
-        stage.log = log_path.name
-        limit = min(stage.limit_s, self.left())
+    def spawn(
+        self,
+        stage: Stage,
+        cmd: list[str],
+        env: dict[str, str],
+        log_name: str | None = None,
+        limit: float | None = None,
+    ) -> tuple[int | None, str]:
+        """Run ``cmd`` for at most ``limit`` (default the stage's limit) and what the budget has
+        left, its output in ``log_name`` (default ``<stage>.log``, the stage's log); returns (exit
+        code or None when killed at the limit, its output)."""
+        log_path = self.out / (log_name or f"{stage.name}.log")
+        if log_name is None:
+            stage.log = log_path.name
+        limit = min(stage.limit_s if limit is None else limit, self.left())
         with open(log_path, "w", encoding="utf-8") as log:
             log.write(f"$ {' '.join(cmd)}\n")
             log.flush()
@@ -776,18 +897,112 @@ class Runner:
         stage.verdict, stage.figure = max_batch_figure(
             log, code if code is not None else -9, self.max_search
         )
+        found = re.search(r"set MAX_BATCH_DURATION=([\d.]+)", log)
+        if found and self.batch_duration is None:
+            self.batch_duration = float(found.group(1))
         if code is None:
             stage.verdict = "fail"
             stage.figure = f"killed at its {stage.limit_s:.0f} s limit; " + stage.figure
+
+    def stage_throughput(self, stage: Stage) -> None:
+        """The step at the batch a real job runs, its profile and the data path (module docstring)."""
+        started = time.monotonic()
+        grad_accum = int(os.environ.get("GRAD_ACCUM", "4"))
+        if self.cpu:
+            # The machinery at CPU sizes: phase 2 alone, one optimizer step of two micro-batches.
+            seconds, grad_accum = 20.0, 2
+            steps = ["--phases", "2", "--steps", "1", "--warmup", "0", "--rounds", "1"]
+            profile_warmup = "0"
+            data_steps = ["--steps", "1", "--warmup", "1", "--worker-seconds", "3"]
+            data_model = str(REPO / "configs" / "demo_tdt.yaml")
+        else:
+            if self.batch_duration is None:
+                stage.verdict = "fail"
+                stage.figure = (
+                    "no MAX_BATCH_DURATION to run at: the max-batch stage found none in this run; "
+                    "run it too, or give --batch-duration"
+                )
+                return
+            seconds = self.batch_duration
+            steps = ["--steps", "3", "--warmup", "1", "--rounds", "1"]
+            profile_warmup = "1"
+            data_steps = ["--steps", "3", "--warmup", "1", "--worker-seconds", "15"]
+            data_model = str(REPO / "configs" / "parakeet_tdt_0.6b.yaml")
+        knobs = {"MAX_BATCH_DURATION": f"{seconds:g}", "GRAD_ACCUM": str(grad_accum)}
+        env = {**self.full_size_env(), **knobs}
+
+        def left() -> float:
+            return stage.limit_s - (time.monotonic() - started)
+
+        code, bench_log = self.spawn(
+            stage, self.bench_args() + ["--grad-accum", str(grad_accum)] + steps, env
+        )
+        trace = self.out / TRACE_FILE
+        code_p, profile_log = self.spawn(
+            stage,
+            self.bench_args() + ["--profile", "--warmup", profile_warmup, "--trace", str(trace)],
+            env,
+            log_name="throughput-profile.log",
+            limit=left(),
+        )
+        demand = max(
+            (float(r[3]) for r in BENCH_LINE.findall(bench_log) if r[1] == "project"), default=0
+        )
+        # The prepared audio, repeated until an epoch outlasts the run's micro-batches.
+        import pyarrow.parquet as pq
+
+        manifest = self.env["TRAIN_MANIFEST_PATH"]
+        audio_s = float(sum(pq.read_table(manifest, columns=["duration"]).column(0).to_pylist()))
+        micro_batches = (int(data_steps[1]) + int(data_steps[3]) + 1) * grad_accum
+        repeat = max(1, math.ceil(1.5 * micro_batches * seconds / max(audio_s, 1.0)))
+        data_cmd = [
+            sys.executable,
+            "benchmarks/bench_data_path.py",
+            "--manifest",
+            manifest,
+            "--repeat",
+            str(repeat),
+            "--work-dir",
+            str(self.work / "data-path"),
+            *data_steps,
+        ]
+        if demand:
+            data_cmd += ["--demand", f"{demand:.1f}"]
+        code_d, data_log = self.spawn(
+            stage,
+            data_cmd,
+            self.stage_env(MODEL_CONFIG=data_model, **knobs),
+            log_name="throughput-data.log",
+            limit=left(),
+        )
+        stage.verdict, stage.figure = throughput_figure(
+            bench_log, profile_log, data_log, seconds, grad_accum
+        )
+        if trace.is_file():
+            stage.figure += f"; trace {TRACE_FILE}"
+        failed = [
+            name
+            for name, c in (("step", code), ("profile", code_p), ("data path", code_d))
+            if c != 0
+        ]
+        if failed:
+            stage.verdict = "fail"
+            stage.figure = (
+                f"{', '.join(failed)} run(s) failed or were killed at the limit; " + stage.figure
+            )
 
 
 # Stages that read nothing of the prepared data; every other one runs after the data stage.
 WITHOUT_DATA = ("environment", "tdt-loss")
 
 
-def needed_stages(only: list[str]) -> set[str]:
-    """The stages ``--only`` runs: those named, and the data stage when any of them needs it."""
-    return set(only) | ({"data"} if set(only) - set(WITHOUT_DATA) else set())
+def needed_stages(only: list[str], batch_given: bool = True) -> set[str]:
+    """The stages ``--only`` runs: those named, the data stage when any of them needs it, and
+    max-batch for throughput when no batch duration was given (``batch_given``)."""
+    needed = set(only) | ({"data"} if set(only) - set(WITHOUT_DATA) else set())
+    if "throughput" in needed and not batch_given:
+        needed.add("max-batch")
+    return needed
 
 
 def write_summary(summary: Summary, out: Path) -> None:
@@ -813,6 +1028,7 @@ def run(
     work: Path | None = None,
     only: list[str] | None = None,
     max_search: float = DEFAULT_MAX_SEARCH_S,
+    batch_duration: float | None = None,
 ) -> int:
     # The stages run in the checkout with these paths in their knobs: relative ones would move.
     data, out = Path(data).resolve(), Path(out).resolve()
@@ -826,10 +1042,15 @@ def run(
         stages=plan_stages(cpu),
     )
     for stage in summary.stages:
-        if only and stage.name not in needed_stages(only) and not stage.skip_reason:
+        if (
+            only
+            and stage.name not in needed_stages(only, cpu or batch_duration is not None)
+            and not stage.skip_reason
+        ):
             stage.skip_reason = "not asked for (--only)"
     runner = Runner(summary, data, out, work, cpu)
     runner.max_search = max_search
+    runner.batch_duration = batch_duration
 
     def interrupted(signum, _frame):
         raise KeyboardInterrupt(signal.Signals(signum).name)
@@ -895,7 +1116,7 @@ def main(argv: list[str] | None = None) -> int:
         help="where the table and the logs go (default acceptance-<UTC time> in the current folder)",
     )
     r.add_argument(
-        "--budget", type=float, default=DEFAULT_BUDGET_S, help="total seconds (default 540)"
+        "--budget", type=float, default=DEFAULT_BUDGET_S, help="total seconds (default 900)"
     )
     r.add_argument("--cpu", action="store_true", help="the same stages at CPU sizes")
     r.add_argument(
@@ -903,6 +1124,13 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=DEFAULT_MAX_SEARCH_S,
         help="upper end of the max-batch search, seconds (default 600; each try is two steps)",
+    )
+    r.add_argument(
+        "--batch-duration",
+        type=float,
+        default=None,
+        help="the throughput stage's MAX_BATCH_DURATION, seconds (default: what the max-batch "
+        "stage finds in this run)",
     )
     r.add_argument(
         "--only",
@@ -941,7 +1169,16 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in args.only or [] if n not in names]
     if unknown:
         parser.error(f"--only {','.join(unknown)}: no such stage (stages: {', '.join(names)})")
-    return run(args.data, out, args.budget, args.cpu, args.work, args.only, args.max_search)
+    return run(
+        args.data,
+        out,
+        args.budget,
+        args.cpu,
+        args.work,
+        args.only,
+        args.max_search,
+        args.batch_duration,
+    )
 
 
 if __name__ == "__main__":

@@ -110,11 +110,17 @@ def test_cpu_mode_runs_every_stage_on_a_moved_folder_and_leaves_no_process(prepa
         "step-bench",
         "preflight",
         "max-batch",
+        "throughput",
     ]
     for name, stage in stages.items():
         # The benchmarks' verdicts are timings on a shared machine: they may warn, never fail.
         timed = ("ok", "warn")
-        expected = {"max-batch": ("skip",), "step-bench": timed, "decode-language": timed}
+        expected = {
+            "max-batch": ("skip",),
+            "step-bench": timed,
+            "decode-language": timed,
+            "throughput": timed,
+        }
         expected = expected.get(name, ("ok",))
         assert stage["verdict"] in expected, (name, stage["figure"])
     assert "CUDA only" in stages["max-batch"]["figure"]
@@ -122,6 +128,11 @@ def test_cpu_mode_runs_every_stage_on_a_moved_folder_and_leaves_no_process(prepa
     training = stages["training"]["figure"]
     assert "50 optimizer steps" in training and "SIGTERM at step 10 saved (exit 75)" in training
     assert "ratio" in stages["step-bench"]["figure"]
+    # the real batch against NeMo, the profile's parts (its trace kept) and the data path
+    throughput = stages["throughput"]["figure"]
+    assert "x GRAD_ACCUM 2" in throughput and "ratio" in throughput and "profile: " in throughput
+    assert "fed by the loader" in throughput and "workers per GPU" in throughput
+    assert (out / ga.TRACE_FILE).is_file() and (out / "throughput-data.log").is_file()
     # the prepared tokenizer counted each language's scripts: all four decodings were timed
     decoding = stages["decode-language"]["figure"]
     assert "given_tag" in decoding and "given_scripts" in decoding and "both" in decoding
@@ -341,3 +352,94 @@ def test_prepare_refuses_a_folder_it_did_not_write(tmp_path):
 def test_only_adds_the_data_stage_where_a_named_stage_needs_it():
     assert ga.needed_stages(["training"]) == {"training", "data"}
     assert ga.needed_stages(["environment", "tdt-loss"]) == {"environment", "tdt-loss"}
+
+
+def test_throughput_without_a_batch_duration_runs_the_max_batch_search_first():
+    assert ga.needed_stages(["throughput"], batch_given=False) == {
+        "throughput",
+        "data",
+        "max-batch",
+    }
+    assert ga.needed_stages(["throughput"], batch_given=True) == {"throughput", "data"}
+
+
+THROUGHPUT_BENCH = (
+    "model: configs/parakeet_tdt_0.6b.yaml: 0.632 B parameters (631,886,182), vocabulary 12000\n"
+    "micro-batch: the sampler's heaviest at MAX_BATCH_DURATION=600: 30 utterances, 600.0 s of "
+    "audio, longest 20.0 s; 4 per optimizer step\n"
+    "phase 1 project: median step    1.600 s over 3 steps (min 1.5, max 1.7),   1500.0 audio s/s, "
+    "peak GPU memory allocated 60.00 GiB, 400000.0 GFLOP/step, MFU {mfu1}%\n"
+    "phase 1 nemo   : median step    1.800 s over 3 steps (min 1.7, max 1.9),   1333.0 audio s/s, "
+    "peak GPU memory allocated 61.00 GiB, 400000.0 GFLOP/step, MFU 22.5%\n"
+    "phase 1 ratio project / NeMo step time: 0.889 (meets the target <= 1.0); per round 0.889\n"
+    "phase 2 project: median step    2.400 s over 3 steps (min 2.3, max 2.5),   1000.0 audio s/s, "
+    "peak GPU memory allocated 84.00 GiB, 900000.0 GFLOP/step, MFU {mfu2}%\n"
+    "phase 2 nemo   : median step    2.700 s over 3 steps (min 2.6, max 2.8),    888.0 audio s/s, "
+    "peak GPU memory allocated 85.00 GiB, 900000.0 GFLOP/step, MFU 33.7%\n"
+    "phase 2 ratio project / NeMo step time: 0.889 (meets the target <= 1.0); per round 0.889\n"
+)
+THROUGHPUT_PROFILE = (
+    "where one phase-2 optimizer step's time goes (1 micro-batch(es) of ...; cuda, bf16-mixed):\n"
+    "part                                        host ms   share  device ms   share\n"
+    "encoder forward                               120.0   20.0%      300.0   25.0%\n"
+    "TDT loss backward                              30.0    5.0%      200.0   16.7%\n"
+    "joint forward                                  60.0   10.0%      250.0   20.8%\n"
+    "encoder backward                              100.0   16.7%      450.0   37.5%\n"
+    "host syncs (40; 40 scalar reads)              290.0   48.3%        0.0    0.0%\n"
+    "total (self times)                            600.0             1200.0\n"
+    "wall 1400.0 ms; device busy 85.7% of it (kernels), idle 14.3%\n"
+)
+THROUGHPUT_DATA = (
+    "corpus: train_manifest_v2.parquet x 40 = 4680 utterances, 4.20 h; ...\n"
+    "one worker: 2100 audio s/s (40 micro-batches in 15.0 s after the first, page cache warm)\n"
+    "fed by the loader: phase 2, NUM_WORKERS=4: median step 2.300 s, 1010.0 audio s/s, data wait "
+    "{wait}% of step time (worst step 2.5%) over 3 steps\n"
+    "workers per GPU for a data wait under 2%: 1 (demand 1500 audio s/s, one worker 2100, x1.25 "
+    "headroom); a 8-GPU node needs 8 x (1 + 1) = 16 cores (NUM_WORKERS=1)\n"
+)
+
+
+def test_the_throughput_stage_says_step_mfu_nemo_data_wait_and_workers_in_one_figure():
+    verdict, figure = ga.throughput_figure(
+        THROUGHPUT_BENCH.format(mfu1="25.0", mfu2="41.5"),
+        THROUGHPUT_PROFILE,
+        THROUGHPUT_DATA.format(wait="0.4"),
+        600,
+        4,
+    )
+    assert verdict == "ok", figure
+    assert figure.startswith("MAX_BATCH_DURATION=600 x GRAD_ACCUM 4: 0.632 B parameters")
+    assert "phase 2: 2.400 s/step, 1000 audio s/s, peak 84.0 GiB, MFU 41.5%; NeMo 2.700 s" in figure
+    # the profile's three largest parts by device time, the busy share and the syncs
+    assert (
+        "profile: encoder backward 38%, encoder forward 25%, joint forward 21%; device busy 85.7%; "
+        "40 host syncs a step" in figure
+    )
+    assert "data wait 0.4% of step time (worst step 2.5%) at 1010 audio s/s" in figure
+    assert (
+        "one worker 2100 audio s/s; 1 workers per GPU (8-GPU node: 8 x (1 + 1) = 16 cores)"
+        in figure
+    )
+    assert "for 1500 audio s/s" in figure  # the faster phase's rate is the demand
+
+
+def test_the_throughput_stage_warns_for_each_target_it_misses():
+    verdict, figure = ga.throughput_figure(
+        THROUGHPUT_BENCH.format(mfu1="9.0", mfu2="12.0"),
+        THROUGHPUT_PROFILE,
+        THROUGHPUT_DATA.format(wait="7.5"),
+        600,
+        4,
+    )
+    assert verdict == "warn"
+    assert figure.startswith("misses: phase-2 MFU 12.0% < 40%, data wait 7.5% > 2%;")
+
+
+def test_the_throughput_stage_fails_without_a_profile_or_a_data_path():
+    bench = THROUGHPUT_BENCH.format(mfu1="25.0", mfu2="41.5")
+    assert (
+        ga.throughput_figure(bench, "Traceback", THROUGHPUT_DATA.format(wait="0.1"), 600, 4)[0]
+        == "fail"
+    )
+    verdict, figure = ga.throughput_figure(bench, THROUGHPUT_PROFILE, "RuntimeError: x", 600, 4)
+    assert verdict == "fail" and "data path: no result" in figure
