@@ -23,22 +23,29 @@ What stays out, each printed with its reason:
 - the test and lint tools (pytest, hypothesis, ruff);
 - with ``--training-only``, what only the offline steps import (polars, matplotlib): for a node that
   trains on data prepared elsewhere;
-- with ``--target-freeze`` (the node's ``python -m pip freeze``), what the node already has: a pinned package
-  whose installed version the project accepts (ACCEPTS below: the node's CUDA build of torch, its
-  numpy, ...) and every dependency the installed packages already satisfy. A pin the node has in a
-  version the project does not accept (lightning 2.6.6: NeMo 3.0 does not import with it) is
-  shipped in the pinned version;
+- with ``--target-freeze`` (the node's ``python -m pip freeze``, in any form pip prints), what the
+  node already has: a pinned package whose installed version the project accepts (ACCEPTS below:
+  the node's CUDA build of torch, its numpy, ...; pre-releases and local versions count, as pip
+  counts an installed one) and every dependency the installed packages already satisfy. A pin the
+  node has in a version the project does not accept (lightning 2.6.6: NeMo 3.0 does not import
+  with it) is shipped in the pinned version. A freeze line it cannot read is a warning naming the
+  line; that package counts as absent;
 - with ``--nvvm-from-cuda-home``, libNVVM's wheel (nvidia-nvvm, about 59 MiB): numba-cuda then finds
   libNVVM in the node's CUDA toolkit (CUDA_HOME).
 
+The node's torch is never replaced: one outside ACCEPTS, one whose version the freeze does not
+say, or one a requirement of the set excludes is refused in one line, unless ``--replace-torch``
+asks to ship requirements.txt's torch in its place.
+
 It prints the set's size and writes, beside the wheels, ``requirements.txt`` (one ``name==version``
-per wheel: the install line above) and ``wheelhouse.json`` (the target, what was left out and why,
-each wheel's size). Run again into the same folder, it keeps the wheels the new set holds and
-removes the other wheels there. Markers (``; python_version < "3.12"``) are evaluated by pip on this machine's
-Python: a dependency that only an older Python needs can come along unused. The target's packages
-are known by name and version only, not by what they require: a shipped wheel that one of them
-bounds (torch bounding setuptools, say) shows as a conflict at the node's ``--no-index`` install,
-named by pip, never as a silent change.
+per wheel, and the node's own torch at its version: the install line above) and ``wheelhouse.json``
+(the target, what was left out and why, each wheel's size). Run again into
+the same folder, it keeps the wheels the new set holds and removes the other wheels there.
+Markers (``; python_version < "3.12"``) are evaluated by pip on this machine's Python: a dependency
+that only an older Python needs can come along unused. The target's packages are known by name and
+version only, not by what they require: a shipped wheel that one of them bounds (torch bounding
+setuptools, say) shows as a conflict at the node's ``--no-index`` install, named by pip, never as a
+silent change.
 """
 
 from __future__ import annotations
@@ -55,10 +62,17 @@ import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
-from packaging.utils import canonicalize_name, parse_wheel_filename
+from packaging.utils import (
+    InvalidSdistFilename,
+    InvalidWheelFilename,
+    canonicalize_name,
+    parse_sdist_filename,
+    parse_wheel_filename,
+)
 from packaging.version import InvalidVersion, Version
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,12 +119,30 @@ class WheelhouseError(Exception):
 
 
 @dataclass
+class Freeze:
+    """A node's ``pip freeze``: what it has, in the version each line says."""
+
+    versions: dict[str, str] = field(default_factory=dict)  # canonical name -> version
+    unversioned: set[str] = field(default_factory=set)  # installed, no version in its line
+    where: dict[str, str] = field(default_factory=dict)  # canonical name -> "file:line"
+    warnings: list[str] = field(default_factory=list)  # the lines read as something less
+
+    def has(self, name: str) -> bool:
+        return name in self.versions or name in self.unversioned
+
+    def line(self, name: str) -> str:
+        """Where ``name`` was read ("file:line"), for messages."""
+        return self.where.get(name, "--target-freeze")
+
+
+@dataclass
 class Plan:
     """What goes into the wheelhouse and what stays out, with each reason."""
 
     requirements: list[str] = field(default_factory=list)  # what pip resolves, node-adjusted
     left_out: list[tuple[str, str]] = field(default_factory=list)  # (name, why)
     target: dict[str, str] = field(default_factory=dict)  # canonical name -> version
+    node_torch: str | None = None  # the node's torch version when the set keeps it
 
 
 def read_requirements(paths: list[Path]) -> list[Requirement]:
@@ -129,42 +161,134 @@ def read_requirements(paths: list[Path]) -> list[Requirement]:
     return out
 
 
-def read_freeze(path: Path) -> dict[str, str]:
-    """``pip freeze`` output as {canonical name: version}. ``name @ url`` lines take the version
-    from a wheel's file name; editable installs and lines without a version are skipped."""
-    out: dict[str, str] = {}
+# pip freeze's comment above an editable install without a VCS remote, naming what it installed:
+# "# Editable install with no version control (name==1.0)", "# Editable Git install with no remote
+# (name==1.0)", "# Editable Git install (name==1.0) with either a deleted local remote or invalid URI:".
+EDITABLE_COMMENT = re.compile(r"^#\s*Editable\b.*\(([A-Za-z0-9][A-Za-z0-9._-]*)===?([^)\s]+)\)")
+EDITABLE = re.compile(r"^(?:-e|--editable)(?:\s+|=)(\S.*)$")
+EGG = re.compile(r"[#&]egg=([A-Za-z0-9][A-Za-z0-9._-]*)")
+LEADING_NAME = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)")
+EVERY_VERSION = "`python -m pip list --format=freeze` on the node prints every version"
+
+
+def version_in_url(url: str) -> str | None:
+    """The version a ``name @ url`` freeze line installed, from the wheel's or sdist's file name in
+    the URL's path (%-decoded: pip writes a local version's ``+`` as ``%2B``); None for a directory
+    or a VCS checkout, whose version the line does not say."""
+    scheme = url.split(":", 1)[0]
+    if "+" in scheme:  # git+https://...@commit
+        return None
+    filename = unquote(urlsplit(url).path).rsplit("/", 1)[-1]
+    try:
+        if filename.endswith(".whl"):
+            return str(parse_wheel_filename(filename)[1])
+        if filename.endswith((".tar.gz", ".zip")):
+            return str(parse_sdist_filename(filename)[1])
+    except (InvalidWheelFilename, InvalidSdistFilename):
+        return None
+    return None
+
+
+def read_freeze(path: Path) -> Freeze:
+    """A node's ``pip freeze`` (or ``pip list --format=freeze``), every form pip prints:
+    ``name==version`` (pre-release and local versions: ``2.12.0a0+6a5c3a1d2e.nv26.01``), ``name===version``,
+    ``name @ file:///.../name-version-....whl`` and ``@ https://`` (the version from the file name),
+    ``-e`` editables (the version from pip's comment above one without a VCS remote). Names are
+    canonical (PEP 503: ``Ruamel.Yaml`` and ``ruamel_yaml`` are ``ruamel-yaml``), versions PEP 440's
+    normal form. A line naming a package without a version it can read (a VCS checkout, a source
+    directory) marks that package installed in an unknown version; it, and every line that names no
+    package, is a warning naming the line, in ``warnings``."""
+    freeze = Freeze()
+
+    def warn(number: int, line: str, why: str) -> None:
+        freeze.warnings.append(f"{path}:{number}: {line!r}: {why}")
+
+    def had(name: str, version: str | None, number: int, line: str, why: str = "") -> None:
+        name = canonicalize_name(name)
+        freeze.where[name] = f"{path}:{number}"
+        if version is None:
+            freeze.unversioned.add(name)
+            why = why or "no version in this line"
+            warn(number, line, f"{why}: {name} counts as absent ({EVERY_VERSION})")
+            return
+        freeze.versions[name] = version
+        freeze.unversioned.discard(name)
+
+    pending: tuple[str, str] | None = None  # (name, version) of pip's comment above an editable
     for number, raw in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
         line = raw.strip()
-        if not line or line.startswith(("#", "-e", "--")):
+        if not line:
             continue
-        if " @ " in line:
-            name, url = (part.strip() for part in line.split(" @ ", 1))
-            try:
-                _, version, _, _ = parse_wheel_filename(url.rsplit("/", 1)[-1])
-            except Exception:
-                continue
-            out[canonicalize_name(name)] = str(version)
+        if line.startswith("#"):
+            found = EDITABLE_COMMENT.match(line)
+            if found:
+                pending = (found.group(1), found.group(2))
             continue
-        if "==" not in line:
-            raise WheelhouseError(
-                f"{path}:{number}: {line!r} is not a `pip freeze` line (name==version): give the "
-                f"output of `pip freeze` on the node"
-            )
-        name, version = line.split("==", 1)
+        named, pending = pending, None
+        editable = EDITABLE.match(line)
+        if editable:
+            egg = EGG.search(editable.group(1))
+            if named:
+                had(named[0], _normal_version(named[1]), number, line)
+            elif egg:
+                had(egg.group(1), None, number, line)
+            else:
+                warn(number, line, "an editable install whose name pip did not write: ignored")
+            continue
+        if line.startswith("-"):
+            warn(number, line, "an option, not a package: ignored")
+            continue
         try:
-            Version(version.strip())
-        except InvalidVersion:
-            raise WheelhouseError(f"{path}:{number}: {version.strip()!r} is no version") from None
-        out[canonicalize_name(name)] = version.strip()
-    return out
+            req = Requirement(line)
+        except InvalidRequirement:
+            req = None
+        if req is not None and req.url:
+            had(req.name, version_in_url(req.url), number, line)
+            continue
+        specs = list(req.specifier) if req is not None else []
+        if len(specs) == 1 and specs[0].operator in ("==", "==="):
+            version = _normal_version(specs[0].version)
+            had(req.name, version, number, line, f"{specs[0].version!r} is no PEP 440 version")
+            continue
+        leading = LEADING_NAME.match(line)
+        if leading:
+            had(leading.group(1), None, number, line, "not a `pip freeze` line (name==version)")
+        else:
+            warn(number, line, "not a `pip freeze` line (name==version): ignored")
+    if not freeze.versions:
+        raise WheelhouseError(
+            f"{path}: no line reads as an installed package (name==version): give the output of "
+            f"`python -m pip freeze` on the node"
+        )
+    return freeze
+
+
+def _normal_version(text: str) -> str | None:
+    try:
+        return str(Version(text.strip()))
+    except InvalidVersion:
+        return None
+
+
+def installed_satisfies(version: str, specifier: SpecifierSet | str) -> bool:
+    """Whether an installed ``version`` meets ``specifier`` as pip judges an installed package:
+    pre-releases count (``2.12.0a0`` is in ``>=2.11``), a local version's label is ignored against
+    a specifier without one (``2.13.0+cu126`` is in ``==2.13.0``)."""
+    return SpecifierSet(str(specifier)).contains(Version(version), prereleases=True)
 
 
 def plan_requirements(
-    requirements: list[Requirement], target: dict[str, str], training_only: bool
+    requirements: list[Requirement],
+    target: Freeze,
+    training_only: bool,
+    *,
+    replace_torch: bool = False,
 ) -> Plan:
     """Which requirements pip resolves for the node, and which stay out (``DEV_ONLY``, with
-    ``training_only`` ``OFFLINE_ONLY``, a target version inside ``ACCEPTS``)."""
-    plan = Plan(target=dict(target))
+    ``training_only`` ``OFFLINE_ONLY``, a target version inside ``ACCEPTS``, pre-releases and local
+    versions included). The node's torch is never replaced unless ``replace_torch``: one the
+    project does not accept, or whose version the freeze does not say, is refused in one line."""
+    plan = Plan(target=dict(target.versions))
     for req in requirements:
         name = canonicalize_name(req.name)
         if name in DEV_ONLY:
@@ -175,10 +299,21 @@ def plan_requirements(
             continue
         extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
         marker = f"; {req.marker}" if req.marker else ""
-        have = target.get(name)
-        if have is not None and name in ACCEPTS and Version(have) not in req.specifier:
+        have = target.versions.get(name)
+        if name == "torch" and target.has(name):
+            if replace_torch:
+                plan.requirements.append(str(req))
+                continue
+            if have is None:
+                raise WheelhouseError(
+                    f"{target.line(name)}: the node's torch has no version in its freeze line: "
+                    f"give the output of `python -m pip list --format=freeze` on the node (it "
+                    f"prints every version), or --replace-torch to ship {req} in its place"
+                )
+            plan.node_torch = have
+        if have is not None and name in ACCEPTS and not installed_satisfies(have, req.specifier):
             spec, why = ACCEPTS[name]
-            if Version(have) in SpecifierSet(spec):
+            if installed_satisfies(have, spec):
                 plan.left_out.append(
                     (
                         req.name,
@@ -188,10 +323,43 @@ def plan_requirements(
                 # Still resolved, so pip keeps the installed version for what depends on it.
                 plan.requirements.append(f"{req.name}{extras}{spec}{marker}")
                 continue
+            if name == "torch":
+                raise WheelhouseError(
+                    f"{target.line(name)}: the node's torch {have} is outside what the project "
+                    f"accepts ({spec}): train on an image with torch {spec}, or give "
+                    f"--replace-torch to ship {req} in place of the node's own build"
+                )
         plan.requirements.append(str(req))
-        if have is not None and Version(have) in req.specifier:
+        if have is not None and installed_satisfies(have, req.specifier):
             plan.left_out.append((req.name, f"the target has {have}, as pinned"))
     return plan
+
+
+def check_node_torch_kept(installs: list[dict], plan: Plan) -> None:
+    """Refuse a resolution that would install a torch over the node's own (``plan.node_torch``),
+    naming what asks for it: pip takes the installed torch wherever it fits, so a torch in the
+    set means a requirement excludes the node's version."""
+    if plan.node_torch is None:
+        return
+    new = [i for i in installs if canonicalize_name(i["metadata"]["name"]) == "torch"]
+    if not new:
+        return
+    asking = []
+    for install in installs:
+        for text in install["metadata"].get("requires_dist") or []:
+            try:
+                dep = Requirement(text)
+            except InvalidRequirement:
+                continue
+            if canonicalize_name(dep.name) == "torch" and not installed_satisfies(
+                plan.node_torch, dep.specifier
+            ):
+                asking.append(f"{install['metadata']['name']} asks for torch{dep.specifier}")
+    raise WheelhouseError(
+        f"the set would install torch {new[0]['metadata']['version']} over the node's "
+        f"{plan.node_torch} ({'; '.join(asking) or 'pip found no way to keep it'}): train on an "
+        f"image whose torch fits, or give --replace-torch"
+    )
 
 
 MANYLINUX = re.compile(r"^manylinux_2_(\d+)_(\w+)$")
@@ -413,19 +581,28 @@ def build_wheelhouse(
     target_freeze: Path | None = None,
     training_only: bool = False,
     nvvm_from_cuda_home: bool = False,
+    replace_torch: bool = False,
     requirement_files: list[Path] | None = None,
 ) -> dict:
     """Build the wheelhouse in ``out`` (module docstring); returns what wheelhouse.json holds."""
     platforms = platforms or []
     files = requirement_files or [REPO / f for f in REQUIREMENT_FILES]
-    target = read_freeze(target_freeze) if target_freeze else {}
-    plan = plan_requirements(read_requirements(files), target, training_only)
+    target = read_freeze(target_freeze) if target_freeze else Freeze()
+    for warning in target.warnings:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    plan = plan_requirements(
+        read_requirements(files),
+        target,
+        training_only,
+        replace_torch=replace_torch,
+    )
     platform_args = _pip_platform_args(python_version, platforms)
     out = out.resolve()  # pip runs in a scratch folder
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="wheelhouse-") as tmp:
         work = Path(tmp)
         installs = resolve(plan, out, platform_args, work)
+        check_node_torch_kept(installs, plan)
         if nvvm_from_cuda_home:
             dropped = [
                 i for i in installs if canonicalize_name(i["metadata"]["name"]) in NVVM_WHEELS
@@ -451,7 +628,12 @@ def build_wheelhouse(
             wheel.unlink()  # a wheel of an earlier build that this set does not hold
     # The build backend's wheel serves `pip install -e .`'s isolated build only: pinned in the
     # install line it could conflict with what the node's own packages ask of setuptools.
-    lines = [f"{name}=={version}" for name, version in sorted(keep.items()) if name not in backend]
+    pins = {name: version for name, version in keep.items() if name not in backend}
+    if plan.node_torch is not None:
+        # The node's own torch, pinned as it is: a pip on the node that would take another torch
+        # for any line here refuses the set instead of replacing the node's build.
+        pins["torch"] = plan.node_torch
+    lines = [f"{name}=={version}" for name, version in sorted(pins.items())]
     (out / "requirements.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
     summary = {
         "python_version": python_version or sysconfig.get_python_version(),
@@ -459,6 +641,9 @@ def build_wheelhouse(
         "target_freeze": str(target_freeze) if target_freeze else None,
         "training_only": training_only,
         "nvvm_from_cuda_home": nvvm_from_cuda_home,
+        "node_torch": plan.node_torch,
+        "replace_torch": replace_torch,
+        "freeze_warnings": target.warnings,
         "left_out": [{"name": n, "why": w} for n, w in plan.left_out],
         "wheels": wheels,
         "total_bytes": sum(wheels.values()),
@@ -468,6 +653,8 @@ def build_wheelhouse(
 
 
 def print_summary(summary: dict, out: Path) -> None:
+    if summary["node_torch"]:
+        print(f"\nthe node's torch {summary['node_torch']} stays (pinned in requirements.txt)")
     print(f"\nleft out ({len(summary['left_out'])}):")
     for item in summary["left_out"]:
         print(f"  {item['name']:<24} {item['why']}")
@@ -513,6 +700,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="leave out libNVVM's wheel: the node's CUDA toolkit (CUDA_HOME) provides libNVVM",
     )
+    parser.add_argument(
+        "--replace-torch",
+        action="store_true",
+        help="ship requirements.txt's torch (the registry's CUDA 13 build) in place of the "
+        "node's own; without it the node's torch is never replaced",
+    )
     args = parser.parse_args(argv)
     if args.platform and not args.python_version:
         args.python_version = sysconfig.get_python_version()
@@ -524,6 +717,7 @@ def main(argv: list[str] | None = None) -> int:
             target_freeze=args.target_freeze,
             training_only=args.training_only,
             nvvm_from_cuda_home=args.nvvm_from_cuda_home,
+            replace_torch=args.replace_torch,
         )
     except (WheelhouseError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

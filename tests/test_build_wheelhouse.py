@@ -1,22 +1,27 @@
 """scripts/build_wheelhouse.py: the wheels a GPU node without internet needs, for a stated target.
 
-The planning rules are checked on their own; two slow tests build real sets from the package index:
-the one for the GPU image whose `pip freeze` is tests/gpu_image_freeze.txt (Python 3.12, torch
-2.11 with CUDA 13, lightning 2.6.6, sentencepiece 0.2.2, numpy 2.5.2; training only), and one for a
-local target that is then installed with ``--no-index`` into an environment holding only the
-target's packages, where the tiny training runs.
+The planning rules are checked on their own, against pip's own definitions: PEP 440 versions as
+packaging compares an installed one (pre-releases count, a local label is ignored against a
+specifier without one), PEP 503 names, the lines `pip freeze` writes (a slow test has pip write
+them). Slow tests build or resolve real sets from the package index: the GPU image whose `pip
+freeze` is tests/gpu_image_freeze.txt (Python 3.12, torch 2.11 with CUDA 13, lightning 2.6.6,
+sentencepiece 0.2.2, numpy 2.5.2; training only), and a local target that is then installed with
+``--no-index`` into an environment holding only the target's packages, where the tiny training runs.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.version import Version
 
 from scripts import build_wheelhouse as bw
 from tests.tiny_training_data import make_training_data
@@ -24,11 +29,28 @@ from tests.torchrun_jobs import tiny_train_env
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGE_FREEZE = REPO / "tests" / "gpu_image_freeze.txt"
+NVIDIA_FREEZE = REPO / "tests" / "nvidia_pytorch_container_freeze.txt"
 IMAGE_PLATFORMS = ["manylinux_2_28_x86_64"]  # its glibc: the older levels are added
+NVIDIA_TORCH = "2.12.0a0+6a5c3a1d2e.nv26.01"  # NVIDIA's own build: a pre-release, CUDA not named
 
 
 def _reqs(*lines: str) -> list[Requirement]:
     return [Requirement(line) for line in lines]
+
+
+def _freeze(tmp_path: Path, *lines: str) -> bw.Freeze:
+    path = tmp_path / "freeze.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return bw.read_freeze(path)
+
+
+def _node(**versions: str) -> bw.Freeze:
+    return bw.Freeze(versions=versions, where={name: f"freeze.txt:{name}" for name in versions})
+
+
+def pep503(name: str) -> str:
+    """PEP 503's normalized name, as the PEP writes it."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def _left_out(plan: bw.Plan) -> dict[str, str]:
@@ -38,7 +60,7 @@ def _left_out(plan: bw.Plan) -> dict[str, str]:
 def test_a_pin_the_target_has_in_an_accepted_version_is_kept_and_resolved_as_the_range():
     plan = bw.plan_requirements(
         _reqs("torch==2.13.0", "numpy==2.4.6", "sentencepiece==0.2.3"),
-        {"torch": "2.11.0", "numpy": "2.5.2", "sentencepiece": "0.2.2"},
+        _node(torch="2.11.0", numpy="2.5.2", sentencepiece="0.2.2"),
         training_only=False,
     )
     out = _left_out(plan)
@@ -50,22 +72,87 @@ def test_a_pin_the_target_has_in_an_accepted_version_is_kept_and_resolved_as_the
 
 def test_a_pin_the_target_has_in_a_version_the_project_does_not_accept_is_shipped_as_pinned():
     plan = bw.plan_requirements(
-        _reqs("lightning==2.4.0", "torch==2.13.0", "nemo_toolkit[asr]==3.0.0"),
-        {"lightning": "2.6.6", "torch": "2.10.0"},
+        _reqs("lightning==2.4.0", "nemo_toolkit[asr]==3.0.0"),
+        _node(lightning="2.6.6"),
         training_only=False,
     )
     assert _left_out(plan) == {}
-    assert plan.requirements == ["lightning==2.4.0", "torch==2.13.0", "nemo_toolkit[asr]==3.0.0"]
+    assert plan.requirements == ["lightning==2.4.0", "nemo_toolkit[asr]==3.0.0"]
+
+
+# An installed version meets a specifier as pip judges an installed package (PEP 440):
+# a pre-release counts, and a local label is ignored against a specifier that has none.
+@pytest.mark.parametrize(
+    ("have", "kept"),
+    [
+        (NVIDIA_TORCH, True),  # a pre-release of 2.12 comes after 2.11
+        ("2.11.0+cu126", True),  # the local label is ignored: 2.11.0 >= 2.11
+        ("2.13.0+cu130", True),  # == 2.13.0, the pinned version, whatever the local label
+        ("2.11.0rc1", False),  # a pre-release of 2.11 comes before 2.11
+        ("2.11.0a0+ecf3bae40a.nv26.01", False),
+        ("2.10.1+cu126", False),
+    ],
+)
+def test_the_nodes_torch_stays_when_pip_would_count_it_in_the_accepted_range(have, kept):
+    reqs = _reqs("torch==2.13.0", "nemo_toolkit[asr]==3.0.0")
+    if not kept:
+        with pytest.raises(bw.WheelhouseError, match=r"freeze.txt:torch: .*--replace-torch"):
+            bw.plan_requirements(reqs, _node(torch=have), training_only=False)
+        return
+    plan = bw.plan_requirements(reqs, _node(torch=have), training_only=False)
+    assert Version(plan.node_torch) == Version(have)
+    assert "torch==2.13.0" not in plan.requirements or have.startswith("2.13.0")
+    assert f"the target has {have}" in _left_out(plan)["torch"]
+
+
+def test_the_nodes_torch_outside_the_range_is_replaced_only_when_asked():
+    reqs = _reqs("torch==2.13.0", "tqdm==4.70.1")
+    with pytest.raises(bw.WheelhouseError) as refused:
+        bw.plan_requirements(reqs, _node(torch="2.10.0+cu126"), training_only=False)
+    said = str(refused.value)
+    assert "\n" not in said and "2.10.0+cu126" in said and ">=2.11" in said
+    plan = bw.plan_requirements(
+        reqs, _node(torch="2.10.0+cu126"), training_only=False, replace_torch=True
+    )
+    assert plan.requirements == ["torch==2.13.0", "tqdm==4.70.1"] and plan.node_torch is None
+    # Asked, it replaces even an accepted torch with requirements.txt's.
+    plan = bw.plan_requirements(reqs, _node(torch=NVIDIA_TORCH), False, replace_torch=True)
+    assert plan.requirements[0] == "torch==2.13.0" and plan.node_torch is None
+
+
+def test_a_torch_whose_freeze_line_has_no_version_is_refused_naming_the_line(tmp_path):
+    freeze = _freeze(tmp_path, "numpy==2.5.2", "torch @ file:///opt/pytorch/pytorch")
+    assert "torch" in freeze.unversioned and "torch" not in freeze.versions
+    with pytest.raises(bw.WheelhouseError, match=r"freeze.txt:2: .*pip list --format=freeze"):
+        bw.plan_requirements(_reqs("torch==2.13.0"), freeze, training_only=False)
+
+
+def test_a_resolution_that_would_install_a_torch_over_the_nodes_is_refused_naming_who_asks():
+    plan = bw.plan_requirements(_reqs("torch==2.13.0"), _node(torch=NVIDIA_TORCH), False)
+    installs = [
+        {"metadata": {"name": "torch", "version": "2.13.0"}},
+        {"metadata": {"name": "torchmetrics", "version": "9.0", "requires_dist": ["torch>=2.13"]}},
+        {"metadata": {"name": "tqdm", "version": "4.70.1", "requires_dist": ["colorama"]}},
+    ]
+    with pytest.raises(
+        bw.WheelhouseError, match=r"torchmetrics asks for torch>=2.13.*replace-torch"
+    ):
+        bw.check_node_torch_kept(installs, plan)
+    bw.check_node_torch_kept(installs[1:], plan)  # no torch in the set: nothing to refuse
+    asked = bw.plan_requirements(
+        _reqs("torch==2.13.0"), _node(torch=NVIDIA_TORCH), False, replace_torch=True
+    )
+    bw.check_node_torch_kept(installs, asked)
 
 
 def test_test_tools_always_and_offline_only_packages_with_training_only_stay_out():
     reqs = _reqs(
         "pytest==9.2.0", "ruff==0.17.6", "polars==2.1.0", "matplotlib==3.11.2", "tqdm==4.70.1"
     )
-    full = bw.plan_requirements(reqs, {}, training_only=False)
+    full = bw.plan_requirements(reqs, bw.Freeze(), training_only=False)
     assert set(_left_out(full)) == {"pytest", "ruff"}
     assert full.requirements == ["polars==2.1.0", "matplotlib==3.11.2", "tqdm==4.70.1"]
-    training = bw.plan_requirements(reqs, {}, training_only=True)
+    training = bw.plan_requirements(reqs, bw.Freeze(), training_only=True)
     assert "offline steps only" in _left_out(training)["polars"]
     assert training.requirements == ["tqdm==4.70.1"]
 
@@ -95,31 +182,115 @@ def test_a_manylinux_platform_brings_every_older_glibc_level_pip_would_otherwise
     ]
 
 
-def test_a_freeze_line_that_is_no_pin_names_its_file_and_line(tmp_path):
-    freeze = tmp_path / "freeze.txt"
-    freeze.write_text("# comment\ntorch==2.11.0\nnumpy>=2\n", encoding="utf-8")
-    with pytest.raises(
-        bw.WheelhouseError, match=r"freeze.txt:3: 'numpy>=2' is not a `pip freeze` line"
-    ):
-        bw.read_freeze(freeze)
+def test_a_freeze_line_that_is_no_pin_is_a_warning_naming_its_file_and_line(tmp_path):
+    freeze = _freeze(tmp_path, "# comment", "torch==2.11.0", "numpy>=2", "-----", "-f /wheels")
+    said = "\n".join(freeze.warnings)
+    assert "freeze.txt:3: 'numpy>=2': not a `pip freeze` line" in said
+    assert "freeze.txt:4: '-----'" in said and "freeze.txt:5: '-f /wheels'" in said
+    assert len(freeze.warnings) == 3
+    # The package it names is installed in a version nobody can tell: not kept as if it fitted.
+    assert freeze.versions == {"torch": "2.11.0"} and freeze.unversioned == {"numpy"}
+
+
+def test_a_file_with_no_installed_package_in_it_is_refused(tmp_path):
+    with pytest.raises(bw.WheelhouseError, match=r"freeze.txt: no line reads as an installed"):
+        _freeze(tmp_path, "Package    Version", "---------- -------", "torch      2.11.0")
 
 
 def test_a_freeze_of_direct_references_and_editables_reads_the_wheel_versions(tmp_path):
-    freeze = tmp_path / "freeze.txt"
-    freeze.write_text(
-        "-e git+https://example.invalid/x.git#egg=x\n"
-        "flash_attn @ file:///wheels/flash_attn-2.8.3-cp312-cp312-linux_x86_64.whl\n"
-        "mylib @ file:///src/mylib\n"
-        "Torch==2.11.0+cu130\n",
-        encoding="utf-8",
+    freeze = _freeze(
+        tmp_path,
+        "-e git+https://example.invalid/x.git@0123abcd#egg=x_lib",
+        "flash_attn @ file:///wheels/flash_attn-2.8.3-cp312-cp312-linux_x86_64.whl",
+        "mylib @ file:///src/mylib",
+        "Torch==2.11.0+cu130",
     )
-    assert bw.read_freeze(freeze) == {"flash-attn": "2.8.3", "torch": "2.11.0+cu130"}
+    assert freeze.versions == {"flash-attn": "2.8.3", "torch": "2.11.0+cu130"}
+    assert freeze.unversioned == {"x-lib", "mylib"}
+    assert [w.split(":")[1] for w in freeze.warnings] == ["1", "3"]
+
+
+# Every form pip writes for an installed torch 2.12.0a0+6a5c3a1d2e.nv26.01 or 2.11.0+cu126:
+# name==version (a pre-release and a local version), name===version, name @ a wheel's URL with
+# the local version's "+" written %2B (file:// and https://, with a hash fragment), an editable
+# install under pip's comment naming it, a name in another case.
+@pytest.mark.parametrize(
+    ("lines", "version"),
+    [
+        ([f"torch=={NVIDIA_TORCH}"], NVIDIA_TORCH),
+        (["torch===2.11.0+cu126"], "2.11.0+cu126"),
+        (
+            [
+                "torch @ file:///opt/transfer/torch-2.12.0a0%2B6a5c3a1d2e.nv26.01-cp312-cp312-linux_x86_64.whl"
+            ],
+            NVIDIA_TORCH,
+        ),
+        (
+            [
+                "torch @ https://download.example.invalid/whl/cu126/"
+                "torch-2.11.0%2Bcu126-cp312-cp312-manylinux_2_28_x86_64.whl#sha256=00ff"
+            ],
+            "2.11.0+cu126",
+        ),
+        (["torch @ file:///sdists/torch-2.11.0%2Bcu126.tar.gz"], "2.11.0+cu126"),
+        (
+            [
+                "# Editable install with no version control (torch==2.12.0a0+6a5c3a1d2e.nv26.1)",
+                "-e /opt/pytorch/pytorch",
+            ],
+            NVIDIA_TORCH,
+        ),
+        (
+            ["# Editable Git install with no remote (torch==2.11.0+cu126)", "-e /src/pytorch"],
+            "2.11.0+cu126",
+        ),
+        (["TORCH==2.11.0+cu126"], "2.11.0+cu126"),
+    ],
+)
+def test_every_form_pip_writes_for_an_installed_torch_reads_as_its_version(
+    tmp_path, lines, version
+):
+    freeze = _freeze(tmp_path, "numpy==2.5.2", *lines)
+    assert Version(freeze.versions["torch"]) == Version(version)
+    assert freeze.warnings == []
+
+
+def test_names_in_any_case_and_separator_are_one_package_as_pep_503_defines():
+    spelled = [
+        "Ruamel.Yaml",
+        "ruamel_yaml.clib",
+        "PyYAML",
+        "typing_extensions",
+        "Jinja2",
+        "flash_attn",
+    ]
+    freeze = bw.read_freeze(NVIDIA_FREEZE)
+    for name in ("ruamel.yaml", "ruamel.yaml.clib", "PyYAML", "typing_extensions", "Jinja2"):
+        assert pep503(name) in freeze.versions, name
+    # A requirement spelled one way finds the node's package spelled another.
+    for name in spelled:
+        node = _node(**{pep503(name): "1.0"})
+        plan = bw.plan_requirements(_reqs(f"{name}==1.0"), node, training_only=False)
+        assert _left_out(plan) == {name: "the target has 1.0, as pinned"}, name
+
+
+def test_the_nvidia_containers_freeze_reads_its_torch_and_warns_of_each_line_without_a_version():
+    text = NVIDIA_FREEZE.read_text(encoding="utf-8").splitlines()
+    freeze = bw.read_freeze(NVIDIA_FREEZE)
+    assert Version(freeze.versions["torch"]) == Version(NVIDIA_TORCH)
+    assert Version(freeze.versions["torchvision"]) == Version("0.27.0a0+9c1e2f3")
+    assert freeze.versions["lightning-thunder"] == "0.2.5.dev0"  # from pip's comment
+    unreadable = {"apex", "nvfuser", "transformer_engine", "megatron_core"}
+    assert freeze.unversioned == {pep503(n) for n in unreadable}
+    numbers = {n: next(i for i, l in enumerate(text, 1) if n in l) for n in unreadable}
+    warned = {int(w.split(":")[1]) for w in freeze.warnings}
+    assert warned == set(numbers.values())
 
 
 def test_a_freeze_saved_with_a_byte_order_mark_and_crlf_reads_its_first_package(tmp_path):
     freeze = tmp_path / "freeze.txt"
     freeze.write_bytes(b"\xef\xbb\xbftorch==2.11.0\r\nnumpy==2.5.2\r\n")
-    assert bw.read_freeze(freeze) == {"torch": "2.11.0", "numpy": "2.5.2"}
+    assert bw.read_freeze(freeze).versions == {"torch": "2.11.0", "numpy": "2.5.2"}
 
 
 def test_pips_two_ways_of_saying_no_wheel_name_the_requirement():
@@ -159,6 +330,39 @@ def test_a_relative_out_folder_is_the_callers_and_a_rebuild_drops_wheels_the_set
     assert (tmp_path / "wh" / "requirements.txt").read_text() == "tqdm==4.70.1\n"
 
 
+def test_the_install_line_pins_the_nodes_own_torch_and_the_set_holds_no_torch(
+    tmp_path, monkeypatch
+):
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text("torch==2.13.0\ntqdm==4.70.1\n", encoding="utf-8")
+    freeze = tmp_path / "node_freeze.txt"
+    freeze.write_text(
+        "numpy==2.5.2\ntorch @ file:///opt/transfer/"
+        "torch-2.12.0a0%2B6a5c3a1d2e.nv26.01-cp312-cp312-linux_x86_64.whl\n",
+        encoding="utf-8",
+    )
+    fetched = []
+    real_download = bw.download
+
+    def download(installs, *args):
+        names = [i["metadata"]["name"] for i in installs]
+        assert "torch" not in names  # never fetch a torch build to put over the node's
+        fetched.extend(names)
+        real_download(installs, *args)
+
+    monkeypatch.setattr(bw, "download", download)
+    summary = bw.build_wheelhouse(
+        tmp_path / "wh", target_freeze=freeze, requirement_files=[requirements]
+    )
+    assert "tqdm" in fetched
+    assert not any(w.startswith("torch-") for w in summary["wheels"])
+    # pip on the node keeps a pinned installed version, and refuses a set that needs another.
+    pins = (tmp_path / "wh" / "requirements.txt").read_text().split()
+    assert pins == ["torch==2.12.0a0+6a5c3a1d2e.nv26.1", "tqdm==4.70.1"]
+    assert Version(pins[0].split("==")[1]) == Version(NVIDIA_TORCH)
+    assert summary["node_torch"] == pins[0].split("==")[1]
+
+
 @pytest.mark.slow
 def test_the_gpu_images_training_set_is_under_40_mib_and_holds_what_the_image_lacks(tmp_path):
     out = tmp_path / "wheelhouse"
@@ -173,9 +377,11 @@ def test_the_gpu_images_training_set_is_under_40_mib_and_holds_what_the_image_la
     pins = dict(line.split("==") for line in (out / "requirements.txt").read_text().split() if line)
     assert pins["lightning"] == "2.4.0" and pins["nemo-toolkit"] == "3.0.0"
     assert pins["antlr4-python3-runtime"] == "4.9.3"  # an sdist, built here into a pure wheel
-    for kept in ("torch", "numpy", "numba", "numba-cuda", "sentencepiece", "polars", "setuptools"):
+    assert pins["torch"] == "2.11.0"  # the image's own, pinned as it is
+    for kept in ("numpy", "numba", "numba-cuda", "sentencepiece", "polars", "setuptools"):
         assert kept not in pins, kept
     wheels = os.listdir(out)
+    assert not any(w.startswith("torch-") for w in wheels)
     assert any(w.startswith("antlr4_python3_runtime-4.9.3-py3-none-any") for w in wheels)
     # The build backend for `pip install -e .` is in the folder, not in the install line.
     assert any(w.startswith("setuptools-") for w in wheels)
@@ -271,3 +477,74 @@ def test_a_set_installed_with_no_index_beside_the_targets_packages_trains(tmp_pa
     metrics = next((tmp_path / "run").rglob("metrics.jsonl"))
     steps = [json.loads(l)["step"] for l in metrics.read_text().splitlines() if "train/loss" in l]
     assert steps == [1, 2, 3]
+
+
+def _metadata_wheel(folder: Path, name: str, version: str) -> Path:
+    """A wheel of ``name`` ``version`` holding its metadata only (the binary distribution format:
+    the file name's name escaped to ``[a-z0-9_]``, the version as is, local label included)."""
+    stem = re.sub(r"[-_.]+", "_", name).lower()
+    info = f"{stem}-{version}.dist-info"
+    files = {
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{info}/RECORD"])
+    wheel = folder / f"{stem}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for path, text in files.items():
+            zf.writestr(path, text)
+    return wheel
+
+
+@pytest.mark.slow
+def test_what_pip_itself_writes_for_a_containers_packages_reads_back_as_installed(tmp_path):
+    # pip's own freeze of packages installed as NVIDIA's containers install them: torch from a wheel
+    # file with a local version, a name in its project's own case, an editable source tree.
+    venv = tmp_path / "node"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    wheels = tmp_path / "transfer"
+    wheels.mkdir()
+    built = [
+        _metadata_wheel(wheels, "torch", "2.12.0a0+6a5c3a1d2e.nv26.1"),
+        _metadata_wheel(wheels, "Ruamel.Yaml", "0.18.15"),
+    ]
+    thunder = tmp_path / "lightning-thunder"
+    thunder.mkdir()
+    (thunder / "setup.py").write_text(
+        "from setuptools import setup\nsetup(name='lightning-thunder', version='0.2.5.dev0')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull  # this machine's pip configuration stays out of the node
+
+    def pip(*args: str) -> str:
+        done = subprocess.run(
+            [str(_venv_python(venv)), "-m", "pip", "--disable-pip-version-check", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    pip("install", "-q", "--no-index", "--no-deps", *map(str, built))
+    # An editable install as `setup.py develop` makes one: a fresh venv has setuptools, but not the
+    # wheel package a PEP 660 editable build needs.
+    done = subprocess.run(
+        [str(_venv_python(venv)), "setup.py", "-q", "develop"],
+        cwd=thunder,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    frozen = pip("freeze")
+    assert "torch @ file://" in frozen and "%2B6a5c3a1d2e" in frozen, frozen
+    for command in (["freeze"], ["list", "--format=freeze"]):
+        path = tmp_path / "freeze.txt"
+        path.write_text(frozen if command == ["freeze"] else pip(*command), encoding="utf-8")
+        freeze = bw.read_freeze(path)
+        assert Version(freeze.versions["torch"]) == Version(NVIDIA_TORCH), command
+        assert freeze.versions[pep503("Ruamel.Yaml")] == "0.18.15", command
+        assert freeze.versions["lightning-thunder"] == "0.2.5.dev0", command
+        assert freeze.warnings == [], command
