@@ -5,6 +5,8 @@ Usage (on a machine that reaches the package index; the project's .venv is enoug
     python -m pip freeze > node_freeze.txt                               # on the GPU node
     python scripts/build_wheelhouse.py --out wheelhouse --python-version 3.12 \\
         --platform manylinux_2_28_x86_64 --target-freeze node_freeze.txt --training-only
+    # an NVIDIA PyTorch container: its torch's version does not say its CUDA; state it
+    python scripts/build_wheelhouse.py ... --target-freeze node_freeze.txt --cuda 12
 
 Then, on the node (no index, the wheelhouse copied next to the checkout):
     python -m pip install --no-index --find-links wheelhouse -r wheelhouse/requirements.txt
@@ -30,16 +32,20 @@ What stays out, each printed with its reason:
   node has in a version the project does not accept (lightning 2.6.6: NeMo 3.0 does not import
   with it) is shipped in the pinned version. A freeze line it cannot read is a warning naming the
   line; that package counts as absent;
-- with ``--nvvm-from-cuda-home``, libNVVM's wheel (nvidia-nvvm, about 59 MiB): numba-cuda then finds
-  libNVVM in the node's CUDA toolkit (CUDA_HOME).
+- with ``--nvvm-from-cuda-home``, libNVVM's wheel (nvidia-nvvm, about 59 MiB; for CUDA 12 the
+  compiler's, nvidia-cuda-nvcc-cu12): numba-cuda then finds libNVVM in the node's CUDA toolkit
+  (CUDA_HOME), as in NVIDIA's containers.
 
 The node's torch is never replaced: one outside ACCEPTS, one whose version the freeze does not
 say, or one a requirement of the set excludes is refused in one line, unless ``--replace-torch``
-asks to ship requirements.txt's torch in its place.
+asks to ship requirements.txt's torch in its place. numba-cuda (NeMo's CUDA TDT loss) takes the
+CUDA extra (``cu12``, ``cu13``) of the torch the node trains with: from its local version tag
+(``+cu126``), else from the CUDA runtime wheel a registry build brings, else from ``--cuda``; where
+none says (NVIDIA's containers: ``2.12.0a0+6a5c3a1d2e.nv26.01``) the build is refused in one line.
 
 It prints the set's size and writes, beside the wheels, ``requirements.txt`` (one ``name==version``
 per wheel, and the node's own torch at its version: the install line above) and ``wheelhouse.json``
-(the target, what was left out and why, each wheel's size). Run again into
+(the target, the CUDA extra and why, what was left out and why, each wheel's size). Run again into
 the same folder, it keeps the wheels the new set holds and removes the other wheels there.
 Markers (``; python_version < "3.12"``) are evaluated by pip on this machine's Python: a dependency
 that only an older Python needs can come along unused. The target's packages are known by name and
@@ -110,8 +116,19 @@ ACCEPTS = {
     "matplotlib": (">=3.7", "PNGs"),
     "numba": (">=0.60,<0.69", "the range requirements-gpu.txt allows"),
 }
-# Left out with --nvvm-from-cuda-home: libNVVM comes from the node's CUDA toolkit.
-NVVM_WHEELS = {"nvidia-nvvm", "nvidia-cuda-nvcc"}
+# Left out with --nvvm-from-cuda-home: libNVVM comes from the node's CUDA toolkit. numba-cuda's cu13
+# extra brings it in nvidia-nvvm, its cu12 extra in the CUDA 12 compiler's wheel.
+NVVM_WHEELS = {"nvidia-nvvm", "nvidia-cuda-nvcc", "nvidia-cuda-nvcc-cu12"}
+# numba-cuda's CUDA extras, as its published metadata names them (numba-cuda 0.30.4: Provides-Extra
+# cu12 and cu13; NeMo 3.0's own cu12/cu13 extras ask for the same two): by CUDA major version.
+NUMBA_CUDA_EXTRAS = {12: "cu12", 13: "cu13"}
+# requirements.txt's torch as the registry has it for Linux: built for CUDA 13.0 (requirements-gpu.txt).
+REGISTRY_TORCH_CUDA = 13
+# torch's registry builds bring CUDA's runtime as a wheel: named for CUDA 12, plain for CUDA 13.
+CUDA_RUNTIME_WHEEL = re.compile(r"^nvidia-cuda-runtime(-cu\d+)?$")
+# torch's local version tag of a CUDA build: cu126 is CUDA 12.6, cu130 is 13.0.
+TORCH_CUDA_TAG = re.compile(r"^cu(\d+)(\d)$")
+HOW_TO_SEE_CUDA = "`python -c 'import torch; print(torch.version.cuda)'` on the node prints it"
 
 
 class WheelhouseError(Exception):
@@ -142,6 +159,7 @@ class Plan:
     requirements: list[str] = field(default_factory=list)  # what pip resolves, node-adjusted
     left_out: list[tuple[str, str]] = field(default_factory=list)  # (name, why)
     target: dict[str, str] = field(default_factory=dict)  # canonical name -> version
+    cuda: str = ""  # numba-cuda's CUDA extra and why that one
     node_torch: str | None = None  # the node's torch version when the set keeps it
 
 
@@ -277,17 +295,86 @@ def installed_satisfies(version: str, specifier: SpecifierSet | str) -> bool:
     return SpecifierSet(str(specifier)).contains(Version(version), prereleases=True)
 
 
+def choose_cuda(freeze: Freeze, cuda: int | None, replace_torch: bool) -> tuple[int | None, str]:
+    """(the CUDA major version numba-cuda's extra is chosen for, why): that of the torch the node
+    trains with. Read from the node's torch's local version tag (``+cu126``: 12), else, for a
+    registry build without one, from the CUDA runtime wheel beside it; ``cuda`` (``--cuda``) states
+    it where the freeze cannot (NVIDIA's containers: ``2.12.0a0+6a5c3a1d2e.nv26.01``) and must agree
+    where it can. A set that ships requirements.txt's torch (no torch on the node, or
+    ``replace_torch``) takes the registry's build's. (None, why) for a CPU build of torch."""
+    have = freeze.versions.get("torch")
+    if have is None or replace_torch:
+        if cuda is not None and cuda != REGISTRY_TORCH_CUDA:
+            raise WheelhouseError(
+                f"--cuda {cuda}: this set ships requirements.txt's torch, the registry's CUDA "
+                f"{REGISTRY_TORCH_CUDA} build; for the node's own CUDA {cuda} torch give its "
+                f"freeze (--target-freeze) without --replace-torch"
+            )
+        return REGISTRY_TORCH_CUDA, (
+            f"the set ships requirements.txt's torch, a CUDA {REGISTRY_TORCH_CUDA} build"
+        )
+    where = freeze.line("torch")
+    local = (Version(have).local or "").split(".")
+    tags = [TORCH_CUDA_TAG.match(part) for part in local]
+    tagged = {int(tag.group(1)) for tag in tags if tag}
+    if tagged:
+        found = tagged.pop()
+        how = f"the node's torch {have} is a CUDA {found} build ({where})"
+    elif "cpu" in local:
+        if cuda is not None:
+            raise WheelhouseError(
+                f"{where}: --cuda {cuda}, but the node's torch {have} is a CPU build: install "
+                f"torch's CUDA build on the node first"
+            )
+        return None, (
+            f"the node's torch {have} is a CPU build: numba-cuda as requirements-gpu.txt writes "
+            f"it (NeMo's CUDA loss needs torch's CUDA build)"
+        )
+    elif local != [""]:  # NVIDIA's builds (.nv26.01), source builds (+git...): no CUDA in the tag
+        if cuda is None:
+            raise WheelhouseError(
+                f"{where}: the node's torch {have} does not say which CUDA it is built for: give "
+                f"--cuda 12 or --cuda 13 ({HOW_TO_SEE_CUDA})"
+            )
+        return cuda, f"--cuda {cuda} for the node's torch {have}"
+    else:
+        runtimes = {
+            Version(version).major: f"{name} {version}"
+            for name, version in sorted(freeze.versions.items())
+            if CUDA_RUNTIME_WHEEL.match(name)
+        }
+        if len(runtimes) != 1:
+            if cuda is not None:
+                return cuda, f"--cuda {cuda} for the node's torch {have}"
+            seen = " and ".join(runtimes.values()) or "none"
+            raise WheelhouseError(
+                f"{where}: the node's torch {have} has no CUDA tag and the freeze's CUDA runtime "
+                f"wheels ({seen}) do not say one CUDA: give --cuda 12 or --cuda 13 "
+                f"({HOW_TO_SEE_CUDA})"
+            )
+        ((found, runtime),) = runtimes.items()
+        how = f"the node's torch {have} is a CUDA {found} build ({runtime} beside it)"
+    if cuda is not None and cuda != found:
+        raise WheelhouseError(
+            f"{where}: --cuda {cuda}, but the node's torch {have} is a CUDA {found} build (from "
+            f"{how}): leave --cuda out or give {found}"
+        )
+    return found, how
+
+
 def plan_requirements(
     requirements: list[Requirement],
     target: Freeze,
     training_only: bool,
     *,
+    cuda: int | None = None,
     replace_torch: bool = False,
 ) -> Plan:
     """Which requirements pip resolves for the node, and which stay out (``DEV_ONLY``, with
     ``training_only`` ``OFFLINE_ONLY``, a target version inside ``ACCEPTS``, pre-releases and local
     versions included). The node's torch is never replaced unless ``replace_torch``: one the
-    project does not accept, or whose version the freeze does not say, is refused in one line."""
+    project does not accept, or whose version the freeze does not say, is refused in one line.
+    numba-cuda takes the CUDA extra of the torch the node trains with (``choose_cuda``)."""
     plan = Plan(target=dict(target.versions))
     for req in requirements:
         name = canonicalize_name(req.name)
@@ -297,6 +384,11 @@ def plan_requirements(
         if training_only and name in OFFLINE_ONLY:
             plan.left_out.append((req.name, f"offline steps only ({OFFLINE_ONLY[name]})"))
             continue
+        if name == "numba-cuda":
+            major, why = choose_cuda(target, cuda, replace_torch)
+            if major is not None:
+                req = _with_cuda_extra(req, major, why)
+            plan.cuda = f"{req}: {why}"
         extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
         marker = f"; {req.marker}" if req.marker else ""
         have = target.versions.get(name)
@@ -335,6 +427,19 @@ def plan_requirements(
     return plan
 
 
+def _with_cuda_extra(req: Requirement, major: int, why: str) -> Requirement:
+    """``req`` (numba-cuda) with the CUDA extra of CUDA ``major`` in place of any other."""
+    if major not in NUMBA_CUDA_EXTRAS:
+        known = ", ".join(f"{extra} (CUDA {m})" for m, extra in NUMBA_CUDA_EXTRAS.items())
+        raise WheelhouseError(
+            f"{req.name} publishes CUDA extras {known} only; the torch the node trains with is "
+            f"CUDA {major} ({why}): train with TDT_LOSS=torch, which needs no numba"
+        )
+    chosen = Requirement(str(req))
+    chosen.extras = (set(req.extras) - set(NUMBA_CUDA_EXTRAS.values())) | {NUMBA_CUDA_EXTRAS[major]}
+    return chosen
+
+
 def check_node_torch_kept(installs: list[dict], plan: Plan) -> None:
     """Refuse a resolution that would install a torch over the node's own (``plan.node_torch``),
     naming what asks for it: pip takes the installed torch wherever it fits, so a torch in the
@@ -364,6 +469,33 @@ def check_node_torch_kept(installs: list[dict], plan: Plan) -> None:
 
 MANYLINUX = re.compile(r"^manylinux_2_(\d+)_(\w+)$")
 LEGACY_MANYLINUX = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
+
+
+def drop_nvvm(installs: list[dict], plan: Plan) -> list[dict]:
+    """``installs`` without libNVVM's wheels (``NVVM_WHEELS``), each one dropped named in
+    ``plan.left_out``: with ``--nvvm-from-cuda-home`` numba-cuda finds libNVVM in CUDA_HOME."""
+    kept = []
+    for install in installs:
+        if canonicalize_name(install["metadata"]["name"]) in NVVM_WHEELS:
+            plan.left_out.append(
+                (
+                    install["metadata"]["name"],
+                    "--nvvm-from-cuda-home: the node's CUDA toolkit has libNVVM",
+                )
+            )
+        else:
+            kept.append(install)
+    return kept
+
+
+def cuda_major(text: str) -> int:
+    """``--cuda``'s value: a CUDA version (``12``, ``12.8``) as its major number."""
+    try:
+        return Version(text).major
+    except InvalidVersion:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is no CUDA version (12, 13, or 12.8 as torch.version.cuda prints it)"
+        ) from None
 
 
 def expand_platforms(platforms: list[str]) -> list[str]:
@@ -581,6 +713,7 @@ def build_wheelhouse(
     target_freeze: Path | None = None,
     training_only: bool = False,
     nvvm_from_cuda_home: bool = False,
+    cuda: int | None = None,
     replace_torch: bool = False,
     requirement_files: list[Path] | None = None,
 ) -> dict:
@@ -594,6 +727,7 @@ def build_wheelhouse(
         read_requirements(files),
         target,
         training_only,
+        cuda=cuda,
         replace_torch=replace_torch,
     )
     platform_args = _pip_platform_args(python_version, platforms)
@@ -604,17 +738,7 @@ def build_wheelhouse(
         installs = resolve(plan, out, platform_args, work)
         check_node_torch_kept(installs, plan)
         if nvvm_from_cuda_home:
-            dropped = [
-                i for i in installs if canonicalize_name(i["metadata"]["name"]) in NVVM_WHEELS
-            ]
-            for i in dropped:
-                plan.left_out.append(
-                    (
-                        i["metadata"]["name"],
-                        "--nvvm-from-cuda-home: the node's CUDA toolkit has libNVVM",
-                    )
-                )
-            installs = [i for i in installs if i not in dropped]
+            installs = drop_nvvm(installs, plan)
         installs += build_backend(installs, platform_args, work)
         download(installs, out, platform_args, work)
     keep = {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"] for i in installs}
@@ -641,6 +765,7 @@ def build_wheelhouse(
         "target_freeze": str(target_freeze) if target_freeze else None,
         "training_only": training_only,
         "nvvm_from_cuda_home": nvvm_from_cuda_home,
+        "cuda": plan.cuda,
         "node_torch": plan.node_torch,
         "replace_torch": replace_torch,
         "freeze_warnings": target.warnings,
@@ -653,8 +778,10 @@ def build_wheelhouse(
 
 
 def print_summary(summary: dict, out: Path) -> None:
+    if summary["cuda"]:
+        print(f"\nCUDA: {summary['cuda']}")
     if summary["node_torch"]:
-        print(f"\nthe node's torch {summary['node_torch']} stays (pinned in requirements.txt)")
+        print(f"the node's torch {summary['node_torch']} stays (pinned in requirements.txt)")
     print(f"\nleft out ({len(summary['left_out'])}):")
     for item in summary["left_out"]:
         print(f"  {item['name']:<24} {item['why']}")
@@ -701,6 +828,13 @@ def main(argv: list[str] | None = None) -> int:
         help="leave out libNVVM's wheel: the node's CUDA toolkit (CUDA_HOME) provides libNVVM",
     )
     parser.add_argument(
+        "--cuda",
+        type=cuda_major,
+        help="the CUDA version the node's torch is built for (12, 13, or as torch.version.cuda "
+        "prints it: 12.8), where the freeze does not say (NVIDIA's PyTorch containers): "
+        "numba-cuda takes its extra for it",
+    )
+    parser.add_argument(
         "--replace-torch",
         action="store_true",
         help="ship requirements.txt's torch (the registry's CUDA 13 build) in place of the "
@@ -717,6 +851,7 @@ def main(argv: list[str] | None = None) -> int:
             target_freeze=args.target_freeze,
             training_only=args.training_only,
             nvvm_from_cuda_home=args.nvvm_from_cuda_home,
+            cuda=args.cuda,
             replace_torch=args.replace_torch,
         )
     except (WheelhouseError, OSError) as exc:

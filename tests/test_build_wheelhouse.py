@@ -5,8 +5,10 @@ packaging compares an installed one (pre-releases count, a local label is ignore
 specifier without one), PEP 503 names, the lines `pip freeze` writes (a slow test has pip write
 them). Slow tests build or resolve real sets from the package index: the GPU image whose `pip
 freeze` is tests/gpu_image_freeze.txt (Python 3.12, torch 2.11 with CUDA 13, lightning 2.6.6,
-sentencepiece 0.2.2, numpy 2.5.2; training only), and a local target that is then installed with
-``--no-index`` into an environment holding only the target's packages, where the tiny training runs.
+sentencepiece 0.2.2, numpy 2.5.2; training only), the NVIDIA PyTorch container shaped by
+tests/nvidia_pytorch_container_freeze.txt (NVIDIA's pre-release torch from a wheel file, CUDA 12),
+and a local target that is then installed with ``--no-index`` into an environment holding only the
+target's packages, where the tiny training runs.
 """
 
 from __future__ import annotations
@@ -293,6 +295,99 @@ def test_a_freeze_saved_with_a_byte_order_mark_and_crlf_reads_its_first_package(
     assert bw.read_freeze(freeze).versions == {"torch": "2.11.0", "numpy": "2.5.2"}
 
 
+# numba-cuda's extras as its published metadata (0.30.4) names them: cu12 brings CUDA 12's bindings
+# and toolkit wheels, cu13 CUDA 13's. The one for the torch the node trains with, however its freeze
+# says that torch's CUDA: the local version tag, the CUDA runtime wheel a registry build brings
+# (nvidia-cuda-runtime-cu12 for CUDA 12, nvidia-cuda-runtime 13.x for CUDA 13), or --cuda.
+@pytest.mark.parametrize(
+    ("lines", "cuda", "replace", "extra"),
+    [
+        (["torch==2.11.0+cu126"], None, False, "cu12"),
+        (["torch==2.11.0+cu130"], None, False, "cu13"),
+        (["torch==2.11.0+cu126"], 12, False, "cu12"),
+        (["torch==2.11.0", "nvidia-cuda-runtime-cu12==12.6.77"], None, False, "cu12"),
+        (
+            ["torch==2.11.0", "nvidia-cuda-runtime==13.0.96", "cuda-toolkit==13.0.2"],
+            None,
+            False,
+            "cu13",
+        ),
+        ([f"torch=={NVIDIA_TORCH}"], 12, False, "cu12"),
+        ([f"torch=={NVIDIA_TORCH}"], 13, False, "cu13"),
+        ([f"torch=={NVIDIA_TORCH}"], None, True, "cu13"),  # ships the registry's CUDA 13 torch
+        (["numpy==2.5.2"], None, False, "cu13"),  # no torch on the node: the registry's comes
+        (["torch==2.13.0+cpu"], None, False, "cu13"),  # a CPU torch: the file's extra
+    ],
+)
+def test_numba_cuda_takes_the_cuda_extra_of_the_torch_the_node_trains_with(
+    tmp_path, lines, cuda, replace, extra
+):
+    reqs = _reqs("torch==2.13.0", "numba-cuda[cu13]==0.30.4")
+    plan = bw.plan_requirements(
+        reqs, _freeze(tmp_path, *lines), False, cuda=cuda, replace_torch=replace
+    )
+    assert f"numba-cuda[{extra}]==0.30.4" in plan.requirements
+    assert plan.cuda.startswith(f"numba-cuda[{extra}]==0.30.4: ")
+
+
+@pytest.mark.parametrize(
+    ("lines", "cuda", "replace", "refusal"),
+    [
+        ([f"torch=={NVIDIA_TORCH}"], None, False, r"freeze.txt:1: .* give --cuda 12 or --cuda 13"),
+        (["torch==2.11.0"], None, False, r"no CUDA tag .*\(none\).* give --cuda"),
+        (
+            ["torch==2.11.0", "nvidia-cuda-runtime-cu12==12.6.77", "nvidia-cuda-runtime==13.0.96"],
+            None,
+            False,
+            r"give --cuda",
+        ),
+        (["torch==2.11.0+cu130"], 12, False, r"--cuda 12, but .* is a CUDA 13 build"),
+        (["torch==2.11.0+cu118"], None, False, r"cu12 \(CUDA 12\), cu13 \(CUDA 13\) only"),
+        (["torch==2.13.0+cpu"], 12, False, r"a CPU build"),
+        (["numpy==2.5.2"], 12, False, r"--cuda 12: this set ships requirements.txt's torch"),
+        ([f"torch=={NVIDIA_TORCH}"], 12, True, r"--cuda 12: this set ships"),
+    ],
+)
+def test_a_cuda_the_freeze_cannot_tell_or_contradicts_is_refused_in_one_line(
+    tmp_path, lines, cuda, replace, refusal
+):
+    freeze = _freeze(tmp_path, *lines)
+    reqs = _reqs("torch==2.13.0", "numba-cuda[cu13]==0.30.4")
+    with pytest.raises(bw.WheelhouseError, match=refusal) as refused:
+        bw.plan_requirements(reqs, freeze, False, cuda=cuda, replace_torch=replace)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_freeze_that_cannot_tell_its_cuda_plans_when_no_numba_cuda_is_asked_for(tmp_path):
+    plan = bw.plan_requirements(
+        _reqs("torch==2.13.0", "tqdm==4.70.1"), _freeze(tmp_path, f"torch=={NVIDIA_TORCH}"), False
+    )
+    assert plan.requirements == ["torch>=2.11", "tqdm==4.70.1"] and plan.cuda == ""
+
+
+def test_cuda_option_reads_a_major_or_torch_version_cuda_as_printed():
+    assert [bw.cuda_major(text) for text in ("12", "12.8", "13.0", "13")] == [12, 12, 13, 13]
+    with pytest.raises(Exception, match="no CUDA version"):
+        bw.cuda_major("cu126")
+
+
+def test_nvvm_from_cuda_home_drops_the_libnvvm_wheel_of_either_cuda_extra():
+    # What pip resolves for numba-cuda 0.30.4's extras: libNVVM comes in nvidia-cuda-nvcc-cu12
+    # (cuda-toolkit 12's nvcc) for cu12 and in nvidia-nvvm (cuda-toolkit 13's nvvm) for cu13.
+    cu12 = [
+        "cuda-bindings",
+        "nvidia-cuda-nvcc-cu12",
+        "nvidia-cuda-nvrtc-cu12",
+        "nvidia-nvjitlink-cu12",
+    ]
+    cu13 = ["cuda-bindings", "nvidia-nvvm", "nvidia-cuda-nvrtc", "nvidia-nvjitlink"]
+    for names, libnvvm in ((cu12, "nvidia-cuda-nvcc-cu12"), (cu13, "nvidia-nvvm")):
+        plan = bw.Plan()
+        kept = bw.drop_nvvm([{"metadata": {"name": n, "version": "1"}} for n in names], plan)
+        assert [i["metadata"]["name"] for i in kept] == [n for n in names if n != libnvvm]
+        assert [name for name, _ in plan.left_out] == [libnvvm]
+
+
 def test_pips_two_ways_of_saying_no_wheel_name_the_requirement():
     assert (
         bw.unsatisfiable_requirement(
@@ -382,6 +477,7 @@ def test_the_gpu_images_training_set_is_under_40_mib_and_holds_what_the_image_la
         assert kept not in pins, kept
     wheels = os.listdir(out)
     assert not any(w.startswith("torch-") for w in wheels)
+    assert summary["cuda"].startswith("numba-cuda[cu13]==0.30.4: ")
     assert any(w.startswith("antlr4_python3_runtime-4.9.3-py3-none-any") for w in wheels)
     # The build backend for `pip install -e .` is in the folder, not in the install line.
     assert any(w.startswith("setuptools-") for w in wheels)
@@ -477,6 +573,34 @@ def test_a_set_installed_with_no_index_beside_the_targets_packages_trains(tmp_pa
     metrics = next((tmp_path / "run").rglob("metrics.jsonl"))
     steps = [json.loads(l)["step"] for l in metrics.read_text().splitlines() if "train/loss" in l]
     assert steps == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_the_nvidia_containers_set_keeps_its_torch_and_takes_numba_cuda_for_cuda_12(
+    tmp_path, monkeypatch
+):
+    resolved = []
+    monkeypatch.setattr(bw, "download", lambda installs, *args: resolved.extend(installs))
+    with pytest.raises(bw.WheelhouseError, match="give --cuda 12 or --cuda 13"):
+        bw.build_wheelhouse(tmp_path / "wh", target_freeze=NVIDIA_FREEZE, training_only=True)
+    summary = bw.build_wheelhouse(
+        tmp_path / "wh",
+        python_version="3.12",
+        platforms=IMAGE_PLATFORMS,
+        target_freeze=NVIDIA_FREEZE,
+        training_only=True,
+        cuda=12,
+    )
+    versions = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in resolved}
+    assert "torch" not in versions  # pip kept the container's pre-release torch for every need
+    assert versions["numba-cuda"] == "0.30.4"
+    # CUDA 12's bindings (the container's 12.9.2 fits numba-cuda[cu12]), nvJitLink and libNVVM.
+    assert "cuda-bindings" not in versions
+    assert "nvidia-cuda-nvcc-cu12" in versions and "nvidia-nvjitlink-cu12" in versions
+    assert not {"nvidia-nvvm", "nvidia-nvjitlink"} & set(versions)  # CUDA 13's
+    pins = (tmp_path / "wh" / "requirements.txt").read_text().split()
+    assert "torch==2.12.0a0+6a5c3a1d2e.nv26.1" in pins
+    assert len(summary["freeze_warnings"]) == 4
 
 
 def _metadata_wheel(folder: Path, name: str, version: str) -> Path:
