@@ -440,6 +440,47 @@ def _with_cuda_extra(req: Requirement, major: int, why: str) -> Requirement:
     return chosen
 
 
+def numba_loss_verdict(
+    driver_cuda: int | None,
+    torch_cuda: str | None,
+    numba_cuda: str | None,
+    bindings: str | None,
+    nvvm: bool,
+) -> tuple[bool | None, str]:
+    """Whether NeMo's numba TDT loss can run on a node's combination, and the sentence saying the
+    combination: the driver's CUDA (cudaDriverGetVersion: 12040 is 12.4), torch's CUDA build
+    (``torch.version.cuda``), numba-cuda's version and the cuda-bindings it runs on (their major
+    is numba-cuda's CUDA extra: cu12 brings bindings 12, cu13 bindings 13), whether libNVVM was
+    found. It can when numba-cuda, its bindings and libNVVM are there and the driver runs the
+    bindings' CUDA major (a driver runs every toolkit of its major and older, none newer: CUDA 13
+    needs a driver >= 580); None when the driver's CUDA is unknown."""
+    driver = (
+        "unknown" if driver_cuda is None else f"{driver_cuda // 1000}.{driver_cuda % 1000 // 10}"
+    )
+    said = f"driver CUDA {driver}, torch CUDA {torch_cuda or 'none (a CPU build)'}"
+    if numba_cuda is None:
+        return False, f"{said}, no numba-cuda: NeMo's numba loss cannot run"
+    if bindings is None:
+        return False, f"{said}, numba-cuda {numba_cuda} without cuda-bindings: it cannot run"
+    major = Version(bindings).major
+    extra = NUMBA_CUDA_EXTRAS.get(major)
+    said += f", numba-cuda {numba_cuda} on cuda-bindings {bindings} (CUDA {major}"
+    said += f": its {extra} extra)" if extra else ")"
+    if torch_cuda and int(torch_cuda.split(".")[0]) != major:
+        said += f" beside a CUDA {torch_cuda.split('.')[0]} torch"
+    if not nvvm:
+        return False, f"{said}: NeMo's numba loss cannot run without libNVVM"
+    if driver_cuda is None:
+        return None, f"{said}: whether NeMo's numba loss runs depends on the driver"
+    if driver_cuda // 1000 < major:
+        fits = NUMBA_CUDA_EXTRAS.get(driver_cuda // 1000, "none")
+        return False, (
+            f"{said}: NeMo's numba loss cannot run (CUDA {major} bindings need a driver for CUDA "
+            f"{major}): numba-cuda's extra for this driver is {fits}"
+        )
+    return True, f"{said}: NeMo's numba loss can run"
+
+
 def check_node_torch_kept(installs: list[dict], plan: Plan) -> None:
     """Refuse a resolution that would install a torch over the node's own (``plan.node_torch``),
     naming what asks for it: pip takes the installed torch wherever it fits, so a torch in the

@@ -283,10 +283,12 @@ def stage_environment(cpu: bool) -> tuple[str, str]:
     if gpu.verdict == "fail":
         return "fail", f"{gpu.figure} -> {gpu.advice}; {versions}"
     warnings = [gpu.advice] if gpu.advice else []
+    nvvm_found = False
     try:
         from numba.cuda.cudadrv import nvvm
 
         nvvm_version = ".".join(map(str, nvvm.NVVM().get_version()))
+        nvvm_found = True
         try:
             from numba.cuda.cuda_paths import get_cuda_paths
 
@@ -301,7 +303,18 @@ def stage_environment(cpu: bool) -> tuple[str, str]:
         )
     if _version("wandb") == "not installed":
         warnings.append("wandb not installed: runs log to metrics.jsonl only")
-    figure = f"{gpu.figure}; {nvvm_text}; {python}; {versions}"
+    from scripts.build_wheelhouse import numba_loss_verdict
+
+    numba_cuda, bindings = (
+        None if _version(d) == "not installed" else _version(d)
+        for d in ("numba-cuda", "cuda-bindings")
+    )
+    runs, combination = numba_loss_verdict(
+        preflight.driver_cuda_version()[0], torch.version.cuda, numba_cuda, bindings, nvvm_found
+    )
+    if runs is False and nvvm_found:  # without libNVVM the warning above says it
+        warnings.append("NeMo's numba loss cannot run here (TDT_LOSS=torch trains without it)")
+    figure = f"{gpu.figure}; {nvvm_text}; {combination}; {python}; {versions}"
     if warnings:
         figure += " -- " + "; ".join(warnings)
     return ("warn" if warnings else "ok"), figure

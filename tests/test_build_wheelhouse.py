@@ -388,6 +388,37 @@ def test_nvvm_from_cuda_home_drops_the_libnvvm_wheel_of_either_cuda_extra():
         assert [name for name, _ in plan.left_out] == [libnvvm]
 
 
+# A driver runs every CUDA toolkit of its major and older ones, none of a newer major (NVIDIA's CUDA
+# compatibility table: CUDA 13.x needs a driver >= 580, 12.x one >= 525); numba-cuda runs on its
+# cuda-bindings and needs libNVVM.
+@pytest.mark.parametrize(
+    ("driver", "torch_cuda", "bindings", "nvvm", "runs"),
+    [
+        (13000, "13.0", "13.5.0", True, True),
+        (12040, "12.6", "12.9.10", True, True),  # a 550 driver, the cu12 extra
+        (12020, "12.6", "13.5.0", True, False),  # a 535 driver, the cu13 extra's bindings
+        (13000, "13.0", "12.9.10", True, True),  # CUDA 12 bindings run on a CUDA 13 driver
+        (13000, "13.0", "13.5.0", False, False),  # no libNVVM
+        (None, "13.0", "13.5.0", True, None),  # the driver's CUDA unknown
+    ],
+)
+def test_the_numba_loss_verdict_follows_the_driver_and_the_bindings_major(
+    driver, torch_cuda, bindings, nvvm, runs
+):
+    verdict, said = bw.numba_loss_verdict(driver, torch_cuda, "0.30.4", bindings, nvvm)
+    assert verdict is runs
+    major = Version(bindings).major
+    assert f"cuda-bindings {bindings} (CUDA {major}: its cu{major} extra)" in said
+    assert f"torch CUDA {torch_cuda}" in said
+    assert ("can run" in said) is (runs is True) and ("cannot run" in said) is (runs is False)
+
+
+def test_the_numba_loss_verdict_names_a_missing_numba_cuda_or_bindings():
+    assert bw.numba_loss_verdict(13000, "13.0", None, None, False)[0] is False
+    verdict, said = bw.numba_loss_verdict(13000, "13.0", "0.30.4", None, False)
+    assert verdict is False and "without cuda-bindings" in said
+
+
 def test_pips_two_ways_of_saying_no_wheel_name_the_requirement():
     assert (
         bw.unsatisfiable_requirement(

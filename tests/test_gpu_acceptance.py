@@ -443,3 +443,50 @@ def test_the_throughput_stage_fails_without_a_profile_or_a_data_path():
     )
     verdict, figure = ga.throughput_figure(bench, THROUGHPUT_PROFILE, "RuntimeError: x", 600, 4)
     assert verdict == "fail" and "data path: no result" in figure
+
+
+@pytest.mark.parametrize(
+    ("driver", "bindings", "verdict", "said"),
+    [
+        # A 550 driver (CUDA 12.4) and numba-cuda's cu12 extra: the numba loss runs.
+        (12040, "12.9.10", "ok", "can run"),
+        # A 535 driver (CUDA 12.2) and the cu13 extra's bindings: it cannot; cu12 would.
+        (12020, "13.5.0", "warn", "cannot run (CUDA 13 bindings need a driver for CUDA 13)"),
+    ],
+)
+def test_the_environment_stage_names_the_cuda_combination_and_whether_the_numba_loss_runs(
+    monkeypatch, driver, bindings, verdict, said
+):
+    import types
+
+    import torch
+
+    from scripts import preflight
+
+    gpu = "NVIDIA H100 (cuda), 79.1 GiB, 78.6 free; driver 550.127.05 (CUDA 12.4: NVML)"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "12.6")
+    monkeypatch.setattr(preflight, "check_gpu", lambda node: preflight.Check("gpu", "ok", gpu))
+    monkeypatch.setattr(preflight, "driver_cuda_version", lambda: (driver, "NVML"))
+    installed = {"numba-cuda": "0.30.4", "cuda-bindings": bindings}
+    monkeypatch.setattr(ga, "_version", lambda dist: installed.get(dist, "1.0"))
+    # libNVVM found, as numba-cuda's NVVM wrapper reports it on a GPU node.
+    nvvm = types.ModuleType("numba.cuda.cudadrv.nvvm")
+    nvvm.NVVM = lambda: types.SimpleNamespace(get_version=lambda: (2, 0))
+    cudadrv = types.ModuleType("numba.cuda.cudadrv")
+    cudadrv.nvvm = nvvm
+    for name, module in (
+        ("numba.cuda", types.ModuleType("numba.cuda")),
+        ("numba.cuda.cudadrv", cudadrv),
+        ("numba.cuda.cudadrv.nvvm", nvvm),
+    ):
+        monkeypatch.setitem(sys.modules, name, module)
+    got, figure = ga.stage_environment(cpu=False)
+    assert got == verdict, figure
+    major = bindings.split(".")[0]
+    assert (
+        f"numba-cuda 0.30.4 on cuda-bindings {bindings} (CUDA {major}: its cu{major} extra)"
+        in figure
+    )
+    assert f"driver CUDA {driver // 1000}.{driver % 1000 // 10}, torch CUDA 12.6" in figure
+    assert f"NeMo's numba loss {said}" in figure
