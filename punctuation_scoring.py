@@ -1,11 +1,16 @@
 """How well a punctuated model writes punctuation and case: punctuation F1 and case error rate,
 per language, beside the word error rate (which evaluation.py computes on normalized text).
 
-Each text is split into words at whitespace; a word's mark is the run of sentence marks
-(``transcript_cleaning.SENTENCE_MARKS``: what the punctuated style keeps) that ends it ("raining?"
-is the word "raining" with the mark "?"). Reference and hypothesis words are aligned by their
-lower-cased letters, marks removed (one minimal edit alignment), so a misrecognized word costs the
-WER, not these scores:
+Where a mark belongs has one definition, the punctuated training targets' (``TRANSCRIPT_STYLE=
+punctuated``, ``transcript_cleaning.clean_text``): both sides are put into that form first (tags
+removed, quotes, brackets, dashes and symbols turned into spaces, each kept sentence mark,
+``transcript_cleaning.SENTENCE_MARKS``, attached to the word before it; case as written), then
+split into words at whitespace; a word's mark is the run of sentence marks that ends it
+("raining?" is the word "raining" with the mark "?"). So ``"Stop."``, ``(really?)`` and
+``«ठीक।»`` are words with their marks, and a hypothesis equal to a reference's punctuated target
+scores 1.0 whatever quotes, brackets or tags the reference was written with. Reference and
+hypothesis words are aligned by their lower-cased letters, marks removed (one minimal edit
+alignment), so a misrecognized word costs the WER, not these scores:
 
 - punctuation F1: a hypothesis mark is correct when the reference word it is aligned with ends in
   the same mark. precision = correct / hypothesis marks, recall = correct / reference marks, F1
@@ -27,15 +32,30 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from manifest_schema import strip_lang_tag
 from transcript_cleaning import SENTENCE_MARKS
 
 _GAP = "\x00"  # the alignment's gap symbol: no word holds it
 
 
+def as_punctuated_targets(texts: Sequence[str]) -> list[str]:
+    """Each text in the form of a punctuated training target (``clean_text(text, "punctuated")``):
+    what the marks of references and hypotheses are read from. Vectorized (polars); where polars
+    is not installed (a training node), the same rules one string at a time."""
+    try:
+        import polars  # noqa: F401
+    except ImportError:  # a training node installed from the training-only wheelhouse
+        from transcript_cleaning import clean_text_without_polars
+
+        return [clean_text_without_polars(text, "punctuated") for text in texts]
+    from transcript_cleaning import clean_texts
+
+    return [text or "" for text in clean_texts(list(texts), "punctuated")]
+
+
 def split_marks(text: str) -> list[tuple[str, str]]:
-    """(word, mark) per whitespace-separated word of ``text``: ``mark`` is the run of sentence
-    marks that ends the word ('' when none); a token of marks alone is a mark of the word before."""
+    """(word, mark) per whitespace-separated word of a text in punctuated-target form
+    (``as_punctuated_targets``): ``mark`` is the run of sentence marks that ends the word ('' when
+    none); a token of marks alone is a mark of the word before."""
     out: list[tuple[str, str]] = []
     for token in text.split():
         word = token.rstrip(SENTENCE_MARKS)
@@ -77,11 +97,11 @@ class PunctuationCounts:
         return self.case_errors / self.cased_words if self.cased_words else math.nan
 
     def add(self, reference: str, hypothesis: str) -> None:
-        """Count one utterance; both sides are tag-stripped."""
+        """Count one utterance of texts already in punctuated-target form
+        (``as_punctuated_targets``; ``punctuation_case_scores`` puts them there)."""
         from kaldialign import align  # C++ alignment; NeMo's ASR extra installs it
 
-        ref = split_marks(strip_lang_tag(reference))
-        hyp = split_marks(strip_lang_tag(hypothesis))
+        ref, hyp = split_marks(reference), split_marks(hypothesis)
         ref_iter, hyp_iter = iter(ref), iter(hyp)
         for r_key, h_key in align([w.lower() for w, _ in ref], [w.lower() for w, _ in hyp], _GAP):
             r_word, r_mark = next(ref_iter) if r_key != _GAP else ("", "")
@@ -98,12 +118,14 @@ class PunctuationCounts:
 def punctuation_case_scores(
     references: Sequence[str], hypotheses: Sequence[str], languages: Sequence[str]
 ) -> dict[str, PunctuationCounts]:
-    """PunctuationCounts per language plus "all" (every utterance), tags stripped."""
+    """PunctuationCounts per language plus "all" (every utterance), of both sides in
+    punctuated-target form (``as_punctuated_targets``: tags, quotes and brackets removed)."""
     if not len(references) == len(hypotheses) == len(languages):
         raise ValueError(
             f"punctuation_case_scores: {len(references)} references, {len(hypotheses)} "
             f"hypotheses and {len(languages)} languages; expected one of each per utterance"
         )
+    references, hypotheses = as_punctuated_targets(references), as_punctuated_targets(hypotheses)
     counts: dict[str, PunctuationCounts] = {}
     total = PunctuationCounts()
     for ref, hyp, lang in zip(references, hypotheses, languages):

@@ -150,27 +150,36 @@ def _regex_v1(pattern: str):
 
 
 @functools.cache
-def _plain_rules_without_polars() -> list:
-    """Rules 1 and 3-6 of the plain style as (compiled pattern, replacement) pairs, in order."""
+def _rules_without_polars(style: str) -> list:
+    """Rules 1 and 3-8 of ``style`` as (compiled pattern, replacement) pairs, in ``_clean``'s
+    order; ``(None, "NFC")`` stands for rule 2."""
     slot = r"\g<1>" + _APOSTROPHE_SLOT + r"\g<2>"
-    return [
+    punctuated = style == "punctuated"
+    rules = [
         (_regex_v1(_INVISIBLE), ""),
         (None, "NFC"),
         (_regex_v1(_IN_WORD_APOSTROPHE), slot),
         (_regex_v1(_IN_WORD_APOSTROPHE), slot),
-        (_regex_v1(_TAGS_PUNCT_SPACE), " "),
+        (_regex_v1(_TAGS_PUNCT_SPACE_BUT_SENTENCE if punctuated else _TAGS_PUNCT_SPACE), " "),
         (_regex_v1(_APOSTROPHE_SLOT), "'"),
         (_regex_v1(_STRAY_JOINERS), r"\g<1>\g<2>\g<3>"),
     ]
+    if punctuated:
+        rules += [
+            (_regex_v1(_JOINER_AT_MARK), r"\g<1>\g<2>\g<3>"),
+            (_regex_v1(_SPACE_BEFORE_MARK), r"\g<1>"),
+            (_regex_v1(_LEADING_MARKS), ""),
+        ]
+    return rules
 
 
-def clean_text_without_polars(text: str) -> str:
-    """``clean_text(text)`` in the plain style where polars is not installed: the same rules, the
-    same patterns, run by the ``regex`` package (NeMo brings it, through transformers) one
-    string at a time. A training node installed
-    from the training-only wheelhouse has no polars, and its validation scores through this
-    (``evaluation.normalize_for_scoring``); tests hold it equal to ``clean_text``."""
-    for pattern, replacement in _plain_rules_without_polars():
+def clean_text_without_polars(text: str, style: str = "plain") -> str:
+    """``clean_text(text, style)`` where polars is not installed: the same rules, the same
+    patterns, run by the ``regex`` package (NeMo brings it, through transformers) one string at a
+    time. A training node installed from the training-only wheelhouse has no polars, and its
+    validation scores through this (``evaluation.normalize_for_scoring``, and
+    ``punctuation_scoring`` in the punctuated style); tests hold it equal to ``clean_text``."""
+    for pattern, replacement in _rules_without_polars(check_style(style)):
         if pattern is None:
             text = unicodedata.normalize("NFC", text)
         else:  # a group that took no part gives "", as polars' ${n} does

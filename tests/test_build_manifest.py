@@ -166,6 +166,23 @@ def test_the_cleaning_a_node_without_polars_runs_equals_the_polars_one(texts):
     assert [tc.clean_text_without_polars(text) for text in texts] == tc.clean_texts(texts)
 
 
+# TRICKY with every sentence mark the punctuated style keeps, next to joiners and tags.
+TRICKY_MARKS = st.lists(
+    st.sampled_from(
+        list("ab कन्ािക്നൽ ’'\"«»-…।॥.,?!;:\u060c\u061f\u06d4[]()\t\u00a0")
+        + [ZWJ, ZWNJ, "\u200b", "\u200f", "[music]", "<|en|>", " ?", "? ", "a.b"]
+    ),
+    max_size=30,
+).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(TRICKY_MARKS, min_size=1, max_size=8))
+def test_the_punctuated_cleaning_a_node_without_polars_runs_equals_the_polars_one(texts):
+    without = [tc.clean_text_without_polars(text, "punctuated") for text in texts]
+    assert without == tc.clean_texts(texts, "punctuated")
+
+
 # Text the single-pass path takes (no invisible character, nothing NFC changes) dense with what
 # decides an apostrophe: spaces, marks, tags, digits, signs, mid-word joiners, other apostrophes.
 APOSTROPHE_HEAVY = st.lists(

@@ -963,7 +963,8 @@ RAW_TEST_TEXTS = {
 @pytest.fixture(scope="module")
 def raw_test_split(tiny):
     """RAW_TEST_TEXTS as a raw NeMo JSON manifest (WAVs beside it) and the same imported by
-    build_manifest (its text cleaned as training targets are)."""
+    build_manifest (its text cleaned as training targets are: ``imported`` plain,
+    ``imported_punctuated`` in the punctuated style)."""
     import build_manifest
     from tests import byod_factory as byod
 
@@ -978,19 +979,22 @@ def raw_test_split(tiny):
     ]
     raw = byod.write_nemo_json(root, utts)
     imported = root / "test.parquet"
-    build_manifest.build_manifest(
-        None,
-        imported,
-        sources=[f"nemo:{raw}"],
-        audio_dir=root / "imported",
-        languages=(),
-        min_duration=0.1,
-        max_duration=30.0,
-        min_quality=0.0,
-        workers=1,
-        progress=False,
-    )
-    return SimpleNamespace(raw=raw, imported=imported)
+    imported_punctuated = root / "test-punctuated.parquet"
+    for out, style in ((imported, "plain"), (imported_punctuated, "punctuated")):
+        build_manifest.build_manifest(
+            None,
+            out,
+            sources=[f"nemo:{raw}"],
+            audio_dir=root / "imported",
+            languages=(),
+            min_duration=0.1,
+            max_duration=30.0,
+            min_quality=0.0,
+            workers=1,
+            style=style,
+            progress=False,
+        )
+    return SimpleNamespace(raw=raw, imported=imported, imported_punctuated=imported_punctuated)
 
 
 def echo_model(manifest: Path, tokenizer, write) -> EchoModel:
@@ -1098,6 +1102,26 @@ def test_evaluate_scores_punctuation_and_case_against_the_references_as_written(
         "punctuation F1 / case errors, against the references as written: "
         in capsys.readouterr().out
     )
+
+
+@pytest.mark.parametrize("origin", ["raw", "imported_punctuated"])
+def test_the_references_punctuated_target_scores_punctuation_f1_one_on_a_raw_and_on_an_imported_manifest(
+    tiny, raw_test_split, monkeypatch, origin
+):
+    import asr_model
+    from transcript_cleaning import clean_text
+
+    # what a punctuated model is trained to write for each reference: a perfect transcript
+    manifest = getattr(raw_test_split, origin)
+    model = echo_model(manifest, spm_tokenizer(tiny), lambda ref: clean_text(ref, "punctuated"))
+    monkeypatch.setattr(asr_model, "load_trained_model", lambda path, device: model)
+    out = tiny.root / f"punctuated-target-{origin}.csv"
+    assert evaluate.main([str(tiny.nemo), "--manifest", str(manifest), "--out", str(out)]) == 0
+    rows = {r["lang"]: r for r in read_csv(out)}
+    for lang in ("en", "hi", "all"):
+        assert float(rows[lang]["wer"]) == 0.0, lang
+        assert float(rows[lang]["punct_f1"]) == 1.0, lang
+    assert float(rows["en"]["case_err"]) == 0.0
 
 
 def test_validation_scores_a_punctuated_cased_hypothesis_against_plain_targets_as_perfect(

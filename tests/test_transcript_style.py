@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -217,6 +218,45 @@ def test_a_perfect_transcript_scores_punctuation_f1_one_and_no_case_errors():
     assert scores["en"].f1 == scores["hi"].f1 == 1.0
     assert scores["en"].case_error_rate == 0.0
     assert scores["hi"].cased_words == 0  # Devanagari has no case
+
+
+# References as corpora write them: a mark inside closing quotes or brackets, guillemets around a
+# danda, a mark after a closing quote, a tag, a hyphenated word, and the mark count of each.
+QUOTED = [
+    ('"Stop." she said.', 2),
+    ('"Why?" (really?) ok.', 3),
+    ("\u00abठीक\u0964\u00bb है\u0964", 2),
+    ("He said \u201cno\u201d, then left!", 2),
+    ("rock-and-roll. [noise] <|en|> Yes!", 2),
+    ("It's \u2018fine.\u2019 Ok", 1),
+]
+
+
+@pytest.mark.parametrize("reference, marks", QUOTED)
+def test_a_transcript_equal_to_the_punctuated_target_scores_one_whatever_quotes_surround_marks(
+    reference, marks
+):
+    target = tc.clean_text(reference, "punctuated")  # what a punctuated model is trained to write
+    scores = punctuation_case_scores([reference], [target], ["en"])["all"]
+    assert scores.marks_reference == marks
+    assert scores.f1 == 1.0 and scores.case_errors == 0
+
+
+@pytest.mark.parametrize("reference, marks", QUOTED)
+def test_a_hypothesis_written_with_quotes_has_its_marks_read_as_a_references_are(reference, marks):
+    target = tc.clean_text(reference, "punctuated")
+    scores = punctuation_case_scores([target], [reference], ["en"])["all"]
+    assert scores.marks_hypothesis == marks and scores.f1 == 1.0
+
+
+def test_punctuation_is_scored_alike_on_a_node_without_polars(monkeypatch):
+    references = [reference for reference, _ in QUOTED] + [HINDI]
+    hypotheses = ["stop she said!", '"Why" really? OK.', "ठीक है", "he said no. then left", ""]
+    hypotheses += ["It's fine Ok.", HINDI]
+    languages = ["en"] * 6 + ["hi"]
+    with_polars = punctuation_case_scores(references, hypotheses, languages)
+    monkeypatch.setitem(sys.modules, "polars", None)  # import polars raises ImportError
+    assert punctuation_case_scores(references, hypotheses, languages) == with_polars
 
 
 def test_punctuation_f1_counts_missing_wrong_and_extra_marks():
