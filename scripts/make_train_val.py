@@ -88,7 +88,8 @@ class SplitError(ManifestError):
 
 # --- input -----------------------------------------------------------------------------------
 def load_master(path: Path) -> pl.DataFrame:
-    """The master manifest, checked: required columns present, text prefixed by its own tag."""
+    """The master manifest, checked: required columns present, text prefixed by its own tag; the
+    optional ``EXTRA_COLUMNS`` a master lacks are added as nulls (no score, no speaker)."""
     path = Path(path)
     if not path.is_file():
         raise SplitError(
@@ -112,8 +113,11 @@ def load_master(path: Path) -> pl.DataFrame:
             f"{path}: missing column(s) {missing}; expected the build_manifest.py schema "
             f"{list(OUTPUT_COLUMNS)}"
         )
+    # the optional columns (a source without speakers or scores, a master built before them)
     if "tx_quality_score" not in frame.columns:
         frame = frame.with_columns(pl.lit(None, dtype=pl.Float64).alias("tx_quality_score"))
+    if "speaker_id" not in frame.columns:
+        frame = frame.with_columns(pl.lit(None, dtype=pl.String).alias("speaker_id"))
     bad_prefix = frame.filter(
         ~pl.col("text").str.starts_with(tag_prefix_expr())
         | pl.col("text").is_null()

@@ -279,6 +279,32 @@ def test_without_speakers_no_shard_is_in_both_splits(tmp_path):
     assert val.height > 0 and summary["split"]["grouped_by"] == "shard_id"
 
 
+def test_a_master_without_a_speaker_column_is_split_by_shard(tmp_path):
+    rows = [{k: v for k, v in r.items() if k != "speaker_id"} for r in corpus(speakers_per_shard=2)]
+    master = tmp_path / "master_manifest.parquet"
+    pl.DataFrame(rows).write_parquet(master)
+    assert "speaker_id" not in pl.read_parquet_schema(master)
+    train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
+    code = mtv.main(["--master", str(master), "--train", str(train), "--val", str(val),
+                     "--test", str(tmp_path / "test.parquet"), "--val-per-lang", "10"])  # fmt: skip
+    assert code == 0
+    train, val = pl.read_parquet(train), pl.read_parquet(val)
+    assert train.height + val.height == len(rows) and val.height > 0
+    assert set(train.get_column("shard_id")).isdisjoint(set(val.get_column("shard_id")))
+
+
+def test_a_master_without_a_speaker_column_keeps_its_sources_splits_and_checks_audio_leaks(
+    tmp_path,
+):
+    rows = [{k: v for k, v in r.items() if k != "speaker_id"} for r in released()]
+    rows[0]["audio_filepath"] = rows[6]["audio_filepath"]  # train's hi0 is test's hi6
+    train, val, test, summary = run_splits(tmp_path, rows)
+    assert ids(train) == ["hi1", "hi2", "hi3"] and ids(val) == ["hi4", "hi5"]
+    assert ids(test) == ["hi6", "hi7"]
+    assert summary["leaks"]["rows"] == {"audio": {"train/test": 1}}
+    assert summary["leaks"]["speakers"] == {}
+
+
 def test_a_language_never_gives_more_than_the_cap_to_validation(tmp_path):
     _, val, summary = run(
         tmp_path, corpus(n_speakers=4, per_speaker=5), val_per_lang=100, max_val_fraction=0.5
