@@ -27,8 +27,12 @@ asserted and printed, and written to ``<train manifest minus .parquet>.summary.j
    then one per audio file (``duplicate_audio``: rows naming the same file are the same utterance);
    then rows with the same (lang, text, duration) as a better one (``duplicate_text``), unless
    ``--keep-duplicate-texts``. Ties break on shard_id, segment_id, so reruns keep the same rows.
-4. Split. Rows are grouped by speaker_id where the manifest has one (non-null), else by shard_id;
-   a whole group goes to one side, so no speaker (or shard) and no segment_id is in both. Groups
+4. Split. Rows are grouped by speaker where the manifest has one (non-null), else by shard_id;
+   a whole group goes to one side, so no speaker (or shard) and no segment_id is in both. A
+   speaker is (source, speaker_id) here and in the leak check: two corpora that both number their
+   speakers "1" hold two people, unless ``--same-speakers A,B`` says sources A and B share
+   speakers (Common Voice's client_id is one contributor in every locale). An id that several
+   sources use is named in one warning line with that flag. Groups
    are ranked by a keyed BLAKE2 hash of (--seed, group) - stable across runs, machines and Python
    versions - and taken into validation in that order while they fit every one of their
    languages' quota: --val-per-lang rows, but at most VAL_MAX_FRACTION of the language's rows.
@@ -44,6 +48,7 @@ same inputs give byte-identical outputs.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import functools
 import hashlib
 import math
@@ -170,6 +175,100 @@ def load_lang_fixes(path: Path) -> pl.DataFrame:
     return fixes.unique("segment_id", keep="first", maintain_order=True)
 
 
+# --- speakers ------------------------------------------------------------------------------------
+# The internal column holding each row's speaker (null: unknown), one value per person.
+SPEAKER_KEY = "speaker_key"
+# Between a speaker's namespace and its id where an id is used by more than one namespace: a
+# character no speaker id holds in practice, so the two forms of a key never meet.
+_NAMESPACE_SEPARATOR = "\x1f"
+
+
+def speaker_namespaces(
+    sources: Sequence[str], same_speakers: Sequence[str], master: Path
+) -> dict[str, str]:
+    """{source: the namespace its speaker ids live in}: each source its own, except the sources
+    that ``same_speakers`` says share speakers (each item a comma-separated list of source names
+    or shell-style patterns, ``cv_*``; items naming a common source join into one namespace, named
+    by its first source in sorted order). A name or pattern matching no source is a SplitError
+    naming the master's sources."""
+    sources = sorted(set(sources))
+    parent = {source: source for source in sources}
+
+    def root(source: str) -> str:
+        while parent[source] != source:
+            source = parent[source]
+        return source
+
+    for item in same_speakers:
+        members: list[str] = []
+        for pattern in (part.strip() for part in item.split(",")):
+            if not pattern:
+                continue
+            matched = fnmatch.filter(sources, pattern)
+            if not matched:
+                raise SplitError(
+                    f"--same-speakers {item}: no source of {master} is named {pattern!r}; its "
+                    f"sources are {', '.join(sources) or '(none)'}"
+                )
+            members += matched
+        for member in members[1:]:
+            a, b = sorted((root(members[0]), root(member)))
+            parent[b] = a
+    return {source: root(source) for source in sources}
+
+
+def speaker_keys(
+    frame: pl.DataFrame, same_speakers: Sequence[str], master: Path
+) -> tuple[pl.Series, dict[str, Any]]:
+    """Each row's speaker as one string (``SPEAKER_KEY``; null where ``speaker_id`` is), and what
+    the summary says about speaker ids that several sources use.
+
+    A speaker is (source, speaker id): two corpora that both number their speakers "1" or
+    "spk001" hold two different people, unless ``same_speakers`` puts the sources in one namespace
+    (``speaker_namespaces``). A speaker id only one namespace uses is its own key, so a source whose
+    ids no other source uses keeps its speakers' keys, and with them its split, whatever else the
+    master holds; an id several namespaces use is keyed by namespace and id. The summary entry:
+    ``{"ids": n, "sources": [...], "example": id}`` of the ids used in more than one namespace
+    ({} when none)."""
+    sources = frame.get_column("source").cast(pl.String).fill_null("")
+    namespace = speaker_namespaces(sources.unique().to_list(), same_speakers, master)
+    spaces = pl.DataFrame(
+        {
+            "source": sources,
+            "id": frame.get_column("speaker_id").cast(pl.String),
+            "ns": sources.replace_strict(namespace, return_dtype=pl.String),
+        }
+    )
+    shared = pl.col("id").is_not_null() & (pl.col("ns").n_unique().over("id") > 1)
+    spaces = spaces.with_columns(shared.alias("shared"))
+    keys = spaces.select(
+        pl.when("shared")
+        .then(pl.concat_str("ns", pl.lit(_NAMESPACE_SEPARATOR), "id"))
+        .otherwise("id")
+        .alias(SPEAKER_KEY)
+    ).to_series()
+    sharing = spaces.filter("shared")
+    report: dict[str, Any] = {}
+    if sharing.height:
+        report = {
+            "ids": sharing.get_column("id").n_unique(),
+            "sources": sorted(sharing.get_column("source").unique()),
+            "example": sharing.get_column("id").min(),
+        }
+    return keys, report
+
+
+def format_shared_speaker_ids(report: dict[str, Any]) -> str:
+    """The one line ``speaker_keys``'s report prints: ids several sources use, counted apart."""
+    sources = report["sources"]
+    return (
+        f"{report['ids']:,} speaker id(s) (e.g. {report['example'][:40]!r}) appear in more than "
+        f"one of the sources {', '.join(sources)}: counted as different people in each source; if they "
+        f"are the same people (Common Voice's client_id is one contributor in every locale), pass "
+        f"--same-speakers {','.join(sources)}"
+    )
+
+
 # --- split -----------------------------------------------------------------------------------
 def group_hash(keys: Sequence[str], seed: int) -> np.ndarray:
     """A stable 64-bit rank per group key: BLAKE2b keyed by the seed (Python's hash() is salted)."""
@@ -233,6 +332,7 @@ def make_train_val(
     allow_short_val: bool = False,
     nemo_json: bool = False,
     nemo_json_tags: bool = False,
+    same_speakers: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Write the train and validation manifests and the summary, as one set; return the summary.
     With ``nemo_json``, a NeMo JSON manifest beside each (``<stem>.json``: audio_filepath, duration,
@@ -252,6 +352,9 @@ def make_train_val(
     manifest (``test_path``, written with the set when there are test rows) and never to train or
     validation. Rows whose speaker or audio is also in a more held-out split are leaks
     (``mark_leaks``): dropped unless ``keep_leaks``, and reported either way.
+
+    A speaker is (source, speaker_id) wherever speakers are grouped or compared (the split, the
+    leaks, their counts); ``same_speakers`` names sources that share speakers (``speaker_keys``).
 
     None means the config value (MASTER_MANIFEST_PATH, TRAIN_MANIFEST_PATH, VAL_MANIFEST_PATH,
     TEST_MANIFEST_PATH, VAL_PER_LANG, SEED, SCRIPT_VOTE_THRESHOLD, VAL_MAX_FRACTION, LANGUAGES).
@@ -283,6 +386,10 @@ def make_train_val(
             f"({summary_path(master).name}) for what build_manifest.py dropped"
         )
     columns = [c for c in frame.columns if c != "row"]
+    keys, shared_ids = speaker_keys(frame, same_speakers, master)
+    frame = frame.with_columns(keys)
+    if shared_ids:
+        print(f"make_train_val: warning: {format_shared_speaker_ids(shared_ids)}", file=sys.stderr)
     has_splits = SPLIT_COLUMN in frame.columns and frame[SPLIT_COLUMN].null_count() < rows_in
     splits = splits or ("keep" if has_splits else "resplit")
     frame = frame.with_columns(split_roles(frame, splits, master))
@@ -334,6 +441,7 @@ def make_train_val(
         **count_rows(rows_in, frame, train, val, split["quota"], test),
         **tags,
         "leaks": leaks,
+        "speaker_ids_in_several_sources": shared_ids,
         "split": {
             **{k: v for k, v in split.items() if k != "quota"},
             "large_val_share": large_val,
@@ -348,6 +456,7 @@ def make_train_val(
             "keep_duplicate_texts": keep_duplicate_texts,
             "splits": splits,
             "keep_leaks": keep_leaks,
+            "same_speakers": list(same_speakers),
         },
     }
     order = ["shard_id", "segment_id", "row"]
@@ -609,7 +718,8 @@ def mark_leaks(
     """Step 5: ``sides`` (the placed rows, ``side`` train, val or test) with ``leak``: a row's
     ``leak_audio`` when its utterance (the same segment_id, the same audio file, or, unless
     ``keep_duplicate_texts``, the same language, text and duration) is also on a more held-out
-    side (test, then val, then train), else ``leak_speaker`` when its speaker is; null otherwise.
+    side (test, then val, then train), else ``leak_speaker`` when its speaker (``SPEAKER_KEY``)
+    is; null otherwise.
     The rows of the most held-out side never leak. Also the report: ``{"removed": not keep_leaks,
     "rows": {"audio"|"speaker": {"train/test": n, ...}}, "speakers": {"train/test": n, ...}}``
     ("train/test": train rows that are also in test)."""
@@ -618,9 +728,7 @@ def mark_leaks(
     if not keep_duplicate_texts:
         keys.append(pl.struct("lang", "text", "duration"))
     audio = pl.min_horizontal([rank.min().over(key) for key in keys])
-    speaker = pl.lit(None, dtype=pl.Int8)
-    if "speaker_id" in sides.columns:
-        speaker = pl.when(pl.col("speaker_id").is_not_null()).then(rank.min().over("speaker_id"))
+    speaker = pl.when(pl.col(SPEAKER_KEY).is_not_null()).then(rank.min().over(SPEAKER_KEY))
     sides = sides.with_columns(rank.alias("_rank"), audio.alias("_audio"), speaker.alias("_spk"))
     names = {rank: side for side, rank in HELD_OUT.items()}
     sides = sides.with_columns(
@@ -642,7 +750,7 @@ def mark_leaks(
     speakers = (
         leaking.filter(pl.col("kind") == "speaker")
         .group_by("pair")
-        .agg(pl.col("speaker_id").n_unique())
+        .agg(pl.col(SPEAKER_KEY).n_unique())
     )
     report = {
         "removed": not keep_leaks,
@@ -656,18 +764,15 @@ def split_by_groups(
     kept: pl.DataFrame, val_per_lang: int, max_val_fraction: float, seed: int, allow_short_val: bool
 ) -> tuple[pl.DataFrame, pl.DataFrame, dict[str, Any]]:
     """Step 4: (train, validation, the summary's split entries plus ``quota``). Rows are grouped by
-    speaker (else shard, else, for a language whose every group exceeds its quota and has no
-    speakers, by utterance); whole groups go to validation in hash order while they fit every one
-    of their languages' quota (see ``choose_val_groups`` and ``_take_spanning_groups``)."""
-    has_speaker = (
-        "speaker_id" in kept.columns and kept.get_column("speaker_id").null_count() < kept.height
-    )
+    speaker (``SPEAKER_KEY``: source and speaker_id), else shard, else, for a language whose every
+    group exceeds its quota and has no speakers, by utterance; whole groups go to validation in
+    hash order while they fit every one of their languages' quota (see ``choose_val_groups`` and
+    ``_take_spanning_groups``)."""
+    has_speaker = kept.get_column(SPEAKER_KEY).null_count() < kept.height
     group = (
-        pl.when(pl.col("speaker_id").is_not_null())
-        .then(pl.concat_str(pl.lit("speaker:"), pl.col("speaker_id")))
+        pl.when(pl.col(SPEAKER_KEY).is_not_null())
+        .then(pl.concat_str(pl.lit("speaker:"), pl.col(SPEAKER_KEY)))
         .otherwise(pl.concat_str(pl.lit("shard:"), pl.col("shard_id")))
-        if "speaker_id" in kept.columns
-        else pl.concat_str(pl.lit("shard:"), pl.col("shard_id"))
     )
     kept = kept.with_columns(group.alias("group"))
     lang_rows = dict(kept.group_by("lang").len().iter_rows())
@@ -716,7 +821,9 @@ def split_by_groups(
         train,
         val,
         {
-            "grouped_by": "speaker_id, else shard_id" if has_speaker else "shard_id",
+            "grouped_by": "speaker (source, speaker_id), else shard_id"
+            if has_speaker
+            else "shard_id",
             "grouped_by_utterance": by_segment,
             "groups_spanning_languages_taken": spanning_taken,
             "val_groups": len(chosen),
@@ -1084,6 +1191,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "way; removed by default)",
     )
     parser.add_argument(
+        "--same-speakers",
+        action="append",
+        default=[],
+        metavar="SOURCE,SOURCE",
+        help="sources whose speaker ids name the same people (comma-separated source names or "
+        "patterns such as 'cv_*'; repeatable): their speakers are kept on one side and checked for "
+        "leaks together. By default a speaker is (source, speaker_id): two corpora that both "
+        "number their speakers '1' hold different people",
+    )
+    parser.add_argument(
         "--val-per-lang",
         type=int,
         default=None,
@@ -1153,6 +1270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             allow_short_val=args.allow_short_val,
             nemo_json=args.nemo_json or args.nemo_json_keep_tag,
             nemo_json_tags=args.nemo_json_keep_tag,
+            same_speakers=args.same_speakers,
         )
     except ManifestError as exc:
         print(f"make_train_val: error: {exc}", file=sys.stderr)

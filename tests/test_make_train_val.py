@@ -768,6 +768,109 @@ def test_the_same_audio_in_dev_and_train_is_removed_from_train(tmp_path):
     assert summary["leaks"]["rows"] == {"audio": {"train/val": 1}}
 
 
+def two_corpora(speaker_b: str = "1") -> list[dict]:
+    """Corpus A (source ``a``): 8 train rows of speakers "1" and "2" and 2 dev rows of speaker
+    "3"; corpus B (source ``b``): 2 test rows of its own speaker ``speaker_b``."""
+    rows = [
+        with_split("train", f"a{i}", f"पहला {i}", shard="a/hi/s0", speaker=str(1 + i % 2))
+        for i in range(8)
+    ]
+    rows += [
+        with_split("dev", f"a-dev{i}", f"दूसरा {i}", shard="a/hi/s0", speaker="3") for i in range(2)
+    ]
+    rows += [
+        with_split("test", f"b{i}", f"तीसरा {i}", shard="b/hi/s0", speaker=speaker_b)
+        for i in range(2)
+    ]
+    return rows
+
+
+def test_corpora_that_number_their_speakers_alike_hold_different_people(tmp_path, capsys):
+    train, val, test, summary = run_splits(tmp_path, two_corpora())
+    assert ids(train) == [f"a{i}" for i in range(8)]  # A's speaker "1" is not B's speaker "1"
+    assert ids(val) == ["a-dev0", "a-dev1"] and ids(test) == ["b0", "b1"]
+    assert summary["dropped"] == {} and summary["leaks"]["rows"] == {}
+    assert summary["speaker_ids_in_several_sources"] == {
+        "ids": 1,
+        "sources": ["a", "b"],
+        "example": "1",
+    }
+    warning = [line for line in capsys.readouterr().err.splitlines() if "speaker id" in line]
+    assert warning == [
+        "make_train_val: warning: 1 speaker id(s) (e.g. '1') appear in more than one of the sources "
+        "a, b: counted as different people in each source; if they are the same people (Common "
+        "Voice's client_id is one contributor in every locale), pass --same-speakers a,b"
+    ]
+
+
+def test_sources_said_to_share_speakers_compare_them_as_one(tmp_path, capsys):
+    train, _, test, summary = run_splits(tmp_path, two_corpora(), same_speakers=["a,b"])
+    assert ids(train) == ["a1", "a3", "a5", "a7"]  # speaker "2"; speaker "1" is in B's test
+    assert summary["dropped"] == {"leak_speaker": 4}
+    assert summary["leaks"]["speakers"] == {"train/test": 1}
+    assert summary["speaker_ids_in_several_sources"] == {}
+    assert "speaker id" not in capsys.readouterr().err
+
+
+def test_same_speakers_takes_patterns_and_names_a_source_the_master_lacks(tmp_path):
+    _, _, _, summary = run_splits(tmp_path, two_corpora(), same_speakers=["[ab]"])
+    assert summary["dropped"] == {"leak_speaker": 4}
+    with pytest.raises(
+        mtv.SplitError, match=r"--same-speakers a,c: no source .* named 'c'; its sources are a, b"
+    ):
+        run_splits(tmp_path, two_corpora(), same_speakers=["a,c"])
+
+
+def test_the_cli_passes_same_speakers(tmp_path):
+    master = tmp_path / "master_manifest.parquet"
+    pl.DataFrame(two_corpora()).write_parquet(master)
+    out = {name: tmp_path / f"{name}.parquet" for name in ("train", "val", "test")}
+    args = ["--master", str(master), "--val-per-lang", "2"]
+    args += [a for name, path in out.items() for a in (f"--{name}", str(path))]
+    assert mtv.main(args) == 0 and pl.read_parquet(out["train"]).height == 8
+    assert mtv.main([*args, "--same-speakers", "a", "--same-speakers", "b,a"]) == 0
+    assert pl.read_parquet(out["train"]).height == 4
+
+
+def test_speakers_are_split_apart_per_source(tmp_path):
+    # two corpora numbering their 10 speakers alike, 2 rows each: one speaker id, two people
+    rows = [
+        row(f"{src}{s}-{k}", f"वाक्य {src} {s} {k}", shard=f"{src}/hi/s{s}", speaker=f"spk{s}")
+        for src in ("a", "b")
+        for s in range(10)
+        for k in range(2)
+    ]
+    train, val, summary = run(tmp_path, rows, val_per_lang=8)
+    people = lambda f: set(zip(f["source"], f["speaker_id"]))  # noqa: E731
+    assert people(train).isdisjoint(people(val)) and val.height == 8
+    # some speaker id is on both sides, as two different people
+    assert set(train["speaker_id"]) & set(val["speaker_id"])
+    assert summary["split"]["val_groups"] == 4
+
+
+def test_a_speaker_of_sources_said_to_share_speakers_stays_on_one_side(tmp_path):
+    rows = [
+        row(f"{src}{s}-{k}", f"वाक्य {src} {s} {k}", shard=f"{src}/hi/s{s}", speaker=f"spk{s}")
+        for src in ("a", "b")
+        for s in range(10)
+        for k in range(2)
+    ]
+    train, val, _ = run(tmp_path, rows, val_per_lang=8, same_speakers=["a,b"])
+    assert set(train["speaker_id"]).isdisjoint(set(val["speaker_id"])) and val.height == 8
+
+
+def test_a_source_whose_ids_no_other_source_uses_keeps_its_split_when_another_is_added(tmp_path):
+    own = corpus(n_speakers=40)
+    _, val_alone, _ = run(tmp_path, own, val_per_lang=10)
+    # another corpus, of another language (its own quota), numbering its speakers differently
+    other = [
+        row(f"o{s}", f"hello {s}", "en", shard="other/en/s0", speaker=f"o{s}") for s in range(6)
+    ]
+    _, val_both, _ = run(tmp_path, own + other, val_per_lang=10)
+    own_val = val_both.filter(pl.col("source") == "src")
+    assert set(own_val["segment_id"]) == set(val_alone["segment_id"])
+
+
 def test_a_speaker_in_dev_and_test_is_removed_from_dev_not_test(tmp_path):
     rows = released()
     rows[4]["speaker_id"] = "hi-d"
