@@ -142,6 +142,33 @@ class ManifestError(UserError, RuntimeError):
     the message names the path and what is wrong with it."""
 
 
+# A UTF-8 byte-order mark: what Windows tools and spreadsheets put at the start of a UTF-8 file.
+UTF8_BOM = b"\xef\xbb\xbf"
+# The byte-order marks of the encodings a spreadsheet's "Unicode text" is saved in (UTF-32 first:
+# its little-endian mark begins with UTF-16's).
+_OTHER_BOMS = (
+    (b"\xff\xfe\x00\x00", "UTF-32"),
+    (b"\x00\x00\xfe\xff", "UTF-32"),
+    (b"\xff\xfe", "UTF-16"),
+    (b"\xfe\xff", "UTF-16"),
+)
+
+
+def text_start(path: str | Path, head: bytes) -> int:
+    """Where the text of a UTF-8 text file whose first bytes are ``head`` (4 or more, or the whole
+    file) begins: after a UTF-8 byte-order mark (3), else at 0. Every text input a manifest step
+    reads (TSV, CSV, JSON lines, Kaldi tables) starts there, so a file saved with a mark reads as
+    one without. A file starting with a UTF-16 or UTF-32 mark is a ManifestError naming it."""
+    if head.startswith(UTF8_BOM):
+        return len(UTF8_BOM)
+    for mark, encoding in _OTHER_BOMS:
+        if head.startswith(mark):
+            raise ManifestError(
+                f"{path}: {encoding} text (its byte-order mark says so); re-save it as UTF-8"
+            )
+    return 0
+
+
 def summary_path(manifest: str | Path) -> Path:
     """The summary beside a manifest: ``<manifest minus .parquet>.summary.json``."""
     manifest = Path(manifest)
@@ -279,33 +306,40 @@ def read_nemo_manifest(path: str | Path) -> list[NemoManifestRow]:
     the file and line of a row that is not a JSON object with an ``audio_filepath``, or a ``duration``
     that is not a number."""
     path = Path(path)
+    data = path.read_bytes()
+    try:
+        content = data[text_start(path, data[:4]) :].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ManifestError(
+            f"{path}:{line}: not UTF-8 ({exc.reason}); re-encode {path.name} as UTF-8"
+        ) from None
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as exc:
-                raise ManifestError(f"{path}:{number}: not JSON ({exc})") from None
-            if not isinstance(row, dict) or not row.get("audio_filepath"):
-                raise ManifestError(f"{path}:{number}: expected a JSON object with audio_filepath")
-            audio = Path(str(row["audio_filepath"]))
-            if not audio.is_absolute():
-                audio = path.parent / audio
-            duration = row.get("duration")
-            if duration is not None and not isinstance(duration, (int, float)):
-                raise ManifestError(f"{path}:{number}: duration {duration!r} is not a number")
-            text = row.get("text")
-            lang = row.get("lang") or (leading_lang(str(text)) if text is not None else None)
-            rows.append(
-                NemoManifestRow(
-                    str(audio),
-                    None if duration is None else float(duration),
-                    None if text is None else strip_lang_tag(str(text)),
-                    None if lang is None else str(lang),
-                )
+    for number, line in enumerate(content.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise ManifestError(f"{path}:{number}: not JSON ({exc})") from None
+        if not isinstance(row, dict) or not row.get("audio_filepath"):
+            raise ManifestError(f"{path}:{number}: expected a JSON object with audio_filepath")
+        audio = Path(str(row["audio_filepath"]))
+        if not audio.is_absolute():
+            audio = path.parent / audio
+        duration = row.get("duration")
+        if duration is not None and not isinstance(duration, (int, float)):
+            raise ManifestError(f"{path}:{number}: duration {duration!r} is not a number")
+        text = row.get("text")
+        lang = row.get("lang") or (leading_lang(str(text)) if text is not None else None)
+        rows.append(
+            NemoManifestRow(
+                str(audio),
+                None if duration is None else float(duration),
+                None if text is None else strip_lang_tag(str(text)),
+                None if lang is None else str(lang),
             )
+        )
     if not rows:
         raise ManifestError(f"{path}: no rows")
     return rows

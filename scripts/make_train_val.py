@@ -80,6 +80,7 @@ from manifest_schema import (
     summary_path,
     tag_prefix_expr,
     tagged_text_expr,
+    text_start,
     with_audio_column,
     write_manifest_file,
 )
@@ -143,6 +144,11 @@ def load_lang_fixes(path: Path) -> pl.DataFrame:
     path = Path(path)
     if not path.is_file():
         raise SplitError(f"--lang-fixes {path}: file not found")
+    with open(path, "rb") as f:
+        try:
+            text_start(path, f.read(4))  # polars reads a UTF-8 byte-order mark through
+        except ManifestError as exc:
+            raise SplitError(f"--lang-fixes {exc}") from None
     try:
         fixes = pl.read_csv(path, schema_overrides={"segment_id": pl.String, "lang": pl.String})
     except Exception as exc:

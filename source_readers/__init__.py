@@ -35,6 +35,9 @@ Kaldi recordings with ``segments`` (and NeMo rows with an ``offset``, segments o
 written out once as FLAC under ``<audio dir>/<name>/``,
 each unit (tar, parquet file, recording) verified and then marked done, so a rerun skips it.
 
+Text files are UTF-8, a byte-order mark read through (``manifest_schema.text_start``); one in
+UTF-16 or UTF-32 is a ManifestError naming it.
+
 A bad row is dropped and counted under its reason (``BAD_ROW_REASONS``) with its file and line
 (1-based) or row (0-based, parquet); build_manifest.py's ``--strict`` makes the first one an error.
 A file that cannot be used at all (an unreadable parquet file, one without an audio column, a

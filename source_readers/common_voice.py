@@ -22,7 +22,8 @@ whose field is one of the values, joined by ``+``). Rows a filter leaves out are
 counted in the summary's ``left_out``.
 
 The TSVs are read as Common Voice writes them: fields separated by tabs, quotes as they are (a
-sentence may hold ``"``). A line with more fields than the header is read once more as quoted CSV
+sentence may hold ``"``); a byte-order mark (a TSV re-saved on Windows or by a spreadsheet) is read
+through, and a header without ``path`` or ``sentence`` is an error naming the file and its columns. A line with more fields than the header is read once more as quoted CSV
 (a field in quotes holding a tab); a line whose fields still do not match the header is a bad row
 (``not_tsv``). A clip is imported once: one listed by two TSVs of ``train``, ``dev`` and ``test``
 stays in the held-out one (test, then dev) and its other rows are bad (``clip_listed_twice``);
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import polars as pl
 
-from manifest_schema import ManifestError
+from manifest_schema import ManifestError, text_start
 from source_readers.standard_rows import (
     ROW_SCHEMA,
     Shard,
@@ -61,6 +62,8 @@ OPTIONS = frozenset({"splits", *FILTERS})
 # Common Voice locales whose code in this project drops the region (the rest: lower-cased).
 LOCALES = {"pa-IN": "pa", "gu-IN": "gu", "ne-NP": "ne", "ga-IE": "ga", "hy-AM": "hy", "sv-SE": "sv"}
 DURATIONS_FILE = "clip_durations.tsv"
+# The columns a TSV cannot be read without.
+REQUIRED_COLUMNS = ("path", "sentence")
 
 
 def project_language(locale: pl.Expr) -> pl.Expr:
@@ -126,12 +129,14 @@ def _read_tsv(
     writes them); otherwise the lines are split on tabs in polars, and only the lines whose field
     count differs from the header's go through Python's csv reader."""
     data = path.read_bytes()
+    data = data[text_start(path, data[:4]) :]
     first = data[: data.find(b"\n") if b"\n" in data else len(data)]
     header = first.decode("utf-8", "replace").removesuffix("\r").split("\t")
-    if "path" not in header or "sentence" not in header:
+    missing = [c for c in REQUIRED_COLUMNS if c not in header]
+    if missing:
         raise ManifestError(
-            f"{path}:1: expected a Common Voice header with path and sentence, got "
-            f"{' '.join(header)[:200]!r}"
+            f"{path}:1: no {' or '.join(missing)} column: a Common Voice TSV's header names "
+            f"{' and '.join(REQUIRED_COLUMNS)}; this one has {', '.join(map(repr, header))[:300]}"
         )
     width = len(header)
     labels = {"split": pl.lit(split, dtype=pl.String), "rank": pl.lit(rank, dtype=pl.UInt8)}
@@ -188,7 +193,9 @@ def _given_durations(folder: Path, clips: pl.Series) -> pl.Series:
     none = pl.Series("_given", [None] * len(clips), dtype=pl.Float64)
     if not file.is_file():
         return none
-    table = pl.read_csv(file, separator="\t", quote_char=None, infer_schema=False)
+    data = file.read_bytes()
+    data = data[text_start(file, data[:4]) :]
+    table = pl.read_csv(io.BytesIO(data), separator="\t", quote_char=None, infer_schema=False)
     if table.width < 2:
         return none
     names, seconds = table[:, 0], table[:, 1].cast(pl.Float64, strict=False) / 1000

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from manifest_schema import ManifestError
+from manifest_schema import ManifestError, text_start
 from source_readers.standard_rows import (
     ROW_SCHEMA,
     RowIds,
@@ -30,11 +30,13 @@ from source_readers.standard_rows import (
 
 def _kaldi_lines(path: Path, undecodable: list) -> Iterator[tuple[int, str, str]]:
     """``(line number, key, rest of the line)`` of a Kaldi table file, fields split on any
-    whitespace (Kaldi's tables take spaces and tabs alike). A line that is not UTF-8 goes into
-    ``undecodable`` as ``(key, "file:line", why)``, its key read with surrogate escapes so that it
-    still matches the same bytes in the other files."""
+    whitespace (Kaldi's tables take spaces and tabs alike), a byte-order mark read through. A line
+    that is not UTF-8 goes into ``undecodable`` as ``(key, "file:line", why)``, its key read with
+    surrogate escapes so that it still matches the same bytes in the other files."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
+            if number == 1:
+                raw = raw[text_start(path, raw[:4]) :]
             parts = raw.split(maxsplit=1)
             if not parts:
                 continue

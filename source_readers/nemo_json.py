@@ -12,7 +12,7 @@ from pathlib import Path
 
 import polars as pl
 
-from manifest_schema import ManifestError
+from manifest_schema import ManifestError, text_start
 from source_readers.standard_rows import (
     FIELDS,
     ROW_SCHEMA,
@@ -40,13 +40,13 @@ _INFER_ROWS = 10_000  # rows whose fields and types decide a manifest's columns 
 
 def _json_chunks(path: Path) -> Iterator[tuple[int, bytes]]:
     """(number of the chunk's first line, whole lines) of the file, about ``_CHUNK_BYTES`` each,
-    cut from a memory map of it."""
+    cut from a memory map of it; a byte-order mark is left out."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if not size:
             return
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
-            start, line = 0, 1
+            start, line = text_start(path, view[:4]), 1
             while start < size:
                 end = min(start + _CHUNK_BYTES, size)
                 if end < size:
@@ -125,9 +125,11 @@ def _read_json_rows(path: Path) -> tuple[pl.DataFrame, list[dict]]:
     not objects as bad rows. The whole file goes through polars' multi-threaded reader (types
     inferred from the first ``_INFER_ROWS`` rows) when each line is one object; otherwise, or when a
     later row's types disagree, it is read in chunks, a chunk that fails line by line."""
-    try:
-        frame = pl.read_ndjson(path, infer_schema_length=_INFER_ROWS)
-        if frame.height and frame.height == _line_count(path):
+    with open(path, "rb") as f:
+        marked = text_start(path, f.read(4)) > 0
+    try:  # polars' reader takes no byte-order mark: a file with one goes by chunks, which skip it
+        frame = None if marked else pl.read_ndjson(path, infer_schema_length=_INFER_ROWS)
+        if frame is not None and frame.height and frame.height == _line_count(path):
             line = pl.int_range(1, frame.height + 1, dtype=pl.UInt32).alias("line")
             return frame.with_columns(line), []
     except Exception:  # not JSON somewhere, or types polars cannot unify: chunk by chunk
@@ -184,12 +186,13 @@ def _nemo_fields(
 ) -> tuple[pl.DataFrame, dict]:
     """``frame`` with ``_audio``, ``_duration``, ``_text`` and ``_id`` columns, its rows without an
     audio path or a transcript moved to ``bad``; and the fields found. The first batch must have
-    an audio field (ManifestError naming the fields it has); a later one without is all bad."""
+    an audio and a text field (ManifestError naming the fields it has); a later one without is all
+    bad."""
     path = spec.path
     columns = [c for c in frame.columns if c != "line"]
     audio = _pick(spec, "audio", columns, required=first)
     fields = {
-        "text": _pick(spec, "text", columns),
+        "text": _pick(spec, "text", columns, required=first),
         "lang": _pick(spec, "lang", columns),
         "speaker": _pick(spec, "speaker", columns),
         "quality": _pick(spec, "quality", columns),

@@ -280,3 +280,35 @@ def test_durations_come_from_clip_durations_when_the_clips_are_trusted(release, 
     given = {r["path"].removesuffix(".mp3"): r["seconds"] for r in hi}
     for segment_id, seconds in master.select("segment_id", "duration").rows():
         assert seconds == pytest.approx(given[segment_id.removeprefix("dev/")], abs=1e-9)
+
+
+def test_tsvs_saved_with_a_byte_order_mark_keep_their_speakers_and_durations(tmp_path):
+    rows = cv.clip_rows("hi", 6, "train") + cv.clip_rows("hi", 2, "dev", 6)
+    folder = cv.write_release(tmp_path / "cv", "hi", rows)
+    for name in ("train.tsv", "dev.tsv", "clip_durations.tsv"):  # as a spreadsheet saves them
+        (folder / name).write_bytes(b"\xef\xbb\xbf" + (folder / name).read_bytes())
+    master, summary = build(tmp_path, f"cv:{folder}:check=none")
+    assert master.height == 8 and dropped(summary) == []
+    assert dict(
+        master.select(pl.col("segment_id").str.strip_prefix("hi/"), "speaker_id").rows()
+    ) == {r["path"].removesuffix(".mp3"): r["client_id"] for r in rows}
+    seconds = {r["path"].removesuffix(".mp3"): r["seconds"] for r in rows}
+    for segment_id, duration in master.select("segment_id", "duration").rows():
+        assert duration == pytest.approx(seconds[segment_id.removeprefix("hi/")], abs=1e-9)
+
+
+def test_a_tsv_without_a_sentence_column_names_its_file_and_its_columns(tmp_path):
+    tsv = tmp_path / "train.tsv"
+    tsv.write_text("client_id\tpath\ttext\nc1\ta.mp3\thello\n", encoding="utf-8")
+    with pytest.raises(
+        ManifestError, match=rf"{tsv}:1: no sentence column: .* has 'client_id', 'path', 'text'"
+    ):
+        build(tmp_path, f"cv:{tsv}")
+
+
+def test_a_utf16_tsv_is_one_error_naming_it(tmp_path):
+    folder = cv.write_release(tmp_path / "cv", "hi", cv.clip_rows("hi", 2, "train"))
+    tsv = folder / "train.tsv"
+    tsv.write_bytes(tsv.read_text(encoding="utf-8").encode("utf-16"))
+    with pytest.raises(ManifestError, match=rf"{tsv}: UTF-16 text .*re-save it as UTF-8"):
+        build(tmp_path, f"cv:{tsv}")

@@ -157,6 +157,16 @@ def test_lang_fixes_file_sets_tags_including_devanagari(tmp_path):
     assert summary["lang_corrections_by_cause"]["lang_fixes"] == {"hi->mr": 1, "hi->ne": 1}
 
 
+def test_a_lang_fixes_file_saved_with_a_byte_order_mark_reads_as_without(tmp_path):
+    fixes = tmp_path / "fixes.csv"
+    fixes.write_bytes(b"\xef\xbb\xbfsegment_id,lang\na,mr\n")
+    train, _, _ = run(tmp_path, [row("a"), row("b")], lang_fixes=fixes)
+    assert dict(train.select("segment_id", "lang").rows()) == {"a": "mr", "b": "hi"}
+    fixes.write_bytes("segment_id,lang\na,mr\n".encode("utf-16"))
+    with pytest.raises(mtv.SplitError, match=rf"--lang-fixes {fixes}: UTF-16 text"):
+        run(tmp_path, [row("a")], lang_fixes=fixes)
+
+
 def test_a_lang_fixes_file_without_the_header_is_rejected(tmp_path):
     fixes = tmp_path / "fixes.csv"
     fixes.write_text("id,language\na,mr\n")

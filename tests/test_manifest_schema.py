@@ -189,3 +189,33 @@ def test_a_nemo_json_manifest_resolves_relative_audio_and_reads_a_leading_tag_as
     path.write_text('{"audio_filepath": "x.flac", "duration": "long"}\n', encoding="utf-8")
     with pytest.raises(ManifestError, match=r"m.json:1: duration 'long' is not a number"):
         read_nemo_manifest(path)
+
+
+def test_a_nemo_json_manifest_saved_with_a_byte_order_mark_reads_as_without(tmp_path):
+    from manifest_schema import read_nemo_manifest
+
+    path = tmp_path / "m.json"
+    lines = '{"audio_filepath": "/a.flac", "text": "hi there", "lang": "en"}\n' * 2
+    path.write_bytes(b"\xef\xbb\xbf" + lines.encode("utf-8"))
+    rows = read_nemo_manifest(path)
+    assert [(r.audio_filepath, r.text, r.lang) for r in rows] == [("/a.flac", "hi there", "en")] * 2
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ('{"audio_filepath": "/a.flac"}\n'.encode("utf-16"), r"m.json: UTF-16 text"),
+        (
+            b'{"audio_filepath": "/a.flac"}\n{"audio_filepath": "/b\xe9.flac"}\n',
+            r"m.json:2: not UTF-8",
+        ),
+    ],
+    ids=["utf16", "latin1"],
+)
+def test_a_nemo_json_manifest_that_is_not_utf8_is_one_error_naming_it(tmp_path, data, message):
+    from manifest_schema import ManifestError, read_nemo_manifest
+
+    path = tmp_path / "m.json"
+    path.write_bytes(data)
+    with pytest.raises(ManifestError, match=message):
+        read_nemo_manifest(path)

@@ -677,3 +677,57 @@ def test_a_source_losing_many_rows_prints_a_few_of_each_reason_and_counts_the_re
     assert source["dropped"] == {"duration_too_short": short} and short > 3
     assert out.count("DROPPED") == 3
     assert f"... and {short - 3} more duration_too_short" in out
+
+
+# --- text encodings: a byte-order mark, a file that is not UTF-8 ------------------------------
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def text_source(tmp_path: Path, kind: str) -> tuple[str, list[Path]]:
+    """A source of ``kind`` (nemo, nemo_tarred, kaldi) under ``tmp_path``: its spec and its text
+    files."""
+    utts = byod.utterances(3)
+    if kind == "nemo":
+        manifest = byod.write_nemo_json(tmp_path / "nemo", utts)
+        return f"nemo:{manifest}", [manifest]
+    if kind == "nemo_tarred":
+        manifest, tars = byod.write_nemo_tarred(tmp_path / "tarred", utts)
+        return f"nemo:{manifest}:tars={tars}", [manifest]
+    directory = byod.write_kaldi(tmp_path / "kaldi", utts)
+    names = ("wav.scp", "segments", "text", "utt2spk", "utt2lang")
+    return f"kaldi:{directory}", [directory / name for name in names]
+
+
+def master_rows(master: pl.DataFrame) -> list[tuple]:
+    columns = ("segment_id", "text", "lang", "speaker_id", "duration")
+    return master.sort("segment_id").select(columns).rows()
+
+
+@pytest.mark.parametrize("kind", ["nemo", "nemo_tarred", "kaldi"])
+def test_text_files_saved_with_a_utf8_byte_order_mark_import_as_without(tmp_path, kind):
+    spec, files = text_source(tmp_path / "plain", kind)
+    expected, _ = build(tmp_path / "plain", spec)
+    spec, files = text_source(tmp_path / "marked", kind)
+    for path in files:
+        path.write_bytes(UTF8_BOM + path.read_bytes())
+    master, summary = build(tmp_path / "marked", spec)
+    assert master_rows(master) == master_rows(expected) and not dropped_rows(summary)
+    assert master.height == 6 and master.get_column("speaker_id").null_count() == 0
+
+
+@pytest.mark.parametrize("kind", ["nemo", "nemo_tarred", "kaldi"])
+def test_a_utf16_text_file_is_one_error_naming_it(tmp_path, kind):
+    spec, files = text_source(tmp_path, kind)
+    files[0].write_bytes(files[0].read_text(encoding="utf-8").encode("utf-16"))
+    with pytest.raises(ManifestError, match=rf"{files[0]}: UTF-16 text .*re-save it as UTF-8"):
+        build(tmp_path, spec)
+
+
+def test_a_nemo_manifest_without_a_text_field_names_the_fields_it_has(tmp_path):
+    manifest = byod.write_nemo_json(tmp_path / "nemo", byod.utterances(2))
+    rows = [json.loads(line) for line in manifest.read_text().splitlines()]
+    for r in rows:
+        r["words"] = r.pop("text")
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    with pytest.raises(ManifestError, match=rf"{manifest}: no text field .*it has .*words"):
+        build(tmp_path, f"nemo:{manifest}")
