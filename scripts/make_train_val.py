@@ -51,6 +51,7 @@ import argparse
 import fnmatch
 import functools
 import hashlib
+import itertools
 import math
 import sys
 import time
@@ -495,17 +496,24 @@ def make_train_val(
 def _set_aside_superseded(test_path: Path, split_id: str) -> None:
     """A test manifest left by an earlier split, when this one has no test rows, would pass for this
     split's: its rows may now be in train. It is renamed ``<name>.superseded<suffix>`` (its NeMo JSON
-    twin too), with a warning; nothing is deleted."""
-    for path in (test_path, nemo_json_path(test_path)):
-        if path.exists():
-            aside = path.with_name(f"{path.stem}.superseded{path.suffix}")
-            path.replace(aside)
-            print(
-                f"make_train_val: warning: {path} belonged to an earlier split (this one, "
-                f"{split_id}, has no test rows): renamed {aside}, so it is not evaluated as this "
-                f"split's test set",
-                file=sys.stderr,
-            )
+    twin too), or ``<name>.superseded-2<suffix>``, ``-3``, ... when that name holds the test set of
+    a split before, with a warning; nothing is deleted or overwritten."""
+    present = [path for path in (test_path, nemo_json_path(test_path)) if path.exists()]
+    if not present:
+        return
+    for n in itertools.count(1):
+        tag = "superseded" if n == 1 else f"superseded-{n}"
+        asides = [path.with_name(f"{path.stem}.{tag}{path.suffix}") for path in present]
+        if not any(aside.exists() for aside in asides):
+            break
+    for path, aside in zip(present, asides):
+        path.replace(aside)
+        print(
+            f"make_train_val: warning: {path} belonged to an earlier split (this one, "
+            f"{split_id}, has no test rows): renamed {aside}, so it is not evaluated as this "
+            f"split's test set",
+            file=sys.stderr,
+        )
 
 
 # --- the steps, in order ------------------------------------------------------------------------

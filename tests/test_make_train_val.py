@@ -740,6 +740,20 @@ def test_a_split_without_test_rows_sets_an_earlier_splits_test_manifest_aside(tm
     assert pl.read_parquet(tmp_path / "test.superseded.parquet").equals(earlier)
 
 
+def test_a_second_split_without_test_rows_keeps_the_test_set_set_aside_before(tmp_path):
+    without_test = [row for row in released() if row["split"] != "test"]
+    test_sets = []
+    for body in ("पहला", "दूसरा", "तीसरा"):  # three releases, each split, then one without test
+        run_splits(tmp_path, released(body=body), nemo_json=True)
+        test_sets.append(pl.read_parquet(tmp_path / "test.parquet"))
+        run_splits(tmp_path, without_test, nemo_json=True)
+    names = ["test.superseded", "test.superseded-2", "test.superseded-3"]
+    for name, test_set in zip(names, test_sets):
+        assert pl.read_parquet(tmp_path / f"{name}.parquet").equals(test_set)
+        assert (tmp_path / f"{name}.json").read_text().count("\n") == test_set.height
+    assert not (tmp_path / "test.parquet").exists()
+
+
 def test_duplicates_within_a_split_are_dropped_as_before(tmp_path):
     rows = released()
     rows.append(rows[0] | {"segment_id": "hi0-again", "text": tagged_text("hi", "और कुछ")})
