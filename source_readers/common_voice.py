@@ -3,7 +3,7 @@
 newer releases, ``clip_durations.tsv``), or one of its TSVs.
 
     cv:/data/cv-corpus-17.0-2024-03-15/hi                     train, dev and test
-    cv:/data/cv-corpus-17.0-2024-03-15/hi:splits=validated    every validated clip
+    cv:/data/cv-corpus-17.0-2024-03-15/hi:splits=validated    every validated clip (see below)
     cv:/data/cv-corpus-17.0-2024-03-15/hi/test.tsv:name=cv_hi_test   the test split alone
     cv:/data/cv/hi:min_up_votes=3,max_down_votes=0,segment=Benchmark
 
@@ -16,15 +16,18 @@ only looks up the clips ``clip_durations.tsv`` times, ``none`` trusts them.
 
 Options besides the common ones: ``splits`` (the TSVs of a folder to read, joined by ``+``:
 default ``train+dev+test``; make_train_val.py puts the test rows into the test manifest, never into
-train), and filters on what Common Voice marks: ``min_up_votes``,
+train; ``validated``, ``other`` and ``invalidated`` hold the release's test and dev clips too, so
+asking for any of them also reads the folder's ``test.tsv`` and ``dev.tsv``, whose clips keep their
+split), and filters on what Common Voice marks: ``min_up_votes``,
 ``max_down_votes``, ``segment``, ``variant``, ``gender``, ``age`` (the last four keep the rows
 whose field is one of the values, joined by ``+``). Rows a filter leaves out are not bad: they are
 counted in the summary's ``left_out``.
 
 The TSVs are read as Common Voice writes them: fields separated by tabs, quotes as they are (a
 sentence may hold ``"``); a byte-order mark (a TSV re-saved on Windows or by a spreadsheet) is read
-through, and a header without ``path`` or ``sentence`` is an error naming the file and its columns. A line with more fields than the header is read once more as quoted CSV
-(a field in quotes holding a tab); a line whose fields still do not match the header is a bad row
+through, and a header without ``path`` or ``sentence`` is an error naming the file and its
+columns. A line with more fields than the header is read once more as quoted CSV (a field in
+quotes holding a tab); a line whose fields still do not match the header is a bad row
 (``not_tsv``). A clip is imported once: one listed by two TSVs of ``train``, ``dev`` and ``test``
 stays in the held-out one (test, then dev) and its other rows are bad (``clip_listed_twice``);
 ``validated``, ``other`` and ``invalidated`` add only the clips the release splits leave out.
@@ -56,6 +59,10 @@ SPLITS = ("test", "dev", "train", "validated", "other", "invalidated")
 DEFAULT_SPLITS = ("train", "dev", "test")
 # The three the release itself splits into; the others overlap them by design.
 RELEASE_SPLITS = frozenset({"train", "dev", "test"})
+# Read with any of the others, so that their clips keep the release's held-out split (the test
+# manifest, validation) instead of training as validated clips, and their speakers' other clips
+# are found as leaks by make_train_val.py.
+HELD_OUT_SPLITS = ("test", "dev")
 FILTERS = ("min_up_votes", "max_down_votes", "segment", "variant", "gender", "age")
 FILTER_FIELDS = {"min_up_votes": "up_votes", "max_down_votes": "down_votes"}  # else the option
 OPTIONS = frozenset({"splits", *FILTERS})
@@ -72,7 +79,9 @@ def project_language(locale: pl.Expr) -> pl.Expr:
 
 
 def _tsv_files(spec: SourceSpec) -> list[tuple[str, Path]]:
-    """(split, TSV) to read, held-out first; ManifestError naming what is missing."""
+    """(split, TSV) to read, held-out first: the ``splits`` asked for, and with any of validated,
+    other and invalidated the folder's test and dev (``HELD_OUT_SPLITS``); ManifestError naming
+    what is missing."""
     if spec.path.is_file():
         return [(spec.path.stem, spec.path)]
     wanted = spec.options.get("splits", "+".join(DEFAULT_SPLITS)).split("+")
@@ -82,6 +91,8 @@ def _tsv_files(spec: SourceSpec) -> list[tuple[str, Path]]:
             f"source {spec}: splits={'+'.join(wanted)}: {', '.join(unknown)} is not a Common "
             f"Voice TSV; choose among {'+'.join(SPLITS)}"
         )
+    if not RELEASE_SPLITS.issuperset(wanted):  # validated, other, invalidated: held-out clips too
+        wanted += [s for s in HELD_OUT_SPLITS if s not in wanted]
     found = [(s, spec.path / f"{s}.tsv") for s in SPLITS if s in wanted]
     found = [(s, p) for s, p in found if p.is_file()]
     if not found:

@@ -312,3 +312,39 @@ def test_a_utf16_tsv_is_one_error_naming_it(tmp_path):
     tsv.write_bytes(tsv.read_text(encoding="utf-8").encode("utf-16"))
     with pytest.raises(ManifestError, match=rf"{tsv}: UTF-16 text .*re-save it as UTF-8"):
         build(tmp_path, f"cv:{tsv}")
+
+
+def test_validated_alone_still_holds_the_release_test_clips_and_speakers_out_of_train(tmp_path):
+    """splits=validated: every validated clip, the release's own test and dev clips kept in their
+    splits; a validated clip outside the release splits by a test speaker leaves train."""
+    from scripts import make_train_val as mtv
+
+    rows = cv.clip_rows("hi", 8, "train") + cv.clip_rows("hi", 3, "dev", 8)
+    rows += cv.clip_rows("hi", 3, "test", 11)
+    for i, r in enumerate(rows):
+        r["client_id"] = {"train": f"t{i % 2}", "dev": "d", "test": "x"}[r["split"]]
+    folder = cv.write_release(tmp_path / "cv", "hi", rows)
+    extra = cv.clip_rows("hi", 2, "train", 14)  # validated, in no release split
+    extra[0]["client_id"] = "x"  # recorded by the test speaker
+    with (folder / "validated.tsv").open("a", encoding="utf-8") as f:
+        f.writelines(cv.tsv_line(r) + "\n" for r in extra)
+    for k, r in enumerate(extra):
+        (folder / "clips" / r["path"]).write_bytes(cv.mp3(r["seconds"], 100 + k))
+    master, summary = build(tmp_path, f"cv:{folder}:splits=validated")
+    assert master.height == len(rows) + len(extra)
+    assert summary["sources"][0]["left_out"] == {"in_train_dev_or_test": 6}  # dev + test again
+    mtv.make_train_val(
+        tmp_path / "master.parquet",
+        tmp_path / "train.parquet",
+        tmp_path / "val.parquet",
+        test_path=tmp_path / "test.parquet",
+        languages=(),
+    )
+    clip = pl.col("segment_id").str.replace(r"^hi/", "") + ".mp3"
+    sides = {
+        s: set(pl.read_parquet(tmp_path / f"{s}.parquet").select(clip).to_series())
+        for s in ("train", "val", "test")
+    }
+    by_split = {s: {r["path"] for r in rows if r["split"] == s} for s in ("train", "dev", "test")}
+    assert sides["test"] == by_split["test"] and sides["val"] == by_split["dev"]
+    assert sides["train"] == by_split["train"] | {extra[1]["path"]}
