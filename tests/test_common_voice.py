@@ -348,3 +348,38 @@ def test_validated_alone_still_holds_the_release_test_clips_and_speakers_out_of_
     by_split = {s: {r["path"] for r in rows if r["split"] == s} for s in ("train", "dev", "test")}
     assert sides["test"] == by_split["test"] and sides["val"] == by_split["dev"]
     assert sides["train"] == by_split["train"] | {extra[1]["path"]}
+
+
+def strip_length_frame(clip: Path) -> None:
+    """Leave out an MP3's first frame, the Xing header libsndfile writes its length in: the file
+    an encoder writing to a pipe leaves."""
+    data = clip.read_bytes()
+    kbps = (0, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320)[data[2] >> 4]
+    length = 144_000 * kbps // cv.RATE + (data[2] >> 1 & 1)  # MPEG-1 layer III at 48 kHz
+    assert b"Xing" in data[:length] or b"Info" in data[:length]
+    clip.write_bytes(data[length:])
+
+
+def test_clip_durations_counting_the_encoders_delay_and_padding_frames_are_kept(tmp_path):
+    # measured: a duration counted from an MP3's frames exceeds its length by 24-48 ms at 48 kHz
+    # and 37-71 ms at 32 kHz (the encoder's delay and padding, which a Xing header trims)
+    rows = cv.clip_rows("hi", 4, "train")
+    folder = cv.write_release(tmp_path / "cv", "hi", rows)
+    padded = [f"{r['path']}\t{round(r['seconds'] * 1000) + 71}" for r in rows]
+    (folder / "clip_durations.tsv").write_text("\n".join(["clip\tduration[ms]", *padded]) + "\n")
+    master, summary = build(tmp_path, f"cv:{folder}:check=header")
+    assert master.height == 4 and dropped(summary) == []
+
+
+def test_a_vbr_mp3_without_its_length_header_is_dropped_naming_why(tmp_path):
+    rows = cv.clip_rows("hi", 3, "train")
+    for r in rows:
+        r["seconds"] = 4.0
+    folder = cv.write_release(tmp_path / "cv", "hi", rows)
+    strip_length_frame(folder / "clips" / rows[1]["path"])
+    master, summary = build(tmp_path, f"cv:{folder}")
+    assert master.height == 2
+    assert dropped(summary) == [(f"{folder / 'train.tsv'}:3", "duration_mismatch")]
+    detail = summary["sources"][0]["dropped_examples"][0]["detail"]
+    assert "duration 4 s, the audio holds" in detail
+    assert "an MP3 without a Xing/Info header" in detail and "decodes a variable-bitrate" in detail
