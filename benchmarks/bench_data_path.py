@@ -51,7 +51,7 @@ import config
 import training_cache
 from max_batch import FixedPhase, step_precision
 from sampler import BatchingSettings
-from training_step import TrainingModule, build_dataloader
+from training_step import NoTrainingData, TrainingModule, build_dataloader, check_audio_sample
 
 HEADROOM = 1.25  # workers supply this multiple of the demand
 WAIT_TARGET = 0.02  # the share of step time the step may wait for data
@@ -59,10 +59,8 @@ WAIT_TARGET = 0.02  # the share of step time the step may wait for data
 
 def repeated_manifest(manifest: Path, repeat: int, out_dir: Path) -> Path:
     """``manifest``'s rows ``repeat`` times over, each copy's segment ids suffixed ``~k``, written
-    atomically to ``out_dir``; reused when it exists."""
+    atomically to ``out_dir`` (over an earlier one: the training cache knows it by its content)."""
     out = out_dir / f"{manifest.stem}_x{repeat}.parquet"
-    if out.is_file():
-        return out
     table = pq.read_table(manifest)
     ids = table.column("segment_id").cast(pa.string())
     parts = [
@@ -76,7 +74,7 @@ def repeated_manifest(manifest: Path, repeat: int, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".partial")
     pq.write_table(pa.concat_tables(parts), tmp)
-    tmp.rename(out)
+    tmp.replace(out)
     return out
 
 
@@ -95,15 +93,16 @@ def load_dataset(manifest: Path, tokenizer, work_dir: Path):
     return LocalShardDataset(manifest, tokenizer, cache_dir=work_dir / "cache", progress=False)
 
 
-def one_worker_rate(dataset, seconds: float) -> tuple[float, int, float]:
-    """(audio seconds per second, micro-batches, seconds timed) of train.py's loader with one
-    worker and no model: the batches after the first for ``seconds``."""
+def one_worker_rate(dataset, seconds: float) -> tuple[float, int, float, int]:
+    """(audio seconds per second, micro-batches, seconds timed, unreadable files) of train.py's
+    loader with one worker and no model: the batches after the first for ``seconds``."""
     loader, _ = build_dataloader(
         dataset, BatchingSettings.from_config(), world_size=1, rank=0, pin_memory=False, workers=1
     )
-    audio, batches, first = 0.0, 0, None
+    audio, batches, first, bad = 0.0, 0, None, 0
     for batch in loader:
         now = time.perf_counter()
+        bad += sum(batch.bad_audio.values())
         if first is None:
             first = now
             continue
@@ -113,7 +112,7 @@ def one_worker_rate(dataset, seconds: float) -> tuple[float, int, float]:
             break
     elapsed = time.perf_counter() - first if first is not None else 0.0
     del loader
-    return (audio / elapsed if elapsed > 0 else 0.0), batches, elapsed
+    return (audio / elapsed if elapsed > 0 else 0.0), batches, elapsed, bad
 
 
 class StepMetrics(pl.Callback):
@@ -229,16 +228,21 @@ def main(argv: list[str] | None = None) -> int:
     model = asr_model.build_model()
     corpus = repeated_manifest(manifest, args.repeat, args.work_dir)
     dataset = load_dataset(corpus, model.tokenizer, args.work_dir)
+    try:  # as train.py does: a manifest whose audio is not where it says fails here, in one line
+        check_audio_sample(dataset, samples=config.AUDIO_CHECK_SAMPLES, manifest=manifest)
+    except NoTrainingData as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     hours = float(dataset.durations.sum()) / 3600
     print(
         f"corpus: {manifest.name} x {args.repeat} = {len(dataset)} utterances, {hours:.2f} h; "
         f"MAX_BATCH_DURATION={config.MAX_BATCH_DURATION:g}, GRAD_ACCUM={config.GRAD_ACCUM}, "
         f"NUM_WORKERS={config.NUM_WORKERS}; {os.cpu_count()} cores; device {device}, {precision}"
     )
-    rate, batches, elapsed = one_worker_rate(dataset, args.worker_seconds)
+    rate, batches, elapsed, bad = one_worker_rate(dataset, args.worker_seconds)
     print(
         f"one worker: {rate:.0f} audio s/s ({batches} micro-batches in {elapsed:.1f} s after the "
-        f"first, page cache warm)"
+        f"first, page cache warm" + (f"; {bad} unreadable files skipped" if bad else "") + ")"
     )
     demand = args.demand
     if not args.skip_training:

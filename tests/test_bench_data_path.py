@@ -76,3 +76,14 @@ def test_the_loader_feeds_the_step_and_the_workers_a_node_needs_are_printed(
     audio = float(fed.split(" s, ")[1].split(" audio s/s")[0])
     assert need == bench.workers_needed(audio, worker)
     assert f"a 8-GPU node needs 8 x ({need} + 1) = {8 * (need + 1)} cores" in out
+
+
+def test_the_repeated_corpus_follows_its_manifest_when_made_again(tmp_path):
+    first = make_training_data(tmp_path / "a", per_lang=3, langs=("hi", "en"), vocab_size=64)
+    out = bench.repeated_manifest(first["manifest"], 2, tmp_path / "work")
+    # another manifest of the same name, at the same repeat: its own rows, not the first one's
+    second = make_training_data(tmp_path / "b", per_lang=2, langs=("hi",), vocab_size=64, seed=1)
+    (tmp_path / "b" / first["manifest"].name).write_bytes(second["manifest"].read_bytes())
+    again = bench.repeated_manifest(tmp_path / "b" / first["manifest"].name, 2, tmp_path / "work")
+    assert again == out
+    assert pq.read_table(again).num_rows == 2 * pq.read_table(second["manifest"]).num_rows
