@@ -3,7 +3,7 @@
 The one implementation behind the in-training evaluation (callbacks.PerLanguageWERCallback) and
 scripts/evaluate.py: ``ErrorCounts`` / ``corpus_error_rates`` (corpus-level rates of hypothesis and
 reference after one normalization, ``normalize_for_scoring``), ``greedy_transcribe`` (the training
-pipeline's audio loading and collate, the model's greedy decoding via asr_model), and the helpers
+pipeline's audio loading and collate, the model's greedy decoding of decoding.py), and the helpers
 that choose and split what is decoded.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-import asr_model
+import decoding
 from manifest_schema import leading_lang, strip_lang_tag
 
 # What ``normalize_for_scoring`` does, in words: printed by scripts/evaluate.py, in docs/metrics.md.
@@ -220,7 +220,7 @@ class Decoded:
     language's tag (auto where the index has no language), or None for bad audio}; with the loss asked for, the sum over
     batches of (batch loss x utterances) and those utterances; with the first tokens asked for,
     ``first_tokens``, {index: (piece id, probability) of the first piece auto decoding emitted, or
-    None} (``asr_model.decode_batch``); ``stopped``: ``should_stop`` ended the decoding before
+    None} (``decoding.decode_batch``); ``stopped``: ``should_stop`` ended the decoding before
     every index was decoded."""
 
     texts: dict[int, str | None]
@@ -260,10 +260,10 @@ def decode(
     same encoder forward.
 
     Audio goes through the training pipeline's own loading and collate (soundfile + soxr, the same
-    resampling and padding) and ``asr_model``'s greedy decoding: no temporary manifests, no NeMo
+    resampling and padding) and ``decoding.decode_batch``: no temporary manifests, no NeMo
     dataloader, and so no dependence on ``cfg.validation_ds``. Every module's train/eval mode is
     restored afterwards (a frozen encoder stays in eval mode), and the decoder's CUDA graphs are
-    rebuilt before and released after (``asr_model.decoding_graphs``). ``after_batch`` is called after each
+    rebuilt before and released after (``decoding.decoding_graphs``). ``after_batch`` is called after each
     batch (a watchdog's sign of life); when ``should_stop()`` is true after a batch, decoding ends
     there (``Decoded.stopped``).
     """
@@ -282,7 +282,7 @@ def decode(
         with_loss=with_loss, with_first_tokens=with_first_tokens, languages=languages, auto=auto
     )
     try:
-        with asr_model.decoding_graphs(model):
+        with decoding.decoding_graphs(model):
             for batch_indices in batches:
                 _decode_batch(model, dataset, batch_indices, out, device, autocast, **asked)
                 if after_batch is not None:
@@ -322,7 +322,7 @@ def _decode_batch(
         return
     batch = collate_asr_batch([item for item in items if item is not None]).on_device(device)
     with autocast() if autocast is not None else contextlib.nullcontext():
-        decoded = asr_model.decode_batch(
+        decoded = decoding.decode_batch(
             model,
             batch.signal,
             batch.signal_len,

@@ -30,6 +30,7 @@ import asr_model
 import checkpoints
 import collectives
 import config
+import decoding
 import process_control
 import step_speed
 
@@ -398,7 +399,7 @@ class TrainingModule(pl.LightningModule):
     def on_train_start(self):
         apply_current_lr_schedule(self.trainer)
         # Training holds no decoding CUDA graphs (validation builds and releases its own).
-        asr_model.release_decoding_graphs(self.model)
+        decoding.release_decoding_graphs(self.model)
         # From here a stop signal waits for the next step boundary, where the ranks save and stop.
         # Lightning installed its own SIGTERM handler at fit start, which ends the run after the
         # current micro-batch (mid-accumulation, with nothing saved): ours replaces it for the run.

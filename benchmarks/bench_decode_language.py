@@ -13,8 +13,8 @@ or, without one, ``--utterances`` clips of noise of 2 to 12 s, each given one of
 languages in turn. The batches hold ``--batch-seconds`` of audio each (longest first).
 
 Every batch is encoded once; then, in ``--rounds`` rounds (the order rotated each round), every
-batch is decoded four ways (``asr_model.decode_encoded``), inside the decoder's CUDA graphs on a
-GPU (``asr_model.decoding_graphs``, as validation and evaluate.py decode): auto; from its
+batch is decoded four ways (``decoding.decode_encoded``), inside the decoder's CUDA graphs on a
+GPU (``decoding.decoding_graphs``, as validation and evaluate.py decode): auto; from its
 languages' tags alone (LANGUAGE_GIVEN_SCRIPTS=0); from the tags keeping to each language's
 scripts (the default; only for a model that records them); and both auto and given, as validation
 decodes (given searched only where auto's text is not already the given one). Printed: the
@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import asr_model
+    import decoding
     import model_languages
 
     asr_model.quiet_harmless_messages()
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         with autocast():
             for (enc, enc_len), (_, _, langs) in zip(encoded, batches):
-                out = asr_model.decode_encoded(
+                out = decoding.decode_encoded(
                     model,
                     enc,
                     enc_len,
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, list[float]] = {name: [] for name in names}
     texts: dict[str, list[str]] = {}
     ratios: dict[str, list[float]] = {name: [] for name in names if name != "auto"}
-    with asr_model.decoding_graphs(model):
+    with decoding.decoding_graphs(model):
         for name in names:  # warm-up: graph capture, allocator
             decode_all(ways[name])
         for r in range(args.rounds):

@@ -9,7 +9,7 @@ Usage:
 
 Measured, in one process on one device (the median of ``--repeats`` after one warm-up each):
   train     one training micro-batch in phase 2: forward, backward and an AdamW step
-  ours      ``asr_model.greedy_texts_and_loss``: what the validation callback runs per batch (one
+  ours      ``decoding.greedy_texts_and_loss``: what the validation callback runs per batch (one
             encoder forward, greedy decoding and the TDT loss)
   nemo      NeMo's own ``validation_pass`` on the same batch with ``compute_eval_loss`` on (its loss
             and its WER decoding: the same work), and off (as NeMo's published configs have it)
@@ -42,6 +42,7 @@ import torch
 
 import asr_model
 import config
+import decoding
 import max_batch
 from benchmarks import bench_train_step as bts
 
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def ours():
         model.eval()
-        asr_model.greedy_texts_and_loss(model, batch)
+        decoding.greedy_texts_and_loss(model, batch)
 
     # validation_pass reads the trainer's step and logs it; outside a Trainer both are stand-ins.
     model._trainer = SimpleNamespace(global_step=0)

@@ -163,9 +163,9 @@ def evaluate(
         raise ValueError(f"decode={decode!r}: expected both, auto or given")
     given = decode in ("both", "given")
     if given:
-        import asr_model
+        import decoding
 
-        asr_model.language_tag_pieces(model, [x for x in names if x != UNKNOWN_LANG])
+        decoding.language_tag_pieces(model, [x for x in names if x != UNKNOWN_LANG])
     out = evaluation.decode(
         model,
         dataset,
@@ -364,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import asr_model
     import checkpoints
+    import decoding
 
     model_path = checkpoints.resolve_model_path(args.model)
     manifest = Path(args.manifest or config.VAL_MANIFEST_PATH)
@@ -393,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = result_rows(results, bad, excluded, as_written, punctuation, lid, given)
     write_csv(rows, out)
-    kept = asr_model.kept_scripts_phrase(model, [r["lang"] for r in rows if r["lang"] != "all"])
+    kept = decoding.kept_scripts_phrase(model, [r["lang"] for r in rows if r["lang"] != "all"])
     how = {
         "both": f"auto; WER given: from each row's language tag, {kept}",
         "auto": "auto",

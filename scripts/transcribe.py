@@ -195,7 +195,7 @@ def transcribe(
 def check_languages(model, languages: list[str | None], args: argparse.Namespace) -> None:
     """LanguageNotInModel, before any decoding, for a language the model has no tag for, naming
     where it came from (the manifest's row, or --lang)."""
-    import asr_model
+    import decoding
 
     first_row: dict[str, int] = {}
     for row, lang in enumerate(languages, 1):
@@ -203,10 +203,10 @@ def check_languages(model, languages: list[str | None], args: argparse.Namespace
             first_row.setdefault(lang, row)
     for lang, row in first_row.items():
         try:
-            asr_model.language_tag_pieces(model, [lang])
-        except asr_model.LanguageNotInModel as exc:
+            decoding.language_tag_pieces(model, [lang])
+        except decoding.LanguageNotInModel as exc:
             where = f"{args.manifest} row {row}" if args.lang == FROM_MANIFEST else "--lang"
-            raise asr_model.LanguageNotInModel(f"{where}: {exc}") from None
+            raise decoding.LanguageNotInModel(f"{where}: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,6 +254,7 @@ def run(args: argparse.Namespace, results, interactive: bool) -> int:
 
     import asr_model
     import checkpoints
+    import decoding
     from atomic_files import atomic_write
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -262,7 +263,7 @@ def run(args: argparse.Namespace, results, interactive: bool) -> int:
         model = asr_model.load_trained_model(checkpoints.resolve_model_path(args.model), device)
         if languages is not None:
             check_languages(model, languages, args)
-            how = asr_model.kept_scripts_phrase(model, languages)
+            how = decoding.kept_scripts_phrase(model, languages)
             print(f"transcribe: with the language given: its tag, {how}", file=sys.stderr)
     except (UserError, FileNotFoundError, ValueError) as exc:
         print(f"transcribe: error: {exc}", file=sys.stderr)

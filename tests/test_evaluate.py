@@ -377,17 +377,17 @@ def echo_models_start_from_a_piece(monkeypatch):
 def let_echo_models_start_from_a_piece(monkeypatch) -> None:
     """An EchoModel has no prediction network to start from a piece: decoding from one hands
     ``EchoModel.decode`` the piece of each utterance (None: auto)."""
-    import asr_model
+    import decoding
 
-    real = asr_model.TDT.started_texts
+    real = decoding.started_texts
 
-    def started(self, model, encoded, encoded_len, pieces, kept=None):
+    def started(model, encoded, encoded_len, pieces, kept=None):
         if isinstance(model, EchoModel):
             starts = [None if p is None else SimpleNamespace(piece=p) for p in pieces]
             return [h.text for h in model.decode(encoded, encoded_len, starts)]
-        return real(self, model, encoded, encoded_len, pieces, kept)
+        return real(model, encoded, encoded_len, pieces, kept)
 
-    monkeypatch.setattr(asr_model.TDT, "started_texts", started)
+    monkeypatch.setattr(decoding, "started_texts", started)
 
 
 class GraphRecordingModel(EchoModel):
@@ -634,7 +634,7 @@ def test_a_nemo_json_row_that_is_not_json_is_named_with_its_line(tiny, capsys):
 def test_transcribe_writes_the_language_and_the_text_without_the_tag(tiny, monkeypatch):
     import polars as pl
 
-    import asr_model
+    import decoding
     from manifest_schema import nemo_json_frame
     from scripts import transcribe
 
@@ -642,9 +642,9 @@ def test_transcribe_writes_the_language_and_the_text_without_the_tag(tiny, monke
     files = [paths[0], paths[1], str(tiny.root / "missing.flac")]
     hi_tag = tiny.model.tokenizer.token_to_id("<|hi|>")
     monkeypatch.setattr(
-        asr_model,
+        decoding,
         "decode_batch",
-        lambda model, signal, lens, **asked: asr_model.BatchDecoding(
+        lambda model, signal, lens, **asked: decoding.BatchDecoding(
             texts=["<|hi|> नमस्ते  दुनिया", "no tag"][: len(lens)],
             first_tokens=[(hi_tag, 0.875), None][: len(lens)],
         ),
@@ -659,63 +659,21 @@ def test_transcribe_writes_the_language_and_the_text_without_the_tag(tiny, monke
 def test_transcribe_gives_no_language_probability_when_the_first_piece_is_no_tag(tiny, monkeypatch):
     import polars as pl
 
-    import asr_model
+    import decoding
     from manifest_schema import nemo_json_frame
     from scripts import transcribe
 
     paths = nemo_json_frame(pl.read_parquet(tiny.manifest)).get_column("audio_filepath")
     monkeypatch.setattr(
-        asr_model,
+        decoding,
         "decode_batch",
-        lambda model, signal, lens, **asked: asr_model.BatchDecoding(
+        lambda model, signal, lens, **asked: decoding.BatchDecoding(
             texts=["words first"] * len(lens), first_tokens=[(3, 0.5)] * len(lens)
         ),
     )
     rows = transcribe.transcribe(tiny.model, [paths[0]])
     assert rows[0]["lang"] is None and rows[0]["lang_prob"] is None
     assert rows[0]["text"] == "words first"
-
-
-def test_the_first_token_and_its_probability_are_those_greedy_decoding_emits_first(tiny):
-    """On the real tiny TDT model, with the blank raised so that greedy decoding skips frames
-    (by the durations it predicts) before its first piece: the first piece found from the joint
-    of the start state is the first piece NeMo's greedy decoding emits, with its softmax
-    probability over pieces and blank."""
-    import asr_model
-
-    model = asr_model.load_trained_model(tiny.nemo, "cpu").eval()  # its own copy, to change
-    blank = model.decoder.blank_idx
-    torch.manual_seed(0)
-    signal, lens = torch.randn(4, 32000), torch.tensor([32000, 24000, 16000, 9000])
-    with torch.no_grad():
-        encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=lens)
-        start, _ = model.decoder.predict(None, None, add_sos=False, batch_size=4)
-        logits = model.joint.joint(encoded.transpose(1, 2), start)[:, :, 0, : blank + 1]
-        margin = logits[..., :blank].max(-1).values - logits[..., blank]  # piece over blank
-        # blank wins about half of the frames of the first utterance, frame 0 included, and
-        # every blank predicts a duration of 2 frames
-        raise_by = float(margin[0].median())
-        raise_by = max(raise_by, float(margin[0, 0]) + 1e-4)
-        out = model.joint.joint_net[-1]
-        out.bias[blank] += raise_by
-        out.bias[blank + 1 + model.decoding.decoding.durations.index(2)] += 10.0
-    texts, firsts = asr_model.greedy_texts_and_first_tokens(model, signal, lens)
-    with torch.no_grad():
-        # NeMo's greedy TDT itself, with the frame of each emitted piece
-        hyps = model.decoding.decoding(encoder_output=encoded, encoded_lengths=encoded_len)[0]
-        raised = model.joint.joint(encoded.transpose(1, 2), start)[:, :, 0, : blank + 1]
-        probs = raised.float().softmax(-1)
-    assert len(texts) == len(firsts) == len(hyps) == 4
-    frames = []
-    for b, (hyp, first) in enumerate(zip(hyps, firsts)):
-        if len(hyp.y_sequence) == 0:
-            assert first is None
-            continue
-        frame, piece = int(hyp.timestamp[0]), int(hyp.y_sequence[0])
-        frames.append(frame)
-        assert first[0] == piece
-        assert first[1] == pytest.approx(float(probs[b, frame, piece]), rel=1e-5)
-    assert frames and max(frames) > 0  # blanks were skipped before the first piece
 
 
 def test_transcribe_script_runs_a_model_over_a_manifest_into_jsonl(tiny, capsys):

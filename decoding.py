@@ -1,0 +1,580 @@
+"""Greedy decoding of a model of ``asr_model.FAMILIES``: auto (the model names the language) or
+with the language given (decoding starts from the language's tag and, after it, writes only the
+pieces of that language's scripts).
+
+``decode_batch`` (``decode_encoded`` from the encoder's output) is every decoding a caller asks
+for of one padded batch from one encoder forward: auto, with the language given, the first piece
+of auto decoding and the batch's loss; ``greedy_texts``, ``greedy_texts_and_first_tokens`` and
+``greedy_texts_and_loss`` are its one-call forms. A language becomes its tag's piece
+(``language_tag_pieces``) and the pieces it may write (``language_piece_masks``). The greedy TDT
+search is NeMo's label-looping greedy decoding: ``auto_decoding`` runs it as it comes,
+``started_texts`` continues it from the state after the tag (``started_state``, at the frame
+``first_emissions`` finds), with the pieces left out masked in its joint (``_KeptPieces``).
+``decoding_graphs`` holds NeMo's CUDA graphs of that search for a validation or an evaluation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+
+import torch
+
+import asr_model
+import config
+
+# ---- the language given: its tag and the pieces written after it ------------------------------
+
+
+class LanguageNotInModel(config.ConfigError):
+    """A language given for decoding whose tag is no single piece of the model's vocabulary."""
+
+
+def language_tag_pieces(model, languages) -> list[int | None]:
+    """The piece id of each language's tag ``<|lang|>`` in ``model``'s vocabulary, None where the
+    language is None or empty (decoded auto); LanguageNotInModel naming the language and the
+    tags the model has when one has no single piece."""
+    from manifest_schema import lang_tag, leading_lang
+    from training_cache import tag_piece_id
+
+    known: dict[str, int | None] = {}
+    out: list[int | None] = []
+    for lang in languages:
+        if not lang:
+            out.append(None)
+            continue
+        if lang not in known:
+            known[lang] = tag_piece_id(model.tokenizer, lang)
+        if known[lang] is None:
+            tags = sorted(
+                {leading_lang(p) for p in (asr_model.model_pieces(model) or []) if leading_lang(p)}
+            )
+            raise LanguageNotInModel(
+                f"the model has no tag {lang_tag(lang)} for the language {lang!r} given to "
+                f"decode with (its tags: {', '.join(tags) or 'none'}); give one of those, or "
+                "no language to let the model guess it"
+            )
+        out.append(known[lang])
+    return out
+
+
+# Pieces that are no language's own writing, kept for every language: SentencePiece's special
+# pieces and its byte pieces (<0xE0>: a byte of a character the vocabulary lacks).
+_SPECIAL_PIECES = frozenset({"<unk>", "<s>", "</s>", "<pad>"})
+
+
+def always_kept(piece: str) -> bool:
+    """True for a special or byte piece, which decoding with any language given may write."""
+    return piece in _SPECIAL_PIECES or (
+        len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
+    )
+
+
+# Per tokenizer object (a new vocabulary is a new one): each piece's (special, scripts, is a tag),
+# and the masks built from them, per (language, scripts).
+_PIECE_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def language_piece_masks(model, languages) -> list[torch.Tensor | None]:
+    """Per utterance, which pieces decoding with its language given may write after the tag: a
+    bool tensor over ``model``'s pieces, True for a piece whose letters are all of the scripts the
+    model records that language written in (``model_languages.language_scripts``), for a piece
+    without letters (digits, punctuation, the word boundary) and for ``always_kept`` pieces;
+    False for every language tag. None (any piece) where the language is None or empty, where
+    the model records no scripts for it (or none: a language whose texts had no letters), or for
+    a tokenizer that is not SentencePiece."""
+    import model_languages
+    from manifest_schema import lang_tag, leading_lang
+    from script_languages import scripts_of
+
+    recorded = model_languages.language_scripts(model)
+    wanted = {lang for lang in languages if lang and recorded.get(lang)}
+    if not wanted:
+        return [None] * len(languages)
+    known = _PIECE_MASKS.setdefault(model.tokenizer, {})
+    if "pieces" not in known:
+        pieces = asr_model.model_pieces(model)
+        known["pieces"] = (
+            None
+            if pieces is None
+            else [
+                (
+                    always_kept(piece),
+                    scripts_of(piece),
+                    leading_lang(piece) is not None and piece == lang_tag(leading_lang(piece)),
+                )
+                for piece in pieces
+            ]
+        )
+    if known["pieces"] is None:
+        return [None] * len(languages)
+    masks = {}
+    for lang in wanted:
+        key = (lang, recorded[lang])
+        if key not in known:
+            known[key] = torch.tensor(
+                [
+                    not tag and (special or written <= recorded[lang])
+                    for special, written, tag in known["pieces"]
+                ]
+            )
+        masks[lang] = known[key]
+    return [masks.get(lang) if lang else None for lang in languages]
+
+
+def kept_scripts_phrase(model, languages) -> str:
+    """How decoding with ``languages`` given writes after the tag, for a report's heading: in the
+    scripts the model records for each (LANGUAGE_GIVEN_SCRIPTS=1), or from the tag alone."""
+    import model_languages
+
+    if config.LANGUAGE_GIVEN_SCRIPTS != "1":
+        return "the tag alone (LANGUAGE_GIVEN_SCRIPTS=0)"
+    recorded = model_languages.language_scripts(model)
+    asked = sorted({lang for lang in languages if lang and lang != "und"})
+    kept = [f"{lang} {'+'.join(sorted(recorded[lang]))}" for lang in asked if recorded.get(lang)]
+    alone = [lang for lang in asked if not recorded.get(lang)]
+    parts = [f"then only pieces of its scripts ({', '.join(kept)})"] if kept else []
+    if alone:
+        parts.append(f"the tag alone for {', '.join(alone)} (the model records no scripts for it)")
+    return "; ".join(parts) or "the tag alone"
+
+
+# ---- decoding a batch ------------------------------------------------------------------------
+
+
+def greedy_texts(
+    model, signal: torch.Tensor, signal_len: torch.Tensor, languages=None
+) -> list[str]:
+    """Greedy transcripts (tags included, as the model emits them) of a padded batch of audio.
+    ``languages``, one per utterance: decode starting from that language's tag (the language
+    given); None (for all or for one) decodes as the model guesses."""
+    if languages is None:
+        return decode_batch(model, signal, signal_len).texts
+    return decode_batch(model, signal, signal_len, auto=False, languages=languages).given_texts
+
+
+def greedy_texts_and_first_tokens(
+    model, signal: torch.Tensor, signal_len: torch.Tensor
+) -> tuple[list[str], list[tuple[int, float] | None]]:
+    """Greedy transcripts of a padded batch of audio (as ``greedy_texts``) and, per utterance,
+    (piece id, probability) of the first piece the decoding emits (the language tag of a model of
+    this project), None when it emits none; from one encoder forward."""
+    decoded = decode_batch(model, signal, signal_len, first_tokens=True)
+    return decoded.texts, decoded.first_tokens
+
+
+def greedy_texts_and_loss(model, batch) -> tuple[list[str], float]:
+    """Greedy transcripts of a non-empty AsrBatch and its loss (the training loss's reduction),
+    from one encoder forward."""
+    decoded = decode_batch(model, batch.signal, batch.signal_len, loss_batch=batch)
+    return decoded.texts, decoded.loss
+
+
+@dataclasses.dataclass
+class BatchDecoding:
+    """What ``decode_batch`` returns, one entry per utterance where a list: ``texts``, greedy
+    transcripts decoded auto (the model names the language); ``given_texts``, decoded from the
+    given language's tag (decoded auto where no language was given for that utterance);
+    ``first_tokens``,
+    (piece id, probability) of the first piece auto decoding emits, None where it emits none;
+    ``loss``, the batch's loss (the training loss's reduction). A part not asked for is None."""
+
+    texts: list[str] | None = None
+    given_texts: list[str | None] | None = None
+    first_tokens: list[tuple[int, float] | None] | None = None
+    loss: float | None = None
+
+
+@torch.no_grad()
+def decode_batch(
+    model,
+    signal: torch.Tensor,
+    signal_len: torch.Tensor,
+    *,
+    auto: bool = True,
+    languages=None,
+    scripts: bool | None = None,
+    first_tokens: bool = False,
+    loss_batch=None,
+) -> BatchDecoding:
+    """Every decoding asked for of one padded batch of audio, from one encoder forward: auto
+    (``auto``), with the language given (``languages``: one per utterance, None or "" for an
+    utterance decodes it auto there too; ``scripts``, default LANGUAGE_GIVEN_SCRIPTS=1: after the
+    tag, only the pieces of ``language_piece_masks``), the first piece of auto decoding
+    (``first_tokens``) and the loss of ``loss_batch`` (the AsrBatch of this audio, with its
+    tokens)."""
+    encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=signal_len)
+    return decode_encoded(
+        model,
+        encoded,
+        encoded_len,
+        auto=auto,
+        languages=languages,
+        scripts=scripts,
+        first_tokens=first_tokens,
+        loss_batch=loss_batch,
+    )
+
+
+@torch.no_grad()
+def decode_encoded(
+    model,
+    encoded: torch.Tensor,
+    encoded_len: torch.Tensor,
+    *,
+    auto: bool = True,
+    languages=None,
+    scripts: bool | None = None,
+    first_tokens: bool = False,
+    loss_batch=None,
+) -> BatchDecoding:
+    """``decode_batch`` from the encoder's output of the batch."""
+    kind = asr_model.family(model)
+    out = BatchDecoding()
+    auto_ids = None
+    if auto:
+        out.texts, auto_ids = auto_decoding(model, encoded, encoded_len)
+    if languages is not None:
+        firsts = language_tag_pieces(model, languages)
+        if scripts is None:
+            scripts = config.LANGUAGE_GIVEN_SCRIPTS == "1"
+        kept = language_piece_masks(model, languages) if scripts else [None] * len(firsts)
+        rows = list(range(len(firsts)))
+        if auto:
+            # Where auto decoding wrote the given tag first and then only kept pieces, the search
+            # with the language given takes every step auto's took: its text is auto's.
+            rows = [
+                b
+                for b in rows
+                if firsts[b] is not None
+                and (auto_ids is None or not _auto_is_given(auto_ids[b], firsts[b], kept[b]))
+            ]
+        out.given_texts = list(out.texts) if auto else [None] * len(firsts)
+        if rows:
+            at = torch.tensor(rows, device=encoded.device)
+            texts = greedy_texts_of_encoded(
+                model,
+                encoded if len(rows) == len(firsts) else encoded[at],
+                encoded_len if len(rows) == len(firsts) else encoded_len[at],
+                [firsts[b] for b in rows],
+                [kept[b] for b in rows],
+            )
+            for b, text in zip(rows, texts):
+                out.given_texts[b] = text
+    if first_tokens:
+        out.first_tokens = first_tokens_of_encoded(model, encoded, encoded_len)
+    if loss_batch is not None:
+        out.loss = float(kind.loss_of_encoded(model, encoded, encoded_len, loss_batch))
+    return out
+
+
+def _auto_is_given(ids: list[int], tag: int, kept: torch.Tensor | None) -> bool:
+    """True when auto decoding's pieces ``ids`` start with ``tag`` and go on in ``kept`` pieces
+    alone (None: any), so that decoding from ``tag`` would write them too."""
+    if not ids or ids[0] != tag:
+        return False
+    if kept is None or len(ids) == 1:
+        return True
+    return bool(kept[ids[1:]].all())
+
+
+@contextlib.contextmanager
+def decoding_graphs(model):
+    """Greedy decoding with NeMo's CUDA graphs for as long as the block lasts.
+
+    NeMo's own model hooks rebuild the decoder's CUDA graphs before each validation (a graph
+    captured under another precision or batch layout decodes wrong: NeMo's fix for erratic
+    validation WER) and release them after (they hold their memory otherwise, for the rest of the
+    run). Lightning calls the hooks of our TrainingModule, not NeMo's, so validation and
+    evaluation do it here. A model without these methods (or a CPU, where there are no graphs)
+    is left as it is."""
+    enable = getattr(model, "maybe_enable_cuda_graphs", None)
+    disable = getattr(model, "disable_cuda_graphs", None)
+    if callable(enable):
+        enable(force_reinit=True)
+    try:
+        yield model
+    finally:
+        if callable(disable):
+            disable()
+
+
+def release_decoding_graphs(model) -> None:
+    """Drop the decoder's CUDA graphs (training holds none: NeMo's on_train_epoch_start does the same)."""
+    disable = getattr(model, "disable_cuda_graphs", None)
+    if callable(disable):
+        disable()
+
+
+# ---- greedy TDT -----------------------------------------------------------------------------
+
+
+def greedy_texts_of_encoded(
+    model,
+    encoded,
+    encoded_len,
+    first_pieces: list[int | None] | None = None,
+    kept: list[torch.Tensor | None] | None = None,
+) -> list[str]:
+    """Greedy transcripts from the encoder's output; where ``first_pieces`` gives an utterance a
+    piece id, its decoding starts from that piece as if it had emitted it (the language given)
+    and writes after it only the pieces ``kept`` marks True for it (None: any piece); None
+    decodes it as it comes (auto)."""
+    if first_pieces is None or all(p is None for p in first_pieces):
+        return auto_decoding(model, encoded, encoded_len)[0]
+    return started_texts(model, encoded, encoded_len, first_pieces, kept)
+
+
+def auto_decoding(model, encoded, encoded_len) -> tuple[list[str], list | None]:
+    """Greedy transcripts decoded auto and the piece ids of each (None when the decoding
+    does not give them)."""
+    hyps = model.decoding.rnnt_decoder_predictions_tensor(
+        encoder_output=encoded, encoded_lengths=encoded_len
+    )
+    ids = [getattr(hyp, "y_sequence", None) for hyp in hyps]
+    if any(i is None for i in ids):
+        return [hyp.text for hyp in hyps], None
+    return [hyp.text for hyp in hyps], [[int(i) for i in seq] for seq in ids]
+
+
+def started_texts(
+    model,
+    encoded,
+    encoded_len,
+    first_pieces: list[int | None],
+    kept: list[torch.Tensor | None] | None = None,
+) -> list[str]:
+    """Greedy transcripts of a batch in which utterance b writes ``first_pieces[b]`` where greedy
+    decoding writes its first piece (None: the utterance decodes auto), and after it only the
+    pieces ``kept[b]`` marks True (a bool tensor over the pieces; None: any piece).
+
+    Greedy decoding walks the frames with the start state until a piece beats blank
+    (``first_emissions``): there, at frame t with duration d, it writes the given piece
+    instead of the one it chose, the prediction network reads it, and the search goes on from
+    frame t + d. So an utterance whose language the model names right decodes exactly as auto;
+    one it takes for another language is written from its own tag on. NeMo's label-looping
+    greedy decoding (``greedy_batch``, its default for TDT, with or without CUDA graphs)
+    continues a batch from such a state and frame, as it continues a stream chunk by chunk;
+    the state is built for the whole batch at once and the search is auto decoding's loop.
+    The piece is then put in front of each transcript. Pieces left out of ``kept`` lose every
+    step of the search to blank or a kept piece (``_KeptPieces``); blank and the durations are
+    always kept."""
+    from nemo.collections.asr.parts.utils.rnnt_utils import batched_hyps_to_hypotheses
+
+    infer = model.decoding.decoding
+    computer = getattr(infer, "decoding_computer", None)
+    if computer is None:
+        raise config.ConfigError(
+            "decoding with the language given needs NeMo's label-looping greedy decoding "
+            "(decoding.strategy: greedy_batch with greedy.loop_labels: true, NeMo's default); "
+            f"this model decodes with {type(infer).__name__}: set its "
+            "decoding config (model.change_decoding_strategy) or decode without a language"
+        )
+    modes = (model.decoder.training, model.joint.training)
+    model.decoder.eval()
+    model.joint.eval()
+    try:
+        with torch.inference_mode():
+            starts = first_emissions(model, encoded, encoded_len)
+            frames = [
+                int(length) if first is None else first[2] + first[3]
+                for first, length in zip(starts, encoded_len.tolist())
+            ]
+            state = started_state(model, first_pieces, frames)
+            keeping = kept is not None and any(k is not None for k in kept)
+            if keeping:
+                _KeptPieces.install(computer, len(first_pieces)).keep(kept)
+            try:
+                batched, _ = computer(
+                    x=encoded.transpose(1, 2), out_len=encoded_len, prev_batched_state=state
+                )
+            finally:
+                if keeping:
+                    computer.joint.keep_all()
+    finally:
+        model.decoder.train(modes[0])
+        model.joint.train(modes[1])
+    hyps = batched_hyps_to_hypotheses(batched, batch_size=encoded.shape[0])
+    emitted = {p: torch.tensor([int(p)]) for p in set(first_pieces) if p is not None}
+    for hyp, piece in zip(hyps, first_pieces):
+        if piece is not None:
+            hyp.y_sequence = torch.cat((emitted[piece], hyp.y_sequence.to(torch.long)))
+    return [hyp.text for hyp in model.decoding.decode_hypothesis(hyps)]
+
+
+def started_state(model, first_pieces: list[int | None], frames: list[int]):
+    """NeMo's batched label-looping state after the prediction network read the start symbol
+    and then ``first_pieces[b]`` (after the start symbol alone where it is None), at frame
+    ``frames[b]`` (0 where the piece is None)."""
+    from nemo.collections.asr.parts.submodules.transducer_decoding.label_looping_base import (
+        BatchedLabelLoopingState,
+    )
+
+    device = next(model.joint.parameters()).device
+    size = len(first_pieces)
+    blank = int(model.decoder.blank_idx)
+    given = torch.tensor([p is not None for p in first_pieces], device=device)
+    pieces = torch.tensor([blank if p is None else int(p) for p in first_pieces], device=device)
+    # the start state is one for every utterance: read the start symbol once
+    start_out, start = model.decoder.predict(
+        torch.full((1, 1), blank, dtype=torch.long, device=device),
+        None,
+        add_sos=False,
+        batch_size=1,
+    )
+    start = _states_for_batch(model.decoder, start, size)
+    start_out = model.joint.project_prednet(start_out).expand(size, -1, -1)
+    out, state = model.decoder.predict(pieces.unsqueeze(1), start, add_sos=False, batch_size=size)
+    out = torch.where(given[:, None, None], model.joint.project_prednet(out), start_out)
+    model.decoder.batch_replace_states_mask(src_states=start, dst_states=state, mask=~given)
+    return BatchedLabelLoopingState(
+        predictor_states=state,
+        predictor_outputs=out.contiguous(),
+        labels=pieces,
+        decoded_lengths=torch.zeros(size, dtype=torch.long, device=device),
+        time_jumps=torch.tensor(
+            [0 if p is None else int(f) for p, f in zip(first_pieces, frames)],
+            dtype=torch.long,
+            device=device,
+        ),
+    )
+
+
+def first_tokens_of_encoded(model, encoded, encoded_len) -> list[tuple[int, float] | None]:
+    """Per utterance, (piece id, probability) of the first piece greedy decoding emits, None
+    when it emits none."""
+    return [
+        None if first is None else first[:2]
+        for first in first_emissions(model, encoded, encoded_len)
+    ]
+
+
+def first_emissions(
+    model, encoded, encoded_len, chunk: int = 32
+) -> list[tuple[int, float, int, int] | None]:
+    """Per utterance, (piece id, probability, frame, duration) of the first piece greedy
+    decoding emits, None when it emits none; the probability is the softmax over the pieces
+    and blank of the joint's output at that step, the duration the frames greedy decoding
+    then moves on by (the best duration there; 0 for a model without durations).
+
+    Until its first piece, greedy decoding feeds the prediction network its start state
+    alone, so the joint of each frame with that one state decides it: from frame 0, a blank
+    moves on by its predicted duration (at least one frame, as NeMo's greedy TDT does), the
+    first piece ends the walk. The joint runs over ``chunk`` frames at a time, from the
+    earliest frame an unfinished utterance has reached, so a walk that ends early (the usual
+    case: the language tag comes first) costs a few frames' joint, on any device and
+    precision: the joint's log-softmax on CPU shifts every output by one constant, which
+    changes neither the argmaxes nor the softmax over the pieces and blank."""
+    blank = int(model.decoder.blank_idx)
+    durations = list(getattr(model.decoding.decoding, "durations", None) or [])
+    frames = encoded.transpose(1, 2)  # [B, T, D]
+    size = frames.shape[0]
+    start, _ = model.decoder.predict(None, None, add_sos=False, batch_size=size)
+    lengths = [int(n) for n in encoded_len.tolist()]
+    out: list[tuple[int, float, int, int] | None] = [None] * size
+    at = [0] * size
+    walking = [b for b in range(size) if lengths[b] > 0]
+    while walking:
+        low = min(at[b] for b in walking)
+        rows = torch.tensor(walking, device=frames.device)
+        logits = model.joint.joint(frames[rows, low : low + chunk], start[rows])[:, :, 0]
+        logits = logits.float()
+        best, tokens = logits[..., : blank + 1].softmax(-1).max(-1)
+        steps = (
+            logits[..., blank + 1 : blank + 1 + len(durations)].argmax(-1)
+            if durations
+            else torch.zeros_like(tokens)
+        )
+        # one copy to the host for the three (each a sync on a GPU); ids are exact in float64
+        host = torch.stack((tokens.double(), best.double(), steps.double())).cpu()
+        tokens = host[0].long().tolist()
+        best = host[1].tolist()
+        steps = host[2].long().tolist() if durations else None
+        still = []
+        for k, b in enumerate(walking):
+            end = min(lengths[b], low + len(tokens[k]))
+            while at[b] < end:
+                j = at[b] - low
+                duration = durations[steps[k][j]] if durations else 0
+                if tokens[k][j] != blank:
+                    out[b] = (int(tokens[k][j]), float(best[k][j]), at[b], duration)
+                    break
+                at[b] += max(1, duration)
+            if out[b] is None and at[b] < lengths[b]:
+                still.append(b)
+        walking = still
+    return out
+
+
+def _states_for_batch(decoder, state, size: int):
+    """One utterance's prediction-network ``state`` as the state of ``size`` utterances. An LSTM
+    prediction network's (h, c), each [layers, 1, hidden], is expanded along its batch dimension
+    with no loop; any other kind goes through the decoder's split and unsplit, one copy per
+    utterance."""
+    if isinstance(state, (tuple, list)) and all(
+        isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1] == 1 for t in state
+    ):
+        return type(state)(t.expand(-1, size, -1).contiguous() for t in state)
+    return decoder.batch_unsplit_states(decoder.batch_split_states(state) * size)
+
+
+class _KeptPieces:
+    """The joint as NeMo's label-looping search calls it, with one additive row per utterance on
+    its pieces' outputs (0 for a piece kept, -inf for one left out; blank and the durations as
+    they are).
+
+    Installed once in a decoding computer (``install``) and left there, with every row 0 except
+    while a search with kept pieces runs (``keep``, then ``keep_all``), so auto decoding through
+    the same computer is unchanged. The rows live in one buffer that the CUDA graphs of the search
+    read by address: ``keep`` writes into it in place, and the buffer grows (and the computer's
+    graphs are captured again) only when a batch larger than every one before it comes."""
+
+    def __init__(self, joint, rows: int, pieces: int, device):
+        self.joint = joint
+        self.pieces = pieces
+        # as wide as the joint's output (pieces, blank, durations): one contiguous add per step
+        width = max(int(getattr(joint, "num_classes_with_blank", pieces + 1)), pieces + 1)
+        with torch.inference_mode(False):  # written in place by every later search
+            self.bias = torch.zeros(rows, width, device=device)
+
+    def __getattr__(self, name):
+        return getattr(self.joint, name)
+
+    @classmethod
+    def install(cls, computer, size: int) -> _KeptPieces:
+        """The computer's ``_KeptPieces`` (installed now if it has none) with room for ``size``
+        rows and for the batch its CUDA graphs were captured for."""
+        joint = computer.joint
+        state = getattr(computer, "state", None)
+        rows = max(size, int(getattr(state, "batch_size", 0) or 0))
+        if isinstance(joint, cls) and joint.bias.shape[0] >= rows:
+            return joint
+        inner = joint.joint if isinstance(joint, cls) else joint
+        device = next(inner.parameters()).device
+        computer.joint = cls(inner, rows, int(computer._blank_index), device)
+        computer.reset_cuda_graphs_state()  # captured graphs read the joint without these rows
+        return computer.joint
+
+    def keep(self, kept: list[torch.Tensor | None]) -> None:
+        """Row b keeps the pieces ``kept[b]`` marks True (None: every piece); rows past the batch
+        keep every piece."""
+        every = torch.ones(self.pieces, dtype=torch.bool)
+        rows = torch.stack([every if mask is None else mask.cpu() for mask in kept])
+        self.bias.zero_()
+        self.bias[: len(kept), : self.pieces].masked_fill_(
+            ~rows.to(self.bias.device), float("-inf")
+        )
+
+    def keep_all(self) -> None:
+        self.bias.zero_()
+
+    def joint_after_projection(self, f: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        out = self.joint.joint_after_projection(f, g)
+        if out.shape[0] <= self.bias.shape[0]:
+            bias = self.bias[: out.shape[0], None, None, :]
+            if out.shape[-1] == bias.shape[-1]:
+                out += bias
+            else:
+                out[..., : self.pieces] += bias[..., : self.pieces]
+        return out
