@@ -71,9 +71,29 @@ def always_kept(piece: str) -> bool:
     )
 
 
-# Per tokenizer object (a new vocabulary is a new one): each piece's (special, scripts, is a tag),
-# and the masks built from them, per (language, scripts).
+def is_language_tag(piece: str) -> bool:
+    """True for a piece that is a language's tag, ``<|hi|>``."""
+    from manifest_schema import lang_tag, leading_lang
+
+    lang = leading_lang(piece)
+    return lang is not None and piece == lang_tag(lang)
+
+
+# Per tokenizer object (a new vocabulary is a new one): the ids of its language tags, each piece's
+# (special, scripts, is a tag), and the masks built from them, per (language, scripts).
 _PIECE_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def language_tag_ids(model) -> frozenset[int]:
+    """The ids of every language tag among ``model``'s pieces (``is_language_tag``)."""
+    known = _PIECE_MASKS.setdefault(model.tokenizer, {})
+    if "tags" not in known:
+        pieces = asr_model.model_pieces(model)
+        if pieces is None:
+            tokenizer = model.tokenizer
+            pieces = tokenizer.ids_to_tokens(list(range(int(tokenizer.vocab_size))))
+        known["tags"] = frozenset(i for i, piece in enumerate(pieces) if is_language_tag(piece))
+    return known["tags"]
 
 
 def language_piece_masks(model, languages) -> list[torch.Tensor | None]:
@@ -85,7 +105,6 @@ def language_piece_masks(model, languages) -> list[torch.Tensor | None]:
     the model records no scripts for it (or none: a language whose texts had no letters), or for
     a tokenizer that is not SentencePiece."""
     import model_languages
-    from manifest_schema import lang_tag, leading_lang
     from script_languages import scripts_of
 
     recorded = model_languages.language_scripts(model)
@@ -99,12 +118,7 @@ def language_piece_masks(model, languages) -> list[torch.Tensor | None]:
             None
             if pieces is None
             else [
-                (
-                    always_kept(piece),
-                    scripts_of(piece),
-                    leading_lang(piece) is not None and piece == lang_tag(leading_lang(piece)),
-                )
-                for piece in pieces
+                (always_kept(piece), scripts_of(piece), is_language_tag(piece)) for piece in pieces
             ]
         )
     if known["pieces"] is None:
@@ -345,18 +359,23 @@ def started_texts(
     first_pieces: list[int | None],
     kept: list[torch.Tensor | None] | None = None,
 ) -> list[str]:
-    """Greedy transcripts of a batch in which utterance b writes ``first_pieces[b]`` where greedy
-    decoding writes its first piece (None: the utterance decodes auto), and after it only the
-    pieces ``kept[b]`` marks True (a bool tensor over the pieces; None: any piece).
+    """Greedy transcripts of a batch in which utterance b starts with ``first_pieces[b]``, a
+    language's tag, in front of what the model writes (None: the utterance decodes auto), and
+    after it writes only the pieces ``kept[b]`` marks True (a bool tensor over the pieces; None:
+    any piece).
 
     Greedy decoding walks the frames with the start state until a piece beats blank
-    (``first_emissions``): there, at frame t with duration d, it writes the given piece
-    instead of the one it chose, the prediction network reads it, and the search goes on from
-    frame t + d. So an utterance whose language the model names right decodes exactly as auto;
-    one it takes for another language is written from its own tag on. NeMo's label-looping
-    greedy decoding (``greedy_batch``, its default for TDT, with or without CUDA graphs)
-    continues a batch from such a state and frame, as it continues a stream chunk by chunk;
-    the state is built for the whole batch at once and the search is auto decoding's loop.
+    (``first_emissions``), at frame t with duration d. Where that piece is a language tag (the
+    model's guess of the language), the given tag takes its place: the prediction network reads
+    it and the search goes on from frame t + d. Where it is any other piece (a model that writes
+    no tag, or skipped it), the given tag goes before it: the prediction network reads the tag
+    and the search goes on from frame t itself (the tag took no frame), where the model chooses
+    its first piece after the tag. So an utterance whose language the model names right decodes
+    exactly as auto; one it takes for another language is written from its own tag on; a model
+    that writes no tag loses no word to it. NeMo's label-looping greedy decoding
+    (``greedy_batch``, its default for TDT, with or without CUDA graphs) continues a batch from
+    such a state and frame, as it continues a stream chunk by chunk; the state is built for the
+    whole batch at once and the search is auto decoding's loop.
     The piece is then put in front of each transcript. Pieces left out of ``kept`` lose every
     step of the search to blank or a kept piece (``_KeptPieces``); blank and the durations are
     always kept."""
@@ -377,8 +396,9 @@ def started_texts(
     try:
         with torch.inference_mode():
             starts = first_emissions(model, encoded, encoded_len)
+            tags = language_tag_ids(model)
             frames = [
-                int(length) if first is None else first[2] + first[3]
+                int(length) if first is None else first[2] + (first[3] if first[0] in tags else 0)
                 for first, length in zip(starts, encoded_len.tolist())
             ]
             state = started_state(model, first_pieces, frames)

@@ -61,16 +61,30 @@ def test_the_first_token_and_its_probability_are_those_greedy_decoding_emits_fir
     assert frames and max(frames) > 0  # blanks were skipped before the first piece
 
 
-def reference_greedy_tdt(model, encoded, encoded_len, first_piece, max_symbols, kept=None):
+def language_tags(model) -> set[int]:
+    """The ids of the pieces that are a language tag, <|xx|>."""
+    pieces = asr_model.model_pieces(model)
+    return {i for i, p in enumerate(pieces) if p.startswith("<|") and p.endswith("|>")}
+
+
+def reference_greedy_tdt(model, encoded, encoded_len, given, max_symbols, kept=None):
     """Greedy TDT of one utterance, written from its definition: at frame t the joint of the
     frame and the prediction network's output gives the best of pieces and blank and the best
     duration; a blank moves on by its duration (at least one frame), a piece is emitted, fed to
     the prediction network and moves on by its duration (after ``max_symbols`` pieces on one
-    frame, by one). ``first_piece``: the first piece emitted is this one instead of the one the
-    search chose (at its frame, with its duration), and the search goes on from there afresh,
-    choosing after it only among blank and the pieces ``kept`` marks True (None: all)."""
+    frame, by one).
+
+    ``given``: the tag of the language given (None: auto), written in front of what the model
+    writes. The search walks as auto until its first piece, at frame t with duration d. A
+    language tag there is the model's tag: the given one is written in its place, the prediction
+    network reads it, and the search goes on from t + d. Any other piece is the model's first
+    word: the given tag is written before it, the prediction network reads the tag, and the
+    search goes on from frame t itself (the tag took no frame), where the model chooses its own
+    first piece after the tag. After the tag the search chooses only among blank and the pieces
+    ``kept`` marks True (None: all). A search that emits nothing writes the tag alone."""
     blank = int(model.decoder.blank_idx)
     durations = list(model.decoding.decoding.durations)
+    tags = language_tags(model)
     frames = encoded.transpose(1, 2)  # [1, T, D]
     out, state = model.decoder.predict(None, None, add_sos=False, batch_size=1)
     ids = []
@@ -85,35 +99,43 @@ def reference_greedy_tdt(model, encoded, encoded_len, first_piece, max_symbols, 
         if piece == blank:
             t, on_this_frame = t + max(1, duration), 0
             continue
-        forced = first_piece is not None and not ids
-        if forced:
-            piece = first_piece
+        if given is not None and not ids:
+            ids.append(given)
+            out, state = model.decoder.predict(
+                torch.tensor([[given]]), state, add_sos=False, batch_size=1
+            )
+            on_this_frame = 0
+            if piece in tags:
+                t += duration
+            continue
         ids.append(piece)
         out, state = model.decoder.predict(
             torch.tensor([[piece]]), state, add_sos=False, batch_size=1
         )
-        on_this_frame = 0 if forced else on_this_frame + 1
+        on_this_frame += 1
         if duration > 0:
             t, on_this_frame = t + duration, 0
         elif on_this_frame >= max_symbols:
             t, on_this_frame = t + 1, 0
-    if first_piece is not None and not ids:
-        ids.append(first_piece)  # nothing emitted: the tag alone
+    if given is not None and not ids:
+        ids.append(given)  # nothing emitted: the tag alone
     return ids
 
 
 def shaped_model(tiny, shape: str):
     """The tiny model (untrained: the frame alone decides) reshaped so that decoding shows what
     is checked: "prediction" (what the prediction network has read weighs more than the frame,
-    so a wrong start state changes the transcripts; blank wins about half of the frames) or
-    "blanks first" (blank wins the first frames, each predicting a skip of 2 frames, so the
-    first piece comes after a walk)."""
+    so a wrong start state changes the transcripts; blank wins about half of the frames; the
+    first piece of each utterance is a word piece, as from a model that writes no tag), "tag
+    first" (the same, with <|en|> the first piece of each) or "blanks first" (blank wins the
+    first frames, each predicting a skip of 2 frames, so the first piece, a word piece, comes
+    after a walk)."""
     model = asr_model.load_trained_model(tiny.nemo, "cpu").eval()
     blank = model.decoder.blank_idx
     torch.manual_seed(1)
     signal, lens = torch.randn(4, 32000), torch.tensor([32000, 24000, 16000, 9000])
     with torch.no_grad():
-        if shape == "prediction":
+        if shape in ("prediction", "tag first"):
             model.joint.pred.weight *= 8
             model.joint.enc.weight *= 0.2
             for weight in model.decoder.prediction.parameters():
@@ -123,21 +145,79 @@ def shaped_model(tiny, shape: str):
         logits = model.joint.joint(encoded.transpose(1, 2), start)[:, :, 0, : blank + 1]
         margin = logits[..., :blank].max(-1).values - logits[..., blank]  # piece over blank
         out = model.joint.joint_net[-1]
-        if shape == "prediction":
+        if shape in ("prediction", "tag first"):
             out.bias[blank] += float(margin.median())
+            if shape == "tag first":
+                out.bias[asr_model.model_pieces(model).index("<|en|>")] += 1.0
         else:
             out.bias[blank] += max(float(margin[0].median()), float(margin[0, 0]) + 1e-4)
             out.bias[blank + 1 + model.decoding.decoding.durations.index(2)] += 10.0
     return model, signal, lens
 
 
-@pytest.mark.parametrize("shape", ["prediction", "blanks first"])
-def test_decoding_with_the_language_given_is_greedy_tdt_whose_first_piece_is_the_tag(tiny, shape):
-    """A batch mixing languages given and not: each utterance given a language decodes as greedy
-    TDT whose first emitted piece is the tag, where the search emits its first piece; the others
-    as auto decoding does (the reference reproduces NeMo's auto decoding too, so it is the
-    definition both are held to). An utterance whose first piece already is its tag decodes
-    exactly as auto."""
+def model_that_writes_no_tag(tiny):
+    """The tiny model as a base that never wrote a language tag: every tag's output bias far
+    below the rest, so no tag ever wins a step, and the prediction network cut off from the
+    joint (its projection zero), so the frame alone chooses each piece and its duration."""
+    model = asr_model.load_trained_model(tiny.nemo, "cpu").eval()
+    with torch.no_grad():
+        model.joint.pred.weight.zero_()
+        model.joint.pred.bias.zero_()
+        model.joint.joint_net[-1].bias[sorted(language_tags(model))] -= 100.0
+    return model
+
+
+def search_as_cuda_graphs_run(monkeypatch, model) -> None:
+    """``model``'s label-looping search runs its stateful implementation, the one NeMo's CUDA
+    graphs capture, here without capture ("no_graphs"), as it runs on a GPU."""
+    computer = model.decoding.decoding.decoding_computer
+    computer.force_cuda_graphs_mode("no_graphs")
+
+    def stateful(self, x, out_len, prev_batched_state=None, multi_biasing_ids=None):
+        return self.cuda_graphs_impl(
+            encoder_output=x,
+            encoder_output_length=out_len,
+            prev_batched_state=prev_batched_state,
+            multi_biasing_ids=multi_biasing_ids,
+        )
+
+    monkeypatch.setattr(type(computer), "__call__", stateful)
+
+
+@pytest.mark.parametrize("search", ["plain", "cuda graphs"])
+def test_a_model_that_writes_no_tag_writes_the_tag_then_every_piece_it_writes_auto(
+    tiny, monkeypatch, search
+):
+    """A base that never wrote a tag (whose frame alone chooses each piece): with the language
+    given it writes the given tag and then exactly what it writes auto, its first word included,
+    in the plain search and in the one CUDA graphs run."""
+    model = model_that_writes_no_tag(tiny)
+    if search == "cuda graphs":
+        search_as_cuda_graphs_run(monkeypatch, model)
+    torch.manual_seed(1)
+    signal, lens = torch.randn(4, 32000), torch.tensor([32000, 24000, 16000, 9000])
+    languages = ["hi", "en", None, "en"]
+    tags = decoding.language_tag_pieces(model, languages)
+    with torch.no_grad():
+        encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=lens)
+        _, auto_ids = decoding.auto_decoding(model, encoded, encoded_len)
+        firsts = decoding.first_emissions(model, encoded, encoded_len)
+    assert all(ids and ids[0] not in language_tags(model) for ids in auto_ids)  # words first
+    assert any(f[3] > 0 for f in firsts)  # a first piece that moves on (the frame it took)
+    decoded = decoding.decode_batch(model, signal, lens, languages=languages)
+    for b, tag in enumerate(tags):
+        written = auto_ids[b] if tag is None else [tag, *auto_ids[b]]
+        assert decoded.given_texts[b] == model.tokenizer.ids_to_text(written)
+
+
+@pytest.mark.parametrize("shape", ["prediction", "tag first", "blanks first"])
+def test_decoding_with_the_language_given_is_greedy_tdt_from_the_given_tag(tiny, shape):
+    """A batch mixing languages given and not: each utterance given a language decodes as the
+    greedy TDT of the reference, with the given tag in front of what the model writes (in place
+    of the model's own tag where it writes one first, before its first word where it does not);
+    the others as auto decoding does (the reference reproduces NeMo's auto decoding too, so it
+    is the definition both are held to). An utterance whose first piece already is its tag
+    decodes exactly as auto."""
     model, signal, lens = shaped_model(tiny, shape)
     languages = ["hi", None, "en", "hi"]
     decoded = decoding.decode_batch(model, signal, lens, languages=languages)
@@ -160,7 +240,9 @@ def test_decoding_with_the_language_given_is_greedy_tdt_whose_first_piece_is_the
                 assert decoded.given_texts[b].startswith(f"<|{languages[b]}|>")
                 went_on.append(len(given) > 1)
     assert decoded.given_texts[1] == decoded.texts[1]  # no language: auto
-    if shape == "prediction":
+    tag_first = [f is not None and f[0] in language_tags(model) for f in firsts]
+    assert all(tag_first) if shape == "tag first" else not any(tag_first)
+    if shape != "blanks first":
         assert any(went_on)  # decoding went on after the tag
         assert all(len(text) > 1 for text in decoded.texts)  # blanks and pieces both won
     else:
@@ -236,33 +318,25 @@ def test_with_the_language_given_decoding_writes_only_pieces_of_its_scripts(tiny
     assert off.given_texts == tag_alone.given_texts
 
 
-def test_kept_pieces_hold_in_the_search_cuda_graphs_run(tiny, monkeypatch):
+@pytest.mark.parametrize("shape", ["prediction", "tag first"])
+def test_kept_pieces_hold_in_the_search_cuda_graphs_run(tiny, monkeypatch, shape):
     """NeMo's CUDA-graph search keeps its state for the largest batch it has seen and runs
     smaller ones padded to it; its stateful implementation (what the graphs capture, run here
     without capture: "no_graphs") writes what the plain loop writes, with pieces kept, for a
     batch as large as the state's and for a smaller one after it, and auto decoding after them
-    is unchanged."""
+    is unchanged; for a model that writes a word first ("prediction") and one that writes its
+    tag first."""
     from omegaconf import open_dict
 
     languages = ["en", "hi", None, "en"]
     for fresh in range(2):  # the plain loop's texts, then a model that has decoded nothing
-        model, signal, lens = shaped_model(tiny, "prediction")
+        model, signal, lens = shaped_model(tiny, shape)
         with open_dict(model.cfg):
             model.cfg.language_scripts = {"en": ["Latin"], "hi": ["Devanagari"]}
         if not fresh:
             plain = decoding.decode_batch(model, signal, lens, languages=languages)
     computer = model.decoding.decoding.decoding_computer
-    computer.force_cuda_graphs_mode("no_graphs")
-
-    def stateful(self, x, out_len, prev_batched_state=None, multi_biasing_ids=None):
-        return self.cuda_graphs_impl(
-            encoder_output=x,
-            encoder_output_length=out_len,
-            prev_batched_state=prev_batched_state,
-            multi_biasing_ids=multi_biasing_ids,
-        )
-
-    monkeypatch.setattr(type(computer), "__call__", stateful)
+    search_as_cuda_graphs_run(monkeypatch, model)
     part = decoding.decode_batch(model, signal[:2], lens[:2], languages=languages[:2])
     assert part.given_texts == plain.given_texts[:2]
     assert decoding.decode_batch(model, signal, lens).texts == plain.texts  # a state for 4

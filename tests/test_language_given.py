@@ -215,3 +215,45 @@ def test_forgetting_needs_a_step_zero_validation_and_the_bases_languages():
     assert evaluation.forgetting(base, now, None) == {}  # the base's languages unknown
     assert evaluation.forgetting({**base, "step": 10}, now, ("en",)) == {}  # no step-0 record
     assert evaluation.forgetting(None, now, ("en",)) == {}
+
+
+def test_step_zero_validation_of_a_base_that_writes_no_tag_scores_the_language_given_as_auto(
+    tiny, monkeypatch, tmp_path
+):
+    """The real tiny model as a base that never wrote a tag (its frame alone chooses each piece):
+    the step-0 validation decodes each utterance with its language given to the tag and then
+    what the model writes auto, so every language's WER given is its auto WER (no word lost to
+    the tag), and at a later step with the model unchanged nothing has been forgotten, auto or
+    given."""
+    from tests.test_decoding import model_that_writes_no_tag
+
+    monkeypatch.setattr(callbacks, "all_gather_objects", lambda obj: [obj])
+    monkeypatch.setattr(config, "INIT_MODEL", str(tmp_path / "base.nemo"))
+    monkeypatch.setattr(config, "BASE_LANGUAGES", ["en", "hi"])
+    jsonl = run_logging.JsonlMetricsLogger(tmp_path / "metrics.jsonl")
+    module = SimpleNamespace(
+        model=model_that_writes_no_tag(tiny),
+        device=torch.device("cpu"),
+        last_evaluation=None,
+        base_evaluation=None,
+    )
+    cb = callbacks.PerLanguageWERCallback(
+        every_n_steps=5, manifest_path=tiny.manifest, with_loss=False, at_start=True
+    )
+    trainer = fake_trainer(0, [jsonl])
+    trainer.world_size, trainer.global_step = 1, 0
+    cb.on_train_start(trainer, module)
+    base = module.base_evaluation
+    assert base["step"] == 0 and set(base["results"]) == {"en", "hi", "all"}
+    assert base["results_given"] == base["results"]
+    assert all(counts["words"] > 0 for counts in base["results"].values())
+    trainer.global_step = 20
+    cb.evaluate(trainer, module)
+    lines = [json.loads(line) for line in jsonl.path.read_text(encoding="utf-8").splitlines()]
+    step0, step20 = (
+        next(m for m in lines if m.get("step") == s and "val/wer/all" in m) for s in (0, 20)
+    )
+    for lang in ("en", "hi", "all"):
+        assert step0[f"val/wer_given/{lang}"] == step0[f"val/wer/{lang}"]
+    for lang in ("en", "hi"):
+        assert step20[f"val/forgetting/{lang}"] == step20[f"val/forgetting_given/{lang}"] == 0.0
