@@ -33,15 +33,15 @@ class LanguageNotInModel(config.ConfigError):
 
 def language_tag_pieces(model, languages) -> list[int | None]:
     """The piece id of each language's tag ``<|lang|>`` in ``model``'s vocabulary, None where the
-    language is None or empty (decoded auto); LanguageNotInModel naming the language and the
-    tags the model has when one has no single piece."""
-    from manifest_schema import lang_tag, leading_lang
+    language is not known (None, empty or ``UNKNOWN_LANG``: decoded auto); LanguageNotInModel
+    naming the language and the tags the model has when one has no single piece."""
+    from manifest_schema import known_lang, lang_tag, leading_lang
     from training_cache import tag_piece_id
 
     known: dict[str, int | None] = {}
     out: list[int | None] = []
     for lang in languages:
-        if not lang:
+        if not known_lang(lang):
             out.append(None)
             continue
         if lang not in known:
@@ -101,14 +101,15 @@ def language_piece_masks(model, languages) -> list[torch.Tensor | None]:
     bool tensor over ``model``'s pieces, True for a piece whose letters are all of the scripts the
     model records that language written in (``model_languages.language_scripts``), for a piece
     without letters (digits, punctuation, the word boundary) and for ``always_kept`` pieces;
-    False for every language tag. None (any piece) where the language is None or empty, where
-    the model records no scripts for it (or none: a language whose texts had no letters), or for
-    a tokenizer that is not SentencePiece."""
+    False for every language tag. None (any piece) where the language is not known
+    (``manifest_schema.known_lang``), where the model records no scripts for it (or none: a
+    language whose texts had no letters), or for a tokenizer that is not SentencePiece."""
     import model_languages
+    from manifest_schema import known_lang
     from script_languages import scripts_of
 
     recorded = model_languages.language_scripts(model)
-    wanted = {lang for lang in languages if lang and recorded.get(lang)}
+    wanted = {lang for lang in languages if known_lang(lang) and recorded.get(lang)}
     if not wanted:
         return [None] * len(languages)
     known = _PIECE_MASKS.setdefault(model.tokenizer, {})
@@ -134,24 +135,27 @@ def language_piece_masks(model, languages) -> list[torch.Tensor | None]:
                 ]
             )
         masks[lang] = known[key]
-    return [masks.get(lang) if lang else None for lang in languages]
+    return [masks.get(lang) if known_lang(lang) else None for lang in languages]
 
 
 def kept_scripts_phrase(model, languages) -> str:
     """How decoding with ``languages`` given writes after the tag, for a report's heading: in the
-    scripts the model records for each (LANGUAGE_GIVEN_SCRIPTS=1), or from the tag alone."""
+    scripts the model records for each (LANGUAGE_GIVEN_SCRIPTS=1), or from the tag alone; and,
+    where ``UNKNOWN_LANG`` is among them, that it is decoded auto."""
     import model_languages
+    from manifest_schema import UNKNOWN_LANG, known_lang
 
+    undetermined = f"; {UNKNOWN_LANG}: decoded auto" if UNKNOWN_LANG in languages else ""
     if config.LANGUAGE_GIVEN_SCRIPTS != "1":
-        return "the tag alone (LANGUAGE_GIVEN_SCRIPTS=0)"
+        return "the tag alone (LANGUAGE_GIVEN_SCRIPTS=0)" + undetermined
     recorded = model_languages.language_scripts(model)
-    asked = sorted({lang for lang in languages if lang and lang != "und"})
+    asked = sorted({known_lang(lang) for lang in languages} - {None})
     kept = [f"{lang} {'+'.join(sorted(recorded[lang]))}" for lang in asked if recorded.get(lang)]
     alone = [lang for lang in asked if not recorded.get(lang)]
     parts = [f"then only pieces of its scripts ({', '.join(kept)})"] if kept else []
     if alone:
         parts.append(f"the tag alone for {', '.join(alone)} (the model records no scripts for it)")
-    return "; ".join(parts) or "the tag alone"
+    return ("; ".join(parts) or "the tag alone") + undetermined
 
 
 # ---- decoding a batch ------------------------------------------------------------------------

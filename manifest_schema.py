@@ -65,6 +65,15 @@ TAR_FILE = "audio.tar"
 SUMMARY_SUFFIX = ".summary.json"
 # A plain language code ("hi", "en-in", "mni"): what a ``lang`` value, and so a tag, may hold.
 LANG_CODE_PATTERN = r"^[a-z][a-z0-9_-]*$"
+# The language of a row whose language is not known (ISO 639's "undetermined"): scored under that
+# name, and decoded auto, as a row that names no language (there is no tag to start from).
+UNKNOWN_LANG = "und"
+
+
+def known_lang(lang: str | None) -> str | None:
+    """``lang``, or None where it names no language: None, empty or ``UNKNOWN_LANG``."""
+    return None if not lang or lang == UNKNOWN_LANG else lang
+
 
 # --- the language tag ------------------------------------------------------------------------
 _OPEN, _CLOSE, _SEPARATOR = "<|", "|>", " "

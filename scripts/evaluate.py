@@ -57,6 +57,7 @@ import sys
 from pathlib import Path
 
 import config
+from manifest_schema import UNKNOWN_LANG
 from process_control import UserError
 
 log = logging.getLogger("evaluate")
@@ -83,10 +84,6 @@ CSV_COLUMNS = (
     "wer_given",
     "cer_given",
 )
-
-# The language of a NeMo JSON row that names none (and no --lang was given): scored, but with no
-# language to identify.
-UNKNOWN_LANG = "und"
 
 
 class NothingToScore(UserError):
@@ -165,7 +162,7 @@ def evaluate(
     if given:
         import decoding
 
-        decoding.language_tag_pieces(model, [x for x in names if x != UNKNOWN_LANG])
+        decoding.language_tag_pieces(model, names)  # UNKNOWN_LANG decodes auto
     out = evaluation.decode(
         model,
         dataset,
@@ -174,7 +171,7 @@ def evaluate(
         device=device,
         progress=progress,
         auto=decode != "given",
-        languages=(lambda i: None if langs[i] == UNKNOWN_LANG else langs[i]) if given else None,
+        languages=langs.__getitem__ if given else None,
     )
     hyps = out.texts if decode != "given" else out.given_texts
     decoded = sum(h is not None for h in hyps.values())

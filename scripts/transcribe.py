@@ -19,11 +19,11 @@ and the text without it. With the language known, ``--lang hi`` decodes every fi
 ``<|hi|>`` (the model writes Hindi from its first piece on, and cannot take the audio for another
 language; after the tag it writes only pieces of the scripts the model records for Hindi, as
 LANGUAGE_GIVEN_SCRIPTS=1 says), and ``--lang manifest`` takes each row's language from the manifest
-(its ``lang``, or the tag its ``text`` starts with; a row without one is decoded auto); stderr
-says how the given languages were decoded. ``lang_given`` says which: true
-where the language was given (``lang`` is then that language and ``lang_prob`` null). Files are
-decoded longest-first in batches
-of ``--batch-seconds`` of audio, on the GPU when there is one. An unreadable file gets a row with
+(its ``lang``, or the tag its ``text`` starts with; a row without one, or of undetermined
+language ``und``, is decoded auto, as evaluate.py does); stderr says how the given languages were
+decoded. ``lang_given`` says which: true where the language was given (``lang`` is then that
+language and ``lang_prob`` null). Files are decoded longest-first in batches of
+``--batch-seconds`` of audio, on the GPU when there is one. An unreadable file gets a row with
 ``"error"`` instead of a text and is named on stderr; the exit status is 1 when any file failed.
 
 Output: JSONL to ``--out`` (written whole under a temporary name, then renamed) or to stdout; without
@@ -54,7 +54,7 @@ def inputs_of(
     """The audio paths to transcribe (the files given, or the manifest's) and the language to
     decode each with: None for all without ``lang``; ``lang`` for every file; with
     ``lang="manifest"``, each manifest row's ``lang`` or the tag its ``text`` starts with (None
-    for a row with neither)."""
+    for a row with neither; decoding takes None and ``UNKNOWN_LANG`` alike: auto)."""
     from manifest_schema import (
         AUDIO_COLUMN,
         ManifestError,
@@ -143,13 +143,13 @@ def transcribe(
 ) -> list[dict]:
     """One row per path, in input order: {"audio_filepath", "duration", "lang", "lang_given",
     "lang_prob", "text"}, or {"audio_filepath", "error"} for a file that could not be read ("file
-    not found" when it does not exist). ``languages`` (one per path, None for none): decode from
-    that language's tag; ``lang_given`` is then true and ``lang`` that language. Decoded auto,
+    not found" when it does not exist). ``languages`` (one per path, None or ``UNKNOWN_LANG`` for
+    none): decode from that language's tag; ``lang_given`` is then true and ``lang`` that language. Decoded auto,
     ``lang`` is the tag the hypothesis starts with and ``lang_prob`` the probability of the first
     emitted piece when that piece is the tag of ``lang``, else null."""
     import evaluation
     from dataset import AudioFileDataset
-    from manifest_schema import lang_tag, leading_lang, strip_lang_tag
+    from manifest_schema import known_lang, lang_tag, leading_lang, strip_lang_tag
 
     dataset = AudioFileDataset(paths)
     decoded = evaluation.decode(
@@ -171,7 +171,7 @@ def transcribe(
             error = "unreadable or empty audio" if Path(path).exists() else "file not found"
             rows.append({"audio_filepath": path, "error": error})
             continue
-        given = languages[i] if languages is not None else None
+        given = known_lang(languages[i]) if languages is not None else None
         lang, first = leading_lang(hypothesis), decoded.first_tokens.get(i)
         tag_first = (
             not given
@@ -196,10 +196,11 @@ def check_languages(model, languages: list[str | None], args: argparse.Namespace
     """LanguageNotInModel, before any decoding, for a language the model has no tag for, naming
     where it came from (the manifest's row, or --lang)."""
     import decoding
+    from manifest_schema import known_lang
 
     first_row: dict[str, int] = {}
     for row, lang in enumerate(languages, 1):
-        if lang:
+        if known_lang(lang):
             first_row.setdefault(lang, row)
     for lang, row in first_row.items():
         try:
@@ -256,6 +257,7 @@ def run(args: argparse.Namespace, results, interactive: bool) -> int:
     import checkpoints
     import decoding
     from atomic_files import atomic_write
+    from manifest_schema import known_lang
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -263,8 +265,16 @@ def run(args: argparse.Namespace, results, interactive: bool) -> int:
         model = asr_model.load_trained_model(checkpoints.resolve_model_path(args.model), device)
         if languages is not None:
             check_languages(model, languages, args)
-            how = decoding.kept_scripts_phrase(model, languages)
-            print(f"transcribe: with the language given: its tag, {how}", file=sys.stderr)
+            given = [lang for lang in languages if known_lang(lang)]
+            if given:
+                how = decoding.kept_scripts_phrase(model, given)
+                print(f"transcribe: with the language given: its tag, {how}", file=sys.stderr)
+            if len(given) < len(languages):
+                print(
+                    f"transcribe: {len(languages) - len(given)} of {len(languages)} file(s) of "
+                    "no known language (none given, or und): decoded auto (lang_given false)",
+                    file=sys.stderr,
+                )
     except (UserError, FileNotFoundError, ValueError) as exc:
         print(f"transcribe: error: {exc}", file=sys.stderr)
         return 2

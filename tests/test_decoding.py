@@ -354,14 +354,39 @@ def test_reports_say_how_the_language_given_was_decoded(monkeypatch):
     from omegaconf import OmegaConf
 
     model = SimpleNamespace(cfg=OmegaConf.create({"language_scripts": {"hi": ["Devanagari"]}}))
-    assert decoding.kept_scripts_phrase(model, ["hi", "und", None]) == (
+    assert decoding.kept_scripts_phrase(model, ["hi", None]) == (
         "then only pieces of its scripts (hi Devanagari)"
+    )
+    assert decoding.kept_scripts_phrase(model, ["hi", "und", None]) == (
+        "then only pieces of its scripts (hi Devanagari); und: decoded auto"
     )
     assert decoding.kept_scripts_phrase(model, ["hi", "ta"]).endswith(
         "; the tag alone for ta (the model records no scripts for it)"
     )
     monkeypatch.setattr(config, "LANGUAGE_GIVEN_SCRIPTS", "0")
     assert decoding.kept_scripts_phrase(model, ["hi"]) == "the tag alone (LANGUAGE_GIVEN_SCRIPTS=0)"
+    assert decoding.kept_scripts_phrase(model, ["und"]) == (
+        "the tag alone (LANGUAGE_GIVEN_SCRIPTS=0); und: decoded auto"
+    )
+
+
+def test_a_language_not_known_decodes_auto_beside_languages_given(tiny):
+    """None, "" and und (undetermined) name no language: no tag, every piece kept, decoded auto
+    in a batch whose other rows are given theirs (und is no tag the model lacks)."""
+    from omegaconf import open_dict
+
+    model, signal, lens = shaped_model(tiny, "prediction")
+    with open_dict(model.cfg):
+        model.cfg.language_scripts = {"en": ["Latin"], "hi": ["Devanagari"], "und": ["Latin"]}
+    languages = ["und", "hi", "", None]
+    assert decoding.language_tag_pieces(model, languages)[::2] == [None, None]
+    masks = decoding.language_piece_masks(model, languages)
+    assert masks[0] is None and masks[1] is not None and masks[2:] == [None, None]
+    decoded = decoding.decode_batch(model, signal, lens, languages=languages)
+    alone = decoding.decode_batch(model, signal, lens, auto=False, languages=languages)
+    for b in (0, 2, 3):
+        assert decoded.given_texts[b] == alone.given_texts[b] == decoded.texts[b]
+    assert decoded.given_texts[1].startswith("<|hi|>")
 
 
 def kept_script(lang: str) -> str:

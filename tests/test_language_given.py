@@ -257,3 +257,38 @@ def test_step_zero_validation_of_a_base_that_writes_no_tag_scores_the_language_g
         assert step0[f"val/wer_given/{lang}"] == step0[f"val/wer/{lang}"]
     for lang in ("en", "hi"):
         assert step20[f"val/forgetting/{lang}"] == step20[f"val/forgetting_given/{lang}"] == 0.0
+
+
+def test_rows_of_unknown_language_decode_auto_in_transcribe_as_in_evaluate(tiny, capsys):
+    """A NeMo JSON manifest with a row of undetermined language ("und") and a row that names no
+    language at all: transcribe.py --lang manifest decodes both auto, as evaluate.py does (their
+    rows say lang_given false and carry what transcribing without --lang writes: the model's
+    text, guess and its probability), the others from their own tag, and stderr says how many
+    were decoded auto; evaluate.py scores the und row auto in both decodings and says so too."""
+    from scripts import evaluate, transcribe
+
+    json_manifest = write_nemo_json(tiny, tiny.root / "with-und.json")
+    rows = [json.loads(line) for line in json_manifest.read_text(encoding="utf-8").splitlines()]
+    rows[0]["lang"] = "und"
+    del rows[1]["lang"]
+    assert "<|" not in rows[1]["text"]  # and no tag to read one from
+    json_manifest.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    auto_out, given_out = tiny.root / "und-auto.jsonl", tiny.root / "und-given.jsonl"
+    argv = [str(tiny.nemo), "--manifest", str(json_manifest), "--out"]
+    assert transcribe.main(argv + [str(auto_out)]) == 0
+    capsys.readouterr()
+    assert transcribe.main(argv + [str(given_out), "--lang", "manifest"]) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"2 of {len(rows)} file(s) of no known language (none given, or und): decoded auto" in err
+    )
+    auto = [json.loads(line) for line in auto_out.read_text(encoding="utf-8").splitlines()]
+    given = [json.loads(line) for line in given_out.read_text(encoding="utf-8").splitlines()]
+    assert given[:2] == auto[:2] and not any(r["lang_given"] for r in given[:2])
+    assert all(r["lang_given"] and r["lang"] == m["lang"] for r, m in zip(given[2:], rows[2:]))
+    out = tiny.root / "und.csv"
+    assert evaluate.main([str(tiny.nemo), "--manifest", str(json_manifest), "--out", str(out)]) == 0
+    assert "und: decoded auto" in capsys.readouterr().out
+    with open(out, encoding="utf-8") as f:
+        scored = {r["lang"]: r for r in csv.DictReader(f)}
+    assert scored["und"]["utterances"] == "2" and scored["und"]["wer_given"] == scored["und"]["wer"]
