@@ -18,10 +18,12 @@ GPU (``decoding.decoding_graphs``, as validation and evaluate.py decode): auto; 
 languages' tags alone (LANGUAGE_GIVEN_SCRIPTS=0); from the tags keeping to each language's
 scripts (the default; only for a model that records them); and both auto and given, as validation
 decodes (given searched only where auto's text is not already the given one). Printed: the
-decoding time of each (median over rounds), the ratio of each to auto (the bound for the language
-given is 1.05), the ratio with the encoder's time added (what a user of evaluate.py or
-transcribe.py waits for), the words each wrote, and on a GPU the CUDA-graph mode NeMo used and
-whether each decoding with graphs writes the same texts as without them.
+decoding time of each (median over rounds), its ratio to auto (the median over rounds of each
+round's ratio to that round's auto: paired, so that a round slowed as a whole cancels; the bound
+for the language given is 1.05), the same with the encoder's time added (what a user of
+evaluate.py or transcribe.py waits for), each round's ratio, the words each wrote, and on a GPU
+the CUDA-graph mode NeMo used and whether each decoding with graphs writes the same texts as
+without them.
 """
 
 from __future__ import annotations
@@ -100,6 +102,25 @@ def asr_model_pieces(model) -> list[str]:
     import asr_model
 
     return asr_model.model_pieces(model) or []
+
+
+def ratio_lines(times: dict[str, list[float]], encoder_s: float) -> list[str]:
+    """One line per decoding but auto from ``times`` (its seconds in each round, auto's among
+    them, round r at index r): the median over rounds of its time over auto's in the same round,
+    the same with ``encoder_s`` added to both, and each round's ratio. Paired by round, so that a
+    round the machine ran slower as a whole cancels out, which a ratio of two medians (taken from
+    different rounds) does not."""
+    lines = []
+    for name, took in times.items():
+        if name == "auto":
+            continue
+        rounds = [t / a for t, a in zip(took, times["auto"])]
+        whole = [(encoder_s + t) / (encoder_s + a) for t, a in zip(took, times["auto"])]
+        lines.append(
+            f"{name} / auto: decoding {statistics.median(rounds):.3f}, with the encoder "
+            f"{statistics.median(whole):.3f}   per round: " + ", ".join(f"{x:.3f}" for x in rounds)
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,17 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     names = list(ways)
     times: dict[str, list[float]] = {name: [] for name in names}
     texts: dict[str, list[str]] = {}
-    ratios: dict[str, list[float]] = {name: [] for name in names if name != "auto"}
     with decoding.decoding_graphs(model):
         for name in names:  # warm-up: graph capture, allocator
             decode_all(ways[name])
         for r in range(args.rounds):
-            took = {}
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                took[name], texts[name] = decode_all(ways[name])
-                times[name].append(took[name])
-            for name in ratios:
-                ratios[name].append(took[name] / took["auto"])
+                took, texts[name] = decode_all(ways[name])
+                times[name].append(took)
         mode = getattr(
             getattr(model.decoding.decoding, "decoding_computer", None), "cuda_graphs_mode", None
         )
@@ -225,12 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name in names:
         print(f"{name:<14} {median[name]:8.3f} s   {words(texts[name]):6d} words   {what[name]}")
-    for name, rounds in ratios.items():
-        print(
-            f"{name} / auto: decoding {median[name] / median['auto']:.3f}, with the encoder "
-            f"{(encoder_s + median[name]) / (encoder_s + median['auto']):.3f}   per round: "
-            + ", ".join(f"{x:.3f}" for x in rounds)
-        )
+    for line in ratio_lines(times, encoder_s):
+        print(line)
     if cuda:
         # NeMo's CUDA graphs decode in the weights' precision (autocast off), its torch loop under
         # autocast: in bf16 the two may part on near ties, auto and given alike
