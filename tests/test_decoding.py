@@ -184,13 +184,14 @@ def search_as_cuda_graphs_run(monkeypatch, model) -> None:
     monkeypatch.setattr(type(computer), "__call__", stateful)
 
 
-@pytest.mark.parametrize("search", ["plain", "cuda graphs"])
+@pytest.mark.parametrize("search", ["plain", "cuda graphs", "bf16 autocast"])
 def test_a_model_that_writes_no_tag_writes_the_tag_then_every_piece_it_writes_auto(
     tiny, monkeypatch, search
 ):
     """A base that never wrote a tag (whose frame alone chooses each piece): with the language
     given it writes the given tag and then exactly what it writes auto, its first word included,
-    in the plain search and in the one CUDA graphs run."""
+    in the plain search, in the one CUDA graphs run and under bf16 autocast (as a bf16-mixed
+    run validates)."""
     model = model_that_writes_no_tag(tiny)
     if search == "cuda graphs":
         search_as_cuda_graphs_run(monkeypatch, model)
@@ -198,16 +199,37 @@ def test_a_model_that_writes_no_tag_writes_the_tag_then_every_piece_it_writes_au
     signal, lens = torch.randn(4, 32000), torch.tensor([32000, 24000, 16000, 9000])
     languages = ["hi", "en", None, "en"]
     tags = decoding.language_tag_pieces(model, languages)
-    with torch.no_grad():
+    bf16 = search == "bf16 autocast"
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), torch.no_grad():
         encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=lens)
         _, auto_ids = decoding.auto_decoding(model, encoded, encoded_len)
         firsts = decoding.first_emissions(model, encoded, encoded_len)
+        decoded = decoding.decode_batch(model, signal, lens, languages=languages)
     assert all(ids and ids[0] not in language_tags(model) for ids in auto_ids)  # words first
     assert any(f[3] > 0 for f in firsts)  # a first piece that moves on (the frame it took)
-    decoded = decoding.decode_batch(model, signal, lens, languages=languages)
     for b, tag in enumerate(tags):
         written = auto_ids[b] if tag is None else [tag, *auto_ids[b]]
         assert decoded.given_texts[b] == model.tokenizer.ids_to_text(written)
+
+
+def test_audio_of_no_frame_or_one_frame_with_the_language_given(tiny):
+    """With the language given, an utterance the encoder makes no frame of writes the tag alone,
+    and one of a single frame the tag and then what the model writes there auto; beside a long
+    one, in one batch (the same base that writes no tag)."""
+    model = model_that_writes_no_tag(tiny)
+    torch.manual_seed(1)
+    signal, lens = torch.randn(4, 32000), torch.tensor([32000, 0, 1, 1280])
+    languages = ["hi", "en", "en", "hi"]
+    with torch.no_grad():
+        encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=lens)
+        _, auto_ids = decoding.auto_decoding(model, encoded, encoded_len)
+    assert encoded_len.tolist()[1:] == [0, 0, 1] and auto_ids[1:3] == [[], []] and auto_ids[3]
+    decoded = decoding.decode_batch(model, signal, lens, languages=languages)
+    assert decoded.texts[1:3] == ["", ""]
+    assert decoded.given_texts[1:3] == ["<|en|>", "<|en|>"]
+    tag = decoding.language_tag_pieces(model, ["hi"])[0]
+    assert decoded.given_texts[3] == model.tokenizer.ids_to_text([tag, *auto_ids[3]])
+    assert decoded.given_texts[0].startswith("<|hi|>") and len(decoded.given_texts[0]) > 6
 
 
 @pytest.mark.parametrize("shape", ["prediction", "tag first", "blanks first"])
@@ -252,10 +274,16 @@ def test_decoding_with_the_language_given_is_greedy_tdt_from_the_given_tag(tiny,
     same = [n[2:-2] if n.startswith("<|") else None for n in named]
     again = decoding.decode_batch(model, signal, lens, auto=False, languages=same)
     assert again.given_texts == decoded.texts
-    # under bf16 autocast, as a bf16-mixed run validates
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    # under bf16 autocast, as a bf16-mixed run validates: the reference under autocast too
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
         bf16 = decoding.decode_batch(model, signal, lens, languages=languages)
-    assert len(bf16.given_texts) == 4 and all(isinstance(t, str) for t in bf16.given_texts)
+        encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=lens)
+        for b in range(4):
+            one = (model, encoded[b : b + 1], encoded_len[b])
+            auto = reference_greedy_tdt(*one, None, max_symbols)
+            given = reference_greedy_tdt(*one, tags[b], max_symbols)
+            assert bf16.texts[b] == model.tokenizer.ids_to_text(auto)
+            assert bf16.given_texts[b] == model.tokenizer.ids_to_text(given)
     # the same through the one-call helper, with every utterance given
     assert decoding.greedy_texts(model, signal, lens, ["en"] * 4)[2] == decoded.given_texts[2]
 
