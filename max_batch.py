@@ -300,6 +300,38 @@ class RunResult:
         return statistics.median(self.times)
 
 
+def benchmark_trainer(
+    device: torch.device,
+    precision: str,
+    *,
+    max_steps: int,
+    max_epochs: int,
+    grad_accum: int,
+    callbacks: list[pl.Callback],
+) -> pl.Trainer:
+    """A Trainer for timed steps on ``device``: ``precision``, ``grad_accum`` micro-batches per
+    optimizer step, GRAD_CLIP, no logger, checkpoint, progress bar or validation."""
+    return pl.Trainer(
+        accelerator=device.type,
+        # This very GPU (cuda:<local rank> under torchrun), not the first visible one.
+        devices=[device.index] if device.type == "cuda" and device.index is not None else 1,
+        precision=precision,
+        max_steps=max_steps,
+        max_epochs=max_epochs,
+        accumulate_grad_batches=grad_accum,
+        gradient_clip_val=config.GRAD_CLIP or None,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        log_every_n_steps=NEMO_LOG_EVERY_N_STEPS,
+        callbacks=callbacks,
+    )
+
+
 def run_steps(
     side: str,
     model,
@@ -330,23 +362,12 @@ def run_steps(
         module = model
         extra = [NemoFrozenEncoder()] if phase == 1 else []
         data = [(batch.signal, batch.signal_len, batch.tokens, batch.token_len)] * micro_batches
-    trainer = pl.Trainer(
-        accelerator=device.type,
-        # This very GPU (cuda:<local rank> under torchrun), not the first visible one.
-        devices=[device.index] if device.type == "cuda" and device.index is not None else 1,
-        precision=precision,
+    trainer = benchmark_trainer(
+        device,
+        precision,
         max_steps=warmup + steps,
         max_epochs=1,
-        accumulate_grad_batches=grad_accum,
-        gradient_clip_val=config.GRAD_CLIP or None,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
-        log_every_n_steps=NEMO_LOG_EVERY_N_STEPS,
+        grad_accum=grad_accum,
         callbacks=[*extra, *(callbacks or []), timer],
     )
     loader = torch.utils.data.DataLoader(data, batch_size=None, collate_fn=_same)

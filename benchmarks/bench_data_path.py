@@ -49,7 +49,7 @@ import asr_model
 import callbacks
 import config
 import training_cache
-from max_batch import FixedPhase, step_precision
+from max_batch import FixedPhase, benchmark_trainer, step_precision
 from sampler import BatchingSettings
 from training_step import NoTrainingData, TrainingModule, build_dataloader, check_audio_sample
 
@@ -137,21 +137,12 @@ def fed_steps(model, dataset, device, precision: str, steps: int) -> list[dict]:
     module.dataset = dataset
     metrics_cb = callbacks.TrainingMetricsCallback()
     collector = StepMetrics(metrics_cb)
-    trainer = pl.Trainer(
-        accelerator=device.type,
-        devices=[device.index] if device.type == "cuda" and device.index is not None else 1,
-        precision=precision,
+    trainer = benchmark_trainer(
+        device,
+        precision,
         max_steps=steps,
         max_epochs=-1,
-        accumulate_grad_batches=config.GRAD_ACCUM,
-        gradient_clip_val=config.GRAD_CLIP or None,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
+        grad_accum=config.GRAD_ACCUM,
         callbacks=[FixedPhase(2), metrics_cb, collector],
     )
     trainer.fit(module)
