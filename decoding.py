@@ -205,34 +205,11 @@ class BatchDecoding:
 
 
 @torch.no_grad()
-def decode_batch(
-    model,
-    signal: torch.Tensor,
-    signal_len: torch.Tensor,
-    *,
-    auto: bool = True,
-    languages=None,
-    scripts: bool | None = None,
-    first_tokens: bool = False,
-    loss_batch=None,
-) -> BatchDecoding:
-    """Every decoding asked for of one padded batch of audio, from one encoder forward: auto
-    (``auto``), with the language given (``languages``: one per utterance, None or "" for an
-    utterance decodes it auto there too; ``scripts``, default LANGUAGE_GIVEN_SCRIPTS=1: after the
-    tag, only the pieces of ``language_piece_masks``), the first piece of auto decoding
-    (``first_tokens``) and the loss of ``loss_batch`` (the AsrBatch of this audio, with its
-    tokens)."""
+def decode_batch(model, signal: torch.Tensor, signal_len: torch.Tensor, **asked) -> BatchDecoding:
+    """``decode_encoded`` of one padded batch of audio, from one encoder forward; ``asked``: its
+    keywords (what to decode)."""
     encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=signal_len)
-    return decode_encoded(
-        model,
-        encoded,
-        encoded_len,
-        auto=auto,
-        languages=languages,
-        scripts=scripts,
-        first_tokens=first_tokens,
-        loss_batch=loss_batch,
-    )
+    return decode_encoded(model, encoded, encoded_len, **asked)
 
 
 @torch.no_grad()
@@ -247,7 +224,11 @@ def decode_encoded(
     first_tokens: bool = False,
     loss_batch=None,
 ) -> BatchDecoding:
-    """``decode_batch`` from the encoder's output of the batch."""
+    """Every decoding asked for of one batch, from the encoder's output: auto (``auto``), with the
+    language given (``languages``: one per utterance, None or "" for an utterance decodes it auto
+    there too; ``scripts``, default LANGUAGE_GIVEN_SCRIPTS=1: after the tag, only the pieces of
+    ``language_piece_masks``), the first piece of auto decoding (``first_tokens``) and the loss of
+    ``loss_batch`` (the AsrBatch of this audio, with its tokens)."""
     kind = asr_model.family(model)
     out = BatchDecoding()
     auto_ids = None
