@@ -879,8 +879,9 @@ TOKENIZER_FILES = (
 
 def portable_description(model, tokenizer_dir: Path | None = None) -> dict[str, Any]:
     """What rebuilds ``model`` without the environment it was trained in: its class, its config as
-    plain data, and the bytes of the tokenizer files of ``tokenizer_dir`` (TOKENIZER_DIR, whose pieces
-    ``use_tokenizer`` made the model's). A few hundred kB; a step checkpoint carries it."""
+    plain data (enums by name), and the bytes of the tokenizer files of ``tokenizer_dir``
+    (TOKENIZER_DIR, whose pieces ``use_tokenizer`` made the model's). A few hundred kB; a step
+    checkpoint carries it."""
     from omegaconf import OmegaConf
 
     tokenizer_dir = Path(tokenizer_dir or config.TOKENIZER_DIR)
@@ -893,7 +894,9 @@ def portable_description(model, tokenizer_dir: Path | None = None) -> dict[str, 
         raise FileNotFoundError(f"TOKENIZER_DIR={tokenizer_dir} has no tokenizer.model")
     return {
         "class": f"{type(model).__module__}.{type(model).__qualname__}",
-        "config": OmegaConf.to_container(model.cfg, resolve=True),
+        # enum_to_str: NeMo's decoding enums by name, as a .nemo's YAML holds them, so that the
+        # checkpoint is plain data (checkpoints.read_checkpoint loads nothing else)
+        "config": OmegaConf.to_container(model.cfg, resolve=True, enum_to_str=True),
         "tokenizer": files,
     }
 

@@ -6,6 +6,9 @@ argument of the scripts: a path, ``last`` or ``best``), the RNG states an exact
 resume restores, and the run's ledger, CHECKPOINT_DIR/run.json: its identity (``run_identity``: name
 and W&B id, so a resumed job continues the same run) and the validation WER of each checkpoint
 (``record_validation``, ``best_checkpoints``), which keeps the best checkpoint through pruning.
+Every reader of a step checkpoint, Lightning's resume included, loads it as data
+(``read_checkpoint``: torch's weights-only unpickler and ``safe_globals``); a checkpoint whose
+pickle names anything else, as one that would run code does, is refused before it is unpickled.
 
 One directory, one run, one timeline: a fresh run refuses a CHECKPOINT_DIR that holds another run's
 step files, and so does a resume of a checkpoint from elsewhere (``check_directory_for_run``); a
@@ -21,13 +24,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import secrets
 import shutil
 import time
 import zipfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,26 +116,101 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 def read_checkpoint(
     path: Path,
-    load: Callable[[], dict[str, Any]] | None = None,
     advice: str = "use an older step_*.ckpt or delete it",
     *,
     mmap: bool = False,
 ) -> dict[str, Any]:
-    """``load()`` (default: torch.load on the CPU) of the step checkpoint at ``path``, after the
-    cheap ``checkpoint_problem`` check; any failure is a CheckpointError naming the path, the cause
-    and ``advice``. ``mmap``: the default load maps the file instead of reading it, so tensors that
-    are never touched (a reader of the weights leaves AdamW's moments alone) cost no memory."""
+    """The step checkpoint at ``path``, loaded on the CPU as data only (``torch.load`` with
+    ``weights_only=True``: tensors, plain containers, ``safe_globals`` and, for a checkpoint that
+    names them, ``NEMO_CONFIG_ENUMS``), after the cheap
+    ``checkpoint_problem`` check. Any failure is a CheckpointError naming the path, the cause and
+    ``advice``; a checkpoint whose pickle names anything else (a function, a class: what a pickle
+    runs as it loads) is refused naming it, before any of it is unpickled. ``mmap``: the file is
+    mapped instead of read, so tensors that are never touched (a reader of the weights leaves
+    AdamW's moments alone) cost no memory."""
     problem = checkpoint_problem(path)
     if problem is not None:
         raise CheckpointError(f"cannot load checkpoint {path}: {problem}; {advice}")
     try:
-        if load is None:
-            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-        return load()
+        with torch.serialization.safe_globals(safe_globals()):
+            named = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+            foreign = [name for name in named if name not in NEMO_CONFIG_ENUMS]
+            if not foreign:
+                with torch.serialization.safe_globals(nemo_config_enums(named)):
+                    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        if _WEIGHTS_ONLY_REFUSAL not in str(exc):
+            raise CheckpointError(
+                f"cannot load checkpoint {path}: {type(exc).__name__}: {exc}; {advice}"
+            ) from exc
+        raise CheckpointError(
+            f"refusing to load checkpoint {path}: {_refused(exc)}, which no checkpoint train.py "
+            f"writes holds; {advice}"
+        ) from None
     except Exception as exc:
         raise CheckpointError(
             f"cannot load checkpoint {path}: {type(exc).__name__}: {exc}; {advice}"
         ) from exc
+    raise CheckpointError(
+        f"refusing to load checkpoint {path}: its pickle names {', '.join(sorted(foreign))}, which "
+        f"no checkpoint train.py writes holds (loading it would run that code); {advice}"
+    )
+
+
+def safe_globals() -> list[Any]:
+    """What every step checkpoint holds besides tensors and plain containers, as its pickle names
+    it (for ``torch.serialization.safe_globals``): NumPy's RNG state (an array of uint32,
+    ``rng_state``), under NumPy 2's module names and NumPy 1's."""
+    try:
+        multiarray = np._core.multiarray
+    except AttributeError:  # NumPy 1
+        multiarray = np.core.multiarray
+    reconstruct = multiarray._reconstruct
+    return [
+        (reconstruct, "numpy._core.multiarray._reconstruct"),
+        (reconstruct, "numpy.core.multiarray._reconstruct"),
+        np.ndarray,
+        np.dtype,
+        type(np.dtype(np.uint32)),
+    ]
+
+
+# The enums of NeMo's decoding configs (RNNTDecodingConfig, CTCDecodingConfig), which a model
+# description (``PORTABLE_KEY``) may hold as enums; train.py writes their names, as a .nemo's YAML
+# holds them. tests/test_checkpoint_loading.py checks that this is all of them.
+NEMO_CONFIG_ENUMS = (
+    "nemo.collections.asr.parts.utils.batched_beam_decoding_utils.BlankLMScoreMode",
+    "nemo.collections.asr.parts.utils.batched_beam_decoding_utils.PruningMode",
+)
+
+
+def nemo_config_enums(names: list[str]) -> list[type]:
+    """The classes of ``NEMO_CONFIG_ENUMS`` among ``names``: imported only for a checkpoint that
+    names them (NeMo's import takes seconds), and only from that list."""
+    import importlib
+
+    found = []
+    for name in names:
+        if name in NEMO_CONFIG_ENUMS:
+            module, _, attribute = name.rpartition(".")
+            found.append(getattr(importlib.import_module(module), attribute))
+    return found
+
+
+# What torch's error says before what its weights-only unpickler refused.
+_WEIGHTS_ONLY_REFUSAL = "WeightsUnpickler error:"
+
+
+def _refused(exc: pickle.UnpicklingError) -> str:
+    """What torch's weights-only unpickler refused, from its error (several paragraphs): the text
+    after ``_WEIGHTS_ONLY_REFUSAL`` up to the next paragraph, else the error's first line."""
+    text = str(exc)
+    _, marker, after = text.partition(_WEIGHTS_ONLY_REFUSAL)
+    if marker:
+        paragraphs = [p.strip() for p in after.split("\n\n") if p.strip()]
+        if paragraphs:
+            return " ".join(paragraphs[0].split())
+    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
 
 
 def checkpoint_problem(path: Path) -> str | None:
