@@ -817,7 +817,8 @@ def check_resume_settings(resume_path: str | Path, checkpoint_dir: Path | None =
 
 def record_validation(step: int, evaluation: dict[str, Any] | None, checkpoint_dir=None) -> bool:
     """Note in run.json the validation of the checkpoint of ``step`` (an evaluation of that very
-    step: ``TrainingModule.last_evaluation``); False when there is none for this step."""
+    step: ``TrainingModule.last_evaluation``) and how its texts were compared (its ``scoring``);
+    False when there is none for this step."""
     if not evaluation or evaluation.get("step") != step:
         return False
     overall = (evaluation.get("results") or {}).get("all")
@@ -828,29 +829,68 @@ def record_validation(step: int, evaluation: dict[str, Any] | None, checkpoint_d
         "wer": overall["word_edits"] / overall["words"],
         "cer": overall["char_edits"] / overall["chars"] if overall.get("chars") else None,
         "loss": evaluation.get("loss"),
+        "scoring": evaluation.get("scoring"),
     }
     _write_run_record(data, checkpoint_dir)
     return True
+
+
+# A checkpoint whose scoring cannot be read (``validation_scoring``): it is never among the best.
+_UNREADABLE = object()
+
+
+def validation_scoring(entry: dict[str, Any], path: Path) -> Any:
+    """How the validation WER of run.json's ``entry`` for the step checkpoint ``path`` compared
+    texts: the entry's ``scoring`` (None: as written, tags stripped); for an entry without one, the
+    ``scoring`` of the validation the checkpoint itself carries (its run record's ``evaluation`` of
+    that step); ``_UNREADABLE`` when the checkpoint cannot be read."""
+    if "scoring" in entry:
+        return entry["scoring"]
+    try:
+        record = read_checkpoint(path, mmap=True).get(RUN_RECORD_KEY) or {}
+    except CheckpointError:
+        return _UNREADABLE
+    evaluation = record.get("evaluation") or {}
+    return evaluation.get("scoring") if evaluation.get("step") == checkpoint_number(path) else None
 
 
 def best_checkpoints(
     n: int, checkpoint_dir: Path | None = None, *, strict: bool = False
 ) -> list[Path]:
     """The ``n`` step checkpoints of CHECKPOINT_DIR with the lowest validation WER (val/wer/all, as
-    run.json records it; ties go to the later step), best first. ``strict``: a CheckpointError when
-    fewer than ``n`` exist (else: as many as there are)."""
+    run.json records it; ties go to the later step), best first. Only WERs scored alike are
+    compared: those scored as the newest of these checkpoints was (``validation_scoring``), so a
+    run resumed across a change of scoring (texts as written, then normalized) never ranks one
+    kind against the other. ``strict``: a CheckpointError when fewer than ``n`` exist (else: as
+    many as there are)."""
     directory = Path(checkpoint_dir or config.CHECKPOINT_DIR)
     scores = read_run_record(directory).get("validation", {})
     scored = [
-        (scores[str(step)]["wer"], -step, path)
+        (path, scores[str(checkpoint_number(path))])
         for path in step_checkpoints(directory)
-        if str(step := checkpoint_number(path)) in scores
+        if str(checkpoint_number(path)) in scores
     ]
-    best = [path for _, _, path in sorted(scored)[: max(0, n)]]
+    scoring = {path: validation_scoring(entry, path) for path, entry in scored}
+    readable = [path for path, _ in scored if scoring[path] is not _UNREADABLE]
+    newest = scoring[readable[-1]] if readable else None
+    ranked = sorted(
+        (entry["wer"], -checkpoint_number(path), path)
+        for path, entry in scored
+        if path in readable and scoring[path] == newest
+    )
+    best = [path for _, _, path in ranked[: max(0, n)]]
     if strict and len(best) < n:
+        other = len(scored) - len(ranked)
         raise CheckpointError(
             f"'best': {len(best)} step checkpoint(s) in CHECKPOINT_DIR={directory} have a validation "
-            f"score in {RUN_RECORD}, {n} asked for. Only checkpoints saved at a validation step are "
-            f"scored (EVAL_EVERY_STEPS, default CHECKPOINT_EVERY); use 'last' or a path"
+            f"score in {RUN_RECORD}, {n} asked for"
+            + (
+                f" ({other} more scored otherwise or unreadable: WERs of texts compared "
+                f"differently are not ranked together)"
+                if other
+                else ""
+            )
+            + ". Only checkpoints saved at a validation step are scored (EVAL_EVERY_STEPS, "
+            "default CHECKPOINT_EVERY); use 'last' or a path"
         )
     return best

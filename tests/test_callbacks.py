@@ -958,10 +958,12 @@ def test_keep_checkpoints_keeps_only_the_newest(tmp_path, monkeypatch):
 
 
 class FakeValidation(pl.Callback):
-    """Sets ``last_evaluation`` of every step as PerLanguageWERCallback would, with a given WER."""
+    """Sets ``last_evaluation`` of every step as PerLanguageWERCallback would, with a given WER;
+    from step ``normalized_from`` on, of normalized texts (its ``scoring``), as-written before."""
 
-    def __init__(self, wer_at: dict[int, float]):
+    def __init__(self, wer_at: dict[int, float], normalized_from: int = 0):
         self.wer_at = wer_at
+        self.normalized_from = normalized_from
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         step = trainer.global_step
@@ -973,6 +975,8 @@ class FakeValidation(pl.Callback):
                 "loss": 1.0,
                 "results": {"all": {**all_, "chars": 10}},
             }
+            if step >= self.normalized_from:
+                module.last_evaluation["scoring"] = evaluation.NORMALIZED_SCORING
 
 
 def test_the_checkpoint_with_the_lowest_validation_wer_is_kept_whatever_keep_checkpoints_says(
@@ -987,6 +991,57 @@ def test_the_checkpoint_with_the_lowest_validation_wer_is_kept_whatever_keep_che
     scores = json.loads((tmp_path / "ckpt" / "run.json").read_text())["validation"]
     assert {int(k): round(v["wer"], 3) for k, v in scores.items()} == wer
     assert checkpoints.best_checkpoints(1, tmp_path / "ckpt") == [tmp_path / "ckpt" / kept[0]]
+
+
+def test_a_run_resumed_across_a_change_of_scoring_keeps_the_best_of_the_newest_scoring(
+    tmp_path, monkeypatch
+):
+    """Steps 1-2 scored texts as written, steps 3-5 normalized: step 1's 0.1 is not comparable
+    with the later WERs, so the best kept is step 4's."""
+    monkeypatch.setattr(config, "KEEP_CHECKPOINTS", 2)
+    monkeypatch.setattr(config, "KEEP_BEST_CHECKPOINTS", 1)
+    wer = {1: 0.1, 2: 0.5, 3: 0.4, 4: 0.3, 5: 0.6}
+    fit(tmp_path, max_steps=5, every=1, extra=[FakeValidation(wer, normalized_from=3)])
+    kept = sorted(p.name for p in (tmp_path / "ckpt").glob("step_*.ckpt"))
+    assert kept == ["step_00000004.ckpt", "step_00000005.ckpt"]
+    scores = json.loads((tmp_path / "ckpt" / "run.json").read_text())["validation"]
+    assert {int(k): v["scoring"] for k, v in scores.items()} == {
+        1: None,
+        2: None,
+        3: evaluation.NORMALIZED_SCORING,
+        4: evaluation.NORMALIZED_SCORING,
+        5: evaluation.NORMALIZED_SCORING,
+    }
+    assert checkpoints.best_checkpoints(1, tmp_path / "ckpt") == [tmp_path / "ckpt" / kept[0]]
+
+
+def scored_directory(tmp_path: Path, entries: dict[int, dict], carried: dict[int, dict]) -> Path:
+    """A CHECKPOINT_DIR with a step checkpoint of every step in ``entries`` (its run record's
+    ``evaluation`` the one in ``carried``, if any) and run.json's validation ``entries``."""
+    for step in entries:
+        record = {"evaluation": carried[step]} if step in carried else {}
+        torch.save(
+            {"global_step": step, "run_record": record},
+            tmp_path / checkpoints.checkpoint_name(step),
+        )
+    validation = {str(step): entry for step, entry in entries.items()}
+    (tmp_path / "run.json").write_text(json.dumps({"name": "r", "validation": validation}))
+    return tmp_path
+
+
+def test_best_of_run_json_entries_that_do_not_say_their_scoring_asks_their_checkpoints(tmp_path):
+    """An entry that does not say how its texts were compared: the checkpoint's own record of its
+    validation says it (normalized at step 2 here, as written at step 1)."""
+    normalized = {"scoring": evaluation.NORMALIZED_SCORING}
+    directory = scored_directory(
+        tmp_path,
+        {1: {"wer": 0.1}, 2: {"wer": 0.3}, 3: {"wer": 0.2, **normalized}},
+        {1: {"step": 1}, 2: {"step": 2, **normalized}},
+    )
+    names = [p.name for p in checkpoints.best_checkpoints(3, directory)]
+    assert names == ["step_00000003.ckpt", "step_00000002.ckpt"]
+    with pytest.raises(checkpoints.CheckpointError, match="1 more scored otherwise"):
+        checkpoints.best_checkpoints(3, directory, strict=True)
 
 
 def test_best_names_the_lowest_wer_checkpoints_on_disk_ties_to_the_later_step(
