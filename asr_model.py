@@ -38,6 +38,7 @@ import torch
 import config
 import tdt_loss
 from checkpoints import PORTABLE_KEY, CheckpointError, read_checkpoint
+from pretrained_models import ModelNotFetched, pretrained_nemo  # noqa: F401 (ModelNotFetched: for callers)
 
 log = logging.getLogger("asr_model")
 
@@ -429,10 +430,6 @@ def family_of_config(cfg) -> ModelFamily:
     )
 
 
-class ModelNotFetched(config.ConfigError):
-    """INIT_MODEL names a pretrained model that cannot be downloaded here."""
-
-
 def is_local_model(init_model: str) -> bool:
     """Whether INIT_MODEL names a file (a .nemo or .ckpt path) rather than a pretrained model's name."""
     return init_model.endswith((".nemo", ".ckpt")) or Path(init_model).exists()
@@ -473,20 +470,24 @@ def build_model(
     """The NeMo model to train, on CPU, with TOKENIZER_DIR's vocabulary and its family's loss.
 
     ``init_model``: a .nemo path (restore_from), a train.py step checkpoint (the model it describes,
-    with its weights) or a pretrained name (from_pretrained); empty means a fresh model from the
+    with its weights) or a pretrained name (``pretrained_nemo``); empty means a fresh model from the
     ``model_config`` YAML (its ``model:`` section; its ``target`` names the family, TDT without one)
     with ``tokenizer.dir`` set to ``tokenizer_dir``.
     Defaults come from INIT_MODEL, MODEL_CONFIG, TOKENIZER_DIR, DECODER_INIT and NEW_PIECE_BIAS.
     ``model.vocabulary_change`` holds what ``use_tokenizer`` did to the parts sized by the vocabulary;
     ``model.base_model`` the base's identity (``base_identity``; None for a fresh model).
     """
-    from nemo.collections.asr.models import ASRModel
-    from omegaconf import OmegaConf, open_dict
-
     init_model = config.INIT_MODEL if init_model is None else init_model
     model_config = Path(model_config or config.MODEL_CONFIG)
     tokenizer_dir = Path(tokenizer_dir or config.TOKENIZER_DIR)
     check_model_inputs(init_model, model_config, tokenizer_dir)
+    # Before NeMo is imported (tens of seconds): a base that cannot be fetched stops the job at once.
+    pretrained = (
+        pretrained_nemo(init_model) if init_model and not is_local_model(init_model) else None
+    )
+
+    from nemo.collections.asr.models import ASRModel
+    from omegaconf import OmegaConf, open_dict
 
     if init_model:
         if init_model.endswith(".ckpt"):
@@ -496,16 +497,8 @@ def build_model(
             log.info("restoring %s", init_model)
             model = ASRModel.restore_from(init_model, map_location="cpu")
         else:
-            log.info("downloading pretrained %s (needs network access)", init_model)
-            try:
-                model = ASRModel.from_pretrained(init_model, map_location="cpu")
-            except Exception as exc:  # NeMo and huggingface_hub raise many kinds, never naming it
-                raise ModelNotFetched(
-                    f"INIT_MODEL={init_model} cannot be fetched ({type(exc).__name__}: "
-                    f"{str(exc).splitlines()[0][:200] if str(exc) else ''}). On a node without "
-                    f"internet, download the .nemo where there is (huggingface.co/{init_model}) and "
-                    f"set INIT_MODEL=/path/to/model.nemo"
-                ) from None
+            log.info("restoring pretrained %s from %s", init_model, pretrained)
+            model = ASRModel.restore_from(str(pretrained), map_location="cpu")
     else:
         cfg = OmegaConf.load(model_config)
         cfg = cfg.model if "model" in cfg else cfg

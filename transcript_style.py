@@ -6,7 +6,8 @@ A model learns to write what its targets say: a base that writes punctuation and
 base unless set:
 
 - ``auto`` (the default): the style INIT_MODEL writes (``base_style``), plain without a base (a
-  run from scratch, the demo's base) or when the base's style cannot be read.
+  run from scratch, the demo's base) or when the base's file holds no style to read; a pretrained
+  name that cannot be fetched here is an error, never plain.
 - ``plain`` / ``punctuated``: as set; build_manifest.py warns (one line) when the base writes
   the other style.
 
@@ -102,18 +103,22 @@ def recorded_style(model_path: str | Path) -> str | None:
 
 def base_style(init_model: str | None = None) -> tuple[str | None, str]:
     """(style, how it was found) for the base ``init_model`` (default INIT_MODEL): its recorded
-    style, else what its tokenizer says; (None, why) without a base or when neither can be read
-    (a pretrained name that cannot be downloaded here)."""
+    style, else what its tokenizer says; (None, why) without a base or when its file holds neither.
+    A pretrained name that cannot be fetched here is ``pretrained_models.ModelNotFetched`` (one
+    line, in seconds on a node without internet), never a guess: the style decides the targets."""
     init_model = config.INIT_MODEL if init_model is None else init_model
     if not init_model:
         return None, "no INIT_MODEL (a model from scratch)"
     recorded = recorded_style(init_model)
     if recorded:
         return recorded, f"INIT_MODEL={init_model} records {recorded} targets"
+    from pretrained_models import ModelNotFetched
     from scripts.train_tokenizer import base_tokenizer_model
 
     try:
         model, _ = base_tokenizer_model(init_model)
+    except ModelNotFetched:
+        raise
     except UserError as exc:
         return None, f"INIT_MODEL={init_model}'s tokenizer cannot be read ({exc})"
     if tokenizer_writes_punctuation(model):

@@ -236,11 +236,13 @@ NORMAL, USER_DEFINED = 1, 4
 STANDARD_NORMALIZERS = ("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity")
 
 
-def base_tokenizer_model(source: str) -> tuple[bytes, str]:
+def base_tokenizer_model(source: str, setting: str = "INIT_MODEL") -> tuple[bytes, str]:
     """The serialized SentencePiece model of ``source`` and a description of where it came from.
 
     ``source``: a tokenizer directory (tokenizer.model), a .nemo file, a train.py step checkpoint
-    (.ckpt, which carries its tokenizer) or a pretrained model name (its .nemo is downloaded)."""
+    (.ckpt, which carries its tokenizer) or a pretrained model name (its .nemo, from Hugging Face's
+    cache or downloaded: ``pretrained_models.pretrained_nemo``, whose ModelNotFetched names
+    ``setting``)."""
     path = Path(source)
     if path.is_dir():
         model = path / "tokenizer.model"
@@ -262,16 +264,10 @@ def base_tokenizer_model(source: str) -> tuple[bytes, str]:
             f"base {source}: expected a .nemo file, a step_*.ckpt, a tokenizer directory or a "
             f"pretrained name"
         )
-    try:
-        from huggingface_hub import hf_hub_download
+    from pretrained_models import pretrained_nemo
 
-        downloaded = hf_hub_download(source, f"{source.rsplit('/', 1)[-1]}.nemo")
-    except Exception as exc:  # huggingface_hub raises many kinds
-        raise TokenizerError(
-            f"base {source} cannot be fetched ({type(exc).__name__}); on a node without internet "
-            f"download the .nemo where there is and pass its path (INIT_MODEL or --base)"
-        ) from None
-    return _nemo_tokenizer_model(Path(downloaded)), f"the tokenizer of {source}"
+    downloaded = pretrained_nemo(source, setting)
+    return _nemo_tokenizer_model(downloaded), f"the tokenizer of {source}"
 
 
 def _nemo_tokenizer_model(path: Path) -> bytes:
@@ -584,8 +580,11 @@ def train_tokenizer(
     temperature = config.TEMPERATURE if temperature is None else temperature
     lang_weighting = lang_weighting or config.LANG_WEIGHTING
     rng = np.random.default_rng(config.SEED if seed is None else seed)
+    setting = "INIT_MODEL" if base is None else "--base"
     mode, base = resolve_mode(mode, base)
-    base_model, base_from = base_tokenizer_model(base) if base and mode != "new" else (None, None)
+    base_model, base_from = (
+        base_tokenizer_model(base, setting) if base and mode != "new" else (None, None)
+    )
     if not manifest_path.exists():
         raise FileNotFoundError(
             f"TRAIN_MANIFEST_PATH={manifest_path} does not exist; "
@@ -786,7 +785,7 @@ def main(argv: list[str] | None = None) -> int:
             mode=args.mode,
             base=args.base,
         )
-    except (VocabularyTooSmall, TokenizerError) as exc:
+    except (VocabularyTooSmall, UserError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print_summary(summary, output_dir)
