@@ -6,8 +6,8 @@ A model learns to write what its targets say: a base that writes punctuation and
 base unless set:
 
 - ``auto`` (the default): the style INIT_MODEL writes (``base_style``), plain without a base (a
-  run from scratch, the demo's base) or when the base's file holds no style to read; a pretrained
-  name that cannot be fetched here is an error, never plain.
+  run from scratch, the demo's base) or when the base's file holds no style to read; a base path
+  that does not exist, or a pretrained name that cannot be fetched here, is an error, never plain.
 - ``plain`` / ``punctuated``: as set; build_manifest.py warns (one line) when the base writes
   the other style.
 
@@ -36,6 +36,7 @@ import tarfile
 from pathlib import Path
 
 import config
+from pretrained_models import ModelNotFetched
 from process_control import UserError
 from transcript_cleaning import check_style
 
@@ -104,15 +105,20 @@ def recorded_style(model_path: str | Path) -> str | None:
 def base_style(init_model: str | None = None) -> tuple[str | None, str]:
     """(style, how it was found) for the base ``init_model`` (default INIT_MODEL): its recorded
     style, else what its tokenizer says; (None, why) without a base or when its file holds neither.
-    A pretrained name that cannot be fetched here is ``pretrained_models.ModelNotFetched`` (one
-    line, in seconds on a node without internet), never a guess: the style decides the targets."""
+    A base that is not there is never a guess, since the style decides the targets: a .nemo or
+    .ckpt path that does not exist is a TranscriptStyleError, and a pretrained name that cannot be
+    fetched here ``pretrained_models.ModelNotFetched`` (one line, in seconds without internet)."""
     init_model = config.INIT_MODEL if init_model is None else init_model
     if not init_model:
         return None, "no INIT_MODEL (a model from scratch)"
+    if init_model.endswith((".nemo", ".ckpt")) and not Path(init_model).is_file():
+        raise TranscriptStyleError(
+            f"INIT_MODEL={init_model} does not exist; give a .nemo file, a step_*.ckpt or a "
+            f"pretrained name such as nvidia/parakeet-tdt-0.6b-v2"
+        )
     recorded = recorded_style(init_model)
     if recorded:
         return recorded, f"INIT_MODEL={init_model} records {recorded} targets"
-    from pretrained_models import ModelNotFetched
     from scripts.train_tokenizer import base_tokenizer_model
 
     try:
@@ -139,8 +145,13 @@ def resolve_style(style: str | None = None, init_model: str | None = None) -> tu
 
 
 def base_mismatch(style: str, init_model: str | None = None) -> str | None:
-    """One line when the base (default INIT_MODEL) writes a style other than ``style``, else None."""
-    written, how = base_style(init_model)
+    """One line when the base (default INIT_MODEL) writes a style other than ``style``, or when it
+    cannot be had to say (the targets' style is set, so this is a warning, never an error), else
+    None."""
+    try:
+        written, how = base_style(init_model)
+    except (ModelNotFetched, TranscriptStyleError) as exc:
+        return f"the {style} targets are not checked against the base's style: {exc}"
     if written is None or written == style:
         return None
     other = "plain" if style == "punctuated" else "punctuated"

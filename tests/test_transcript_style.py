@@ -173,6 +173,22 @@ def test_auto_is_plain_without_a_base():
     assert ts.resolve_style("auto", "")[0] == "plain"
 
 
+@pytest.mark.parametrize("missing", ["base.nemo", "runs/step_00001000.ckpt"])
+def test_a_base_path_that_does_not_exist_is_an_error_not_plain(tmp_path, missing):
+    path = tmp_path / missing
+    with pytest.raises(ts.TranscriptStyleError, match=f"INIT_MODEL={path} does not exist"):
+        ts.resolve_style("auto", str(path))
+
+
+def test_a_style_set_with_a_base_that_is_not_there_warns_that_it_is_unchecked(tmp_path):
+    path = tmp_path / "base.nemo"
+    assert ts.base_mismatch("plain", str(path)) == (
+        f"the plain targets are not checked against the base's style: INIT_MODEL={path} does not "
+        f"exist; give a .nemo file, a step_*.ckpt or a pretrained name such as "
+        f"nvidia/parakeet-tdt-0.6b-v2"
+    )
+
+
 def test_auto_follows_the_style_a_model_of_this_project_records(tmp_path):
     # an unpacked .nemo of a plain run whose tokenizer extended a punctuated base's
     base = tokenizer_dir(tmp_path, [ENGLISH, HINDI])
