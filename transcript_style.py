@@ -138,7 +138,14 @@ def resolve_style(style: str | None = None, init_model: str | None = None) -> tu
     style = config.TRANSCRIPT_STYLE if style is None else style
     if style != "auto":
         return check_style(style), f"TRANSCRIPT_STYLE={style}"
+    init_model = config.INIT_MODEL if init_model is None else init_model
     written, how = base_style(init_model)
+    if written is None and init_model:
+        # A base whose style cannot be told: plain would be a guess, and it decides the targets.
+        raise TranscriptStyleError(
+            f"TRANSCRIPT_STYLE=auto cannot tell which style the base writes: {how}; set "
+            f"TRANSCRIPT_STYLE=punctuated or plain as the base writes, or fix INIT_MODEL"
+        )
     if written is None:
         return "plain", f"TRANSCRIPT_STYLE=auto: plain, {how}"
     return written, f"TRANSCRIPT_STYLE=auto: {how}"
@@ -148,10 +155,13 @@ def base_mismatch(style: str, init_model: str | None = None) -> str | None:
     """One line when the base (default INIT_MODEL) writes a style other than ``style``, or when it
     cannot be had to say (the targets' style is set, so this is a warning, never an error), else
     None."""
+    init_model = config.INIT_MODEL if init_model is None else init_model
     try:
         written, how = base_style(init_model)
     except (ModelNotFetched, TranscriptStyleError) as exc:
         return f"the {style} targets are not checked against the base's style: {exc}"
+    if written is None and init_model:
+        return f"the {style} targets are not checked against the base's style: {how}"
     if written is None or written == style:
         return None
     other = "plain" if style == "punctuated" else "punctuated"

@@ -180,6 +180,18 @@ def test_a_base_path_that_does_not_exist_is_an_error_not_plain(tmp_path, missing
         ts.resolve_style("auto", str(path))
 
 
+def test_a_base_whose_tokenizer_cannot_be_read_is_an_error_not_plain(tmp_path):
+    # a .nemo cut short by a failed copy: its style cannot be told, and plain would be a guess
+    base = tmp_path / "base.nemo"
+    base.write_bytes(b"\x1f\x8b\x08\x00 not the rest of a tar")
+    with pytest.raises(ts.TranscriptStyleError, match="cannot tell which style the base writes"):
+        ts.resolve_style("auto", str(base))
+    # with the style set, the same base is only a warning that it is unchecked
+    warning = ts.base_mismatch("plain", str(base))
+    assert warning.startswith("the plain targets are not checked against the base's style: ")
+    assert "tokenizer cannot be read" in warning
+
+
 def test_a_style_set_with_a_base_that_is_not_there_warns_that_it_is_unchecked(tmp_path):
     path = tmp_path / "base.nemo"
     assert ts.base_mismatch("plain", str(path)) == (
