@@ -4,13 +4,14 @@ Usage:
     python train.py --help                                   # this text + the variables it reads
     torchrun --nproc_per_node 8 train.py                     # one 8-GPU node
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 train.py
-    INIT_MODEL=nvidia/parakeet-tdt-0.6b-v2 PRECISION=bf16-mixed torchrun --nproc_per_node 8 train.py
+    INIT_MODEL=/models/parakeet-tdt-0.6b-v2.nemo PRECISION=bf16-mixed torchrun --nproc_per_node 8 train.py
     # CPU smoke run of the tiny model (configs/tiny_tdt.yaml), two processes:
     ACCELERATOR=cpu PRECISION=32-true NUM_WORKERS=0 OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 train.py
 
 What a run does (this file wires it; each part lives where its name says):
-- Model (asr_model.py): INIT_MODEL is a .nemo file (restore_from) or a pretrained name
-  (from_pretrained); empty INIT_MODEL builds MODEL_CONFIG fresh with TOKENIZER_DIR. When the
+- Model (asr_model.py): INIT_MODEL is a .nemo file (restore_from) or a Hugging Face name (its
+  cached .nemo, else fetched once: pretrained_models.py; without network, one line naming the path
+  form); empty INIT_MODEL builds MODEL_CONFIG fresh with TOKENIZER_DIR. When the
   tokenizer in TOKENIZER_DIR differs from the model's, ``change_vocabulary`` swaps decoder and joint
   and ``tdt_loss.attach_tdt_loss`` rebuilds the TDT loss NeMo replaced with a wrong-blank RNN-T loss.
   TARGET_SAMPLE_RATE and ENCODER_FRAME_SECONDS are checked against the model's own preprocessor.
