@@ -170,6 +170,10 @@ class TrainingMetricsCallback(_pl.Callback):
     here. One all-reduce per kind of reduction combines the ranks; the cumulative totals (skipped
     steps, bad audio, ...) survive a resume as this callback's state. ``last_metrics`` holds the
     latest dict (the progress bar shows part of it).
+
+    It also watches for overfitting (``training_metrics.OverfittingWatch``, state in the checkpoint):
+    each step's train/loss, and each validation PerLanguageWERCallback (earlier in the list) left in
+    ``pl_module.last_evaluation``, the end-of-run one included; ``warn_of_overfitting`` once a run.
     """
 
     def __init__(self, share_window: int = 100):
@@ -185,13 +189,16 @@ class TrainingMetricsCallback(_pl.Callback):
         self._batch_ended: float | None = None
         self._lr = math.nan
         self._window = training_metrics.Window(self._keys)
+        self.overfitting = training_metrics.OverfittingWatch(_config.OVERFITTING_WARN_VALIDATIONS)
 
     # -- state carried in the checkpoint (rank 0's, i.e. the all-reduced totals) --
     def state_dict(self) -> dict[str, Any]:
-        return {"totals": self.totals}
+        return {"totals": self.totals, "overfitting": self.overfitting.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.totals = state_dict.get("totals", {})
+        if "overfitting" in state_dict:
+            self.overfitting.load_state_dict(state_dict["overfitting"])
 
     def on_train_start(self, trainer, pl_module) -> None:
         if trainer.is_global_zero:
@@ -247,6 +254,34 @@ class TrainingMetricsCallback(_pl.Callback):
         self._step_started = time.perf_counter()
         self._batch_ended = self._step_started
         log_to_loggers(trainer, metrics, step=trainer.global_step)
+        self._watch_overfitting(trainer, pl_module, metrics.get("train/loss"))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        # The validation PerLanguageWERCallback runs at the end of a run whose last step is no
+        # multiple of EVAL_EVERY_STEPS: after this step's training loss was counted.
+        self._watch_overfitting(trainer, pl_module, None)
+
+    def _watch_overfitting(self, trainer, pl_module, train_loss: float | None) -> None:
+        """Count this step's training loss in the interval of the validation it precedes, and
+        record a validation not yet recorded: the step-0 one closes an empty interval before this
+        step's loss, one at this step closes the interval with it."""
+        watch = self.overfitting
+        latest = getattr(pl_module, "last_evaluation", None) or {}
+        step = latest.get("step")
+        new = step is not None and (watch.last_step is None or step > watch.last_step)
+        if new and step < trainer.global_step:
+            self._record_validation(trainer, step, latest.get("loss"))
+            new = False
+        watch.train_step(train_loss)
+        if new:
+            self._record_validation(trainer, step, latest.get("loss"))
+
+    def _record_validation(self, trainer, step: int, loss: float | None) -> None:
+        watch = self.overfitting
+        if watch.validation(step, loss) and not watch.warned:
+            watch.warned = True
+            if trainer.is_global_zero:
+                warn_of_overfitting(watch.validations[-(watch.rises + 1) :])
 
     def _step_metrics(self, trainer, pl_module) -> dict[str, float]:
         w = self._window
@@ -735,6 +770,30 @@ def warn_of_forgetting(step: int, forgetting: dict[str, dict[str, float | None]]
             given,
             limit,
         )
+
+
+def warn_of_overfitting(window: list[training_metrics.LossAtValidation]) -> None:
+    """One warning line: the validation loss rose at each validation of ``window`` after its first
+    while the training loss fell (``training_metrics.overfitting_at``), the numbers, what to do."""
+    first, last = window[0], window[-1]
+    _log.warning(
+        "step %d: overfitting: the validation loss rose at each of the last %d validations "
+        "(%.4f at step %d -> %.4f) while the training loss fell (its mean between validations "
+        "%.4f up to step %d -> %.4f up to step %d; OVERFITTING_WARN_VALIDATIONS=%d). The model "
+        "learns its training utterances, not the language: use the checkpoint with the lowest validation WER ('best', "
+        "kept by KEEP_BEST_CHECKPOINTS) rather than the last, train fewer steps (MAX_STEPS), or add "
+        'data (more speakers and sources) or augmentation; docs/training.md, "Overfitting"',
+        last.step,
+        len(window) - 1,
+        first.val_loss,
+        first.step,
+        last.val_loss,
+        window[1].train_loss,
+        window[1].step,
+        last.train_loss,
+        last.step,
+        len(window) - 1,
+    )
 
 
 class PerLanguageWERCallback(_pl.Callback):

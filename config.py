@@ -177,6 +177,10 @@ def _non_negative(v: float) -> str | None:
     return None if v >= 0 else "expected a value >= 0"
 
 
+def _zero_or_at_least_two(v: int) -> str | None:
+    return None if v == 0 or v >= 2 else "expected 0 (off) or an integer >= 2"
+
+
 # --- variables that are not knobs --------------------------------------------------------------
 
 # What the shell entry points read besides the knobs (each script's header documents its own).
@@ -1031,6 +1035,16 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         steps=("train",),
     )
     knob(
+        "OVERFITTING_WARN_VALIDATIONS",
+        3,
+        _int,
+        "Warn once when the validation loss rose at each of the last N validations while the "
+        "training loss fell (its mean since the previous validation, last interval of those against "
+        "the first); run_report.py marks every such validation. 0 = never warn",
+        _zero_or_at_least_two,
+        steps=("train",),
+    )
+    knob(
         "EVAL_SAMPLES_PER_LANG",
         0,
         _int,
@@ -1327,6 +1341,7 @@ EVAL_SAMPLES_PER_LANG: int
 VAL_LANGUAGE_GIVEN: str
 LANGUAGE_GIVEN_SCRIPTS: str
 FORGETTING_WARN_POINTS: float
+OVERFITTING_WARN_VALIDATIONS: int
 SEED: int
 PRECISION: str
 ACCELERATOR: str

@@ -402,6 +402,112 @@ def recent_sum(history: Sequence[Mapping[str, float]]) -> dict[str, float]:
     return out
 
 
+# ---- overfitting: the validation loss rising while the training loss falls ------------------------
+
+
+@dataclass(frozen=True)
+class LossAtValidation:
+    """The losses of one validation: ``val_loss`` (val/loss) and ``train_loss``, the mean finite
+    train/loss over the optimizer steps since the previous validation, this one's step included
+    (None when there was none: the step-0 validation of a finetune, or every step skipped)."""
+
+    step: int
+    val_loss: float | None
+    train_loss: float | None
+
+
+def overfitting_at(validations: Sequence[LossAtValidation], rises: int) -> bool:
+    """Whether a run overfits at the last of ``validations`` (in step order): with v the validation
+    losses and t the training-loss means of ``LossAtValidation``, and n the last validation,
+
+        v[n-rises] < v[n-rises+1] < ... < v[n]     (the validation loss rose at each of the last
+                                                     ``rises`` validations)
+        t[n] < t[n-rises+1]                         (the training loss fell over the same steps:
+                                                     its mean since the validation before the last
+                                                     is below its mean since the first of them)
+
+    False with fewer than ``rises`` + 1 validations, with a loss of the window unknown, and for
+    ``rises`` < 2 (the window then holds one training interval, nothing to fall from)."""
+    if rises < 2 or len(validations) < rises + 1:
+        return False
+    window = validations[-(rises + 1) :]
+    losses = [v.val_loss for v in window]
+    first, last = window[1].train_loss, window[-1].train_loss
+    if any(loss is None or not math.isfinite(loss) for loss in losses):
+        return False
+    if first is None or last is None:
+        return False
+    return all(b > a for a, b in zip(losses, losses[1:])) and last < first
+
+
+def overfitting_steps(validations: Sequence[LossAtValidation], rises: int) -> list[int]:
+    """The steps of the validations at which ``overfitting_at`` holds (each judged on the
+    validations up to it)."""
+    return [
+        v.step for i, v in enumerate(validations) if overfitting_at(validations[: i + 1], rises)
+    ]
+
+
+def losses_at_validations(
+    val_loss: Sequence[tuple[int, float]], train_loss: Sequence[tuple[int, float]]
+) -> list[LossAtValidation]:
+    """``LossAtValidation`` of each (step, val/loss) of a run, from its (step, train/loss) series
+    (both in step order; non-finite training losses left out of the means)."""
+    out: list[LossAtValidation] = []
+    i, total, count = 0, 0.0, 0
+    for step, loss in val_loss:
+        # one pass over the training series: each step's loss joins the interval it ends in
+        while i < len(train_loss) and train_loss[i][0] <= step:
+            t = train_loss[i][1]
+            if t is not None and math.isfinite(t):
+                total, count = total + t, count + 1
+            i += 1
+        out.append(LossAtValidation(step, loss, total / count if count else None))
+        total, count = 0.0, 0
+    return out
+
+
+class OverfittingWatch:
+    """``LossAtValidation`` gathered while a run trains: ``train_step`` with each optimizer step's
+    train/loss, then ``validation`` with each validation's loss, which answers ``overfitting_at``
+    (``rises``). Its ``state_dict`` goes into checkpoints, so a resumed run judges the validations
+    of the jobs before it and ``warned`` stays set once a warning was given."""
+
+    def __init__(self, rises: int):
+        self.rises = int(rises)
+        self.validations: list[LossAtValidation] = []
+        self.warned = False
+        self._sum, self._count = 0.0, 0
+
+    @property
+    def last_step(self) -> int | None:
+        return self.validations[-1].step if self.validations else None
+
+    def train_step(self, loss: float | None) -> None:
+        if loss is not None and math.isfinite(loss):
+            self._sum, self._count = self._sum + float(loss), self._count + 1
+
+    def validation(self, step: int, loss: float | None) -> bool:
+        """Record the validation at ``step`` (closing the training interval); whether the run
+        now overfits."""
+        mean = self._sum / self._count if self._count else None
+        self.validations.append(LossAtValidation(int(step), loss, mean))
+        self._sum, self._count = 0.0, 0
+        return overfitting_at(self.validations, self.rises)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "validations": [[v.step, v.val_loss, v.train_loss] for v in self.validations],
+            "warned": self.warned,
+            "interval": [self._sum, self._count],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.validations = [LossAtValidation(int(s), v, t) for s, v, t in state["validations"]]
+        self.warned = bool(state.get("warned", False))
+        self._sum, self._count = state.get("interval", (0.0, 0))
+
+
 # ---- docs/metrics.md -----------------------------------------------------------------------------
 
 LIST_START = "<!-- metrics-list:start (generated by `python training_metrics.py --update-docs`) -->"

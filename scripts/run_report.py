@@ -11,7 +11,8 @@ going (a half-written last line is skipped) and on a finished one; a resumed run
 once, the last record of a step winning.
 
 Written to ``--out`` (default ``<run dir>/report``):
-- ``training.png``: train/loss and train/lr per optimizer step, the unfreeze marked.
+- ``training.png``: train/loss (and val/loss) and train/lr per optimizer step, the unfreeze
+  marked, and a red x on each validation at which the run overfits (OVERFITTING_WARN_VALIDATIONS).
 - ``validation.png``: WER and CER per language at every validation (step 0 is the base when finetuning).
 - ``language_mix.png``: the realized share of each language against the sampler's target.
 - ``data_path.png``: padding efficiency, audio seconds per second, skipped steps and bad audio.
@@ -34,6 +35,7 @@ import config
 from atomic_files import atomic_write
 from checkpoints import read_run_record
 from run_logging import run_directory
+from training_metrics import LossAtValidation, losses_at_validations, overfitting_steps
 
 LOSS_WINDOW = 20  # optimizer steps averaged for the "loss now" and "loss at start" figures
 
@@ -179,6 +181,25 @@ def forgetting_rows(
     ]
 
 
+def overfitting_rises(metrics: RunMetrics) -> int:
+    """OVERFITTING_WARN_VALIDATIONS of the run (its recorded settings; this shell's when absent)."""
+    try:
+        return int(
+            metrics.settings.get(
+                "OVERFITTING_WARN_VALIDATIONS", config.OVERFITTING_WARN_VALIDATIONS
+            )
+        )
+    except (TypeError, ValueError):
+        return int(config.OVERFITTING_WARN_VALIDATIONS)
+
+
+def overfitting(metrics: RunMetrics) -> tuple[list[LossAtValidation], list[int]]:
+    """(the losses of every validation with a val/loss, the steps of those at which the run
+    overfits: ``training_metrics.overfitting_steps``, as train.py judges it while it runs)."""
+    validations = losses_at_validations(metrics.series("val/loss"), metrics.series("train/loss"))
+    return validations, overfitting_steps(validations, overfitting_rises(metrics))
+
+
 def language_mix(metrics: RunMetrics) -> list[tuple[str, float | None, float | None]]:
     """(language, realized share, target share) at the newest step that logged them."""
     langs = {k.split("/", 1)[1] for k in metrics.keys_with_prefix("lang_share/")}
@@ -263,6 +284,17 @@ def plot_training(metrics: RunMetrics):
     val = metrics.series("val/loss")
     if val:
         ax_loss.plot(*zip(*val), "o-", label="val/loss")
+        flagged = set(overfitting(metrics)[1])
+        marked = [(s, v) for s, v in val if s in flagged]
+        if marked:
+            ax_loss.plot(
+                *zip(*marked),
+                "x",
+                color="red",
+                ms=11,
+                mew=2.5,
+                label=f"overfitting (OVERFITTING_WARN_VALIDATIONS={overfitting_rises(metrics)})",
+            )
     ax_loss.set_ylabel("loss")
     if lr:
         ax_lr.plot(*zip(*lr), color="tab:green")
@@ -273,7 +305,7 @@ def plot_training(metrics: RunMetrics):
         if unfreeze is not None:
             ax.axvline(unfreeze, color="grey", ls="--", lw=1, label="unfreeze (phase 2)")
         ax.grid(alpha=0.3)
-    ax_loss.legend(loc="upper right")
+    ax_loss.legend(loc="best")  # the validation loss may lie high
     fig.suptitle("Loss and learning rate")
     fig.tight_layout()
     return fig
@@ -378,6 +410,37 @@ def plot_data_path(metrics: RunMetrics):
     return fig
 
 
+def loss_lines(metrics: RunMetrics) -> list[str]:
+    """The report's validation-loss and overfitting lines (none for a run without val/loss)."""
+    val = metrics.series("val/loss")
+    if not val:
+        return []
+    (first_step, first), (last_step, last) = val[0], val[-1]
+    best_step, best = min(val, key=lambda sv: (sv[1], -sv[0]))
+    lines = [
+        f"- Validation loss: first {first:.4f} (step {first_step}), lowest {best:.4f} "
+        f"(step {best_step}), latest {last:.4f} (step {last_step})"
+    ]
+    rises = overfitting_rises(metrics)
+    if rises <= 0:
+        lines.append("- Overfitting: not judged (OVERFITTING_WARN_VALIDATIONS=0)")
+        return lines
+    _, flagged = overfitting(metrics)
+    if flagged:
+        lines.append(
+            f"- **Overfitting** at step {', '.join(map(str, flagged))}: the validation loss rose "
+            f"at each of the last {rises} validations while the training loss fell "
+            f"(OVERFITTING_WARN_VALIDATIONS); use the lowest-WER checkpoint ('best'), fewer "
+            f"steps, more data or augmentation: see docs/training.md"
+        )
+    else:
+        lines.append(
+            f"- Overfitting: none (the validation loss never rose at {rises} validations in a row "
+            f"while the training loss fell; OVERFITTING_WARN_VALIDATIONS={rises})"
+        )
+    return lines
+
+
 def render_report(run_dir: Path, metrics: RunMetrics, charts: list[str]) -> str:
     """The Markdown page: what a user quotes about the run, then the charts."""
     settings = metrics.settings
@@ -399,6 +462,7 @@ def render_report(run_dir: Path, metrics: RunMetrics, charts: list[str]) -> str:
         f"last {window} steps {_fmt(_mean(losses[-window:]))}",
         f"- Learning rate now: {_fmt(metrics.latest('train/lr'), '.3g')}",
     ]
+    lines += loss_lines(metrics)
     pad = [v for _, v in metrics.series("data/padding_efficiency")]
     lines.append(f"- Padding efficiency: median {_fmt(statistics.median(pad) if pad else None)}")
     rate = metrics.series("throughput/audio_s_per_s")

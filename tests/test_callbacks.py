@@ -694,6 +694,110 @@ def test_bad_audio_counts_accumulate_across_steps(tmp_path):
     )
 
 
+class ScriptedLosses(TinyModule):
+    """Every micro-batch of optimizer step s reports the training loss ``train(s)``."""
+
+    def __init__(self, train):
+        super().__init__()
+        self.train_loss = train
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.last_loss = torch.tensor(float(self.train_loss(self.trainer.global_step + 1)))
+        return loss
+
+
+class ScriptedValidation(pl.Callback):
+    """A validation every ``every`` steps, as PerLanguageWERCallback leaves it in
+    ``last_evaluation`` (before TrainingMetricsCallback in the list, as train.py orders them)."""
+
+    def __init__(self, every, val_loss):
+        self.every, self.val_loss = every, val_loss
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        if (
+            step % self.every == 0
+            and (pl_module.__dict__.get("last_evaluation") or {}).get("step") != step
+        ):
+            pl_module.last_evaluation = {"step": step, "loss": self.val_loss(step)}
+
+    def on_train_end(self, trainer, pl_module):
+        # the run's last step, validated once more when it is no multiple of ``every``
+        if trainer.global_step % self.every:
+            pl_module.last_evaluation = {
+                "step": trainer.global_step,
+                "loss": self.val_loss(trainer.global_step),
+            }
+
+
+def overfitting_warnings(caplog) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelname == "WARNING" and "overfitting" in r.getMessage()
+    ]
+
+
+def test_overfitting_is_warned_once_with_the_numbers_and_what_to_do(tmp_path, caplog):
+    """Validations every 2 steps; the validation loss rises at each from step 4 on (1.0 at step 2,
+    then 1.2, 1.3, 1.4, ...) while the training loss falls as 1/s: the third rise is step 8's."""
+    module = ScriptedLosses(lambda s: 1.0 / s)
+    val = ScriptedValidation(2, lambda s: 1.0 if s <= 2 else 1.0 + 0.05 * s)
+    with caplog.at_level("WARNING", logger="callbacks"):
+        fit(tmp_path, max_steps=14, module=module,
+            extra=[val, callbacks.TrainingMetricsCallback()])  # fmt: skip
+    warned = overfitting_warnings(caplog)
+    assert len(warned) == 1, warned  # the rises at steps 10, 12 and 14 are not warned again
+    line = warned[0]
+    assert line.startswith("step 8: overfitting") and "\n" not in line
+    assert "last 3 validations (1.0000 at step 2 -> 1.4000)" in line
+    # the training loss's means between validations: steps 3-4 (1/3, 1/4) and steps 7-8
+    assert (
+        f"{(1 / 3 + 1 / 4) / 2:.4f} up to step 4 -> {(1 / 7 + 1 / 8) / 2:.4f} up to step 8" in line
+    )
+    for remedy in ("KEEP_BEST_CHECKPOINTS", "MAX_STEPS", "data", "augmentation"):
+        assert remedy in line
+
+
+def test_the_validation_at_the_end_of_a_run_is_judged_too(tmp_path, caplog):
+    """Validations at steps 2, 4, 6 and at the end, 7: the third rise is the last validation's."""
+    module = ScriptedLosses(lambda s: 1.0 / s)
+    val = ScriptedValidation(2, lambda s: 1.0 if s <= 2 else 1.0 + 0.05 * s)
+    with caplog.at_level("WARNING", logger="callbacks"):
+        fit(tmp_path, max_steps=7, module=module,
+            extra=[val, callbacks.TrainingMetricsCallback()])  # fmt: skip
+    assert [w.split(":")[0] for w in overfitting_warnings(caplog)] == ["step 7"]
+
+
+def test_a_validation_loss_that_falls_with_the_training_loss_is_not_warned(tmp_path, caplog):
+    module = ScriptedLosses(lambda s: 1.0 / s)
+    val = ScriptedValidation(2, lambda s: 2.0 / (s + 1))
+    with caplog.at_level("WARNING", logger="callbacks"):
+        fit(tmp_path, max_steps=14, module=module,
+            extra=[val, callbacks.TrainingMetricsCallback()])  # fmt: skip
+    assert overfitting_warnings(caplog) == []
+
+
+def test_overfitting_is_judged_across_a_resume_and_warned_once_a_run(tmp_path, caplog):
+    """The job that saved step 6 saw the validations of steps 2, 4, 6; the resumed one adds 8 (the
+    third rise: the warning) and, resumed again after step 9, does not warn again."""
+
+    def job(max_steps, stop, ckpt=None):
+        module = ScriptedLosses(lambda s: 1.0 / s)
+        val = ScriptedValidation(2, lambda s: 1.0 if s <= 2 else 1.0 + 0.05 * s)
+        fit(tmp_path, max_steps=max_steps, module=module, every=3, ckpt_path=ckpt,
+            extra=[val, callbacks.TrainingMetricsCallback(), StopAt(stop)])  # fmt: skip
+
+    with caplog.at_level("WARNING", logger="callbacks"):
+        job(14, 6)
+        assert overfitting_warnings(caplog) == []
+        job(14, 9, str(tmp_path / "ckpt" / "step_00000006.ckpt"))
+        assert [w.split(":")[0] for w in overfitting_warnings(caplog)] == ["step 8"]
+        job(14, 14, str(tmp_path / "ckpt" / "step_00000009.ckpt"))
+    assert len(overfitting_warnings(caplog)) == 1
+
+
 def test_progress_bar_counts_optimizer_steps_of_max_steps_then_micro_batches(tmp_path, capsys):
     bar = callbacks.OptimizerStepProgressBar(refresh_rate=1, plain=False)
     fit(tmp_path, max_steps=4, extra=[callbacks.TrainingMetricsCallback(), bar], progress=True)

@@ -142,6 +142,49 @@ def test_the_language_given_and_the_forgetting_of_a_base_language_are_reported(t
     assert "| en | +10.0 (10) | +10.0 (10) | +2.0 | kept |" in report
 
 
+def overfitting_run(val_losses: dict[int, float], steps: int = 10) -> list[dict]:
+    """train/loss 10 / step at every step, val/loss at the given steps."""
+    records = [training_record(s) for s in range(1, steps + 1)]
+    return records + [{"step": s, "val/loss": v, "val/wer/all": 0.5} for s, v in val_losses.items()]
+
+
+def test_the_report_gives_the_validation_loss_and_marks_where_the_run_overfits(tmp_path):
+    """Validation loss 1.0 at step 2, then rising at 4, 6, 8 (the third rise: overfitting at 8) and
+    falling at 10, while the training loss (10 / step) falls throughout."""
+    records = overfitting_run({2: 1.0, 4: 1.5, 6: 1.6, 8: 1.7, 10: 1.2})
+    run = write_run(tmp_path / "of", records, OVERFITTING_WARN_VALIDATIONS=3)
+    report = run_report.write_report(run, tmp_path / "out").read_text()
+    assert (
+        "- Validation loss: first 1.0000 (step 2), lowest 1.0000 (step 2), latest 1.2000 (step 10)"
+        in report
+    )
+    assert "- **Overfitting** at step 8: the validation loss rose at each of the last 3" in report
+    metrics = run_report.read_metrics(run)
+    fig = run_report.plot_training(metrics)
+    marks = [line for line in fig.axes[0].lines if line.get_label().startswith("overfitting")]
+    assert len(marks) == 1 and list(marks[0].get_xdata()) == [8]
+    assert list(marks[0].get_ydata()) == [1.7]
+    # the run's own setting decides: four rises were asked for, three happened
+    run = write_run(tmp_path / "of4", records, OVERFITTING_WARN_VALIDATIONS=4)
+    report = run_report.write_report(run, tmp_path / "out4").read_text()
+    assert "- Overfitting: none (the validation loss never rose at 4 validations in a row" in report
+    fig = run_report.plot_training(run_report.read_metrics(run))
+    assert not [line for line in fig.axes[0].lines if line.get_label().startswith("overfitting")]
+
+
+def test_a_validation_loss_falling_with_the_training_loss_is_no_overfitting(tmp_path):
+    records = overfitting_run({2: 1.0, 4: 0.9, 6: 0.8, 8: 0.7, 10: 0.6})
+    report = run_report.write_report(
+        write_run(tmp_path / "ok", records), tmp_path / "o"
+    ).read_text()
+    assert "- Overfitting: none" in report and "**Overfitting**" not in report
+    # a run without val/loss has neither line
+    report = run_report.write_report(
+        write_run(tmp_path / "nv", [training_record(1)]), tmp_path / "o2"
+    ).read_text()
+    assert "Validation loss" not in report and "Overfitting" not in report
+
+
 def test_a_run_without_language_identification_draws_no_confusion(tmp_path):
     run = write_run(tmp_path / "old", [training_record(1), {"step": 1, "val/wer/all": 0.5}])
     report = run_report.write_report(run, tmp_path / "out").read_text()

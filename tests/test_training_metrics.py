@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import training_metrics as tm
 from doc_tables import replace_section
@@ -107,3 +109,93 @@ def test_sums_and_maxes_combine_the_ranks_by_name():
         assert r["utterances"] == 3 and r["lang_utterances"] == {"en": 0.0, "hi": 3.0}
         assert r["step_seconds_max"] == 2.0
         assert r["skipped_steps"] == 1.0  # max: every rank decided the same skip
+
+
+# ---- overfitting -------------------------------------------------------------------------------
+
+
+def validations(val_losses, train_means, start=0, every=100):
+    return [
+        tm.LossAtValidation(start + every * i, v, t)
+        for i, (v, t) in enumerate(zip(val_losses, train_means))
+    ]
+
+
+def test_three_rises_of_the_validation_loss_while_training_loss_falls_is_overfitting():
+    # the step-0 validation has no training before it; v rises 1.0 -> 1.1 -> 1.2 -> 1.3
+    run = validations([1.0, 1.1, 1.2, 1.3], [None, 0.9, 0.5, 0.2])
+    assert tm.overfitting_at(run, 3)
+    assert tm.overfitting_steps(run, 3) == [300]
+    assert not tm.overfitting_at(run[:3], 3)  # two rises are not three
+    assert tm.overfitting_at(run[:3], 2)
+
+
+def test_a_validation_loss_that_stops_rising_even_once_is_no_overfitting():
+    assert not tm.overfitting_at(validations([1.0, 1.1, 1.1, 1.3], [None, 0.9, 0.5, 0.2]), 3)
+    assert not tm.overfitting_at(validations([1.0, 1.2, 1.1, 1.3], [None, 0.9, 0.5, 0.2]), 3)
+
+
+def test_a_training_loss_that_does_not_fall_over_the_window_is_no_overfitting():
+    # validation and training loss rising together: the run diverges, it does not overfit
+    assert not tm.overfitting_at(validations([1.0, 1.1, 1.2, 1.3], [None, 0.5, 0.6, 0.7]), 3)
+    assert not tm.overfitting_at(validations([1.0, 1.1, 1.2, 1.3], [None, 0.5, 0.4, 0.5]), 3)
+    # the window's first interval is the one ending at its second validation (step 100), not the
+    # interval before the window: training rose into the window, then fell within it
+    assert tm.overfitting_at(validations([2.0, 1.0, 1.1, 1.2, 1.3], [0.1, 0.9, 0.8, 0.7, 0.6]), 3)
+
+
+def test_an_unknown_loss_in_the_window_or_fewer_than_two_rises_never_warn():
+    assert not tm.overfitting_at(validations([1.0, None, 1.2, 1.3], [None, 0.9, 0.5, 0.2]), 3)
+    assert not tm.overfitting_at(validations([1.0, 1.1, 1.2, 1.3], [None, None, 0.5, 0.2]), 3)
+    assert not tm.overfitting_at(validations([1.0, 1.1, 1.2, math.nan], [None, 0.9, 0.5, 0.2]), 3)
+    assert not tm.overfitting_at(validations([1.0, 1.1], [None, 0.5]), 1)
+    assert not tm.overfitting_at(validations([1.0, 1.1, 1.2, 1.3], [None, 0.9, 0.5, 0.2]), 0)
+
+
+def test_every_validation_of_a_longer_rise_is_an_overfitting_step():
+    run = validations([3.0, 2.0, 2.1, 2.2, 2.3, 2.4, 2.0], [None, 2.5, 1.0, 0.8, 0.6, 0.4, 0.3])
+    assert tm.overfitting_steps(run, 3) == [400, 500]
+
+
+def test_the_training_loss_of_a_validation_is_its_mean_since_the_one_before():
+    train = [(1, 4.0), (2, 2.0), (3, math.nan), (4, 1.0), (5, 3.0), (6, 5.0), (7, 9.0)]
+    got = tm.losses_at_validations([(0, 1.5), (2, 1.4), (4, 1.3), (6, 1.2)], train)
+    assert got == [
+        tm.LossAtValidation(0, 1.5, None),
+        tm.LossAtValidation(2, 1.4, 3.0),  # steps 1-2
+        tm.LossAtValidation(4, 1.3, 1.0),  # steps 3-4, the non-finite left out
+        tm.LossAtValidation(6, 1.2, 4.0),  # steps 5-6; step 7 follows the last validation
+    ]
+
+
+@given(
+    st.lists(st.floats(0.0, 10.0), min_size=1, max_size=60),
+    st.integers(1, 9),
+    st.integers(2, 4),
+    st.integers(1, 59),
+)
+@settings(max_examples=60, deadline=None)
+def test_the_live_watch_and_the_reports_reading_of_metrics_find_the_same_steps(
+    train, every, rises, resume_at
+):
+    """train.py watches step by step (and carries the watch through a checkpoint); run_report.py
+    reads the same series from metrics.jsonl afterwards: they must agree."""
+    import random
+
+    rng = random.Random(len(train) * 31 + every)
+    val = [(0, 5.0)] + [(s, rng.uniform(0, 3)) for s in range(every, len(train) + 1, every)]
+    series = list(enumerate(train, start=1))
+    expected = tm.overfitting_steps(tm.losses_at_validations(val, series), rises)
+    watch, found = tm.OverfittingWatch(rises), []
+    if watch.validation(0, 5.0):
+        found.append(0)
+    losses = dict(val)
+    for step, loss in series:
+        if step == resume_at:  # a resumed job continues from the checkpoint's state
+            state = watch.state_dict()
+            watch = tm.OverfittingWatch(rises)
+            watch.load_state_dict(state)
+        watch.train_step(loss)
+        if step in losses and watch.validation(step, losses[step]):
+            found.append(step)
+    assert found == expected
