@@ -200,6 +200,25 @@ def overfitting(metrics: RunMetrics) -> tuple[list[LossAtValidation], list[int]]
     return validations, overfitting_steps(validations, overfitting_rises(metrics))
 
 
+def base_wer(metrics: RunMetrics, lang: str) -> float | None:
+    """The WER of ``lang`` at the step-0 validation (the base's), else as its forgetting series
+    implies it (val/wer now minus val/forgetting points at one step); None when neither is logged."""
+    wer = dict(metrics.series(f"val/wer/{lang}"))
+    if 0 in wer:
+        return wer[0]
+    for step, points in metrics.series(f"val/forgetting/{lang}"):
+        if step in wer:
+            return wer[step] - points / 100
+    return None
+
+
+def forgetting_judged(base: float | None) -> bool:
+    """Whether forgetting can be judged from a base WER: not when the base already got every word
+    wrong or worse (WER at or above 1.0): it did not know that validation, so there was nothing
+    to forget, and a WER that moves above 1.0 measures insertions, not forgetting."""
+    return base is None or base < 1.0
+
+
 def language_mix(metrics: RunMetrics) -> list[tuple[str, float | None, float | None]]:
     """(language, realized share, target share) at the newest step that logged them."""
     langs = {k.split("/", 1)[1] for k in metrics.keys_with_prefix("lang_share/")}
@@ -321,6 +340,7 @@ def plot_validation(metrics: RunMetrics):
     forgotten = {
         lang: {s for s, points in series if limit > 0 and points > limit}
         for lang, series, _ in forgetting_rows(metrics)
+        if forgetting_judged(base_wer(metrics, lang))
     }
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, unit in zip(axes, ("wer", "cer")):
@@ -551,11 +571,18 @@ def render_report(run_dir: Path, metrics: RunMetrics, charts: list[str]) -> str:
             latest_step, latest = series[-1]
             worst_step, worst = max(series, key=lambda sv: (sv[1], -sv[0]))
             flagged = [s for s, v in series if limit > 0 and v > limit]
-            verdict = (
-                f"**forgetting** at step {', '.join(map(str, flagged))}: see docs/training.md"
-                if flagged
-                else "kept"
-            )
+            base = base_wer(metrics, lang)
+            if not forgetting_judged(base):
+                verdict = (
+                    f"none: the base's WER was already {100 * base:.1f}% at step 0 (at or "
+                    f"above 100%: nothing known to forget)"
+                )
+            elif flagged:
+                verdict = (
+                    f"**forgetting** at step {', '.join(map(str, flagged))}: see docs/training.md"
+                )
+            else:
+                verdict = "kept"
             lines.append(
                 f"| {lang} | {latest:+.1f} ({latest_step}) | {worst:+.1f} ({worst_step}) "
                 f"| {_fmt(given_series[-1][1] if given_series else None, '+.1f')} | {verdict} |"

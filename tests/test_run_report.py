@@ -142,6 +142,40 @@ def test_the_language_given_and_the_forgetting_of_a_base_language_are_reported(t
     assert "| en | +10.0 (10) | +10.0 (10) | +2.0 | kept |" in report
 
 
+def test_a_base_language_the_base_never_knew_gets_no_forgetting_verdict(tmp_path):
+    """Tamil scored 100% WER at step 0 (the base never learned it) and 120% at step 10: 20 points
+    "worse", but nothing known was forgotten; English, known, is judged as usual."""
+    records = [training_record(s) for s in range(1, 11)]
+    records += [
+        {
+            "step": step,
+            "val/wer/all": 0.5,
+            "val/wer/en": en,
+            "val/wer/ta": ta,
+            "val/forgetting/en": 100 * (en - 0.10),
+            "val/forgetting/ta": 100 * (ta - 1.0),
+        }
+        for step, en, ta in ((0, 0.10, 1.0), (10, 0.12, 1.2))
+    ]
+    run = write_run(tmp_path / "ft", records, INIT_MODEL="base.nemo", FORGETTING_WARN_POINTS=5)
+    report = run_report.write_report(run, tmp_path / "out").read_text()
+    assert (
+        "| ta | +20.0 (10) | +20.0 (10) | n/a | none: the base's WER was already 100.0% " in report
+    )
+    assert "kept" not in report.split("| ta |")[1].splitlines()[0]
+    assert "| en | +2.0 (10) | +2.0 (10) | n/a | kept |" in report
+    metrics = run_report.read_metrics(run)
+    assert run_report.base_wer(metrics, "ta") == 1.0
+    fig = run_report.plot_validation(metrics)  # no red x for Tamil's 20 "points" either
+    assert not [line for ax in fig.axes for line in ax.lines if line.get_marker() == "x"]
+    # without the step-0 WER logged, the forgetting series implies the base's
+    for record in records:
+        if record["step"] == 0:
+            del record["val/wer/ta"]
+    metrics = run_report.read_metrics(write_run(tmp_path / "ft2", records))
+    assert run_report.base_wer(metrics, "ta") == pytest.approx(1.0)
+
+
 def overfitting_run(val_losses: dict[int, float], steps: int = 10) -> list[dict]:
     """train/loss 10 / step at every step, val/loss at the given steps."""
     records = [training_record(s) for s in range(1, steps + 1)]
