@@ -27,16 +27,18 @@ The manifest is a parquet manifest of this pipeline, or a NeMo JSON manifest (on
 ``audio_filepath`` (relative paths resolved against the manifest's directory), ``duration``,
 ``text``, and optionally ``lang``; rows without ``lang`` count as ``--lang``, default ``und``).
 
-The CSV (default: ``<model stem>.<manifest stem>.wer.csv`` beside the model) has one row per language
-plus ``all``: lang, utterances, words, word_edits (= substitutions + deletions + insertions, also
-given), wer, chars, char_edits, cer, bad_audio, excluded (rows of a parquet manifest left out unscored:
-more tokens than encoder frames, or no valid duration; the first ids are printed below the table),
-raw_wer, raw_cer (the same utterances scored as written), punct_f1 and case_err (how the marks ending
-each word and the case of correctly recognized words come out against the references as written:
-``punctuation_scoring``, as a punctuated run's validation reports them; empty where the language has
-no cased words) and lid_acc (language identification: the share of the language's hypotheses that
-start with its own tag, as validation's ``val/lid_acc/<lang>``; nan for rows of unknown language,
-``und``, which ``all`` leaves out; ``LID`` in the table).
+The CSV (default: ``<model stem>.<manifest stem>.wer.csv`` beside the model) has one row per
+language plus ``all``: lang, utterances, words, word_edits (= substitutions + deletions +
+insertions, also given), wer, chars, char_edits, cer, bad_audio, excluded (rows of a parquet
+manifest left out unscored: more tokens than encoder frames, or no valid duration; the first ids are
+printed below the table), raw_wer, raw_cer (the same utterances scored as written), punct_f1 and
+case_err (how the marks ending each word and the case of correctly recognized words come out against
+the references as written: ``punctuation_scoring``, as a punctuated run's validation reports them;
+nan where they cannot mean anything: punct_f1 when neither side writes a sentence mark, case_err
+when neither writes a capital letter or the language has no cased words) and lid_acc (language
+identification: the share of the language's hypotheses that start with its own tag, as validation's
+``val/lid_acc/<lang>``; nan for rows of unknown language, ``und``, which ``all`` leaves out; ``LID``
+in the table).
 The table shows each kind of word edit per reference word (sub + del + ins = WER).
 
 Every utterance is decoded twice from one encoder forward (``--decode both``, the default): auto,
@@ -136,12 +138,13 @@ def evaluate(
     decode: str = "both",
 ) -> tuple[dict, dict[str, int], dict, dict, dict, dict, dict]:
     """(ErrorCounts per language + 'all', bad-audio count per language, the rows left out unscored:
-    ``evaluation.excluded_rows``, ErrorCounts of the texts as written, PunctuationCounts per
-    language + 'all', language-identification accuracy per known language + 'all', ErrorCounts
-    per language + 'all' decoded with the language given) of ``model`` on ``manifest`` (parquet,
-    or NeMo JSON: see ``scoring_set``; scored by ``score``). ``decode``: "both" decodes auto and
-    with the language given, "auto" or "given" only that one (the first five then describe it,
-    the last is {} for "auto"; with "given", the language-identification accuracy is {})."""
+    ``evaluation.excluded_rows``, ErrorCounts of the texts as written, (punctuation F1, case error
+    rate) per language + 'all' (``score``), language-identification accuracy per known language +
+    'all', ErrorCounts per language + 'all' decoded with the language given) of ``model`` on
+    ``manifest`` (parquet, or NeMo JSON: see ``scoring_set``; scored by ``score``). ``decode``:
+    "both" decodes auto and with the language given, "auto" or "given" only that one (the first five
+    then describe it, the last is {} for "auto"; with "given", the language-identification accuracy
+    is {})."""
     import numpy as np
 
     import evaluation
@@ -193,10 +196,12 @@ def score(
     texts: list[str], hypotheses: dict[int, str | None], langs: list[str]
 ) -> tuple[dict, dict, dict[str, int], dict, dict]:
     """(ErrorCounts per language + 'all' after ``evaluation.normalize_for_scoring``, the same as
-    written, bad-audio count per language + 'all', ``punctuation_scoring.punctuation_case_scores``
-    of the texts as written, ``evaluation.language_id_accuracy`` of the utterances of a known
-    language) of ``hypotheses`` ({index: text, or None for
-    bad audio}) against the references ``texts`` (``scoring_set``'s, by index)."""
+    written, bad-audio count per language + 'all', (punctuation F1, case error rate) per language
+    + 'all' of the texts as written (``punctuation_scoring.punctuation_case_scores`` as
+    ``evaluation.shown_punctuation_scores`` shows them: nan where they cannot mean anything),
+    ``evaluation.language_id_accuracy`` of the utterances of a known language) of ``hypotheses``
+    ({index: text, or None for bad audio}) against the references ``texts`` (``scoring_set``'s,
+    by index)."""
     import evaluation
     from punctuation_scoring import punctuation_case_scores
 
@@ -217,7 +222,9 @@ def score(
         evaluation.corpus_error_rates(refs, hyps, of),
         evaluation.corpus_error_rates(refs, hyps, of, as_written=True),
         bad,
-        punctuation_case_scores(refs, hyps, of),
+        evaluation.shown_punctuation_scores(
+            punctuation_case_scores(refs, hyps, of), refs, hyps, of
+        ),
         evaluation.language_id_accuracy(confusion) if known else {},
     )
 
@@ -232,8 +239,8 @@ def result_rows(
     given: dict | None = None,
 ) -> list[dict]:
     """The CSV's rows, one per language of ``results`` (raw_wer / raw_cer from ``as_written``,
-    punct_f1 / case_err from ``punctuation``, lid_acc from ``lid``, wer_given / cer_given from
-    ``given``)."""
+    punct_f1 / case_err from ``punctuation``: (F1, case error rate) per language, lid_acc from
+    ``lid``, wer_given / cer_given from ``given``)."""
     as_written, punctuation, lid, given = (
         as_written or {},
         punctuation or {},
@@ -261,16 +268,31 @@ def result_rows(
             "excluded": left_out.get(lang, 0),
             "raw_wer": round(as_written[lang].wer, 6) if lang in as_written else math.nan,
             "raw_cer": round(as_written[lang].cer, 6) if lang in as_written else math.nan,
-            "punct_f1": round(punctuation[lang].f1, 6) if lang in punctuation else math.nan,
-            "case_err": round(punctuation[lang].case_error_rate, 6)
-            if lang in punctuation and punctuation[lang].cased_words
-            else math.nan,
+            "punct_f1": round(punctuation[lang][0], 6) if lang in punctuation else math.nan,
+            "case_err": round(punctuation[lang][1], 6) if lang in punctuation else math.nan,
             "lid_acc": round(lid[lang], 6) if lang in lid else math.nan,
             "wer_given": round(given[lang].wer, 6) if lang in given else math.nan,
             "cer_given": round(given[lang].cer, 6) if lang in given else math.nan,
         }
         for lang, c in results.items()
     ]
+
+
+def punctuation_line(rows: list[dict]) -> str:
+    """The printed line of punctuation F1 / case errors per language ('-' where the number means
+    nothing: no sentence mark, or no capital letter, on either side)."""
+
+    def shown(value: float) -> str:
+        return "-" if math.isnan(value) else f"{value:.3f}"
+
+    if all(math.isnan(r["punct_f1"]) and math.isnan(r["case_err"]) for r in rows):
+        return (
+            "punctuation F1 / case errors: not scored (neither the references nor the hypotheses "
+            "write a sentence mark or a capital letter)"
+        )
+    return "punctuation F1 / case errors, against the references as written: " + ", ".join(
+        f"{r['lang']} {shown(r['punct_f1'])} / {shown(r['case_err'])}" for r in rows
+    )
 
 
 def format_table(rows: list[dict]) -> str:
@@ -403,14 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         "LID: share of hypotheses starting with the language's own tag)"
     )
     print(format_table(rows))
-    print(
-        "punctuation F1 / case errors, against the references as written: "
-        + ", ".join(
-            f"{r['lang']} {r['punct_f1']:.3f} / "
-            + ("-" if math.isnan(r["case_err"]) else f"{r['case_err']:.3f}")
-            for r in rows
-        )
-    )
+    print(punctuation_line(rows))
     if excluded:
         from evaluation import describe_excluded
 

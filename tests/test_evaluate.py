@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import re
 import subprocess
@@ -1080,6 +1081,38 @@ def test_the_references_punctuated_target_scores_punctuation_f1_one_on_a_raw_and
         assert float(rows[lang]["wer"]) == 0.0, lang
         assert float(rows[lang]["punct_f1"]) == 1.0, lang
     assert float(rows["en"]["case_err"]) == 0.0
+
+
+def test_punctuation_and_case_scores_are_not_shown_where_neither_side_writes_any():
+    """Plain lower-case English on both sides: no mark and no capital to get right, so neither
+    score is shown (the F1 would read 1.0, the case errors 0.0). Hindi writes a danda on the
+    reference side only: its F1 is shown (0), its case is not (no case in Devanagari)."""
+    texts = ["<|en|> hello world", "<|en|> good day", "<|hi|> नमस्ते दुनिया।"]
+    hyps = {0: "<|en|> hello world", 1: "<|en|> good day", 2: "<|hi|> नमस्ते दुनिया"}
+    punctuation = evaluate.score(texts, hyps, ["en", "en", "hi"])[3]
+    f1, case = punctuation["en"]
+    assert math.isnan(f1) and math.isnan(case)
+    f1, case = punctuation["hi"]
+    assert f1 == 0.0 and math.isnan(case)
+    assert punctuation["all"][0] == 0.0 and math.isnan(punctuation["all"][1])
+    rows = evaluate.result_rows(evaluate.score(texts, hyps, ["en", "en", "hi"])[0], {},
+                                punctuation=punctuation)  # fmt: skip
+    assert [math.isnan(r["punct_f1"]) for r in rows] == [True, False, False]
+    assert evaluate.punctuation_line(rows) == (
+        "punctuation F1 / case errors, against the references as written: "
+        "en - / -, hi 0.000 / -, all 0.000 / -"
+    )
+    only_en = [r for r in rows if r["lang"] == "en"]
+    assert "not scored" in evaluate.punctuation_line(only_en)
+
+
+def test_a_capital_or_a_mark_on_either_side_makes_the_score_shown():
+    texts = ["<|en|> hello world", "<|en|> Good day"]
+    # the hypothesis writes a mark the reference lacks, and the second reference a capital
+    hyps = {0: "<|en|> hello world.", 1: "<|en|> good day"}
+    f1, case = evaluate.score(texts, hyps, ["en", "en"])[3]["en"]
+    assert f1 == 0.0  # one hypothesis mark, none right
+    assert case == pytest.approx(1 / 4)  # "good" for "Good", of the four recognized words
 
 
 def test_validation_scores_a_punctuated_cased_hypothesis_against_plain_targets_as_perfect(
