@@ -397,6 +397,21 @@ def heaviest_shape(node: Node, max_batch_duration: float):
     )
 
 
+def heaviest_batch_phrase(shape, max_batch_duration: float) -> str:
+    """What the step check runs, in words: ``shape`` (``max_batch.heaviest_batch_shape`` or
+    ``manifest_batch_shape``) is n copies of the longest utterance, a bound on the padded frames
+    and joint cells of every micro-batch the sampler packs at ``max_batch_duration``. Its padded
+    seconds may exceed ``max_batch_duration`` (a real batch holds at most that much audio, padded to
+    its longest utterance): the phrase says which number is which."""
+    n, longest = len(shape.durations), max(shape.durations)
+    return (
+        f"MAX_BATCH_DURATION={max_batch_duration:g}'s padding bound: {n} x the longest utterance "
+        f"({longest:.1f} s) = {shape.audio_seconds:.1f} s padded, {max(shape.tokens)} tokens each "
+        f"(every batch the sampler packs holds at most {max_batch_duration:g} s of audio and pads "
+        f"to no more than this)"
+    )
+
+
 def check_step(node: Node) -> Check:
     import torch
 
@@ -406,7 +421,7 @@ def check_step(node: Node) -> Check:
     precision = max_batch.step_precision(device)
     shape, source = heaviest_shape(node, config.MAX_BATCH_DURATION)
     batch = max_batch.make_batch(shape, node.model.tokenizer)
-    described = f"{shape.describe()} ({source}), {precision}"
+    described = f"{heaviest_batch_phrase(shape, config.MAX_BATCH_DURATION)}; {source}, {precision}"
     if device.type == "cpu":
         need, have = (
             max_batch.estimated_host_bytes(node.model, shape),

@@ -84,6 +84,7 @@ def test_a_cpu_node_with_its_data_in_place_passes_and_says_what_it_skipped(corpu
         "wandb": "ok",
     }, out[-3000:]
     assert re.search(r"phase 1 [\d.]+ s, phase 2 [\d.]+ s a micro-batch", lines["step"])
+    assert "MAX_BATCH_DURATION=6's padding bound:" in lines["step"]
     assert re.search(r"\d+ audio s/s per rank \(NUM_WORKERS=1, cold", lines["data"])
     assert "4 skipped (gpu, tdt-loss, max-batch, all-reduce)" in out
 
@@ -201,6 +202,18 @@ def test_a_rank_that_fails_a_check_is_named_in_the_report_instead_of_hanging_the
     assert "not measured: rank(s) 1 cannot take part" in lines["all-reduce"]
     assert verdict(lines["step"]) == "skip" and "[1 ok, 1 skip]" in lines["step"], lines["step"]
     assert result.returncode != 0
+
+
+def test_the_step_line_says_its_padded_seconds_are_a_bound_not_a_batch_over_the_limit():
+    """8 copies of a 3.925 s utterance: 31.4 s padded, more than MAX_BATCH_DURATION=20, which the
+    phrase says every real batch's audio stays within."""
+    import max_batch
+
+    shape = max_batch.BatchShape(durations=[3.925] * 8, tokens=[12] * 8)
+    phrase = preflight.heaviest_batch_phrase(shape, 20.0)
+    assert phrase.startswith("MAX_BATCH_DURATION=20's padding bound: 8 x the longest utterance")
+    assert "(3.9 s) = 31.4 s padded, 12 tokens each" in phrase
+    assert "at most 20 s of audio" in phrase
 
 
 def test_driver_rule_follows_torchs_cuda_major():
