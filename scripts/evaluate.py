@@ -7,6 +7,7 @@ Usage:
     python scripts/evaluate.py last                     # the newest step checkpoint in CHECKPOINT_DIR
     python scripts/evaluate.py model.nemo --manifest test.json --lang hi   # a NeMo JSON manifest
     python scripts/evaluate.py model.nemo --decode auto   # only as the model guesses the language
+    python scripts/evaluate.py model.nemo --hyps hyps.jsonl   # and every utterance's hypotheses
 
 Rates are corpus-level per language: total word edits / total reference words (not a mean of
 per-utterance WERs), CER likewise over characters (single spaces between words included). The row
@@ -47,6 +48,13 @@ and with the language given, decoding started from the row's language tag (``wer
 ``cer_given``; ``WER given`` in the table): the gap between the two is what wrong language guesses
 cost. Rows of unknown language (``und``) are decoded auto in both. ``--decode auto`` or ``given``
 decodes once; the other pair of columns is then empty.
+
+``--hyps FILE`` writes every utterance scored (bad audio too) as one JSON line, in manifest order, for reading the
+errors one by one: ``id`` (a parquet row's segment_id; a NeMo JSON row's audio path), ``lang``,
+``reference`` (as the manifest writes it), ``hypothesis`` (auto, its language tag first) and
+``hypothesis_given`` (each as decoded; null for bad audio), ``words`` (the reference's, normalized
+as scored) and ``word_errors`` / ``word_errors_given`` (the word edits each hypothesis costs: summed
+over a language and divided by its words, they are its WER), ``bad_audio``. Written atomically.
 """
 
 from __future__ import annotations
@@ -136,6 +144,7 @@ def evaluate(
     progress: bool = True,
     lang: str | None = None,
     decode: str = "both",
+    hyps_path: Path | None = None,
 ) -> tuple[dict, dict[str, int], dict, dict, dict, dict, dict]:
     """(ErrorCounts per language + 'all', bad-audio count per language, the rows left out unscored:
     ``evaluation.excluded_rows``, ErrorCounts of the texts as written, (punctuation F1, case error
@@ -144,7 +153,7 @@ def evaluate(
     ``manifest`` (parquet, or NeMo JSON: see ``scoring_set``; scored by ``score``). ``decode``:
     "both" decodes auto and with the language given, "auto" or "given" only that one (the first five
     then describe it, the last is {} for "auto"; with "given", the language-identification accuracy
-    is {})."""
+    is {}). With ``hyps_path``, every decoded utterance is written there too (``write_hypotheses``)."""
     import numpy as np
 
     import evaluation
@@ -184,12 +193,105 @@ def evaluate(
             f"{len(indices) - decoded} of them bad audio ({note}); check the manifest and that "
             f"its audio exists (DATA_DIR / SHARDS_DIR, scripts/extract_audio.py)"
         )
+    if hyps_path is not None:
+        write_hypotheses(
+            hypothesis_rows(
+                utterance_ids(dataset),
+                texts,
+                langs,
+                indices,
+                out.texts if decode != "given" else None,
+                out.given_texts if given else None,
+            ),
+            hyps_path,
+        )
     results, as_written, bad, punctuation, lid = score(texts, hyps, langs)
     if decode == "given":
         return results, bad, evaluation.excluded_rows(dataset), as_written, punctuation, {}, results
     results_given = score(texts, out.given_texts, langs)[0] if given else {}
     excluded = evaluation.excluded_rows(dataset)
     return results, bad, excluded, as_written, punctuation, lid, results_given
+
+
+def utterance_ids(dataset) -> list[str]:
+    """What names each item of ``scoring_set``'s dataset in the hypotheses file: a parquet
+    manifest's ``segment_id`` (its ``audio_filepath`` where the id is empty), a NeMo JSON row's
+    audio path (as resolved: absolute)."""
+    paths = getattr(dataset, "paths", None)
+    if paths is not None:
+        return [str(p) for p in paths]
+    import pyarrow.parquet as pq
+
+    names = pq.read_schema(dataset.manifest_path).names
+    columns = [c for c in ("segment_id", "audio_filepath") if c in names]
+    table = pq.read_table(dataset.manifest_path, columns=columns)
+    ids = table.column("segment_id").to_pylist() if "segment_id" in names else [None] * len(table)
+    paths = (
+        table.column("audio_filepath").to_pylist()
+        if "audio_filepath" in names
+        else [None] * len(ids)
+    )
+    out = []
+    for row in dataset.manifest_rows:
+        name = ids[int(row)] or paths[int(row)]
+        out.append(str(name) if name else f"row {int(row)}")
+    return out
+
+
+def hypothesis_rows(
+    ids: list[str],
+    texts: list[str],
+    langs: list[str],
+    indices,
+    auto: dict[int, str | None] | None,
+    given: dict[int, str | None] | None,
+) -> list[dict]:
+    """One dict per utterance of ``indices`` (in their order): ``id``, ``lang``, ``reference`` (as
+    the manifest writes it), ``hypothesis`` (decoded auto, its language tag first, when ``auto``)
+    and ``hypothesis_given`` (from the language's tag, when ``given``): None for bad audio, which
+    ``bad_audio`` marks. ``words``: the reference's words, and ``word_errors`` /
+    ``word_errors_given``: the word edits of each hypothesis, both after
+    ``evaluation.normalize_for_scoring`` as the WER counts them (None for bad audio)."""
+    import evaluation
+
+    indices = [int(i) for i in indices]
+    decodings = {"": auto, "_given": given}
+    refs = evaluation.normalize_for_scoring([texts[i] for i in indices])
+    normalized = {
+        suffix: evaluation.normalize_for_scoring(
+            ["" if hyps.get(i) is None else hyps[i] for i in indices]
+        )
+        for suffix, hyps in decodings.items()
+        if hyps is not None
+    }
+    rows = []
+    for k, i in enumerate(indices):
+        row = {"id": ids[i], "lang": langs[i], "reference": texts[i]}
+        bad = False
+        for suffix, hyps in decodings.items():
+            if hyps is None:
+                continue
+            row[f"hypothesis{suffix}"] = hyps.get(i)
+            bad = bad or hyps.get(i) is None
+        row["words"] = len(refs[k].split())
+        for suffix in normalized:
+            counts = evaluation.ErrorCounts()
+            if not bad:
+                counts.add(refs[k], normalized[suffix][k])
+            row[f"word_errors{suffix}"] = None if bad else counts.word_edits
+        row["bad_audio"] = bad
+        rows.append(row)
+    return rows
+
+
+def write_hypotheses(rows: list[dict], path: Path) -> None:
+    """``rows`` as JSON lines (UTF-8, unescaped), written atomically."""
+    import json
+
+    from atomic_files import atomic_write
+
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def score(
@@ -368,6 +470,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="cpu or cuda (default cuda when available)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the --per-lang choice")
     parser.add_argument(
+        "--hyps",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also write one JSON line per utterance to FILE: id (a NeMo JSON row: its audio "
+        "path), lang, reference, hypothesis (auto) and hypothesis_given, words and word_errors "
+        "(word_errors_given) as the WER counts them, bad_audio",
+    )
+    parser.add_argument(
         "--decode",
         choices=("both", "auto", "given"),
         default="both",
@@ -405,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
             device=device,
             lang=args.lang,
             decode=args.decode,
+            hyps_path=args.hyps,
         )
     except UserError as exc:
         print(f"evaluate: error: {exc}", file=sys.stderr)
@@ -430,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         from evaluation import describe_excluded
 
         print(f"excluded, not scored (excl): {describe_excluded(excluded)}")
-    print(f"wrote {out}")
+    print(f"wrote {out}" + (f" and {args.hyps} (one line per utterance)" if args.hyps else ""))
     return 0
 
 

@@ -1083,6 +1083,81 @@ def test_the_references_punctuated_target_scores_punctuation_f1_one_on_a_raw_and
     assert float(rows["en"]["case_err"]) == 0.0
 
 
+def hyps_run(tiny, manifest: Path, monkeypatch, name: str, *extra: str):
+    """evaluate.py --hyps over ``manifest`` with a model whose auto hypothesis drops each
+    reference's last word and whose hypothesis with the language given is the reference itself;
+    (the CSV's rows by language, the JSON lines)."""
+    import asr_model
+
+    tokenizer = spm_tokenizer(tiny)
+    dataset, texts, _, _ = evaluate.scoring_set(manifest, tokenizer, progress=False)
+    items = [(dataset[i], texts[i]) for i in range(len(dataset))]
+    signals = {EchoModel.fingerprint(item["signal"]): text for item, text in items if item}
+    model = EchoModel(
+        tokenizer,
+        {key: " ".join(text.split()[:-1]) for key, text in signals.items()},
+        dict(signals),
+    )
+    monkeypatch.setattr(asr_model, "load_trained_model", lambda path, device: model)
+    out, hyps = tiny.root / f"{name}.csv", tiny.root / f"{name}.hyps.jsonl"
+    args = [str(tiny.nemo), "--manifest", str(manifest), "--out", str(out), "--hyps", str(hyps)]
+    assert evaluate.main(args + list(extra)) == 0
+    lines = [json.loads(line) for line in hyps.read_text(encoding="utf-8").splitlines()]
+    return {r["lang"]: r for r in read_csv(out)}, lines
+
+
+def test_hyps_writes_each_utterance_with_both_hypotheses_and_its_word_errors(
+    tiny, raw_test_split, monkeypatch
+):
+    import pyarrow.parquet as pq
+
+    from evaluation import normalize_for_scoring
+
+    manifest = raw_test_split.imported
+    rows, lines = hyps_run(tiny, manifest, monkeypatch, "hyps-parquet")
+    table = pq.read_table(manifest).to_pylist()
+    assert len(lines) == len(table) == 6
+    by_id = {r["segment_id"]: r for r in table}
+    assert [line["id"] for line in lines] == [r["segment_id"] for r in table]
+    for line in lines:
+        row = by_id[line["id"]]
+        assert line["lang"] == row["lang"] and line["reference"] == row["text"]
+        assert line["hypothesis"] == " ".join(row["text"].split()[:-1])  # as decoded, tag first
+        assert line["hypothesis_given"].split()[1:] == row["text"].split()[1:]
+        # one word dropped auto, none with the language given, of the normalized reference's words
+        assert line["words"] == len(normalize_for_scoring([row["text"]])[0].split())
+        assert (line["word_errors"], line["word_errors_given"], line["bad_audio"]) == (1, 0, False)
+    # summed per language and divided by its words: the WER the CSV reports
+    for lang in ("en", "hi"):
+        mine = [line for line in lines if line["lang"] == lang]
+        wer = sum(line["word_errors"] for line in mine) / sum(line["words"] for line in mine)
+        assert float(rows[lang]["wer"]) == pytest.approx(wer, abs=1e-6)
+        assert float(rows[lang]["wer_given"]) == 0.0
+
+
+def test_hyps_names_a_nemo_json_row_by_its_audio_and_marks_bad_audio(
+    tiny, raw_test_split, monkeypatch, tmp_path
+):
+    rows = [json.loads(line) for line in raw_test_split.raw.read_text().splitlines()]
+    missing = {**rows[0], "audio_filepath": str(tmp_path / "gone.wav")}
+    manifest = tmp_path / "with-missing.json"
+    for row in rows:  # the manifest moved: its relative audio paths resolve against the original
+        path = Path(row["audio_filepath"])
+        row["audio_filepath"] = str(
+            path if path.is_absolute() else raw_test_split.raw.parent / path
+        )
+    manifest.write_text(
+        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in [*rows, missing]),
+        encoding="utf-8",
+    )
+    _, lines = hyps_run(tiny, manifest, monkeypatch, "hyps-json", "--decode", "auto")
+    assert [line["id"] for line in lines] == [r["audio_filepath"] for r in [*rows, missing]]
+    assert all("hypothesis_given" not in line and "word_errors_given" not in line for line in lines)
+    gone = lines[-1]
+    assert gone["bad_audio"] and gone["hypothesis"] is None and gone["word_errors"] is None
+    assert not any(line["bad_audio"] for line in lines[:-1])
+
+
 def test_punctuation_and_case_scores_are_not_shown_where_neither_side_writes_any():
     """Plain lower-case English on both sides: no mark and no capital to get right, so neither
     score is shown (the F1 would read 1.0, the case errors 0.0). Hindi writes a danda on the
