@@ -813,10 +813,17 @@ class Runner:
                 f"the training caches did not build (exit {code}): {tail}",
             )
             return
+        # prepare builds in <data>.partial beside the folder and renames it: the manifests' paths
+        # name that folder even where nobody moved anything since.
+        here = data.resolve()
+        built = Path(record["root"])
+        moved = built not in (here, here.with_name(here.name + ".partial"))
+        written = built.with_name(built.name.removesuffix(".partial"))
+        where = f"moved from {written} to {here}" if moved else f"in {here}, where prepare wrote it"
         stage.verdict = "ok"
         stage.figure = (
             f"{rows['train_manifest_v2.parquet']} train + {rows['val_manifest_v2.parquet']} validation "
-            f"utterances ({record['sizes']}) moved from {record['root']} to {data.resolve()}; caches built"
+            f"utterances ({record['sizes']}) {where}; caches built"
         )
 
     def stage_training(self, stage: Stage) -> None:

@@ -124,7 +124,8 @@ def test_cpu_mode_runs_every_stage_on_a_moved_folder_and_leaves_no_process(prepa
         expected = expected.get(name, ("ok",))
         assert stage["verdict"] in expected, (name, stage["figure"])
     assert "CUDA only" in stages["max-batch"]["figure"]
-    assert "moved from" in stages["data"]["figure"] and str(prepared) in stages["data"]["figure"]
+    made = prepared.parents[1].resolve() / "made"  # where prepare wrote it, before the move
+    assert f"moved from {made} to {prepared.resolve()}" in stages["data"]["figure"]
     training = stages["training"]["figure"]
     assert "50 optimizer steps" in training and "SIGTERM at step 10 saved (exit 75)" in training
     assert "ratio" in stages["step-bench"]["figure"]
@@ -187,6 +188,35 @@ def test_relative_data_out_and_work_folders_are_the_callers(prepared, tmp_path):
     assert done.returncode == 0, done.stdout[-3000:]
     assert _stages(caller / "out")["data"]["verdict"] == "ok"
     assert (caller / "scratch" / "manifests" / "train_manifest_v2.parquet").is_file()
+
+
+def test_a_folder_used_where_prepare_wrote_it_is_not_said_to_have_moved(prepared, tmp_path):
+    """prepare builds in <folder>.partial and renames it, so its record names that folder: a
+    folder nobody moved is read in place, and the data stage says so (no "moved from")."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    here = (tmp_path / "acceptance").resolve()
+    shutil.copytree(prepared, here)
+    record = json.loads((here / ga.PREPARED).read_text())
+    # what `prepare --data <here>` itself would have recorded: its paths under <here>.partial
+    built = str(here) + ".partial"
+    for name in ("train_manifest_v2.parquet", "val_manifest_v2.parquet"):
+        table = pq.read_table(here / name)
+        paths = pc.replace_substring(
+            table.column("audio_filepath"), record["root"] + "/", built + "/", max_replacements=1
+        )
+        table = table.set_column(
+            table.column_names.index("audio_filepath"), "audio_filepath", paths
+        )
+        pq.write_table(table, here / name)
+    record["root"] = built
+    (here / ga.PREPARED).write_text(json.dumps(record), encoding="utf-8")
+    out = tmp_path / "out"
+    done = _run(here, out, "--only", "data")
+    assert done.returncode == 0, done.stdout[-3000:]
+    figure = _stages(out)["data"]["figure"]
+    assert f"in {here}, where prepare wrote it" in figure and "moved" not in figure
 
 
 def test_a_folder_prepare_did_not_write_fails_the_data_stage_naming_the_command(tmp_path):
