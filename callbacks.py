@@ -780,9 +780,10 @@ def warn_of_overfitting(window: list[training_metrics.LossAtValidation]) -> None
         "step %d: overfitting: the validation loss rose at each of the last %d validations "
         "(%.4f at step %d -> %.4f) while the training loss fell (its mean between validations "
         "%.4f up to step %d -> %.4f up to step %d; OVERFITTING_WARN_VALIDATIONS=%d). The model "
-        "learns its training utterances, not the language: use the checkpoint with the lowest validation WER ('best', "
-        "kept by KEEP_BEST_CHECKPOINTS) rather than the last, train fewer steps (MAX_STEPS), or add "
-        'data (more speakers and sources) or augmentation; docs/training.md, "Overfitting"',
+        "learns its training utterances, not the language: use the checkpoint with the lowest "
+        "validation WER ('best', kept by KEEP_BEST_CHECKPOINTS) rather than the last, train fewer "
+        "steps (MAX_STEPS), or add data (more speakers and sources) or augmentation; "
+        'docs/training.md, "Overfitting"',
         last.step,
         len(window) - 1,
         first.val_loss,

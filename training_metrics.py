@@ -423,8 +423,8 @@ def overfitting_at(validations: Sequence[LossAtValidation], rises: int) -> bool:
         v[n-rises] < v[n-rises+1] < ... < v[n]     (the validation loss rose at each of the last
                                                      ``rises`` validations)
         t[n] < t[n-rises+1]                         (the training loss fell over the same steps:
-                                                     its mean since the validation before the last
-                                                     is below its mean since the first of them)
+                                                     its mean between the last two validations is
+                                                     below its mean between the window's first two)
 
     False with fewer than ``rises`` + 1 validations, with a loss of the window unknown, and for
     ``rises`` < 2 (the window then holds one training interval, nothing to fall from)."""
