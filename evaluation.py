@@ -132,40 +132,6 @@ def corpus_error_rates(
     return counts
 
 
-def writes_capitals(text: str) -> bool:
-    """Whether ``text`` (tags stripped) holds a letter that is not lower case: a capital."""
-    return any(c != c.lower() for c in strip_lang_tag(text))
-
-
-def shown_punctuation_scores(
-    scores: dict[str, Any],
-    references: Sequence[str],
-    hypotheses: Sequence[str],
-    languages: Sequence[str],
-) -> dict[str, tuple[float, float]]:
-    """{language, and "all": (punctuation F1, case error rate)} of
-    ``punctuation_scoring.punctuation_case_scores`` (``scores``, of these texts) as a user is
-    shown them: nan where the number cannot mean anything. The F1 when neither the references
-    nor the hypotheses of the language wrote a sentence mark (it would read 1.0, "every mark
-    right", of text that has none); the case error rate when neither side wrote a capital
-    letter (plain lower-case text has no case to get wrong) or no correctly recognized word holds
-    a cased letter (scripts without case)."""
-    capitals: dict[str, bool] = {}
-    for ref, hyp, lang in zip(references, hypotheses, languages):
-        if not capitals.get(lang):
-            capitals[lang] = writes_capitals(ref) or writes_capitals(hyp)
-    capitals["all"] = any(capitals.values())
-    out: dict[str, tuple[float, float]] = {}
-    for lang, counts in scores.items():
-        marked = counts.marks_reference + counts.marks_hypothesis > 0
-        cased = capitals.get(lang, False) and counts.cased_words > 0
-        out[lang] = (
-            counts.f1 if marked else math.nan,
-            counts.case_error_rate if cased else math.nan,
-        )
-    return out
-
-
 # ---- language identification: the tag a hypothesis starts with ------------------------------------
 
 # The guess of a hypothesis that starts with no language tag (its first token is no tag).

@@ -77,6 +77,7 @@ class PunctuationCounts:
     cased_words: int = 0
     case_errors: int = 0
     utterances: int = 0
+    capitalized: int = 0  # utterances where either side writes a capital letter
 
     @property
     def precision(self) -> float:
@@ -88,19 +89,25 @@ class PunctuationCounts:
 
     @property
     def f1(self) -> float:
-        """2 correct / (hypothesis marks + reference marks); 1.0 when neither side has one."""
+        """2 correct / (hypothesis marks + reference marks); nan when neither side writes a mark
+        (there is no punctuation to score: 1.0 would read as every mark right)."""
         total = self.marks_hypothesis + self.marks_reference
-        return 2 * self.marks_correct / total if total else 1.0
+        return 2 * self.marks_correct / total if total else math.nan
 
     @property
     def case_error_rate(self) -> float:
-        return self.case_errors / self.cased_words if self.cased_words else math.nan
+        """Case errors per recognized word that holds a cased letter; nan where neither side
+        writes a capital (plain lower-case text has no case to get wrong) or no such word."""
+        if not self.capitalized or not self.cased_words:
+            return math.nan
+        return self.case_errors / self.cased_words
 
     def add(self, reference: str, hypothesis: str) -> None:
         """Count one utterance of texts already in punctuated-target form
         (``as_punctuated_targets``; ``punctuation_case_scores`` puts them there)."""
         from kaldialign import align  # C++ alignment; NeMo's ASR extra installs it
 
+        self.capitalized += any(c != c.lower() for c in reference + hypothesis)
         ref, hyp = split_marks(reference), split_marks(hypothesis)
         ref_iter, hyp_iter = iter(ref), iter(hyp)
         for r_key, h_key in align([w.lower() for w, _ in ref], [w.lower() for w, _ in hyp], _GAP):
@@ -137,11 +144,12 @@ def punctuation_case_scores(
 
 
 def punctuation_metrics(scores: dict[str, PunctuationCounts]) -> dict[str, float]:
-    """``val/punct_f1/<lang>`` and ``val/case_err/<lang>`` (the latter only for a language with
-    cased words) of ``punctuation_case_scores``."""
+    """``val/punct_f1/<lang>`` and ``val/case_err/<lang>`` of ``punctuation_case_scores``, each
+    only where it means something (a mark on either side; a capital on either side and a cased
+    word): a score that cannot be wrong is not shown."""
     out: dict[str, float] = {}
     for lang, counts in scores.items():
-        out[f"val/punct_f1/{lang}"] = counts.f1
-        if counts.cased_words:
-            out[f"val/case_err/{lang}"] = counts.case_error_rate
+        for name, value in (("punct_f1", counts.f1), ("case_err", counts.case_error_rate)):
+            if not math.isnan(value):
+                out[f"val/{name}/{lang}"] = value
     return out

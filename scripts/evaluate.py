@@ -299,8 +299,7 @@ def score(
 ) -> tuple[dict, dict, dict[str, int], dict, dict]:
     """(ErrorCounts per language + 'all' after ``evaluation.normalize_for_scoring``, the same as
     written, bad-audio count per language + 'all', (punctuation F1, case error rate) per language
-    + 'all' of the texts as written (``punctuation_scoring.punctuation_case_scores`` as
-    ``evaluation.shown_punctuation_scores`` shows them: nan where they cannot mean anything),
+    + 'all' (``punctuation_scoring.punctuation_case_scores``: nan where they cannot mean anything),
     ``evaluation.language_id_accuracy`` of the utterances of a known language) of ``hypotheses``
     ({index: text, or None for bad audio}) against the references ``texts`` (``scoring_set``'s,
     by index)."""
@@ -324,9 +323,10 @@ def score(
         evaluation.corpus_error_rates(refs, hyps, of),
         evaluation.corpus_error_rates(refs, hyps, of, as_written=True),
         bad,
-        evaluation.shown_punctuation_scores(
-            punctuation_case_scores(refs, hyps, of), refs, hyps, of
-        ),
+        {
+            lang: (counts.f1, counts.case_error_rate)
+            for lang, counts in punctuation_case_scores(refs, hyps, of).items()
+        },
         evaluation.language_id_accuracy(confusion) if known else {},
     )
 
@@ -392,7 +392,7 @@ def punctuation_line(rows: list[dict]) -> str:
             "punctuation F1 / case errors: not scored (neither the references nor the hypotheses "
             "write a sentence mark or a capital letter)"
         )
-    return "punctuation F1 / case errors, against the references as written: " + ", ".join(
+    return "punctuation F1 / case errors, against the references' marks and case: " + ", ".join(
         f"{r['lang']} {shown(r['punct_f1'])} / {shown(r['case_err'])}" for r in rows
     )
 

@@ -1058,7 +1058,7 @@ def test_evaluate_scores_punctuation_and_case_against_the_references_as_written(
     plain = run(clean_text, "plain")  # every mark gone, so none of the references' is found
     assert float(plain["all"]["punct_f1"]) == 0.0 and float(plain["all"]["wer"]) == 0.0
     assert (
-        "punctuation F1 / case errors, against the references as written: "
+        "punctuation F1 / case errors, against the references' marks and case: "
         in capsys.readouterr().out
     )
 
@@ -1174,7 +1174,7 @@ def test_punctuation_and_case_scores_are_not_shown_where_neither_side_writes_any
                                 punctuation=punctuation)  # fmt: skip
     assert [math.isnan(r["punct_f1"]) for r in rows] == [True, False, False]
     assert evaluate.punctuation_line(rows) == (
-        "punctuation F1 / case errors, against the references as written: "
+        "punctuation F1 / case errors, against the references' marks and case: "
         "en - / -, hi 0.000 / -, all 0.000 / -"
     )
     only_en = [r for r in rows if r["lang"] == "en"]
