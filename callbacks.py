@@ -743,12 +743,14 @@ def log_base_and_final(base: dict | None, final: dict | None) -> None:
 
 def warn_of_forgetting(step: int, forgetting: dict[str, dict[str, float | None]]) -> None:
     """One warning line per base language whose auto WER rose more than FORGETTING_WARN_POINTS
-    above its step-0 validation (``evaluation.forgetting``), with the numbers and what to do."""
+    above its step-0 validation (``evaluation.forgetting``), with the numbers and what to do. A
+    language whose WER was already at or above 1.0 at step 0 gets none: the base knew nothing of
+    it to forget."""
     limit = float(_config.FORGETTING_WARN_POINTS)
     if limit <= 0:
         return
     for lang, row in forgetting.items():
-        if row["points"] is None or row["points"] <= limit:
+        if row["points"] is None or row["points"] <= limit or row["base"] >= 1.0:
             continue
         given = (
             f"; with the language given {100 * row['base_given']:.1f} -> "
