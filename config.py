@@ -985,6 +985,26 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         _positive,
         steps=("train",),
     )
+    knob(
+        "NEW_PIECE_WARMUP",
+        0,
+        _int,
+        "The new pieces' rows' factor NEW_PIECE_LR_SCALE ramps in linearly from 1x over this many "
+        "optimizer steps from step 0 (0 = the full factor from the first step), apart from the "
+        "LR's own warmups",
+        _non_negative,
+        steps=("train",),
+    )
+    knob(
+        "NEW_PIECE_DECAY",
+        0,
+        _int,
+        "After NEW_PIECE_WARMUP, the new pieces' rows' factor NEW_PIECE_LR_SCALE falls by cosine "
+        "back to 1x over this many optimizer steps and stays there (0 = it stays at "
+        "NEW_PIECE_LR_SCALE), apart from the LR's own decay",
+        _non_negative,
+        steps=("train",),
+    )
     knob("WEIGHT_DECAY", 1e-3, _float, "AdamW weight decay", _non_negative, steps=("train",))
     knob("GRAD_CLIP", 1.0, _float, "Gradient norm clip (0 = off)", _non_negative, steps=("train",))
     knob(
@@ -1333,6 +1353,8 @@ WARMUP_STEPS: int
 PHASE2_WARMUP: int
 ENCODER_LR_SCALE: float
 NEW_PIECE_LR_SCALE: float
+NEW_PIECE_WARMUP: int
+NEW_PIECE_DECAY: int
 WEIGHT_DECAY: float
 GRAD_CLIP: float
 EVAL_EVERY_STEPS: int

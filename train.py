@@ -88,6 +88,7 @@ from training_step import (  # noqa: E402
     TrainingModule,
     build_dataset,
     check_audio_sample,
+    describe_new_piece_schedule,
     prepare_training_caches,
     train_manifest_path,
     validation_manifest,
@@ -272,10 +273,7 @@ def log_finetuning_levers(model, settings: BatchingSettings, data_languages: lis
     rows = asr_model.new_piece_parameters(model)
     parts = []
     if rows:
-        parts.append(
-            f"the {len(rows[0][1])} new pieces' rows step NEW_PIECE_LR_SCALE={config.NEW_PIECE_LR_SCALE:g} "
-            f"x the LR"
-        )
+        parts.append(f"the {len(rows[0][1])} new pieces' rows step {describe_new_piece_schedule()}")
     if config.ENCODER_LR_SCALE != 1:
         parts.append(f"the encoder's LR is ENCODER_LR_SCALE={config.ENCODER_LR_SCALE:g} x the LR")
     data = set(data_languages)

@@ -16,9 +16,11 @@ non-finite when it was, 0 for an empty one), ``last_grad_norm``
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -68,6 +70,35 @@ def lr_at_step(
     decay_steps = max_steps - unfreeze_step - phase2_warmup
     progress = min(1.0, (s - phase2_warmup) / decay_steps) if decay_steps > 0 else 1.0
     return min_lr + 0.5 * (phase2_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def new_piece_scale_at_step(step: int, *, scale: float, warmup: int, decay: int) -> float:
+    """The factor on AdamW's step of the new pieces' rows at optimizer step ``step`` (0-based): their
+    LR is ``lr_at_step(step)`` times it, every other row's ``lr_at_step(step)``.
+
+    With ``warmup`` and ``decay`` 0 it is ``scale`` at every step. Over the first ``warmup`` steps
+    it ramps linearly from 1 to ``scale`` (step s: 1 + (scale - 1) * (s + 1) / warmup, so the first
+    step already adds, as ``lr_at_step``'s warmups do); then, with ``decay`` > 0, it falls by cosine
+    from ``scale`` to 1 over the next ``decay`` steps and stays 1.
+    """
+    if step < warmup:
+        share = (step + 1) / warmup
+    elif decay > 0:
+        progress = min(1.0, (step - warmup) / decay)
+        share = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        return scale
+    return 1.0 + (scale - 1.0) * share
+
+
+def describe_new_piece_schedule() -> str:
+    """How the new pieces' rows step under the current settings, for the run's start-up log."""
+    text = f"NEW_PIECE_LR_SCALE={config.NEW_PIECE_LR_SCALE:g} x the LR"
+    if config.NEW_PIECE_WARMUP > 0:
+        text += f", ramped in from 1x over NEW_PIECE_WARMUP={config.NEW_PIECE_WARMUP} steps"
+    if config.NEW_PIECE_DECAY > 0:
+        text += f", then back to 1x by cosine over NEW_PIECE_DECAY={config.NEW_PIECE_DECAY} steps"
+    return text
 
 
 def lr_schedule_from_config():
@@ -199,23 +230,33 @@ def regroup_single_group_state(checkpoint: dict, model) -> bool:
 class NewPieceLRScale:
     """NEW_PIECE_LR_SCALE: after every optimizer step, the change AdamW made to each row of a piece
     the base model lacked (``asr_model.new_piece_parameters``: row indices on their parameter's
-    device, taken when the optimizer is configured) is multiplied by ``scale``; every
-    other row keeps AdamW's own step. A row-wise LR: AdamW's steps do not depend on the size of
-    the gradient, so scaling the gradient could not do it. A skipped step (no gradients) changes
-    nothing, and so stays unchanged. Registered as the optimizer's step hooks."""
+    device, taken when the optimizer is configured) is multiplied by ``factor(step())``, the
+    factor of the optimizer step being taken (``new_piece_scale_at_step``; ``step`` counts as the
+    LR schedule does, so a resumed run goes on where it stopped); every other row keeps AdamW's own
+    step. A row-wise LR: AdamW's steps do not depend on the size of the gradient, so scaling the
+    gradient could not do it. A skipped step (no gradients) changes nothing, and so stays
+    unchanged. Registered as the optimizer's step hooks."""
 
-    def __init__(self, rows: list[tuple[torch.nn.Parameter, torch.Tensor]], scale: float):
-        self.rows, self.scale = rows, float(scale)
+    def __init__(
+        self,
+        rows: list[tuple[torch.nn.Parameter, torch.Tensor]],
+        factor: Callable[[int], float],
+        step: Callable[[], int],
+    ):
+        self.rows, self.factor, self.step = rows, factor, step
         self._before: list[torch.Tensor] | None = None
+        self._scale_now = 1.0
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.rows and self.scale != 1.0:
+        if self.rows:
             optimizer.register_step_pre_hook(self._remember)
             optimizer.register_step_post_hook(self._scale)
 
     @torch.no_grad()
     def _remember(self, optimizer, args, kwargs) -> None:
-        self._before = [p[rows].clone() for p, rows in self.rows]
+        self._scale_now = float(self.factor(self.step()))
+        if self._scale_now != 1.0:
+            self._before = [p[rows].clone() for p, rows in self.rows]
 
     @torch.no_grad()
     def _scale(self, optimizer, args, kwargs) -> None:
@@ -223,7 +264,7 @@ class NewPieceLRScale:
         if before is None:
             return
         for (p, rows), old in zip(self.rows, before):
-            p[rows] = old + self.scale * (p[rows] - old)
+            p[rows] = old + self._scale_now * (p[rows] - old)
 
 
 def apply_current_lr_schedule(trainer) -> None:
@@ -619,14 +660,23 @@ class TrainingModule(pl.LightningModule):
             **step_speed.adamw_options(self.speed),
         )
         step_speed.keep_kernel_choice(optimizer)
-        NewPieceLRScale(
-            asr_model.new_piece_parameters(self.model), config.NEW_PIECE_LR_SCALE
-        ).attach(optimizer)
         schedule = lr_schedule_from_config()
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer,
             [lambda step, k=scale: schedule(step) * k for scale in group_lr_scales()],
         )
+        new_piece_schedule = functools.partial(
+            new_piece_scale_at_step,
+            scale=config.NEW_PIECE_LR_SCALE,
+            warmup=config.NEW_PIECE_WARMUP,
+            decay=config.NEW_PIECE_DECAY,
+        )
+        # The scheduler's count is the step whose LR AdamW is about to apply, restored on a resume.
+        NewPieceLRScale(
+            asr_model.new_piece_parameters(self.model),
+            new_piece_schedule,
+            lambda: scheduler.last_epoch,
+        ).attach(optimizer)
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},

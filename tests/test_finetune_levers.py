@@ -1,9 +1,11 @@
 """The finetuning levers of training_step: NEW_PIECE_LR_SCALE (larger steps for the rows of pieces
-the base lacked), ENCODER_LR_SCALE (the encoder's own LR), and a checkpoint of the one-group
-optimizer layout resuming under today's groups."""
+the base lacked) on its own schedule (NEW_PIECE_WARMUP, NEW_PIECE_DECAY), ENCODER_LR_SCALE (the
+encoder's own LR), and a checkpoint of the one-group optimizer layout resuming under today's
+groups."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,97 @@ def test_a_model_built_fresh_has_no_new_piece_rows_to_scale(tokenizers):
     assert asr_model.new_piece_parameters(model) == []
 
 
+def test_the_new_piece_factor_ramps_in_over_its_warmup_then_falls_back_to_one_by_cosine():
+    # NEW_PIECE_LR_SCALE 10, NEW_PIECE_WARMUP 3: step s < 3 gets 1 + 9 (s + 1) / 3; then
+    # NEW_PIECE_DECAY 4: 1 + 9 (1 + cos(pi p)) / 2 at p = (s - 3) / 4, 1 from step 7 on.
+    expected = [4, 7, 10, 10, 1 + 4.5 * (1 + math.sqrt(0.5)), 5.5, 1 + 4.5 * (1 - math.sqrt(0.5))]
+    expected += [1, 1, 1]
+    got = [training_step.new_piece_scale_at_step(s, scale=10, warmup=3, decay=4) for s in range(10)]
+    assert got == pytest.approx(expected)
+
+
+def test_without_warmup_or_decay_the_new_pieces_take_the_whole_factor_at_every_step():
+    for step in (0, 1, 50, 10**6):
+        assert training_step.new_piece_scale_at_step(step, scale=2.7, warmup=0, decay=0) == 2.7
+    # a decay alone starts from the full factor at step 0
+    assert training_step.new_piece_scale_at_step(0, scale=10, warmup=0, decay=4) == 10
+    assert training_step.new_piece_scale_at_step(4, scale=10, warmup=0, decay=4) == 1
+
+
+def optimizer_and_schedule(model):
+    configured = training_step.TrainingModule(model).configure_optimizers()
+    return configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+
+
+def test_new_piece_rows_step_their_own_schedule_at_every_step_and_after_a_resume(
+    tokenizers, monkeypatch
+):
+    """Each optimizer step, the new rows' change is the stated factor of that step times what AdamW
+    does to them without the lever (the same gradients, no weight decay, so AdamW's own step is
+    the same in both models), the other rows' change exactly AdamW's; a scheduler restored at
+    step 5 (a resumed run) gives step 5's factor."""
+    monkeypatch.setattr(config, "WEIGHT_DECAY", 0.0)
+    monkeypatch.setattr(config, "NEW_PIECE_WARMUP", 3)
+    monkeypatch.setattr(config, "NEW_PIECE_DECAY", 4)
+    expected = [4, 7, 10, 10, 1 + 4.5 * (1 + math.sqrt(0.5)), 5.5, 1 + 4.5 * (1 - math.sqrt(0.5))]
+    expected += [1, 1]
+    models = {}
+    for scale in (1.0, 10.0):
+        monkeypatch.setattr(config, "NEW_PIECE_LR_SCALE", scale)
+        model = carried_model(tokenizers)
+        models[scale] = (model, *optimizer_and_schedule(model))
+    rows = torch.tensor(models[1.0][0].new_piece_rows)
+    torch.manual_seed(2)
+    for step, factor in enumerate(expected):
+        grads = {n: torch.randn_like(p) for n, p in models[1.0][0].named_parameters()}
+        moved = {}
+        for scale, (model, optimizer, scheduler) in models.items():
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            for n, p in model.named_parameters():
+                p.grad = grads[n].clone()
+            optimizer.step()
+            scheduler.step()
+            moved[scale] = {n: p.detach() - before[n] for n, p in model.named_parameters()}
+        for name in ("decoder.prediction.embed.weight", "joint.joint_net.2.bias"):
+            plain, fast = moved[1.0][name], moved[10.0][name]
+            assert torch.allclose(fast[rows], factor * plain[rows], rtol=1e-3, atol=1e-6), step
+            others = torch.ones(len(plain), dtype=torch.bool)
+            others[rows] = False
+            assert torch.equal(fast[others], plain[others]), (step, name)
+
+    monkeypatch.setattr(config, "NEW_PIECE_LR_SCALE", 10.0)
+    resumed = carried_model(tokenizers)
+    optimizer, scheduler = optimizer_and_schedule(resumed)
+    scheduler.last_epoch = 4
+    scheduler.step()  # as Lightning leaves a scheduler restored after step 4
+    plain_model = carried_model(tokenizers)
+    monkeypatch.setattr(config, "NEW_PIECE_LR_SCALE", 1.0)
+    plain_optimizer, plain_scheduler = optimizer_and_schedule(plain_model)
+    plain_scheduler.last_epoch = 4
+    plain_scheduler.step()
+    before = resumed.decoder.prediction.embed.weight.detach().clone()
+    for model, opt in ((resumed, optimizer), (plain_model, plain_optimizer)):
+        for n, p in model.named_parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+    fast = resumed.decoder.prediction.embed.weight.detach() - before
+    plain = plain_model.decoder.prediction.embed.weight.detach() - before
+    assert torch.allclose(fast[rows], 5.5 * plain[rows], rtol=1e-3, atol=1e-6)
+
+
+def test_the_start_up_line_states_the_new_pieces_schedule(monkeypatch):
+    monkeypatch.setattr(config, "NEW_PIECE_LR_SCALE", 10.0)
+    monkeypatch.setattr(config, "NEW_PIECE_WARMUP", 0)
+    monkeypatch.setattr(config, "NEW_PIECE_DECAY", 0)
+    assert training_step.describe_new_piece_schedule() == "NEW_PIECE_LR_SCALE=10 x the LR"
+    monkeypatch.setattr(config, "NEW_PIECE_WARMUP", 100)
+    monkeypatch.setattr(config, "NEW_PIECE_DECAY", 300)
+    assert training_step.describe_new_piece_schedule() == (
+        "NEW_PIECE_LR_SCALE=10 x the LR, ramped in from 1x over NEW_PIECE_WARMUP=100 steps, then "
+        "back to 1x by cosine over NEW_PIECE_DECAY=300 steps"
+    )
+
+
 def test_the_encoder_learns_at_encoder_lr_scale_times_the_schedule(finetune, monkeypatch):
     monkeypatch.setattr(config, "ENCODER_LR_SCALE", 0.25)
     module = training_step.TrainingModule(finetune)
@@ -184,6 +277,8 @@ def finetune_run(tokenizers, tmp_path_factory):
         CHECKPOINT_EVERY="2",
         EVAL_EVERY_STEPS="4",
         NEW_PIECE_LR_SCALE="10",
+        NEW_PIECE_WARMUP="2",
+        NEW_PIECE_DECAY="2",
         ENCODER_LR_SCALE="0.5",
         BASE_LANGUAGE_SHARE="0.6",
         PHASE1_LR="1e-2",
@@ -200,8 +295,9 @@ def test_a_finetune_names_its_levers_and_keeps_the_base_languages_at_their_floor
     import json
 
     out = finetune_run["out"]
-    assert (
-        "finetuning: the " in out and "new pieces' rows step NEW_PIECE_LR_SCALE=10 x the LR" in out
+    assert "finetuning: the " in out and (
+        "new pieces' rows step NEW_PIECE_LR_SCALE=10 x the LR, ramped in from 1x over "
+        "NEW_PIECE_WARMUP=2 steps, then back to 1x by cosine over NEW_PIECE_DECAY=2 steps" in out
     )
     assert "the encoder's LR is ENCODER_LR_SCALE=0.5 x the LR" in out
     assert (
@@ -224,6 +320,32 @@ def test_a_finetunes_checkpoints_and_exports_record_the_languages_it_was_trained
     asr_model.load_trained_model(run / "step_00000004.ckpt").save_to(str(exported))
     for path in (run / "step_00000004.ckpt", run / "step_00000004.nemo", exported):
         assert model_languages.recorded_languages(str(path)) == ("en", "hi", "ta"), path
+
+
+@pytest.mark.slow
+def test_a_resumed_finetune_goes_on_with_the_new_pieces_schedule_where_it_stopped(
+    finetune_run, tokenizers, tmp_path
+):
+    """Resumed from its step-2 checkpoint (the new rows' factor 10 there, 5.5 at step 3, not the
+    first steps' 5.5 and 10 again), the run ends with the weights of the run that went straight on."""
+    import shutil
+
+    from tests.torchrun_jobs import run_torchrun, tiny_train_env
+
+    root = finetune_run["root"]
+    run_dir = tmp_path / "resumed"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    start = run_dir / "start.ckpt"
+    shutil.copy(root / "run" / "checkpoints" / "step_00000002.ckpt", start)
+    data = {**finetune_run["data"], "tokenizer": tokenizers["extended"]}
+    env = tiny_train_env(data, MAX_STEPS="4", **{**finetune_run["knobs"], "DATA_DIR": str(run_dir)})
+    env["RESUME_FROM"] = str(start)
+    result = run_torchrun(REPO / "train.py", env, REPO, 300, run_dir / "train.log")
+    assert result.returncode == 0, result.stdout[-3000:]
+    straight = torch.load(root / "run" / "checkpoints" / "step_00000004.ckpt", weights_only=False)
+    resumed = torch.load(run_dir / "checkpoints" / "step_00000004.ckpt", weights_only=False)
+    for key, value in straight["state_dict"].items():
+        assert torch.equal(value, resumed["state_dict"][key]), key
 
 
 def one_group_copy(checkpoint_path: Path, model, out: Path) -> None:
