@@ -53,13 +53,63 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BASE_LANGS = ("en",)
-NEW_LANGS = ("hi", "ta", "bn", "ur")
-BASE_SIZES = "en=300,te=200"
-FINETUNE_SIZES = "hi=200,ta=120,bn=100,ur=100,en=150"
+
+
+def languages(sizes: str) -> tuple[str, ...]:
+    """The languages of a ``LANG=COUNT,...`` corpus, in its order."""
+    return tuple(item.split("=")[0].strip() for item in sizes.split(",") if item.strip())
+
+
+@dataclass(frozen=True)
+class Base:
+    """A base model this project trains from scratch on its own espeak corpus (``sizes``,
+    make_demo_corpus.py's LANG=COUNT), with a ``vocab_size``-piece tokenizer and the demo's model
+    at encoder width ``d_model``, and the corpus of another seed it is finetuned on
+    (``finetune_sizes``), whose tokenizers (extended and fresh) hold ``finetune_vocab_size`` pieces."""
+
+    name: str
+    sizes: str
+    seed: int
+    vocab_size: int
+    finetune_sizes: str
+    finetune_seed: int
+    finetune_vocab_size: int
+    d_model: int = 128  # configs/demo_tdt.yaml's
+
+    @property
+    def base_langs(self) -> tuple[str, ...]:
+        """The base's languages the finetuning corpus holds: those it must keep."""
+        return tuple(lang for lang in languages(self.finetune_sizes) if lang in self.sizes_langs)
+
+    @property
+    def new_langs(self) -> tuple[str, ...]:
+        return tuple(
+            lang for lang in languages(self.finetune_sizes) if lang not in self.sizes_langs
+        )
+
+    @property
+    def sizes_langs(self) -> tuple[str, ...]:
+        return languages(self.sizes)
+
+
+# English and Telugu, finetuned onto Hindi, Tamil, Bengali, Urdu (four scripts it never saw) and English.
+EN_TE = Base(
+    name="en_te",
+    sizes="en=300,te=200",
+    seed=11,
+    vocab_size=256,
+    finetune_sizes="hi=200,ta=120,bn=100,ur=100,en=150",
+    finetune_seed=22,
+    finetune_vocab_size=512,
+)
+BASE_LANGS = EN_TE.base_langs
+NEW_LANGS = EN_TE.new_langs
+BASE_SIZES = EN_TE.sizes
+FINETUNE_SIZES = EN_TE.finetune_sizes
 BLENDS = (0.1, 0.2, 0.3, 0.5)
 AVERAGE = 4  # checkpoints (one per validation) averaged as the stand-in for an EMA
 # The demo's schedule and model (scripts/demo.sh): what trains visibly in minutes on a CPU.
@@ -169,18 +219,77 @@ def tokenizer(data: Path, out: Path, vocab_size: int, mode: str, base: str = "")
     return out
 
 
-def train(
+@dataclass(frozen=True)
+class Prepared:
+    """A base trained and its finetuning corpus built, under ``root``."""
+
+    base: Base
+    root: Path
+    base_nemo: Path
+    base_tokenizer: Path
+    data: Path  # the finetuning corpus (DATA_DIR of every finetune)
+
+    @property
+    def val(self) -> Path:
+        return self.data / "val_manifest_v2.parquet"
+
+    def tokenizer(self, mode: str, vocab_size: int | None = None) -> Path:
+        """The finetuning corpus's tokenizer of ``mode`` (new | extend) and size (default the
+        base's ``finetune_vocab_size``), trained on first use."""
+        size = vocab_size or self.base.finetune_vocab_size
+        name = "tokenizer_" + ("new" if mode == "new" else "extended")
+        if size != self.base.finetune_vocab_size:
+            name += f"_{size}"
+        base = str(self.base_nemo) if mode == "extend" else ""
+        return tokenizer(self.data, self.root / name, size, mode, base)
+
+
+def model_config(base: Base, root: Path) -> Path:
+    """configs/demo_tdt.yaml, or a copy of it under ``root`` with the encoder ``base.d_model`` wide."""
+    demo = REPO / "configs" / "demo_tdt.yaml"
+    if base.d_model == 128:
+        return demo
+    import yaml
+
+    spec = yaml.safe_load(demo.read_text())
+    spec["model"]["encoder"]["d_model"] = base.d_model
+    path = root / f"demo_tdt_d{base.d_model}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def prepare_base(root: Path, base: Base, base_steps: int) -> Prepared:
+    """``base``'s corpus, tokenizer and model (``base_steps`` optimizer steps from scratch) and its
+    finetuning corpus, under ``root``; what is there already is reused."""
+    root.mkdir(parents=True, exist_ok=True)
+    base_data = build_data(root, "base_data", base.sizes, seed=base.seed)
+    base_tok = tokenizer(base_data, base_data / "tokenizer", base.vocab_size, "new")
+    base_run = root / "base_run"
+    train(
+        base_data,
+        base_run,
+        base_steps,
+        base_steps,
+        TOKENIZER_DIR=str(base_tok),
+        UNFREEZE_STEP="0",
+        INIT_MODEL="",
+        MODEL_CONFIG=str(model_config(base, root)),
+    )
+    data = build_data(root, "finetune_data", base.finetune_sizes, seed=base.finetune_seed)
+    return Prepared(
+        base=base,
+        root=root,
+        base_nemo=base_run / "checkpoints" / f"step_{base_steps:08d}.nemo",
+        base_tokenizer=base_tok,
+        data=data,
+    )
+
+
+def train_env(
     data: Path, run_dir: Path, steps: int, eval_every: int, checkpoint_every: int = 0, **knobs: str
-) -> Path:
-    """torchrun train.py (2 CPU processes) into run_dir, a checkpoint every ``checkpoint_every``
-    steps (0: at the end only); its metrics.jsonl."""
-    metrics = run_dir / "wandb_logs" / "run" / "metrics.jsonl"
-    final = run_dir / "checkpoints" / f"step_{steps:08d}.nemo"
-    if final.exists():
-        return metrics
-    if run_dir.exists():  # an interrupted run: start it again from scratch
-        shutil.rmtree(run_dir)
-    env = clean_env(
+) -> dict:
+    """The environment ``train`` runs train.py in."""
+    return clean_env(
         DATA_DIR=str(data),
         CHECKPOINT_DIR=str(run_dir / "checkpoints"),
         WANDB_LOG_DIR=str(run_dir / "wandb_logs"),
@@ -191,6 +300,24 @@ def train(
         EVAL_EVERY_STEPS=str(eval_every),
         **knobs,
     )
+
+
+def finished(run_dir: Path, steps: int) -> bool:
+    """Whether ``train`` ran to the end in ``run_dir`` (its final .nemo is there)."""
+    return (run_dir / "checkpoints" / f"step_{steps:08d}.nemo").exists()
+
+
+def train(
+    data: Path, run_dir: Path, steps: int, eval_every: int, checkpoint_every: int = 0, **knobs: str
+) -> Path:
+    """torchrun train.py (2 CPU processes) into run_dir, a checkpoint every ``checkpoint_every``
+    steps (0: at the end only); its metrics.jsonl. A run that finished there is reused."""
+    metrics = run_dir / "wandb_logs" / "run" / "metrics.jsonl"
+    if finished(run_dir, steps):
+        return metrics
+    if run_dir.exists():  # an interrupted run: start it again from scratch
+        shutil.rmtree(run_dir)
+    env = train_env(data, run_dir, steps, eval_every, checkpoint_every, **knobs)
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable,
@@ -229,10 +356,14 @@ def curves(metrics: Path) -> dict[str, dict]:
     return out
 
 
-def base_model_scores(init_model: Path, tokenizer_dir: Path, val: Path, tags_from: Path) -> dict:
+def base_model_scores(
+    init_model: Path, tokenizer_dir: Path, val: Path, tags_from: Path, given: tuple[str, ...] = ()
+) -> dict:
     """{"wer": {lang: WER}, "cer": {...}} of the base model itself, with its own tokenizer, on the
-    finetune's validation set. The audio is read through a dataset tokenized by ``tags_from`` (a
-    tokenizer with every language's tag: the base's lacks the new ones)."""
+    finetune's validation set, and with ``given`` (languages the base has tags for)
+    "wer_given": {lang: WER} of their utterances decoded with the language given, scored as
+    train.py's validation scores them. The audio is read through a dataset tokenized by
+    ``tags_from`` (a tokenizer with every language's tag: the base's lacks the new ones)."""
     from nemo.collections.common.tokenizers import SentencePieceTokenizer
 
     import asr_model
@@ -244,16 +375,35 @@ def base_model_scores(init_model: Path, tokenizer_dir: Path, val: Path, tags_fro
     dataset = LocalShardDataset(val, reader, progress=False)
     indices = list(range(len(dataset)))
     texts = evaluation.manifest_texts(dataset)
-    hyps = evaluation.greedy_transcribe(model, dataset, indices, max_batch_seconds=40.0)
+    names, codes = dataset.lang_names, dataset.lang_codes
+    decoded = evaluation.decode(
+        model,
+        dataset,
+        indices,
+        max_batch_seconds=40.0,
+        languages=(lambda i: names[codes[i]] if names[codes[i]] in given else None)
+        if given
+        else None,
+    )
+    hyps = decoded.texts
     done = [i for i in indices if hyps[i] is not None]
-    langs = [dataset.lang_names[dataset.lang_codes[i]] for i in done]
+    langs = [names[codes[i]] for i in done]
     results = evaluation.corpus_error_rates(
         [texts[i] for i in done], [hyps[i] for i in done], langs
     )
-    return {
+    out = {
         "wer": {lang: c.wer for lang, c in results.items()},
         "cer": {lang: c.cer for lang, c in results.items()},
     }
+    if given:
+        mine = [i for i in done if names[codes[i]] in given]
+        results = evaluation.corpus_error_rates(
+            [texts[i] for i in mine],
+            [decoded.given_texts[i] for i in mine],
+            [names[codes[i]] for i in mine],
+        )
+        out["wer_given"] = {lang: c.wer for lang, c in results.items() if lang in given}
+    return out
 
 
 def export_sweep(
@@ -456,31 +606,16 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
 
-    print("== base model: English and Telugu, its own tokenizer, from scratch")
-    base_data = build_data(work, "base_data", BASE_SIZES, seed=11)
-    base_tok = tokenizer(base_data, base_data / "tokenizer", 256, "new")
-    base_run = work / "base_run"
-    train(
-        base_data,
-        base_run,
-        args.base_steps,
-        args.base_steps,
-        TOKENIZER_DIR=str(base_tok),
-        UNFREEZE_STEP="0",
-        INIT_MODEL="",
+    print(
+        "== base model: English and Telugu, its own tokenizer, from scratch; the finetuning "
+        f"corpus: {FINETUNE_SIZES}, another seed"
     )
-    base_nemo = base_run / "checkpoints" / f"step_{args.base_steps:08d}.nemo"
-
-    print(f"== finetuning corpus: {FINETUNE_SIZES}, another seed")
-    data = build_data(work, "finetune_data", FINETUNE_SIZES, seed=22)
-    val = data / "val_manifest_v2.parquet"
-    extended = tokenizer(data, work / "tokenizer_extended", 512, "extend", str(base_nemo))
-    toks = {
-        "new": tokenizer(data, work / "tokenizer_new", 512, "new"),
-        "extended": extended,
-    }
+    prepared = prepare_base(work, EN_TE, args.base_steps)
+    base_nemo, data, val = prepared.base_nemo, prepared.data, prepared.val
+    extended = prepared.tokenizer("extend")
+    toks = {"new": prepared.tokenizer("new"), "extended": extended}
     ext_summary = json.loads((extended / "summary.json").read_text())
-    base_own = base_model_scores(base_nemo, base_tok, val, extended)
+    base_own = base_model_scores(base_nemo, prepared.base_tokenizer, val, extended)
 
     changes = parse_sets(args.set)
     chosen = [v for v in variants(args.steps) if not args.only or v in args.only.split(",")]
