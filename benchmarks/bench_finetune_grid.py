@@ -289,15 +289,18 @@ def run_once(
             return Run(variant, seed, bench.curves(metrics), record.get("seconds"), False)
     digest = hashlib.sha256(json.dumps(now, sort_keys=True).encode()).hexdigest()[:8]
     run_dir = cell_dir / f"{variant}_seed{seed}_{digest}"
-    print(f"== {prepared.base.name} LR {lr} {variant} SEED={seed}: {spec}", flush=True)
+    # Finished but unrecorded (stopped between its end and run.json): its time is unknown.
+    unrecorded = bench.finished(run_dir, steps)
+    if not unrecorded:
+        print(f"== {prepared.base.name} LR {lr} {variant} SEED={seed}: {spec}", flush=True)
     started = time.monotonic()
     metrics = bench.train(prepared.data, run_dir, steps, eval_every, **knobs)
-    seconds = time.monotonic() - started
+    seconds = None if unrecorded else time.monotonic() - started
     record = {"variant": variant, "seed": seed, "lr": lr, "seconds": seconds, "settings": now}
     atomic_write(
         run_dir / "run.json", lambda tmp: Path(tmp).write_text(json.dumps(record, indent=1))
     )
-    return Run(variant, seed, bench.curves(metrics), seconds, True)
+    return Run(variant, seed, bench.curves(metrics), seconds, not unrecorded)
 
 
 # ---- the targets ------------------------------------------------------------------------------
@@ -715,19 +718,25 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"--only {','.join(unknown)}: no such variant ({', '.join(table)})")
     variants = [REFERENCE, *[v for v in dict.fromkeys(chosen) if v != REFERENCE]]
-    bases = [b.strip() for b in args.bases.split(",") if b.strip()]
+    bases = list(dict.fromkeys(b.strip() for b in args.bases.split(",") if b.strip()))
     wrong = [b for b in bases if b not in BASES]
     if wrong:
         raise SystemExit(f"--bases {','.join(wrong)}: no such base ({', '.join(BASES)})")
     lrs = []
     for lr in (lr.strip() for lr in args.lrs.split(",") if lr.strip()):
         try:
-            if float(lr) <= 0:
+            if not math.isfinite(float(lr)) or float(lr) <= 0:
                 raise ValueError
         except ValueError:
             raise SystemExit(f"--lrs {lr!r}: expected learning rates > 0 such as 1e-3") from None
         lrs.append(f"{float(lr):g}")  # one spelling per rate: 3e-3 and 0.003 are one cell
-    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    lrs = list(dict.fromkeys(lrs))
+    try:
+        seeds = list(dict.fromkeys(int(s) for s in args.seeds.split(",") if s.strip()))
+    except ValueError:
+        raise SystemExit(f"--seeds {args.seeds!r}: expected integers such as 1234,7,42") from None
+    if not (bases and lrs and seeds):
+        raise SystemExit("--bases, --lrs and --seeds: each needs at least one value")
     work = args.work.resolve()
     started = time.monotonic()
 

@@ -213,12 +213,14 @@ def fake_training(monkeypatch, tmp_path):
     trained = []
 
     def train(data, run_dir, steps, eval_every, checkpoint_every=0, **knobs):
+        metrics = run_dir / "wandb_logs" / "run" / "metrics.jsonl"
+        if bench.finished(run_dir, steps):  # as the real one: a finished run is kept
+            return metrics
         trained.append(run_dir)
         if run_dir.exists():  # as the real one does with an interrupted run
             shutil.rmtree(run_dir)
         (run_dir / "checkpoints").mkdir(parents=True)
         (run_dir / "checkpoints" / f"step_{steps:08d}.nemo").write_text("")
-        metrics = run_dir / "wandb_logs" / "run" / "metrics.jsonl"
         metrics.parent.mkdir(parents=True)
         value = 0.1 * int(knobs["SEED"])
         lines = [
@@ -370,3 +372,33 @@ def test_one_command_runs_every_cell_once_and_a_rerun_reuses_them(monkeypatch, t
     assert grid.main(args + ["--bases", "hi_en", "--lrs", "0.003", "--only", "defaults"]) == 0
     assert len(trained) == 24
     assert "0 runs trained now, 4 reused" in capsys.readouterr().out
+
+
+def test_a_run_finished_but_unrecorded_is_kept_with_its_time_unknown(monkeypatch, tmp_path):
+    trained, prepared = fake_training(monkeypatch, tmp_path)
+    cell = tmp_path / "cell"
+    spec = {"tokenizer": "extended"}
+    grid.run_once(prepared, cell, "defaults", spec, 3, "1e-3", 20, 10)
+    (trained[0] / "run.json").unlink()  # stopped between its end and its record
+    again = grid.run_once(prepared, cell, "defaults", spec, 3, "1e-3", 20, 10)
+    assert len(trained) == 1 and not again.trained_now and again.seconds is None
+    assert json.loads((trained[0] / "run.json").read_text())["seconds"] is None
+    cost = "\n".join(grid.cost_lines([("toy", again)], 2))
+    assert "0 runs trained now, 1 reused" in cost and "no time recorded" in cost
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--seeds", "7,x"], "--seeds '7,x': expected integers"),
+        (["--seeds", ","], "each needs at least one value"),
+        (["--lrs", "inf"], "--lrs 'inf': expected learning rates > 0"),
+        (["--lrs", "3e-3,0"], "--lrs '0': expected learning rates > 0"),
+        (["--bases", "en_te,fr"], "--bases fr: no such base"),
+        (["--only", "defaults,nope"], "--only nope: no such variant"),
+    ],
+)
+def test_a_grid_it_cannot_run_is_one_line_naming_the_argument(args, says, tmp_path):
+    with pytest.raises(SystemExit) as stop:
+        grid.main(["--work", str(tmp_path), *args])
+    assert says in str(stop.value) and "\n" not in str(stop.value)
