@@ -34,6 +34,10 @@ REPO_DIR = Path(__file__).resolve().parent
 PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true")
 WANDB_MODES = ("online", "offline", "disabled")
 LANG_WEIGHTINGS = ("count", "hours")
+# Speed perturbation factors a run may ask for (SPEED_PERTURB): a factor outside is a typo
+# ('90,100,110'), not an augmentation.
+SPEED_FACTOR_RANGE = (0.5, 2.0)
+SPEED_FACTORS_MOST = 16
 
 
 class ConfigError(UserError, ValueError):
@@ -154,6 +158,21 @@ def _boundaries(raw: str) -> tuple[float, ...] | str:
     if any(b <= a for a, b in zip(values, values[1:])):
         raise ValueError("expected strictly increasing seconds like '3,5,8,12,16', or 'auto:K'")
     return values
+
+
+def _speed_factors(raw: str) -> tuple[float, ...]:
+    low, high = SPEED_FACTOR_RANGE
+    expected = (
+        f"expected comma-separated speed factors between {low:g} and {high:g} such as "
+        f"'0.9,1.0,1.1' (at most {SPEED_FACTORS_MOST}), or 1 for none"
+    )
+    try:
+        values = tuple(float(v) for v in raw.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(expected) from None
+    if len(values) > SPEED_FACTORS_MOST or any(not low <= v <= high for v in values):
+        raise ValueError(expected)
+    return values if any(v != 1.0 for v in values) else ()
 
 
 def _choice(*allowed: str) -> Callable[[str], str]:
@@ -822,6 +841,20 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         steps=("train",),
     )
 
+    # Augmentation of training audio (validation and evaluation are never augmented)
+    knob(
+        "SPEED_PERTURB",
+        (),
+        _speed_factors,
+        "Speed perturbation of training audio: comma-separated factors, one drawn per utterance "
+        "and epoch, e.g. 0.9,1.0,1.1 (Kaldi's, Lhotse's and NeMo's set; 1.1 = 10 % faster and "
+        "higher, so 1/1.1 as long). The sampler packs batches by the durations played, so "
+        "MAX_BATCH_DURATION holds; an utterance with more tokens than encoder frames at its "
+        "factor plays at 1. Empty or 1 = off",
+        steps=("train", "manifest_report"),
+        shown="off",
+    )
+
     # Training cache (training_cache.py)
     knob(
         "CACHE_DIR",
@@ -1335,6 +1368,7 @@ BATCH_COST_QUADRATIC: float
 BUCKET_SORT_JITTER: float
 MAX_BATCH_JOINT_CELLS: float
 BATCH_COST_JOINT: float
+SPEED_PERTURB: tuple[float, ...]
 NUM_WORKERS: int
 GRAD_ACCUM: int
 MAX_STEPS: int

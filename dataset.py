@@ -35,6 +35,12 @@ Bad audio (missing, unreadable, empty, non-finite, or a decoded length that disa
 manifest by more than ``AUDIO_DURATION_TOLERANCE``) makes ``__getitem__`` return ``None``; it is
 logged with its shard and file at a limited rate and counted per reason; ``collate_asr_batch`` drops
 it and hands the counts on in ``AsrBatch.bad_audio``.
+
+Augmentation (training only). The training sampler's micro-batches are ``sampler.PlannedBatch``es,
+and those alone are augmented, in ``__getitems__`` in the DataLoader worker: each row is played at
+the speed factor its plan drew (SPEED_PERTURB: resampled with soxr, so it lasts duration / factor
+and every frequency is factor times as high). ``ds[i]`` and any plain list of indices (validation,
+evaluation) are never augmented.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ import torch
 import config
 import process_control
 import training_cache
+from sampler import PlannedBatch
 
 log = logging.getLogger("dataset")
 
@@ -124,12 +131,17 @@ def load_audio(
     expected_duration: float | None = None,
     sample_rate: int | None = None,
     duration_tolerance: float | None = None,
+    speed: float = 1.0,
 ) -> np.ndarray:
     """Decode ``path`` to mono float32 at ``sample_rate`` (None = config.TARGET_SAMPLE_RATE).
 
+    ``speed``: played ``speed`` times as fast (speed perturbation: 1.1 lasts 1/1.1 as long and
+    every frequency is 1.1 times as high), by resampling it as if recorded at ``speed`` x its rate,
+    in the same pass as the resampling to ``sample_rate``.
+
     Raises BadAudio("missing" | "unreadable" | "empty" | "non_finite" | "duration_mismatch"). The
     duration check (skipped when ``expected_duration`` is None) compares the decoded length with the
-    manifest's, before resampling.
+    manifest's, before resampling and speed perturbation.
     """
     sample_rate = config.TARGET_SAMPLE_RATE if sample_rate is None else sample_rate
     tolerance = (
@@ -166,8 +178,9 @@ def load_audio(
             f"decoded {decoded:.3f} s, manifest says {expected_duration:.3f} s "
             f"(AUDIO_DURATION_TOLERANCE={tolerance})",
         )
-    if sr != sample_rate:
-        signal = soxr.resample(signal, sr, sample_rate)
+    played_rate = sr if speed == 1.0 else sr * speed
+    if played_rate != sample_rate:
+        signal = soxr.resample(signal, played_rate, sample_rate)
     return np.ascontiguousarray(signal, dtype=np.float32)
 
 
@@ -187,6 +200,8 @@ class LocalShardDataset(torch.utils.data.Dataset):
     - ``signal``: float32 1-D at ``sample_rate``, mono; ``tokens``: int64, ``<|lang|>``'s id first, at
       most ``max_token_len``; ``duration``: the manifest's seconds; ``lang``: the manifest's code.
     - Returns None for bad audio (see ``load_audio``), counted for ``collate_asr_batch``.
+    - ``__getitems__`` of a ``sampler.PlannedBatch`` plays each row at its planned speed factor;
+      ``duration`` is then the seconds handed out: the manifest's divided by the speed factor.
     - Pickling (spawn/forkserver workers) carries the settings, not the table: the worker maps the
       training cache again on first use. Forked workers share the parent's mapping.
     """
@@ -330,6 +345,18 @@ class LocalShardDataset(torch.utils.data.Dataset):
         return os.path.join(cols.dir_names[cols.dir_codes[i]], cols.member_name(i))
 
     def __getitem__(self, i: int) -> dict | None:
+        return self._item(i)
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict | None]:
+        """The items of one micro-batch (the DataLoader's fetch). A ``sampler.PlannedBatch`` is
+        augmented as planned; any other list of indices gives exactly
+        ``[self[i] for i in indices]``."""
+        if not isinstance(indices, PlannedBatch) or indices.speeds is None:
+            return [self._item(i) for i in indices]
+        return [self._item(i, speed) for i, speed in zip(indices, indices.speeds)]
+
+    def _item(self, i: int, speed: float = 1.0) -> dict | None:
+        """Item ``i`` played at ``speed``."""
         cols = self._columns()
         n = len(cols.durations)
         i = int(i)
@@ -346,6 +373,7 @@ class LocalShardDataset(torch.utils.data.Dataset):
                 expected_duration=duration,
                 sample_rate=self.sample_rate,
                 duration_tolerance=self.duration_tolerance,
+                speed=speed,
             )
         except BadAudio as bad:
             _record_bad_audio(bad.reason, cols.shard_names[cols.shard_codes[i]], path, bad.detail)
@@ -358,7 +386,7 @@ class LocalShardDataset(torch.utils.data.Dataset):
         return {
             "signal": torch.from_numpy(signal),
             "tokens": torch.from_numpy(tokens),
-            "duration": duration,
+            "duration": duration / speed,
             "lang": cols.lang_names[lang_code],
             "index": i,
         }
@@ -374,7 +402,8 @@ class AsrBatch(NamedTuple):
 
     ``signal`` [B, T] float32 (zero-padded), ``signal_len`` [B] int64, ``tokens`` [B, U] int64
     (zero-padded), ``token_len`` [B] int64, ``langs``, ``durations`` and dataset ``indices`` per
-    utterance, ``bad_audio``: per-reason counts of bad items this worker saw since its previous batch.
+    utterance (``durations``: the seconds trained on, the manifest's divided by the item's speed
+    factor), ``bad_audio``: per-reason counts of bad items this worker saw since its previous batch.
     B == 0 when every item of the micro-batch was bad audio (``is_empty``); there is never a dummy
     utterance.
     """

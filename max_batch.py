@@ -5,7 +5,9 @@ The heaviest micro-batch at a MAX_BATCH_DURATION is ``sampler.heaviest_packed_ba
 the longest utterance, as many as reach the padded encoder frames and with the tokens that reach the
 joint cells no batch the sampler packs exceeds in any epoch (``sampler.packed_batch_bound``: from
 the packing rules and the caps over the whole manifest, not one epoch's draw), so that no batch
-training deals is heavier in padded frames or in joint cells. It is taken from a manifest's
+training deals is heavier in padded frames or in joint cells. With SPEED_PERTURB both are of the
+durations as played (the sampler packs by them): its utterances are the longest / the slowest
+factor, e.g. 20 s / 0.9 = 22.2 s. It is taken from a manifest's
 durations, languages and token lengths when one is at hand (``manifest_batch_shape``), else from a
 synthetic corpus of 200k utterances (``synthetic_corpus``: lognormal durations, median 6 s, clipped
 to MIN_DURATION..MAX_DURATION) with a given number of tokens per second.

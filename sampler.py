@@ -14,12 +14,15 @@ Usage (a torch batch sampler; ``BatchingSettings`` holds the knobs it reads)::
 
 An epoch plan is a handful of NumPy passes (per-language shuffles, one integer sort of packed keys, a
 greedy packing loop whose iterations are batches of a lane, never utterances), about 1.5 s for 10M
-utterances, and every rank builds the same global plan without communicating.
+utterances, and every rank builds the same global plan without communicating. With speed
+perturbation (SPEED_PERTURB) the plan also draws each utterance's factor and packs by the durations
+played (guarantee 9 of DurationBucketBatchSampler).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -30,6 +33,8 @@ from torch.utils.data import Sampler
 
 import config
 from process_control import UserError
+
+log = logging.getLogger("sampler")
 
 # Batches a packing lane holds (a lane is cut every _LANE_BATCHES x cap seconds of audio and at
 # bucket starts). The greedy loop runs about once per batch of a lane, vectorized across lanes; each
@@ -42,6 +47,12 @@ _PRUNE_EVERY = 16
 _MIN_SORT_SECONDS = 1e-3
 # Slice length for in-place passes over epoch-sized arrays (bounds temporaries to a few MB).
 _CHUNK = 1 << 16
+# Guards floor(duration / frame) against 0.24 / 0.08 = 2.9999999999999996, as the training cache's
+# feasibility filter does.
+_FRAME_EPS = 1e-9
+# The random streams of a plan (SeedSequence spawn keys, first entry): 1 each language's base
+# order, 2 the sort jitter, 3 the deal, 4 the passes over a language, 5 the speed factors.
+_SPEED_STREAM = 5
 
 
 @dataclass
@@ -52,6 +63,9 @@ class _Plan:
     offsets: np.ndarray  # int64 [num_batches + 1]: batch b is flat[offsets[b]:offsets[b+1]]
     rank_batches: np.ndarray  # int32 [num_batches_per_rank]: this rank's batch ids in step order
     stats: dict[str, Any]
+    # int8 per entry of ``flat``: its factor's index in the sampler's speed table (None: no speed
+    # perturbation)
+    speed_codes: np.ndarray | None = None
 
 
 @dataclass
@@ -74,7 +88,8 @@ class BatchingSettings:
     """The settings of the sampler, one knob each: BUCKET_BOUNDARIES, MAX_BATCH_DURATION, TEMPERATURE,
     GRAD_ACCUM, SEED, EPOCH_SIZE (0 = the number of utterances), LANG_WEIGHTING,
     BATCH_COST_QUADRATIC, BUCKET_SORT_JITTER, ENCODER_FRAME_SECONDS, MAX_BATCH_JOINT_CELLS (0 =
-    derived from the token lengths, below 0 = no cap) and BATCH_COST_JOINT. The sampler checks them."""
+    derived from the token lengths, below 0 = no cap), BATCH_COST_JOINT and SPEED_PERTURB (the
+    speed factors, () = none). The sampler checks them."""
 
     boundaries: Sequence[float] | str
     max_batch_duration: float
@@ -93,6 +108,9 @@ class BatchingSettings:
     # 0 = no floor.
     base_languages: tuple[str, ...] | None = ()
     base_share: float = 0.0
+    # Speed perturbation: the factors each planned utterance is played at, one drawn per utterance
+    # and epoch (1.1 = 10 % faster, so shorter); () = none.
+    speed_factors: tuple[float, ...] = ()
 
     @classmethod
     def from_config(cls, **changes: Any) -> BatchingSettings:
@@ -115,12 +133,27 @@ class BatchingSettings:
             cost_joint=config.BATCH_COST_JOINT,
             base_languages=model_languages.base_languages(),
             base_share=config.BASE_LANGUAGE_SHARE,
+            speed_factors=config.SPEED_PERTURB,
         )
         return dataclasses.replace(settings, **changes)
 
 
+class PlannedBatch(list):
+    """One micro-batch of an epoch plan: its manifest rows (a list of ints, as any batch sampler
+    yields) and what the dataset needs to augment each row as planned.
+
+    ``speeds``: the factor each row is played at (None: no speed perturbation); the plan packed
+    the batch by the durations these give.
+    """
+
+    def __init__(self, rows, *, speeds: tuple[float, ...] | None = None):
+        super().__init__(rows)
+        self.speeds = speeds
+
+
 class DurationBucketBatchSampler(Sampler[list[int]]):
-    """Yields lists of manifest row indices: duration-bucketed, language-rebalanced, rank-balanced.
+    """Yields lists of manifest row indices (``PlannedBatch``es: each also carries its rows' speed
+    factors): duration-bucketed, language-rebalanced, rank-balanced.
 
     Cost model: a micro-batch of n utterances whose longest lasts m seconds and holds at most u
     tokens costs n x m + cost_quadratic x n x m^2 + cost_joint x n x T x (u + 1) (padded frames, an
@@ -189,11 +222,23 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
        repeated / skipped / trimmed per language, and this rank's first (most expensive) step.
     8. Bad input (empty, NaN / inf / negative durations, mismatched lengths, world_size < 1, rank
        outside [0, world_size), bad settings) raises a ValueError that names the value.
+    9. Speed perturbation (``speed_factors``, e.g. (0.9, 1.0, 1.1)). Each planned utterance is
+       played at a factor f drawn uniformly from them, afresh each epoch (a pure function of seed,
+       epoch and plan position, like the rest of the plan), and lasts duration / f; an utterance
+       whose tokens would outnumber its encoder frames at f (floor(duration / f / frame_seconds),
+       the training cache's rule) is played at 1.0. Everything the plan does with durations (the
+       buckets, the sort, the packing up to ``max_batch_duration``, the joint cap, the cost, the
+       statistics, ``packed_batch_bound``) uses these perturbed durations, so a batch still holds
+       at most ``max_batch_duration`` seconds of the audio it trains on and batch mates still have
+       nearly equal lengths. The batches are ``PlannedBatch``es that carry each row's factor to the
+       dataset, which resamples the audio. ``epoch_stats()["speed_factors"]`` counts the planned
+       utterances per factor played.
 
     Memory: 5 bytes per utterance held (rows grouped by language, language codes), 4 bytes per
-    planned utterance for the epoch plan, ~12 bytes per planned utterance transiently while
-    building it (the selection and the sort key, then the plan and the running sum of durations);
-    all other epoch-sized work runs in slices.
+    planned utterance for the epoch plan (5 with speed perturbation: the factor of each),
+    ~12 bytes per planned utterance transiently while building it (the selection and the sort
+    key, then the plan and the running sum of durations; 2 more with speed perturbation); all
+    other epoch-sized work runs in slices.
     """
 
     def __init__(
@@ -218,6 +263,10 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         self.world_size = int(world_size)
         self.rank = int(rank)
         _check_settings(self)
+        self.speed_factors = _speed_factors(settings.speed_factors)
+        # The factors by their code in a plan, and 1.0 last: the factor of an utterance that would
+        # be infeasible at the one drawn.
+        self._speed_table = np.array((*self.speed_factors, 1.0))
 
         self.durations = _check_durations(durations)
         n = len(self.durations)
@@ -304,7 +353,11 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         while self._position < total:
             b = int(plan.rank_batches[self._position])
             self._position += 1
-            yield plan.flat[plan.offsets[b] : plan.offsets[b + 1]].tolist()
+            lo, hi = int(plan.offsets[b]), int(plan.offsets[b + 1])
+            speeds = None
+            if plan.speed_codes is not None:
+                speeds = tuple(self._speed_table[plan.speed_codes[lo:hi]].tolist())
+            yield PlannedBatch(plan.flat[lo:hi].tolist(), speeds=speeds)
         # Like any torch sampler, the next iterator makes a full pass (of this epoch, until set_epoch).
         self._position = 0
 
@@ -397,6 +450,7 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
             "languages": list(self.languages),
             "base_languages": list(self.base_languages),
             "base_share": self.base_share,
+            "speed_factors": list(self.speed_factors),
         }
 
     # ---- statistics -------------------------------------------------------------------------
@@ -466,11 +520,32 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         order[full:] = rng.permutation(rows[full:])
         return order
 
+    def _speed_codes(self, selected: np.ndarray, epoch: int) -> np.ndarray | None:
+        """Per entry of ``selected``, the code (index into ``_speed_table``) of the factor it is
+        played at this epoch: uniform over ``speed_factors``, or 1.0 (the last code) where the
+        drawn one would leave fewer encoder frames than tokens. None without speed perturbation."""
+        if not self.speed_factors:
+            return None
+        fallback = len(self.speed_factors)
+        codes = self._rng(_SPEED_STREAM, epoch).integers(
+            0, fallback, size=len(selected), dtype=np.int8
+        )
+        if self.token_lengths is not None:
+            for lo, hi in _slices(len(selected)):
+                rows = selected[lo:hi]
+                part = codes[lo:hi]
+                frames = np.floor(
+                    self.durations[rows] / self._speed_table[part] / self.frame_seconds + _FRAME_EPS
+                )
+                part[self.token_lengths[rows] > frames] = fallback
+        return codes
+
     def _build_plan(self, epoch: int) -> _Plan:
         selected, extra = self._select(epoch)
         extra = {lang: rows.copy() for lang, rows in extra.items()}  # small: < n_l rows each
         size = len(selected)
         num_buckets = len(self.boundaries) + 1
+        codes = self._speed_codes(selected, epoch)
 
         # One integer sort orders the epoch by (bucket, jittered duration, position). The packed key
         # is exact (its float part stays below 2**52 - 1), so the order is identical on every machine:
@@ -480,11 +555,15 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         bucket_bits = max(1, int(num_buckets - 1).bit_length())
         key_bits = min(52 - bucket_bits, 63 - index_bits - bucket_bits)
         longest = max(float(self.durations.max()), _MIN_SORT_SECONDS) * (1.0 + self.sort_jitter)
+        if codes is not None:
+            longest /= float(self._speed_table.min())
         scale = ((1 << key_bits) - 2) / longest
         jitter_rng = self._rng(2, epoch)
         key = np.empty(size, dtype=np.uint64)
         for lo, hi in _slices(size):
             dur = self.durations[selected[lo:hi]]
+            if codes is not None:
+                dur /= self._speed_table[codes[lo:hi]]
             part = jitter_rng.random(hi - lo)
             part *= self.sort_jitter
             part += 1.0
@@ -507,14 +586,19 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         key &= np.uint64((1 << index_bits) - 1)
         # The rows are written over the key buffer's already-read front half: no third epoch array.
         flat = key.view(np.int32)[:size]
+        flat_codes = None if codes is None else np.empty(size, dtype=np.int8)
         for lo, hi in _slices(size):
-            flat[lo:hi] = selected[key[lo:hi].astype(np.intp)]
-        del selected
+            at = key[lo:hi].astype(np.intp)
+            flat[lo:hi] = selected[at]
+            if codes is not None:
+                flat_codes[lo:hi] = codes[at]
+        del selected, codes
         flat = flat.copy()
         del key
+        speed = None if flat_codes is None else (self._speed_table, flat_codes)
 
         starts, audio, max_dur = _greedy_pack(
-            self.durations, flat, bucket_starts, self.max_batch_duration
+            self.durations, flat, bucket_starts, self.max_batch_duration, speed
         )
         cells = np.zeros(len(starts))
         if self.token_lengths is not None:
@@ -525,8 +609,9 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
                 starts,
                 self.frame_seconds,
                 self.max_joint_cells,
+                speed,
             )
-            audio, max_dur = _batch_audio(self.durations, flat, starts)
+            audio, max_dur = _batch_audio(self.durations, flat, starts, speed)
         offsets = np.append(starts, size)
         counts = np.diff(offsets)
         cost = counts * max_dur * (1.0 + self.cost_quadratic * max_dur) + self.cost_joint * cells
@@ -564,7 +649,27 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
             else 0
         )
         stats["first_step"]["joint_cells"] = float(cells[int(rank_batches[0])])
-        return _Plan(flat=flat, offsets=offsets, rank_batches=rank_batches, stats=stats)
+        stats["speed_factors"] = {}
+        if flat_codes is not None:
+            played = np.bincount(flat_codes, minlength=len(self._speed_table))
+            for factor, count in zip(self._speed_table.tolist(), played.tolist()):
+                key = f"{factor:g}"
+                stats["speed_factors"][key] = stats["speed_factors"].get(key, 0) + count
+            if self.rank == 0:
+                log.info(
+                    "epoch %d: planned utterances per speed factor played %s (%d at 1 because "
+                    "their tokens would outnumber the encoder frames at the factor drawn)",
+                    epoch,
+                    stats["speed_factors"],
+                    int(played[-1]),
+                )
+        return _Plan(
+            flat=flat,
+            offsets=offsets,
+            rank_batches=rank_batches,
+            stats=stats,
+            speed_codes=flat_codes,
+        )
 
     def _stats(
         self,
@@ -661,12 +766,14 @@ _SETTINGS_BEFORE_THEY_EXISTED = {
     "cost_joint": 0.0,
     "base_languages": [],
     "base_share": 0.0,
+    "speed_factors": [],
 }
 _SETTINGS_BEFORE_THEY_EXISTED_KNOBS = {
     "max_joint_cells": "MAX_BATCH_JOINT_CELLS=-1",
     "cost_joint": "BATCH_COST_JOINT=0",
     "base_languages": "BASE_LANGUAGE_SHARE=0",
     "base_share": "BASE_LANGUAGE_SHARE=0",
+    "speed_factors": "SPEED_PERTURB=1",
 }
 
 
@@ -717,6 +824,26 @@ def _check_settings(s: DurationBucketBatchSampler) -> None:
         problems.append(f"sort_jitter={s.sort_jitter}: expected >= 0")
     if problems:
         raise ValueError("DurationBucketBatchSampler: " + "; ".join(problems))
+
+
+def _speed_factors(values: Any) -> tuple[float, ...]:
+    """``values`` as a tuple of speed factors; () when there are none or every one is 1 (no
+    perturbation). A factor outside config.SPEED_FACTOR_RANGE raises a ValueError naming it."""
+    try:
+        factors = tuple(float(v) for v in values)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"speed_factors={values!r}: expected numbers such as (0.9, 1.0, 1.1)"
+        ) from None
+    low, high = config.SPEED_FACTOR_RANGE
+    bad = [v for v in factors if not low <= v <= high]  # NaN fails too
+    if bad or len(factors) > config.SPEED_FACTORS_MOST:
+        raise ValueError(
+            f"speed_factors={values!r}: expected at most {config.SPEED_FACTORS_MOST} factors "
+            f"between {low:g} and {high:g} such as (0.9, 1.0, 1.1)"
+            + (f" (bad: {bad})" if bad else "")
+        )
+    return factors if any(v != 1.0 for v in factors) else ()
 
 
 def _check_durations(durations: Any) -> np.ndarray:
@@ -967,10 +1094,28 @@ def _slices(size: int) -> Iterator[tuple[int, int]]:
     return ((lo, min(size, lo + _CHUNK)) for lo in range(0, size, _CHUNK))
 
 
+def _durations_of(
+    durations: np.ndarray, flat: np.ndarray, speed, lo: int = 0, hi: int | None = None
+) -> np.ndarray:
+    """Seconds of the rows ``flat[lo:hi]`` as played: their ``durations``, each divided by its
+    speed factor when ``speed`` = (factor table, int8 code per entry of ``flat``) is given."""
+    hi = len(flat) if hi is None else hi
+    d = durations[flat[lo:hi]]
+    if speed is not None:
+        table, codes = speed
+        d /= table[codes[lo:hi]]
+    return d
+
+
 def _greedy_pack(
-    durations: np.ndarray, flat: np.ndarray, bucket_starts: np.ndarray, cap: float
+    durations: np.ndarray,
+    flat: np.ndarray,
+    bucket_starts: np.ndarray,
+    cap: float,
+    speed=None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(batch starts in ``flat``, seconds of audio, longest duration) per batch: greedy fill to ``cap``.
+    """(batch starts in ``flat``, seconds of audio, longest duration) per batch: greedy fill to
+    ``cap``, with the durations as played (``_durations_of``: ``speed`` as there).
 
     The plan order is cut into lanes, at every bucket start and every ``_LANE_BATCHES`` x ``cap``
     seconds of audio; each lane is packed greedily on its own. The loop advances every lane by one
@@ -985,6 +1130,8 @@ def _greedy_pack(
     cum[0] = 0.0
     for lo, hi in _slices(size):
         np.take(durations, flat[lo:hi], out=cum[lo + 1 : hi + 1])
+        if speed is not None:
+            cum[lo + 1 : hi + 1] /= speed[0][speed[1][lo:hi]]
     np.cumsum(cum[1:], out=cum[1:])
     lane_seconds = _LANE_BATCHES * cap
     marks = np.arange(1, int(min(cum[-1] // lane_seconds, size)) + 1) * lane_seconds
@@ -1025,7 +1172,9 @@ def _greedy_pack(
             max(int(bounds.searchsorted(bounds[b] + _CHUNK, side="right")) - 1, b + 1), len(starts)
         )
         lo, hi = int(bounds[b]), int(bounds[e])
-        longest[b:e] = np.maximum.reduceat(durations[flat[lo:hi]], bounds[b:e] - lo)
+        longest[b:e] = np.maximum.reduceat(
+            _durations_of(durations, flat, speed, lo, hi), bounds[b:e] - lo
+        )
         b = e
     return starts, seconds, longest
 
@@ -1085,7 +1234,8 @@ def heaviest_packed_batch(
     language_names: Sequence[str] | None = None,
 ) -> tuple[list[float], list[int]]:
     """A micro-batch at least as heavy as every batch the sampler packs from these utterances with
-    ``settings``, in every epoch, as (durations, tokens): n copies of the longest utterance, n the
+    ``settings``, in every epoch, as (durations, tokens): n copies of the longest utterance (as
+    played: ``longest_played``), n the
     fewest whose padded encoder frames (n x ceil(longest / frame_seconds)) reach
     ``packed_batch_bound``'s, each with the fewest tokens that reach its joint cells. So its padded
     frames, its joint cells and its longest utterance are each >= those of every batch dealt to any
@@ -1100,7 +1250,7 @@ def heaviest_packed_batch(
         token_lengths=token_lengths,
     )
     most_frames, most_cells = packed_batch_bound(sampler)
-    longest = float(sampler.durations.max())
+    longest = longest_played(sampler)
     frames = max(1, math.ceil(longest / sampler.frame_seconds))
     n = max(1, math.ceil(most_frames / frames))
     needed = max(1, math.ceil(most_cells / (n * frames)) - 1)
@@ -1134,6 +1284,10 @@ def packed_batch_bound(sampler: DurationBucketBatchSampler) -> tuple[float, floa
     epoch could draw, allow a batch of one long row and the bucket's shortest ones: several times
     what the sampler packs, so no use to the max-batch search.)
 
+    With speed factors, durations are as played (guarantee 9): each row enters once per factor, at
+    duration / factor with its share of the copies (a factor at which it would be infeasible giving
+    its share to 1.0), and with its most copies at each (a looser cap on rows, never a tighter one).
+
     One pass over the manifest in slices (a histogram over bucket x duration, 1/16 of a frame wide,
     up to max_batch_duration), then prefix sums over the bins: benchmarks/bench_packing_bound.py."""
     f, cap = sampler.frame_seconds, sampler.max_batch_duration
@@ -1142,35 +1296,36 @@ def packed_batch_bound(sampler: DurationBucketBatchSampler) -> tuple[float, floa
     copies = sampler._quotas / np.maximum(sampler._counts, 1)
     most_copies = np.ceil(copies)
     with_tokens = sampler.token_lengths is not None
-    width = (math.ceil(min(float(sampler.durations.max()), cap) / f) + 1) * per_frame
+    width = (math.ceil(min(longest_played(sampler), cap) / f) + 1) * per_frame
     size = (len(sampler.boundaries) + 1) * width
     weight, seconds, squares, rows = (np.zeros(size) for _ in range(4))
     tokens = np.zeros(size, dtype=np.int64)
     most_frames = most_cells = 0.0
     for lo, hi in _slices(sampler.num_utterances):
-        d = sampler.durations[lo:hi]
-        w = copies[sampler._codes[lo:hi]]
-        u = np.asarray(sampler.token_lengths[lo:hi]) if with_tokens else None
-        frames = np.ceil(d / f)  # as the collate pads them
-        # An utterance over the cap is a batch of its own.
-        alone = (d > cap) & (w > 0)
-        if alone.any():
-            most_frames = max(most_frames, float(frames[alone].max()))
+        u_all = np.asarray(sampler.token_lengths[lo:hi]) if with_tokens else None
+        mc_all = most_copies[sampler._codes[lo:hi]]
+        for d, w in _played_versions(sampler, lo, hi, copies[sampler._codes[lo:hi]]):
+            frames = np.ceil(d / f)  # as the collate pads them
+            # An utterance over the cap is a batch of its own.
+            alone = (d > cap) & (w > 0)
+            if alone.any():
+                most_frames = max(most_frames, float(frames[alone].max()))
+                if with_tokens:
+                    most_cells = max(most_cells, float(np.max(frames[alone] * (u_all[alone] + 1))))
+            keep = (d <= cap) & (w > 0)
+            d, w, frames = d[keep], w[keep], frames[keep]
+            # Bins ordered by (bucket, frames, sixteenth of a frame): by duration within a bucket.
+            part = np.clip((d / f - (frames - 1)) * per_frame, 0, per_frame - 1).astype(np.int64)
+            index = np.maximum(frames.astype(np.int64) - 1, 0) * per_frame + part
+            for edge in sampler.boundaries:
+                index += (d >= edge) * width
+            weight += np.bincount(index, weights=w, minlength=size)
+            seconds += np.bincount(index, weights=w * d, minlength=size)
+            squares += np.bincount(index, weights=w * d * d, minlength=size)
+            # A row may be drawn at any of its factors: each version counts its most copies.
+            rows += np.bincount(index, weights=mc_all[keep], minlength=size)
             if with_tokens:
-                most_cells = max(most_cells, float(np.max(frames[alone] * (u[alone] + 1))))
-        keep = (d <= cap) & (w > 0)
-        d, w, frames = d[keep], w[keep], frames[keep]
-        # Bins ordered by (bucket, frames, sixteenth of a frame): by duration within a bucket.
-        part = np.clip((d / f - (frames - 1)) * per_frame, 0, per_frame - 1).astype(np.int64)
-        index = np.maximum(frames.astype(np.int64) - 1, 0) * per_frame + part
-        for edge in sampler.boundaries:
-            index += (d >= edge) * width
-        weight += np.bincount(index, weights=w, minlength=size)
-        seconds += np.bincount(index, weights=w * d, minlength=size)
-        squares += np.bincount(index, weights=w * d * d, minlength=size)
-        rows += np.bincount(index, weights=most_copies[sampler._codes[lo:hi][keep]], minlength=size)
-        if with_tokens:
-            np.maximum.at(tokens, index, u[keep])
+                np.maximum.at(tokens, index, u_all[keep])
     bins = np.arange(width)
     bin_frames = bins // per_frame + 1.0
     shortest = (bins // per_frame + (bins % per_frame) / per_frame) * f
@@ -1211,16 +1366,52 @@ def packed_batch_bound(sampler: DurationBucketBatchSampler) -> tuple[float, floa
     return most_frames, most_cells
 
 
-def _batch_audio(durations, flat, starts) -> tuple[np.ndarray, np.ndarray]:
-    """(seconds of audio, longest duration) per batch of ``flat`` cut at ``starts``."""
-    d = durations[flat]
+def longest_played(sampler: DurationBucketBatchSampler) -> float:
+    """Seconds of the longest utterance as ``sampler`` can play it: the longest duration, divided
+    by the slowest speed factor an utterance can be played at (1.0 without speed perturbation)."""
+    longest = float(sampler.durations.max())
+    if sampler.speed_factors:
+        slowest = min(sampler.speed_factors)
+        if sampler.token_lengths is not None:
+            slowest = min(slowest, 1.0)  # an utterance infeasible at its factor plays at 1.0
+        longest /= slowest
+    return longest
+
+
+def _played_versions(sampler: DurationBucketBatchSampler, lo: int, hi: int, copies: np.ndarray):
+    """(durations as played, copies an epoch draws on average) of rows ``lo:hi``, once per speed
+    factor they can be played at (each factor a 1/K share of the copies, the share of a factor at
+    which a row is infeasible going to 1.0), or once as they are without speed perturbation."""
+    d = sampler.durations[lo:hi]
+    if not sampler.speed_factors:
+        yield d, copies
+        return
+    share = copies / len(sampler.speed_factors)
+    at_one = np.zeros(hi - lo)
+    for factor in sampler.speed_factors:
+        played = d / factor
+        feasible = np.ones(hi - lo, dtype=bool)
+        if sampler.token_lengths is not None:
+            frames = np.floor(played / sampler.frame_seconds + _FRAME_EPS)
+            feasible = np.asarray(sampler.token_lengths[lo:hi]) <= frames
+            at_one += np.where(feasible, 0.0, share)
+        yield played, np.where(feasible, share, 0.0)
+    if at_one.any():
+        yield d / 1.0, at_one
+
+
+def _batch_audio(durations, flat, starts, speed=None) -> tuple[np.ndarray, np.ndarray]:
+    """(seconds of audio, longest duration) per batch of ``flat`` cut at ``starts``, as played
+    (``_durations_of``)."""
+    d = _durations_of(durations, flat, speed)
     return np.add.reduceat(d, starts), np.maximum.reduceat(d, starts)
 
 
-def _cap_joint(durations, token_lengths, flat, starts, frame_seconds, cap):
+def _cap_joint(durations, token_lengths, flat, starts, frame_seconds, cap, speed=None):
     """``starts`` with every batch over ``cap`` joint cells cut into consecutive parts that fit
-    (as few as its largest rows allow), and the joint cells of every resulting batch."""
-    d, u = durations[flat], np.asarray(token_lengths)[flat]
+    (as few as its largest rows allow), and the joint cells of every resulting batch; durations
+    as played (``_durations_of``)."""
+    d, u = _durations_of(durations, flat, speed), np.asarray(token_lengths)[flat]
     frames = np.ceil(np.maximum.reduceat(d, starts) / frame_seconds)
     most = np.maximum.reduceat(u, starts)
     counts = np.diff(np.append(starts, len(flat)))

@@ -184,7 +184,8 @@ STEP_METRICS: tuple[Metric, ...] = (
            if s.measures["step_seconds"] else 0.0),
     Metric("time/data_wait_fraction_max", "max", "share of step time spent waiting for data, worst rank",
            lambda s: s.measures["wait_fraction_max"]),
-    Metric("throughput/audio_s_per_step", "sum", "seconds of audio in this optimizer step, all ranks",
+    Metric("throughput/audio_s_per_step", "sum", "seconds of audio in this optimizer step, all ranks, "
+           "as trained (after SPEED_PERTURB: a row played at 1.1 counts its duration / 1.1)",
            lambda s: s.measures["audio_seconds"]),
     Metric("throughput/audio_s_per_s", "sum / max", "seconds of audio trained per second of wall time",
            lambda s: _ratio(s.measures["audio_seconds"], s.measures["step_seconds_max"])),

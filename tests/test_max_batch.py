@@ -148,3 +148,31 @@ def test_a_batch_of_few_long_utterances_holds_no_more_than_fit_in_its_seconds():
     sampler = DurationBucketBatchSampler(durations, languages, settings, token_lengths=tokens)
     dealt = max(len(batch) for batch in sampler if durations[batch].min() >= 6.0)
     assert dealt <= len(shape[0])
+
+
+def test_with_speed_perturbation_no_batch_plays_heavier_than_the_tested_one():
+    # Played at 0.9, an utterance lasts 11 % longer: the tested batch covers the batches as played
+    # (packed by those durations), and its utterances are the longest as played.
+    durations, languages, tokens = speakers_corpus(30_000)
+    settings = BatchingSettings.from_config(
+        max_batch_duration=200.0,
+        seed=0,
+        grad_accum=1,
+        base_languages=(),
+        base_share=0.0,
+        speed_factors=(0.9, 1.0, 1.1),
+    )
+    shape = max_batch.BatchShape(*heaviest_packed_batch(durations, languages, tokens, settings))
+    tested = padded_frames_and_joint_cells(shape.durations, shape.tokens)
+    assert max(shape.durations) == pytest.approx(durations.max() / 0.9)
+    sampler = DurationBucketBatchSampler(durations, languages, settings, token_lengths=tokens)
+    heaviest = [0.0, 0.0]
+    for epoch in range(10):
+        sampler.set_epoch(epoch)
+        for batch in sampler:
+            played = durations[batch] / np.array(batch.speeds)
+            dealt = padded_frames_and_joint_cells(played, tokens[batch])
+            assert dealt[0] <= tested[0] and dealt[1] <= tested[1], (epoch, dealt, tested)
+            assert played.max() <= max(shape.durations)
+            heaviest = [max(h, x) for h, x in zip(heaviest, dealt)]
+    assert tested[0] <= 1.25 * heaviest[0] and tested[1] <= 1.25 * heaviest[1], (tested, heaviest)
