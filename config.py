@@ -175,6 +175,19 @@ def _speed_factors(raw: str) -> tuple[float, ...]:
     return values if any(v != 1.0 for v in values) else ()
 
 
+def _decibel_range(raw: str) -> tuple[float, float]:
+    expected = "expected 'low,high' in dB such as '10,20', or one number for a fixed value"
+    try:
+        values = [_float(v) for v in raw.split(",")]
+    except ValueError:
+        raise ValueError(expected) from None
+    if len(values) == 1:
+        values *= 2
+    if len(values) != 2 or values[0] > values[1]:
+        raise ValueError(expected)
+    return (values[0], values[1])
+
+
 def _choice(*allowed: str) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         value = raw.strip()
@@ -854,6 +867,33 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         steps=("train", "manifest_report"),
         shown="off",
     )
+    knob(
+        "NOISE_PROB",
+        0.0,
+        _float,
+        "Share of training utterances that get additive noise at an SNR from NOISE_SNR_DB, e.g. "
+        "0.5; 0 = off",
+        lambda v: None if 0 <= v <= 1 else "expected a probability between 0 and 1",
+        steps=("train",),
+    )
+    knob(
+        "NOISE_SNR_DB",
+        (10.0, 20.0),
+        _decibel_range,
+        "Signal-to-noise ratio of the added noise, dB over the whole utterance: 'low,high', drawn "
+        "uniformly per utterance (Lhotse's CutMix default), or one number",
+        steps=("train",),
+    )
+    knob(
+        "NOISE_DIR",
+        None,
+        _path,
+        "Noise recordings (FLAC or WAV, searched recursively, e.g. MUSAN's noise/) that "
+        "NOISE_PROB adds: a file and an offset drawn per utterance, looped when shorter; empty = "
+        "generated Gaussian noise, its colour drawn per utterance from white to brown (power ~ "
+        "1/f^b, b = 0, 0.5, 1, 1.5 or 2)",
+        steps=("train",),
+    )
 
     # Training cache (training_cache.py)
     knob(
@@ -1369,6 +1409,9 @@ BUCKET_SORT_JITTER: float
 MAX_BATCH_JOINT_CELLS: float
 BATCH_COST_JOINT: float
 SPEED_PERTURB: tuple[float, ...]
+NOISE_PROB: float
+NOISE_SNR_DB: tuple[float, float]
+NOISE_DIR: Path | None
 NUM_WORKERS: int
 GRAD_ACCUM: int
 MAX_STEPS: int

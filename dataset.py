@@ -39,8 +39,11 @@ it and hands the counts on in ``AsrBatch.bad_audio``.
 Augmentation (training only). The training sampler's micro-batches are ``sampler.PlannedBatch``es,
 and those alone are augmented, in ``__getitems__`` in the DataLoader worker: each row is played at
 the speed factor its plan drew (SPEED_PERTURB: resampled with soxr, so it lasts duration / factor
-and every frequency is factor times as high). ``ds[i]`` and any plain list of indices (validation,
-evaluation) are never augmented.
+and every frequency is factor times as high), then NOISE_PROB of the rows get noise at an SNR drawn
+from NOISE_SNR_DB (from NOISE_DIR's recordings, or generated). Every draw comes from the row's own
+random stream, keyed by (SEED, epoch, its position in the epoch's plan): the same audio whatever
+the number of workers, and again after a resume. ``ds[i]`` and any plain list of indices
+(validation, evaluation) are never augmented.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -64,6 +68,7 @@ import torch
 import config
 import process_control
 import training_cache
+from process_control import UserError
 from sampler import PlannedBatch
 
 log = logging.getLogger("dataset")
@@ -185,6 +190,180 @@ def load_audio(
 
 
 # --------------------------------------------------------------------------------------------------
+# Additive noise
+# --------------------------------------------------------------------------------------------------
+
+NOISE_EXTENSIONS = (".flac", ".wav")
+# Generated noise: one recording-like bank per colour, power spectral density ~ 1/f^b for each b
+# here: white (0), pink (1), brown (2) and between, the colours of fans, traffic and rumble (bluer
+# noise is rare in recordings). Below _NOISE_FLAT_BELOW_HZ the spectrum is flat, so a brown noise
+# does not put most of its power (and so of the SNR) below what a microphone records.
+GENERATED_NOISE_EXPONENTS = (0.0, 0.5, 1.0, 1.5, 2.0)
+_NOISE_FLAT_BELOW_HZ = 20.0
+# Samples of each colour's bank: 65.5 s at 16 kHz, 21 MB for the five. A power of two, so the FFT
+# that makes it is fast; made by FFT it is periodic, so a segment that wraps around has no seam.
+_NOISE_BANK_SAMPLES = 1 << 20
+_NOISE_BANK_SEED = 0
+
+
+class NoiseDirError(UserError, ValueError):
+    """NOISE_DIR holds no noise this run can read; the message names the file or directory."""
+
+
+@dataclass(frozen=True)
+class NoiseSettings:
+    """Additive noise of training items: ``prob`` (NOISE_PROB, 0 = off), ``snr_db`` (NOISE_SNR_DB:
+    low, high) and ``directory`` (NOISE_DIR; None = generated noise)."""
+
+    prob: float = 0.0
+    snr_db: tuple[float, float] = (10.0, 20.0)
+    directory: Path | None = None
+
+    @classmethod
+    def from_config(cls) -> NoiseSettings:
+        return cls(
+            prob=float(config.NOISE_PROB),
+            snr_db=tuple(config.NOISE_SNR_DB),
+            directory=config.NOISE_DIR,
+        )
+
+
+@dataclass(frozen=True)
+class NoiseFiles:
+    """The noise recordings of a directory, sorted by path (so every process draws alike), with
+    each one's frames and sample rate from its header."""
+
+    paths: tuple[str, ...]
+    frames: np.ndarray
+    rates: np.ndarray
+
+    @classmethod
+    def scan(cls, directory: Path) -> NoiseFiles:
+        """Every FLAC and WAV file under ``directory``; NoiseDirError naming the directory when
+        there is none, or naming the first file without a readable header or without samples."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise NoiseDirError(
+                f"NOISE_DIR={directory} is not a directory: point it at a directory of noise "
+                "recordings (FLAC or WAV), or leave it empty for generated noise"
+            )
+        # Absolute, so a worker or a later chdir reads the same files; sorted, so every process
+        # numbers them alike.
+        paths = sorted(
+            str(p.absolute())
+            for p in directory.rglob("*")
+            if p.suffix.lower() in NOISE_EXTENSIONS and p.is_file()
+        )
+        if not paths:
+            raise NoiseDirError(
+                f"NOISE_DIR={directory} holds no {' or '.join(NOISE_EXTENSIONS)} file: point it "
+                "at noise recordings, or leave it empty for generated noise"
+            )
+        frames, rates = np.zeros(len(paths), np.int64), np.zeros(len(paths), np.int64)
+        for k, path in enumerate(paths):
+            try:
+                info = sf.info(path)
+            except Exception as exc:  # libsndfile reports every failure its own way
+                raise NoiseDirError(
+                    f"NOISE_DIR: noise file {path} is unreadable ({type(exc).__name__}: {exc}): "
+                    "remove or replace it"
+                ) from None
+            if info.frames <= 0 or info.samplerate <= 0:
+                raise NoiseDirError(f"NOISE_DIR: noise file {path} has no samples: remove it")
+            frames[k], rates[k] = info.frames, info.samplerate
+        return cls(tuple(paths), frames, rates)
+
+
+def add_noise(signal: np.ndarray, noise: np.ndarray, snr_db: float) -> np.ndarray:
+    """``signal + g x noise`` (float32, new), with the gain g that makes the signal-to-noise ratio
+    10 log10(sum(signal^2) / sum((g x noise)^2)) equal ``snr_db``; ``signal`` unchanged when either
+    has no power (no SNR exists). ``noise`` (float32) is as long as ``signal``."""
+    # float32 BLAS dots: 1e-7 of the energy off at utterance lengths, 5e-7 dB; float64 copies of
+    # both would cost as much as the rest of the noise.
+    signal_energy = float(np.dot(signal, signal))
+    noise_energy = float(np.dot(noise, noise))
+    if not (signal_energy > 0 and noise_energy > 0):
+        return signal
+    out = noise * np.float32(math.sqrt(signal_energy / (noise_energy * 10.0 ** (snr_db / 10.0))))
+    out += signal
+    return out
+
+
+def coloured_noise(
+    n: int, exponent: float, sample_rate: int, rng: np.random.Generator
+) -> np.ndarray:
+    """``n`` samples (float32) of Gaussian noise whose power spectral density falls as
+    1/f^``exponent`` (0 white, 1 pink, 2 brown), flat below _NOISE_FLAT_BELOW_HZ, without DC,
+    and periodic (its end runs on into its start). Fast for ``n`` a power of two."""
+    white = rng.standard_normal(n)
+    if exponent == 0:
+        return white.astype(np.float32)
+    spectrum = np.fft.rfft(white)
+    hz = np.fft.rfftfreq(n, 1.0 / sample_rate)
+    spectrum *= np.maximum(hz, _NOISE_FLAT_BELOW_HZ) ** (-exponent / 2.0)
+    spectrum[0] = 0.0
+    return np.fft.irfft(spectrum, n).astype(np.float32)
+
+
+def generated_noise_bank(sample_rate: int) -> np.ndarray:
+    """[colour, sample] float32: _NOISE_BANK_SAMPLES of ``coloured_noise`` per exponent of
+    GENERATED_NOISE_EXPONENTS, the same in every process (a fixed seed). Made once per dataset, so
+    an utterance's noise costs a slice of it, not an FFT of its own length (whose cost jumps with
+    the length's prime factors)."""
+    rng = np.random.default_rng(_NOISE_BANK_SEED)
+    return np.stack(
+        [
+            coloured_noise(_NOISE_BANK_SAMPLES, b, sample_rate, rng)
+            for b in GENERATED_NOISE_EXPONENTS
+        ]
+    )
+
+
+def bank_noise(bank: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` samples of a colour of ``bank`` drawn from ``rng``, from an offset drawn in it,
+    wrapping around its end (seamless: the bank is periodic)."""
+    colour = bank[int(rng.integers(len(bank)))]
+    offset = int(rng.integers(len(colour)))
+    if offset + n <= len(colour):
+        return colour[offset : offset + n]
+    return np.resize(np.roll(colour, -offset), n)
+
+
+_noise_warned: set[str] = set()
+
+
+def file_noise(
+    files: NoiseFiles, n: int, sample_rate: int, rng: np.random.Generator
+) -> np.ndarray | None:
+    """``n`` samples at ``sample_rate`` of a noise file drawn from ``files``, from an offset drawn
+    in it, looped when the file is shorter; None (and one warning per file and process) when the
+    file cannot be read now."""
+    k = int(rng.integers(len(files.paths)))
+    path, frames, rate = files.paths[k], int(files.frames[k]), int(files.rates[k])
+    need = math.ceil(n * rate / sample_rate) + 1
+    # A segment starts where a whole one fits; a shorter file is looped from any sample.
+    offset = int(rng.integers(frames - need + 1 if frames > need else frames))
+    try:
+        if frames > need:
+            data, _ = sf.read(path, start=offset, frames=need, dtype="float32", always_2d=True)
+        else:
+            data, _ = sf.read(path, dtype="float32", always_2d=True)
+    except Exception as exc:  # e.g. a file removed or a network mount gone since the scan
+        if path not in _noise_warned:
+            _noise_warned.add(path)
+            log.warning("noise file %s unreadable (%s): its utterances stay clean", path, exc)
+        return None
+    noise = data[:, 0] if data.shape[1] == 1 else data.mean(axis=1, dtype=np.float32)
+    if frames <= need:
+        noise = np.roll(noise, -offset)
+    if rate != sample_rate:
+        noise = soxr.resample(noise, rate, sample_rate)
+    if not len(noise):
+        return None
+    return np.resize(noise, n).astype(np.float32, copy=False)
+
+
+# --------------------------------------------------------------------------------------------------
 # The dataset
 # --------------------------------------------------------------------------------------------------
 
@@ -200,8 +379,9 @@ class LocalShardDataset(torch.utils.data.Dataset):
     - ``signal``: float32 1-D at ``sample_rate``, mono; ``tokens``: int64, ``<|lang|>``'s id first, at
       most ``max_token_len``; ``duration``: the manifest's seconds; ``lang``: the manifest's code.
     - Returns None for bad audio (see ``load_audio``), counted for ``collate_asr_batch``.
-    - ``__getitems__`` of a ``sampler.PlannedBatch`` plays each row at its planned speed factor;
-      ``duration`` is then the seconds handed out: the manifest's divided by the speed factor.
+    - ``__getitems__`` of a ``sampler.PlannedBatch`` augments (speed factors as planned, ``noise``:
+      NoiseSettings, None = the NOISE_* knobs); see the module docstring. ``duration`` is then the
+      seconds handed out: the manifest's divided by the speed factor.
     - Pickling (spawn/forkserver workers) carries the settings, not the table: the worker maps the
       training cache again on first use. Forked workers share the parent's mapping.
     """
@@ -218,6 +398,7 @@ class LocalShardDataset(torch.utils.data.Dataset):
         cache_dir=None,
         build_workers: int | None = None,
         progress: bool = True,
+        noise: NoiseSettings | None = None,
     ):
         self.manifest_path = Path(manifest_path)
         if not self.manifest_path.is_file():
@@ -242,6 +423,13 @@ class LocalShardDataset(torch.utils.data.Dataset):
             raise ValueError(
                 f"frame_seconds={self.frame_seconds}: expected seconds per encoder frame > 0"
             )
+        self.noise = NoiseSettings.from_config() if noise is None else noise
+        self._noise_files = self._noise_bank = None
+        if self.noise.prob > 0 and self.noise.directory is not None:
+            self._noise_files = NoiseFiles.scan(self.noise.directory)
+        elif self.noise.prob > 0:
+            # Made here, before the DataLoader forks: its workers share the pages.
+            self._noise_bank = generated_noise_bank(self.sample_rate)
         info = training_cache.ensure(
             self.manifest_path,
             tokenizer,
@@ -349,14 +537,20 @@ class LocalShardDataset(torch.utils.data.Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict | None]:
         """The items of one micro-batch (the DataLoader's fetch). A ``sampler.PlannedBatch`` is
-        augmented as planned; any other list of indices gives exactly
-        ``[self[i] for i in indices]``."""
-        if not isinstance(indices, PlannedBatch) or indices.speeds is None:
+        augmented as planned, each row from its own random stream (``PlannedBatch.item_rng``);
+        any other list of indices gives exactly ``[self[i] for i in indices]``."""
+        if not isinstance(indices, PlannedBatch):
             return [self._item(i) for i in indices]
-        return [self._item(i, speed) for i, speed in zip(indices, indices.speeds)]
+        speeds = indices.speeds
+        return [
+            self._item(i, 1.0 if speeds is None else speeds[j], indices, j)
+            for j, i in enumerate(indices)
+        ]
 
-    def _item(self, i: int, speed: float = 1.0) -> dict | None:
-        """Item ``i`` played at ``speed``."""
+    def _item(
+        self, i: int, speed: float = 1.0, batch: PlannedBatch | None = None, j: int = 0
+    ) -> dict | None:
+        """Item ``i`` played at ``speed``, with noise when it is row ``j`` of a planned ``batch``."""
         cols = self._columns()
         n = len(cols.durations)
         i = int(i)
@@ -378,6 +572,8 @@ class LocalShardDataset(torch.utils.data.Dataset):
         except BadAudio as bad:
             _record_bad_audio(bad.reason, cols.shard_names[cols.shard_codes[i]], path, bad.detail)
             return None
+        if batch is not None and self.noise.prob > 0:
+            signal = self._noisy(signal, batch.item_rng(j))
         lang_code = cols.lang_codes[i]
         ids = cols.token_ids_of(i)
         tokens = np.empty(1 + len(ids), dtype=np.int64)
@@ -390,6 +586,20 @@ class LocalShardDataset(torch.utils.data.Dataset):
             "lang": cols.lang_names[lang_code],
             "index": i,
         }
+
+    def _noisy(self, signal: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """``signal`` with noise added at an SNR drawn from ``noise.snr_db``, with probability
+        ``noise.prob``; every draw from ``rng``, in a fixed order."""
+        if rng.random() >= self.noise.prob:
+            return signal
+        snr_db = float(rng.uniform(*self.noise.snr_db))
+        if self._noise_files is None:
+            noise = bank_noise(self._noise_bank, len(signal), rng)
+        else:
+            noise = file_noise(self._noise_files, len(signal), self.sample_rate, rng)
+            if noise is None:
+                return signal
+        return add_noise(signal, noise, snr_db)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -51,8 +51,10 @@ _CHUNK = 1 << 16
 # feasibility filter does.
 _FRAME_EPS = 1e-9
 # The random streams of a plan (SeedSequence spawn keys, first entry): 1 each language's base
-# order, 2 the sort jitter, 3 the deal, 4 the passes over a language, 5 the speed factors.
+# order, 2 the sort jitter, 3 the deal, 4 the passes over a language, 5 the speed factors, and 6
+# each planned row's augmentation in the dataset (PlannedBatch.item_rng).
 _SPEED_STREAM = 5
+_ITEM_STREAM = 6
 
 
 @dataclass
@@ -140,20 +142,41 @@ class BatchingSettings:
 
 class PlannedBatch(list):
     """One micro-batch of an epoch plan: its manifest rows (a list of ints, as any batch sampler
-    yields) and what the dataset needs to augment each row as planned.
+    yields) and what the dataset needs to augment each row alike in every run.
 
     ``speeds``: the factor each row is played at (None: no speed perturbation); the plan packed
-    the batch by the durations these give.
+    the batch by the durations these give. ``seed``, ``epoch`` and ``start`` (the plan position of
+    the first row: the same on every rank and at every world size) key ``item_rng``, so what
+    happens to a row depends on (SEED, epoch, its position in the epoch's plan) alone: never on the
+    rank, the number of DataLoader workers or their scheduling, and a resume at this batch
+    replays it.
     """
 
-    def __init__(self, rows, *, speeds: tuple[float, ...] | None = None):
+    def __init__(
+        self,
+        rows,
+        *,
+        seed: int,
+        epoch: int,
+        start: int,
+        speeds: tuple[float, ...] | None = None,
+    ):
         super().__init__(rows)
+        self.seed = int(seed)
+        self.epoch = int(epoch)
+        self.start = int(start)
         self.speeds = speeds
+
+    def item_rng(self, j: int) -> np.random.Generator:
+        """The random stream of the batch's ``j``-th row (its plan position ``start + j``)."""
+        key = (_ITEM_STREAM, self.epoch, self.start + int(j))
+        return np.random.default_rng(np.random.SeedSequence(self.seed % 2**64, spawn_key=key))
 
 
 class DurationBucketBatchSampler(Sampler[list[int]]):
     """Yields lists of manifest row indices (``PlannedBatch``es: each also carries its rows' speed
-    factors): duration-bucketed, language-rebalanced, rank-balanced.
+    factors and the key of their augmentation): duration-bucketed, language-rebalanced,
+    rank-balanced.
 
     Cost model: a micro-batch of n utterances whose longest lasts m seconds and holds at most u
     tokens costs n x m + cost_quadratic x n x m^2 + cost_joint x n x T x (u + 1) (padded frames, an
@@ -357,7 +380,13 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
             speeds = None
             if plan.speed_codes is not None:
                 speeds = tuple(self._speed_table[plan.speed_codes[lo:hi]].tolist())
-            yield PlannedBatch(plan.flat[lo:hi].tolist(), speeds=speeds)
+            yield PlannedBatch(
+                plan.flat[lo:hi].tolist(),
+                seed=self.seed,
+                epoch=self._epoch,
+                start=lo,
+                speeds=speeds,
+            )
         # Like any torch sampler, the next iterator makes a full pass (of this epoch, until set_epoch).
         self._position = 0
 
