@@ -305,18 +305,22 @@ def coloured_noise(
     return np.fft.irfft(spectrum, n).astype(np.float32)
 
 
+@functools.cache
 def generated_noise_bank(sample_rate: int) -> np.ndarray:
-    """[colour, sample] float32: _NOISE_BANK_SAMPLES of ``coloured_noise`` per exponent of
-    GENERATED_NOISE_EXPONENTS, the same in every process (a fixed seed). Made once per dataset, so
-    an utterance's noise costs a slice of it, not an FFT of its own length (whose cost jumps with
-    the length's prime factors)."""
+    """[colour, sample] float32, read-only: _NOISE_BANK_SAMPLES of ``coloured_noise`` per exponent
+    of GENERATED_NOISE_EXPONENTS, the same in every process (a fixed seed). Made once per process
+    and sample rate (a rank's training and validation datasets share it, and so do the workers it
+    forks), so an utterance's noise costs a slice of it, not an FFT of its own length (whose cost
+    jumps with the length's prime factors)."""
     rng = np.random.default_rng(_NOISE_BANK_SEED)
-    return np.stack(
+    bank = np.stack(
         [
             coloured_noise(_NOISE_BANK_SAMPLES, b, sample_rate, rng)
             for b in GENERATED_NOISE_EXPONENTS
         ]
     )
+    bank.flags.writeable = False
+    return bank
 
 
 def bank_noise(bank: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:

@@ -417,6 +417,22 @@ def test_generated_noise_takes_colours_from_white_to_brown():
     assert share(2.0) > 0.9
 
 
+def test_the_generated_noise_is_made_once_per_process_for_every_dataset(
+    utterances, tokenizer, monkeypatch
+):
+    made = []
+    real = dataset.coloured_noise
+    monkeypatch.setattr(dataset, "coloured_noise", lambda *a: made.append(a[1]) or real(*a))
+    dataset.generated_noise_bank.cache_clear()
+    first = load(utterances, tokenizer, noise=NOISY)  # as train.py's dataset
+    second = load(utterances, tokenizer, noise=NOISY)  # as validation's, in the same rank
+    assert made == list(dataset.GENERATED_NOISE_EXPONENTS)
+    rows = list(range(4))
+    a, b = first.__getitems__(planned(rows)), second.__getitems__(planned(rows))
+    assert all(torch.equal(x["signal"], y["signal"]) for x, y in zip(a, b))
+    dataset.generated_noise_bank.cache_clear()
+
+
 def test_noise_from_a_directory_is_a_recording_of_it_looped_and_resampled(
     utterances, tokenizer, tmp_path
 ):
