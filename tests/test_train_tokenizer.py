@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -184,10 +186,29 @@ def test_summary_reports_target_shares(trained):
     assert summary["target_share"]["ta"] > 10 / 411  # more than its natural share
 
 
-def test_vocabulary_larger_than_the_corpus_allows_is_capped_with_a_warning(
-    corpus, tmp_path, caplog
-):
-    summary = tt.train_tokenizer(corpus, tmp_path / "tok", vocab_size=12000, seed=1)
+@contextlib.contextmanager
+def warnings_logged_by(logger: logging.Logger):
+    """The WARNING records ``logger`` emits inside the block, taken at the logger itself, so what
+    earlier tests did to the root logger's handlers or levels cannot hide them."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)  # also clears every logger's cached level checks
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def test_vocabulary_larger_than_the_corpus_allows_is_capped_with_a_warning(corpus, tmp_path):
+    with warnings_logged_by(tt.log) as warned:
+        summary = tt.train_tokenizer(
+            corpus, tmp_path / "tok", vocab_size=12000, seed=1, mode="new", base=""
+        )
+    assert summary["mode"] == "new"
     assert summary["vocab_size"] < 12000
     assert (
         spm.SentencePieceProcessor(
@@ -195,7 +216,8 @@ def test_vocabulary_larger_than_the_corpus_allows_is_capped_with_a_warning(
         ).get_piece_size()
         == summary["vocab_size"]
     )
-    assert "more than this corpus can fill" in caplog.text
+    capped = [r.getMessage() for r in warned if "more than this corpus can fill" in r.getMessage()]
+    assert len(capped) == 1 and f"training {summary['vocab_size']} pieces" in capped[0]
 
 
 def test_vocabulary_below_the_corpus_characters_fails_with_the_minimum_to_set(corpus, tmp_path):
