@@ -145,10 +145,11 @@ import os, sys, time
 import torch.utils.data
 import dataset, train
 
-real_getitem = dataset.LocalShardDataset.__getitem__
+# Every item a worker loads, plain or planned (augmented), is read by _item.
+real_item = dataset.LocalShardDataset._item
 calls = 0
 
-def stuck_after_four_items(self, i):
+def stuck_after_four_items(self, i, *args, **kwargs):
     """Rank 1's DataLoader worker stops delivering after its first items, as a worker that
     deadlocked or waits on a dead file system would."""
     global calls
@@ -156,9 +157,9 @@ def stuck_after_four_items(self, i):
         calls += 1
         if calls > 4:
             time.sleep(3600)
-    return real_getitem(self, i)
+    return real_item(self, i, *args, **kwargs)
 
-dataset.LocalShardDataset.__getitem__ = stuck_after_four_items
+dataset.LocalShardDataset._item = stuck_after_four_items
 sys.exit(train.main([]))
 '''
 
