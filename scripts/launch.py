@@ -41,14 +41,23 @@ from process_control import (
 CLEAN_EXITS = (USER_ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE)
 
 
+def root_cause(failures: dict):
+    """The failure that ended the run: the earliest. Failure times are whole seconds, so a rank
+    torchrun stopped with SIGTERM after another's exit usually shares that rank's second; within a
+    second, a rank that ended by itself comes before one that was stopped."""
+    return min(
+        failures.values(),
+        key=lambda f: (f.timestamp, f.exitcode == -signal.SIGTERM, f.local_rank),
+    )
+
+
 def clean_exit(failures: dict) -> int | None:
     """The exit status a group of failed ranks (``ChildFailedError.failures``: rank -> ProcessFailure)
-    ended with when that end was deliberate, else None. Deliberate: the first failure (torchrun's
-    root cause) exited 2 or 75, and every other rank did too or was stopped by torchrun with SIGTERM
-    after it."""
+    ended with when that end was deliberate, else None. Deliberate: the root cause exited 2 or 75,
+    and every other rank did too or was stopped by torchrun with SIGTERM after it."""
     if not failures:
         return None
-    first = min(failures.values(), key=lambda f: (f.timestamp, f.local_rank))
+    first = root_cause(failures)
     if first.exitcode not in CLEAN_EXITS:
         return None
     others_ok = all(
@@ -60,7 +69,7 @@ def clean_exit(failures: dict) -> int | None:
 def error_line(failures: dict) -> str:
     """``error: <message>`` of the root cause, as the rank printed it (its recorded message without
     the exception's class name), or a line naming the ranks when none was recorded."""
-    first = min(failures.values(), key=lambda f: (f.timestamp, f.local_rank))
+    first = root_cause(failures)
     message = first.message
     if isinstance(message, dict):  # the error file's form (process_control records it so)
         message = message.get("message")

@@ -49,6 +49,19 @@ def test_only_a_user_error_or_a_saved_stop_with_ranks_stopped_after_it_counts_as
     assert launch.clean_exit({0: failure(0, -signal.SIGSEGV, 4), 1: failure(1, 2, 5)}) is None
 
 
+def test_a_rank_stopped_in_the_same_second_as_the_user_error_is_not_taken_for_the_root_cause():
+    # torchrun records failure times in whole seconds: rank 1 refused a setting and rank 0, stopped
+    # by torchrun's SIGTERM in that second, has the lower rank number
+    failures = {
+        0: failure(0, -signal.SIGTERM, 5),
+        1: failure(1, 2, 5, {"message": "ConfigError: GRAD_ACCUM='four'", "extraInfo": {}}),
+    }
+    assert launch.clean_exit(failures) == 2
+    assert launch.error_line(failures) == "error: GRAD_ACCUM='four'"
+    # a stop a second earlier than any exit of its own is a rank killed from outside: not clean
+    assert launch.clean_exit({0: failure(0, -signal.SIGTERM, 4), 1: failure(1, 2, 5)}) is None
+
+
 def test_the_stop_signals_are_always_handed_to_torchrun_and_the_stack_dump_signal_never():
     assert launch.signals_to_handle("SIGTERM,SIGINT,SIGHUP,SIGQUIT") == (
         "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
