@@ -266,6 +266,62 @@ def training_languages(dataset) -> list[str]:
     return sorted(name for name, c in zip(dataset.lang_names, counts.tolist()) if c > 0)
 
 
+GRID_SECTION = "docs/training.md, 'The grid'"
+
+
+def finetuning_trade_off(
+    vocabulary_change: dict | None,
+    base_languages: list[str] | tuple[str, ...] | None,
+    data_languages: list[str],
+    encoder_lr_scale: float,
+    forgetting_warn_points: float,
+) -> str | None:
+    """Which side a finetune takes between learning its new languages fast and keeping its base's,
+    as one sentence, or None when it has no such choice (no new language, or, with the base's
+    languages unknown, no new piece).
+
+    ``vocabulary_change``: ``model.vocabulary_change`` of a finetune (None: the base's vocabulary
+    kept). A run starts as the base when its decoder is carried and no base piece is dropped; the
+    finetuning grid measured what follows from each side (docs/training.md)."""
+    base = list(base_languages or ())
+    change = vocabulary_change or {}
+    learns_new = bool(set(data_languages) - set(base)) if base else change.get("new", 0) > 0
+    if not learns_new:
+        return None
+    kept = ", ".join(base) if base else "BASE_LANGUAGES unknown"
+    if change.get("decoder_init") == "fresh" or change.get("dropped", 0) > 0:
+        lost = (
+            "its decoder and joint start fresh (DECODER_INIT=fresh)"
+            if change.get("decoder_init") == "fresh"
+            else f"{change['dropped']} of the base's pieces are dropped"
+        )
+        return (
+            f"a new vocabulary over the base's languages ({kept}): {lost}, so step 0 does not "
+            f"decode as the base and they are relearned with the new ones; TOKENIZER_MODE=extend "
+            f"with DECODER_INIT=carry starts from the base ({GRID_SECTION})"
+        )
+    if encoder_lr_scale < 1:
+        return (
+            f"the base's languages ({kept}) over the new languages' speed: step 0 decodes as the "
+            f"base and the encoder moves at ENCODER_LR_SCALE={encoder_lr_scale:g} x the LR, so "
+            f"the base's languages drift less and the new ones learn more slowly than at 1 "
+            f"(docs/training.md, 'Measured: the finetuning ablation')"
+        )
+    warn = (
+        f"past FORGETTING_WARN_POINTS={forgetting_warn_points:g}"
+        if forgetting_warn_points > 0
+        else "by several WER points"
+    )
+    return (
+        f"the new languages' speed over keeping the base's ({kept}): step 0 decodes as the base "
+        f"and the new languages learn at least as fast as with a fresh tokenizer, but the base's "
+        f"languages may drift {warn} from step 0, auto decoding most (no setting of the grid "
+        f"held them: {GRID_SECTION}); val/forgetting/<lang> and val/forgetting_given/<lang> show "
+        f"it; decode them with the language given, or take the other side with "
+        f"ENCODER_LR_SCALE=0.3 or a larger BASE_LANGUAGE_SHARE"
+    )
+
+
 def log_finetuning_levers(model, settings: BatchingSettings, data_languages: list[str]) -> None:
     """What this run does to keep its base's languages and to speed up the new ones (one line), and
     a warning when the replay floor has nothing to keep (the base's languages are not in
@@ -296,6 +352,16 @@ def log_finetuning_levers(model, settings: BatchingSettings, data_languages: lis
         )
     if parts:
         log.info("finetuning: %s", "; ".join(parts))
+    if getattr(model, "base_model", None) is not None:
+        trade_off = finetuning_trade_off(
+            getattr(model, "vocabulary_change", None),
+            settings.base_languages,
+            data_languages,
+            config.ENCODER_LR_SCALE,
+            config.FORGETTING_WARN_POINTS,
+        )
+        if trade_off:
+            log.info("finetuning trade-off: %s", trade_off)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -194,6 +194,49 @@ def test_the_start_up_line_states_the_new_pieces_schedule(monkeypatch):
     )
 
 
+CARRIED = {"carried": 256, "new": 64, "dropped": 0, "decoder_init": "carry"}
+
+
+def trade_off(change=CARRIED, base=("en",), data=("en", "hi"), encoder=1.0, warn=5.0):
+    import train
+
+    return train.finetuning_trade_off(change, base, list(data), encoder, warn)
+
+
+def test_a_finetune_from_the_base_with_the_defaults_says_it_puts_the_new_languages_first():
+    line = trade_off()
+    assert line.startswith("the new languages' speed over keeping the base's (en): step 0 ")
+    assert "may drift past FORGETTING_WARN_POINTS=5 from step 0" in line
+    assert "ENCODER_LR_SCALE=0.3" in line and "BASE_LANGUAGE_SHARE" in line
+    assert "decode them with the language given" in line
+    # the base's own vocabulary (tags mode needing nothing, or the same tokenizer) starts as the base
+    assert trade_off(change=None).startswith("the new languages' speed over keeping")
+    assert "by several WER points" in trade_off(warn=0.0)
+
+
+def test_a_slower_encoder_says_it_keeps_the_base_languages_first():
+    line = trade_off(encoder=0.3)
+    assert line.startswith("the base's languages (en) over the new languages' speed")
+    assert "ENCODER_LR_SCALE=0.3 x the LR" in line
+
+
+def test_a_run_that_does_not_start_as_the_base_says_what_it_gives_up():
+    dropped = trade_off(change={**CARRIED, "dropped": 40}, encoder=0.3)
+    assert dropped.startswith("a new vocabulary over the base's languages (en): 40 of the ")
+    assert "step 0 does not decode as the base" in dropped
+    fresh = trade_off(change={"carried": 0, "new": 320, "dropped": 256, "decoder_init": "fresh"})
+    assert "its decoder and joint start fresh (DECODER_INIT=fresh)" in fresh
+
+
+def test_no_trade_off_without_a_new_language_to_learn():
+    assert trade_off(data=("en",)) is None
+    # the base's languages unknown: new pieces are what says there is something new
+    assert trade_off(base=None, data=("en", "hi")).startswith(
+        "the new languages' speed over keeping the base's (BASE_LANGUAGES unknown)"
+    )
+    assert trade_off(change=None, base=None) is None
+
+
 def test_the_encoder_learns_at_encoder_lr_scale_times_the_schedule(finetune, monkeypatch):
     monkeypatch.setattr(config, "ENCODER_LR_SCALE", 0.25)
     module = training_step.TrainingModule(finetune)
@@ -300,6 +343,7 @@ def test_a_finetune_names_its_levers_and_keeps_the_base_languages_at_their_floor
         "NEW_PIECE_WARMUP=2 steps, then back to 1x by cosine over NEW_PIECE_DECAY=2 steps" in out
     )
     assert "the encoder's LR is ENCODER_LR_SCALE=0.5 x the LR" in out
+    assert "finetuning trade-off: the base's languages (en) over the new languages' speed" in out
     assert (
         "the base's languages (en, from INIT_MODEL's record) keep at least "
         "BASE_LANGUAGE_SHARE=0.6 of the mix" in out
