@@ -262,14 +262,16 @@ class NoiseFiles:
         frames, rates = np.zeros(len(paths), np.int64), np.zeros(len(paths), np.int64)
         for k, path in enumerate(paths):
             try:
-                info = sf.info(path)
+                info = sf.info(os.fsencode(path))
             except Exception as exc:  # libsndfile reports every failure its own way
                 raise NoiseDirError(
-                    f"NOISE_DIR: noise file {path} is unreadable ({type(exc).__name__}: {exc}): "
-                    "remove or replace it"
+                    f"NOISE_DIR: noise file {printable_path(path)} is unreadable "
+                    f"({type(exc).__name__}: {exc}): remove or replace it"
                 ) from None
             if info.frames <= 0 or info.samplerate <= 0:
-                raise NoiseDirError(f"NOISE_DIR: noise file {path} has no samples: remove it")
+                raise NoiseDirError(
+                    f"NOISE_DIR: noise file {printable_path(path)} has no samples: remove it"
+                )
             frames[k], rates[k] = info.frames, info.samplerate
         return cls(tuple(paths), frames, rates)
 
@@ -336,6 +338,12 @@ def bank_noise(bank: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray
 _noise_warned: set[str] = set()
 
 
+def printable_path(path: str) -> str:
+    """``path`` as a message can print it: a byte of a file name that is not UTF-8 (held as a
+    surrogate escape) shown as ``\\xNN``."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
 def file_noise(
     files: NoiseFiles, n: int, sample_rate: int, rng: np.random.Generator
 ) -> np.ndarray | None:
@@ -349,13 +357,19 @@ def file_noise(
     offset = int(rng.integers(frames - need + 1 if frames > need else frames))
     try:
         if frames > need:
-            data, _ = sf.read(path, start=offset, frames=need, dtype="float32", always_2d=True)
+            data, _ = sf.read(
+                os.fsencode(path), start=offset, frames=need, dtype="float32", always_2d=True
+            )
         else:
-            data, _ = sf.read(path, dtype="float32", always_2d=True)
+            data, _ = sf.read(os.fsencode(path), dtype="float32", always_2d=True)
     except Exception as exc:  # e.g. a file removed or a network mount gone since the scan
         if path not in _noise_warned:
             _noise_warned.add(path)
-            log.warning("noise file %s unreadable (%s): its utterances stay clean", path, exc)
+            log.warning(
+                "noise file %s unreadable (%s): its utterances stay clean",
+                printable_path(path),
+                exc,
+            )
         return None
     noise = data[:, 0] if data.shape[1] == 1 else data.mean(axis=1, dtype=np.float32)
     if frames <= need:

@@ -481,6 +481,26 @@ def test_a_relative_noise_dir_is_read_from_where_the_run_started(
     assert peak_hz(added) == pytest.approx(3000.0, abs=1.0)
 
 
+def test_noise_files_named_in_latin_1_are_read_and_named_by_their_bytes(
+    utterances, tokenizer, tmp_path
+):
+    # A file name that is not UTF-8 (a Latin-1 byte from an old archive): its recording is used...
+    (tmp_path / "noise").mkdir()
+    write_tone(tmp_path / "noise" / "x.wav", 3000.0, 0.5)
+    os.rename(tmp_path / "noise" / "x.wav", os.fsencode(tmp_path / "noise") + b"/caf\xe9.wav")
+    ds = load(utterances, tokenizer, noise=NoiseSettings(1.0, (10.0, 10.0), tmp_path / "noise"))
+    (item,) = ds.__getitems__(planned([0]))
+    assert peak_hz(item["signal"].numpy() - ds[0]["signal"].numpy()) == pytest.approx(3000, abs=1)
+    # ...and one that cannot be read is named as its bytes, in a message that prints anywhere
+    (tmp_path / "noise" / "x.wav").write_bytes(b"RIFF garbage")
+    os.rename(tmp_path / "noise" / "x.wav", os.fsencode(tmp_path / "noise") + b"/b\xe9d.wav")
+    with pytest.raises(NoiseDirError) as caught:
+        load(utterances, tokenizer, noise=NoiseSettings(1.0, (10.0, 10.0), tmp_path / "noise"))
+    message = str(caught.value)
+    assert f"noise file {tmp_path / 'noise'}/b\\xe9d.wav is unreadable" in message
+    message.encode("utf-8")  # no lone surrogate left in it
+
+
 def test_a_noise_dir_without_noise_files_is_refused_naming_it(tmp_path, utterances, tokenizer):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "README").write_text("no audio here")
