@@ -204,6 +204,9 @@ class TrainingMetricsCallback(_pl.Callback):
         if trainer.is_global_zero:
             params = _config.run_settings()
             params.update(world_size=trainer.world_size, resumed_at_step=trainer.global_step)
+            trade_off = getattr(pl_module, "finetuning_trade_off", None)
+            if trade_off:
+                params["finetuning_trade_off"] = trade_off
             for logger in trainer.loggers:
                 logger.log_hyperparams(params)
         self._last_step = trainer.global_step

@@ -227,6 +227,11 @@ def render(record: dict[str, Any], model, nemo_name: str) -> str:
         "",
         f"- base model: {base}",
         *_vocabulary_lines(record),
+        *(
+            [f"- finetuning trade-off: {record['finetuning_trade_off']}"]
+            if record.get("finetuning_trade_off")
+            else []
+        ),
         f"- tokenizer: SentencePiece, {model.tokenizer.vocab_size:,} pieces, "
         f"{len(tags)} language tags ({', '.join(tags)}); from `{settings.get('TOKENIZER_DIR')}`",
         f"- sample rate: {settings.get('TARGET_SAMPLE_RATE')} Hz, mono",

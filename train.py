@@ -322,10 +322,13 @@ def finetuning_trade_off(
     )
 
 
-def log_finetuning_levers(model, settings: BatchingSettings, data_languages: list[str]) -> None:
-    """What this run does to keep its base's languages and to speed up the new ones (one line), and
-    a warning when the replay floor has nothing to keep (the base's languages are not in
-    ``data_languages``, the training data's)."""
+def log_finetuning_levers(
+    model, settings: BatchingSettings, data_languages: list[str], trade_off: str | None = None
+) -> None:
+    """What this run does to keep its base's languages and to speed up the new ones (one line), a
+    warning when the replay floor has nothing to keep (the base's languages are not in
+    ``data_languages``, the training data's), and the run's ``trade_off``
+    (``finetuning_trade_off``), when it has one."""
     rows = asr_model.new_piece_parameters(model)
     parts = []
     if rows:
@@ -352,16 +355,8 @@ def log_finetuning_levers(model, settings: BatchingSettings, data_languages: lis
         )
     if parts:
         log.info("finetuning: %s", "; ".join(parts))
-    if getattr(model, "base_model", None) is not None:
-        trade_off = finetuning_trade_off(
-            getattr(model, "vocabulary_change", None),
-            settings.base_languages,
-            data_languages,
-            config.ENCODER_LR_SCALE,
-            config.FORGETTING_WARN_POINTS,
-        )
-        if trade_off:
-            log.info("finetuning trade-off: %s", trade_off)
+    if trade_off:
+        log.info("finetuning trade-off: %s", trade_off)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -464,6 +459,14 @@ def run(argv: list[str] | None = None) -> int:
     prepare_training_caches(model.tokenizer)
     module.dataset = build_dataset(model.tokenizer)
     data_languages = training_languages(module.dataset)
+    if getattr(model, "base_model", None) is not None:
+        module.finetuning_trade_off = finetuning_trade_off(
+            model.vocabulary_change,
+            module.batching.base_languages,
+            data_languages,
+            config.ENCODER_LR_SCALE,
+            config.FORGETTING_WARN_POINTS,
+        )
     model_languages.check_base_languages(
         module.batching.base_languages, data_languages, module.batching.base_share
     )
@@ -488,7 +491,7 @@ def run(argv: list[str] | None = None) -> int:
     log_startup(trainer, env, model)
     if env["rank"] == 0:
         log.info("step speed: %s", step_speed.describe(module.speed, module.speed_changes))
-        log_finetuning_levers(model, module.batching, data_languages)
+        log_finetuning_levers(model, module.batching, data_languages, module.finetuning_trade_off)
     trainer.fit(module, ckpt_path=ckpt_path)
     process_control.set_training(False)
     checkpoint_callback = next(

@@ -305,6 +305,9 @@ class TrainingModule(pl.LightningModule):
         self.speed_changes = step_speed.apply_to_model(model, self.speed)
         self.dataset = None
         self.sampler = None
+        # train.finetuning_trade_off of this run (None: not a finetune learning new languages):
+        # in the W&B settings and the model card
+        self.finetuning_trade_off: str | None = None
         self.encoder_frozen = False  # set by enter_phase
         self.phase = 2
         self.skipped_steps = 0
@@ -374,7 +377,8 @@ class TrainingModule(pl.LightningModule):
         (path, weights hash, build settings), how the vocabulary changed from the base model's (the
         tokenizer's mode, the carried and new rows), settings (numbers as numbers),
         hours of training audio per language, the step, the world size, the newest validation and the
-        validation at step 0 (the base, when EVAL_BASE ran it)."""
+        validation at step 0 (the base, when EVAL_BASE ran it), and which side of the finetuning
+        trade-off the run took."""
         if self._training_hours is None and self.dataset is not None:
             names, codes = self.dataset.lang_names, self.dataset.lang_codes
             seconds = np.bincount(codes, weights=self.dataset.durations, minlength=len(names))
@@ -384,6 +388,7 @@ class TrainingModule(pl.LightningModule):
         return {
             "run": {k: identity[k] for k in ("name", "wandb_id") if k in identity},
             "vocabulary_change": getattr(self.model, "vocabulary_change", None),
+            "finetuning_trade_off": self.finetuning_trade_off,
             "base_model": self.base_model,
             "tokenizer": tokenizer_summary(),
             "settings": config.run_settings(),

@@ -13,6 +13,7 @@ import torch
 
 import asr_model
 import config
+import model_card
 import model_languages
 import training_step
 from tests.tiny_training_data import make_extension_tokenizers, write_manifest
@@ -352,6 +353,11 @@ def test_a_finetune_names_its_levers_and_keeps_the_base_languages_at_their_floor
     targets = [json.loads(line) for line in metrics.read_text().splitlines()]
     en = [r["lang_target/en"] for r in targets if "lang_target/en" in r]
     assert en and en[0] == pytest.approx(0.6)
+    # the trade-off goes where the run is read later: its W&B settings and its model card
+    settings = json.loads(metrics.with_name("hparams.json").read_text())
+    assert settings["finetuning_trade_off"].startswith("the base's languages (en) over the new")
+    card = model_card.card_path(finetune_run["root"] / "run" / "checkpoints" / "step_00000004.nemo")
+    assert "- finetuning trade-off: the base's languages (en) over the new" in card.read_text()
 
 
 @pytest.mark.slow
