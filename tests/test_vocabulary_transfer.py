@@ -433,6 +433,9 @@ def test_a_finetune_validates_the_base_at_step_0_and_states_base_vs_finetuned(to
     card = (tmp_path / "run" / "checkpoints" / "step_00000002.model-card.md").read_text()
     assert "| language | base WER | WER | change | base CER | CER |" in card
     assert "| en | " in card.split("Before and after", 1)[1]
+    # at the defaults a finetune from the base says it puts the new languages first
+    trade_off = "finetuning trade-off: the new languages' speed over keeping the base's (en): "
+    assert trade_off in out and f"- {trade_off}" in card
 
 
 @pytest.mark.slow
