@@ -881,6 +881,18 @@ class PerLanguageWERCallback(_pl.Callback):
         self.dataset = LocalShardDataset(
             self.manifest_path, pl_module.model.tokenizer, progress=False
         )
+        if not len(self.dataset):
+            # Refused before the first step: a run without its validation curves is found out
+            # only when someone looks for them, after the compute is spent.
+            summary = self.dataset.load_summary
+            dropped = ", ".join(f"{n} {why}" for why, n in summary["dropped"].items() if n)
+            raise ValidationError(
+                f"EVAL_EVERY_STEPS={self.every_n_steps} but VAL_MANIFEST_PATH={self.manifest_path} "
+                f"has no utterance to score ({summary['rows_read']} rows read"
+                + (f", dropped: {dropped}" if dropped else "")
+                + "); point it at a manifest with rows (scripts/make_train_val.py) or set "
+                "EVAL_EVERY_STEPS=0"
+            )
         if self.samples_per_lang > 0:
             self.indices = evaluation.select_eval_indices(
                 self.dataset.lang_codes, self.samples_per_lang, seed=_config.SEED

@@ -520,6 +520,30 @@ def test_wer_callback_fails_at_train_start_when_the_val_manifest_is_missing(tiny
         )
 
 
+def test_wer_callback_fails_at_train_start_when_the_val_manifest_has_nothing_to_score(tiny):
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(tiny.manifest)
+    empty = tiny.root / "empty_val.parquet"
+    pq.write_table(table.slice(0, 0), empty)
+    # every row longer in tokens than the audio has encoder frames: read, then all dropped
+    unscorable = tiny.root / "unscorable_val.parquet"
+    pq.write_table(
+        table.set_column(
+            table.schema.get_field_index("duration"), "duration", [[0.01] * table.num_rows]
+        ),
+        unscorable,
+    )
+    module = SimpleNamespace(model=tiny.model, device=torch.device("cpu"))
+    for manifest, said in ((empty, "0 rows read"), (unscorable, f"{table.num_rows} rows read")):
+        cb = callbacks.PerLanguageWERCallback(every_n_steps=5, manifest_path=manifest)
+        with pytest.raises(training_step.ValidationError) as raised:
+            cb.on_train_start(fake_trainer(0, []), module)
+        line = str(raised.value)
+        assert "\n" not in line and f"VAL_MANIFEST_PATH={manifest}" in line and said in line
+        assert "EVAL_EVERY_STEPS=0" in line
+
+
 class DefineMetricRecorder:
     """A logger whose experiment records W&B's define_metric calls."""
 
