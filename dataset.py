@@ -66,6 +66,7 @@ import soxr
 import torch
 
 import config
+import file_names
 import process_control
 import training_cache
 from process_control import UserError
@@ -265,12 +266,12 @@ class NoiseFiles:
                 info = sf.info(os.fsencode(path))
             except Exception as exc:  # libsndfile reports every failure its own way
                 raise NoiseDirError(
-                    f"NOISE_DIR: noise file {printable_path(path)} is unreadable "
+                    f"NOISE_DIR: noise file {file_names.printable(path)} is unreadable "
                     f"({type(exc).__name__}: {exc}): remove or replace it"
                 ) from None
             if info.frames <= 0 or info.samplerate <= 0:
                 raise NoiseDirError(
-                    f"NOISE_DIR: noise file {printable_path(path)} has no samples: remove it"
+                    f"NOISE_DIR: noise file {file_names.printable(path)} has no samples: remove it"
                 )
             frames[k], rates[k] = info.frames, info.samplerate
         return cls(tuple(paths), frames, rates)
@@ -338,12 +339,6 @@ def bank_noise(bank: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray
 _noise_warned: set[str] = set()
 
 
-def printable_path(path: str) -> str:
-    """``path`` as a message can print it: a byte of a file name that is not UTF-8 (held as a
-    surrogate escape) shown as ``\\xNN``."""
-    return os.fsencode(path).decode("utf-8", "backslashreplace")
-
-
 def file_noise(
     files: NoiseFiles, n: int, sample_rate: int, rng: np.random.Generator
 ) -> np.ndarray | None:
@@ -367,7 +362,7 @@ def file_noise(
             _noise_warned.add(path)
             log.warning(
                 "noise file %s unreadable (%s): its utterances stay clean",
-                printable_path(path),
+                file_names.printable(path),
                 exc,
             )
         return None
