@@ -82,6 +82,7 @@ import polars as pl
 from tqdm import tqdm
 
 import config
+import file_names
 from atomic_files import SET_SUFFIX, check_writable, remove_stale_temporaries, write_together
 from manifest_schema import (
     INDEX_FILE,
@@ -156,6 +157,17 @@ def discover_shards(shards_dir: Path) -> tuple[list[Shard], list[dict[str, str]]
     for directory in _directories_holding(shards_dir, METADATA_FILE):
         path = Path(directory)
         rel = path.relative_to(shards_dir)
+        if not file_names.is_utf8(path):
+            # Its path, shard_id, source and language are text in the manifest and the summary,
+            # which hold UTF-8 only.
+            misplaced.append(
+                {
+                    "path": file_names.printable(path),
+                    "reason": "its path is not UTF-8 (such bytes shown as \\xNN): rename the "
+                    "directory in UTF-8 to build its rows",
+                }
+            )
+            continue
         if len(rel.parts) != 3:
             misplaced.append(
                 {

@@ -12,6 +12,15 @@ from __future__ import annotations
 import os
 
 
+def is_utf8(path: str | os.PathLike[str]) -> bool:
+    """Whether every byte of ``path`` as the file system holds it is UTF-8."""
+    try:
+        os.fspath(path).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def printable(path: str | os.PathLike[str]) -> str:
     """``path`` as a message can print it: each byte that is not UTF-8 shown as ``\\xNN``."""
     return os.fsencode(path).decode("utf-8", "backslashreplace")

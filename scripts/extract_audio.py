@@ -60,6 +60,7 @@ import polars as pl
 from tqdm import tqdm
 
 import config
+import file_names
 from atomic_files import check_writable, disk_full
 from manifest_schema import INDEX_FILE, METADATA_FILE, TAR_FILE, write_json_atomically
 
@@ -241,6 +242,14 @@ def _refuse(report: ShardReport, member: str, reason: str) -> None:
 def extract_shard(shard_dir: Path, delete_tar: bool = False, force: bool = False) -> ShardReport:
     """Extract, verify and mark one shard; never raises (errors land in the report)."""
     shard_dir = Path(shard_dir)
+    if not file_names.is_utf8(shard_dir):
+        # build_manifest.py cannot hold its path as text and skips it: its audio would go unused.
+        return ShardReport(
+            file_names.printable(shard_dir),
+            status="failed",
+            error="its path is not UTF-8 (such bytes shown as \\xNN): rename the directory in "
+            "UTF-8 and rerun; its tar is untouched",
+        )
     report = ShardReport(str(shard_dir))
     tar_path, marker = shard_dir / TAR_FILE, shard_dir / DONE_MARKER
     try:

@@ -737,6 +737,34 @@ def test_metadata_at_the_wrong_depth_is_reported_and_the_rest_is_built(tmp_path,
     )
 
 
+def test_a_shard_whose_path_is_not_utf8_is_reported_by_its_bytes_and_the_rest_is_built(
+    tmp_path, capsys
+):
+    write_shard(tmp_path / "shards", "src", "hi", "good", [{"segment_id": "a"}])
+    latin = write_shard(tmp_path / "shards", "src", "hi", "latin", [{"segment_id": "b"}])
+    # a directory named on a Latin-1 system: "caf\xe9" is no UTF-8 name
+    named = os.fsencode(latin.parent) + b"/caf\xe9"
+    os.rename(os.fsencode(latin), named)
+    manifest, summary = build(tmp_path / "shards", tmp_path)
+    assert manifest.get_column("segment_id").to_list() == ["a"]
+    shown = f"{latin.parent}/caf\\xe9"
+    [bad] = summary["bad_shards"]
+    assert bad["path"] == shown and "UTF-8" in bad["reason"]
+    json.dumps(summary, ensure_ascii=False).encode("utf-8")  # the summary file can be written
+    code = bm.main(
+        [
+            "--shards-dir",
+            str(tmp_path / "shards"),
+            "--output",
+            str(tmp_path / "m.parquet"),
+            "--strict",
+            "--no-progress",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code != 0 and shown in err and not (tmp_path / "m.parquet").exists()
+
+
 def test_discovery_does_not_follow_symlinked_directories_so_a_loop_cannot_hang_it(tmp_path):
     write_shard(tmp_path / "shards", "src", "hi", "s0", [{"segment_id": "a"}])
     (tmp_path / "shards" / "src" / "hi" / "loop").symlink_to(

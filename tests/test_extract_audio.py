@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -285,6 +286,23 @@ def test_a_rerun_checks_done_shards_and_extracts_again_what_went_missing(tmp_pat
     assert summary["by_status"] == {"extracted": 1}
     assert (shard / "u0.flac").is_file() and (shard / "u1.flac").stat().st_size > 10
     assert extract(tmp_path)["by_status"] == {"skipped_done": 1}  # and now it is whole again
+
+
+def test_a_shard_whose_path_is_not_utf8_is_named_by_its_bytes_and_left_whole(tmp_path, capsys):
+    shard_with_audio(tmp_path, name="good")
+    latin = shard_with_audio(tmp_path, name="latin")
+    named = os.fsencode(latin.parent) + b"/caf\xe9"  # a directory named on a Latin-1 system
+    os.rename(os.fsencode(latin), named)
+    args = ["--shards-dir", str(tmp_path / "shards"), "--workers", "2", "--no-progress"]
+    assert ea.main(args) == 1
+    out = capsys.readouterr().out
+    shown = f"{latin.parent}/caf\\xe9"
+    assert f"FAILED {shown}: its path is not UTF-8" in out
+    report = json.loads((tmp_path / "shards" / "extract_audio.summary.json").read_text())
+    assert report["by_status"] == {"extracted": 1, "failed": 1}
+    assert [p["shard_dir"] for p in report["problems"]] == [shown]
+    # nothing of it was touched: the tar and the index stay, no audio was written beside them
+    assert sorted(os.listdir(named)) == [b"audio.tar", b"audio_index.parquet", b"metadata.parquet"]
 
 
 def test_a_done_shard_whose_tar_is_gone_reports_the_missing_members(tmp_path, capsys):
