@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+import file_names
 from manifest_schema import ManifestError
 from source_readers.standard_rows import (
     ROW_SCHEMA,
@@ -90,6 +91,16 @@ def read_hf_parquet(
     base = spec.path if spec.path.is_dir() else spec.path.parent
     bad_files, tasks, metas = [], [], []
     for k, file in enumerate(files):
+        if not file_names.is_utf8(file):
+            # Its rows' audio paths would hold the name, and a manifest holds UTF-8 text only.
+            bad_files.append(
+                {
+                    "path": file_names.printable(file),
+                    "reason": "its name is not UTF-8 (such bytes shown as \\xNN): rename it in "
+                    "UTF-8 to import its rows",
+                }
+            )
+            continue
         try:
             schema = dict(pl.read_parquet_schema(file))
         except Exception as exc:

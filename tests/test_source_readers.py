@@ -275,6 +275,23 @@ def test_an_hf_file_without_audio_is_skipped_and_an_undecodable_row_reported(tmp
     assert dropped_rows(summary) == [(f"{folder / 'b.parquet'} row 1", "audio_unreadable")]
 
 
+def test_an_hf_file_whose_name_is_not_utf8_is_skipped_and_named_by_its_bytes(tmp_path):
+    import os
+
+    folder = byod.write_hf_parquet(tmp_path / "hf", byod.utterances(3))
+    second = folder / "train-00001-of-00002.parquet"
+    os.rename(os.fsencode(second), os.fsencode(folder) + b"/train-caf\xe9.parquet")
+    master, summary = build(tmp_path, f"hf:{folder}:name=cv")
+    assert master.height == 3  # the other file's rows
+    assert summary["bad_shards"] == [
+        {
+            "path": f"{folder}/train-caf\\xe9.parquet",
+            "reason": "its name is not UTF-8 (such bytes shown as \\xNN): rename it in UTF-8 "
+            "to import its rows",
+        }
+    ]
+
+
 # --- Kaldi ---------------------------------------------------------------------------------
 def test_kaldi_segments_are_cut_out_of_their_recordings(tmp_path):
     utts = byod.utterances(3)
