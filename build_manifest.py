@@ -83,7 +83,13 @@ from tqdm import tqdm
 
 import config
 import file_names
-from atomic_files import SET_SUFFIX, check_writable, remove_stale_temporaries, write_together
+from atomic_files import (
+    SET_SUFFIX,
+    check_writable,
+    disk_full,
+    remove_stale_temporaries,
+    write_together,
+)
 from manifest_schema import (
     INDEX_FILE,
     LANG_CODE_PATTERN,
@@ -1250,9 +1256,10 @@ def build_manifest(
         try:
             written.result()
         except OSError as exc:
+            remedy = "Free space (or choose --output elsewhere)" if disk_full(exc) else "Mend that"
             raise ManifestError(
                 f"cannot write {exc.filename}: {exc.strerror}; the previous master manifest and "
-                f"summary are unchanged. Free space (or choose --output elsewhere) and rerun"
+                f"summary are unchanged. {remedy} and rerun"
             ) from None
     summary["seconds"] = round(time.perf_counter() - started, 3)
     return summary

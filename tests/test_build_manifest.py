@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import importlib.util
 import json
@@ -896,11 +897,23 @@ def test_a_failed_write_leaves_the_previous_manifest_and_no_temp_file(tmp_path, 
 
     def broken_write(self, path, **kwargs):
         Path(path).write_bytes(b"half")
-        raise OSError("disk full")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(pl.DataFrame, "write_parquet", broken_write)
-    with pytest.raises(ManifestError, match=r"cannot write .*master_manifest.parquet: disk full"):
+    with pytest.raises(
+        ManifestError, match=r"cannot write .*master_manifest.parquet: disk full.*Free"
+    ):
         build(tmp_path / "shards", tmp_path)
+    assert (tmp_path / "master_manifest.parquet").read_bytes() == before
+
+    def refused_write(self, path, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(pl.DataFrame, "write_parquet", refused_write)
+    with pytest.raises(ManifestError) as raised:
+        build(tmp_path / "shards", tmp_path)
+    # the advice fits the failure: free space only when space ran out
+    assert "Permission denied" in str(raised.value) and "Free space" not in str(raised.value)
     assert (tmp_path / "master_manifest.parquet").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "master_manifest.parquet",
