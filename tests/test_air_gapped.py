@@ -152,6 +152,10 @@ def _environments(node_venv: Path) -> tuple[dict, dict]:
         CHECKPOINT_EVERY="2",
         VOCAB_SIZE="120",
         VAL_PER_LANG="6",
+        # A tone per character is denser than the tiny base's pieces: every validation row holds
+        # more tokens than encoder frames, so there is nothing to validate on and the job says so
+        # and stops. The runbook's job runs without validation, as one without a val manifest.
+        EVAL_EVERY_STEPS="0",
         MIN_DURATION="0.5",
         MAX_DURATION="12",
         BUCKET_BOUNDARIES="2,3,4,6",
