@@ -866,7 +866,7 @@ class PerLanguageWERCallback(_pl.Callback):
         if self.every_n_steps <= 0:
             return
         from dataset import LocalShardDataset
-        from training_step import ValidationError, validation_manifest
+        from training_step import ValidationError, nothing_to_validate, validation_manifest
 
         if self.manifest_path is None:
             self.manifest_path = validation_manifest()
@@ -881,18 +881,14 @@ class PerLanguageWERCallback(_pl.Callback):
         self.dataset = LocalShardDataset(
             self.manifest_path, pl_module.model.tokenizer, progress=False
         )
-        if not len(self.dataset):
-            # Refused before the first step: a run without its validation curves is found out
-            # only when someone looks for them, after the compute is spent.
-            summary = self.dataset.load_summary
-            dropped = ", ".join(f"{n} {why}" for why, n in summary["dropped"].items() if n)
-            raise ValidationError(
-                f"EVAL_EVERY_STEPS={self.every_n_steps} but VAL_MANIFEST_PATH={self.manifest_path} "
-                f"has no utterance to score ({summary['rows_read']} rows read"
-                + (f", dropped: {dropped}" if dropped else "")
-                + "); point it at a manifest with rows (scripts/make_train_val.py) or set "
-                "EVAL_EVERY_STEPS=0"
-            )
+        # Refused before the first step: a run without its validation curves is found out only
+        # when someone looks for them, after the compute is spent.
+        empty = nothing_to_validate(
+            self.manifest_path, dict(self.dataset.load_summary, rows_kept=len(self.dataset))
+        )
+        if empty:
+            what, todo = empty
+            raise ValidationError(f"EVAL_EVERY_STEPS={self.every_n_steps} but {what}; {todo}")
         if self.samples_per_lang > 0:
             self.indices = evaluation.select_eval_indices(
                 self.dataset.lang_codes, self.samples_per_lang, seed=_config.SEED

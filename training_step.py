@@ -698,6 +698,19 @@ class ValidationError(process_control.UserError):
 _warned_without_validation: set[Path] = set()
 
 
+def nothing_to_validate(manifest: Path, summary: dict) -> tuple[str, str] | None:
+    """(what is wrong, what to do) when validation on ``manifest`` could score nothing, judged from
+    its training cache's ``summary`` (rows read, dropped and kept); None when it can."""
+    if summary.get("rows_kept", 1) > 0:
+        return None
+    dropped = ", ".join(f"{n} {why}" for why, n in summary.get("dropped", {}).items() if n)
+    return (
+        f"VAL_MANIFEST_PATH={manifest} has no utterance to score ({summary.get('rows_read', 0)} "
+        f"rows read" + (f", dropped: {dropped}" if dropped else "") + ")",
+        "point it at a manifest with rows (scripts/make_train_val.py) or set EVAL_EVERY_STEPS=0",
+    )
+
+
 def validation_manifest() -> Path | None:
     """The manifest validation runs on, or None when it is off (EVAL_EVERY_STEPS=0).
 

@@ -335,7 +335,8 @@ def training_cache_of(manifest: Path, tokenizer) -> Path | None:
 
 
 def check_caches(node: Node) -> Check:
-    from training_step import validation_manifest
+    import training_cache
+    from training_step import nothing_to_validate, validation_manifest
 
     manifests = [Path(config.TRAIN_MANIFEST_PATH)]
     with contextlib.suppress(Exception):
@@ -352,9 +353,13 @@ def check_caches(node: Node) -> Check:
             "TRAIN_MANIFEST_PATH / VAL_MANIFEST_PATH)",
         )
     found, missing = [], []
-    for manifest in manifests:
+    for k, manifest in enumerate(manifests):
         path = training_cache_of(manifest, node.model.tokenizer)
         (found if path is not None else missing).append(manifest.name)
+        if k and path is not None:  # the validation manifest, tokenized: can it score anything?
+            empty = nothing_to_validate(manifest, training_cache.CacheColumns(path).summary)
+            if empty:
+                return Check("caches", "fail", *empty)
     if missing:
         return Check(
             "caches",

@@ -334,3 +334,34 @@ def test_the_header_names_the_precision_a_cpu_step_runs_with(monkeypatch):
     )
     monkeypatch.setitem(config.KNOBS, "PRECISION", dataclasses.replace(knob, source="env"))
     assert preflight.header(node).endswith("PRECISION=bf16-mixed")
+
+
+def test_a_validation_manifest_with_nothing_to_score_fails_the_caches_check(corpus, tmp_path):
+    import pyarrow.parquet as pq
+
+    _, data, env = corpus
+    table = pq.read_table(data["manifest"])
+    val = tmp_path / "val.parquet"
+    # every row holding more tokens than its audio has encoder frames: read, then all dropped
+    pq.write_table(
+        table.set_column(
+            table.schema.get_field_index("duration"), "duration", [[0.01] * table.num_rows]
+        ),
+        val,
+    )
+    env = dict(env, VAL_MANIFEST_PATH=str(val), EVAL_EVERY_STEPS="5")
+    built = subprocess.run(
+        [sys.executable, "scripts/build_training_cache.py"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    code, lines, out = preflight_run(env, "--consume-audio-per-second", "0.01")
+    assert code == 1, out[-3000:]
+    line = lines["caches"]
+    assert verdict(line) == "fail", line
+    assert f"VAL_MANIFEST_PATH={val} has no utterance to score ({table.num_rows} rows read" in line
+    assert "EVAL_EVERY_STEPS=0" in out
