@@ -14,7 +14,8 @@ A rank that fails a check does not hold up the others: the report still comes, n
   model        the configured model (INIT_MODEL or MODEL_CONFIG) built on every rank
   tdt-loss     the start-up check of train.py: NeMo's numba TDT and RNN-T kernels against tdt_loss.py,
                and what one loss costs with TDT_LOSS=numba and =torch (CUDA)
-  caches       the training caches of TRAIN_MANIFEST_PATH and VAL_MANIFEST_PATH for this tokenizer
+  caches       the training caches of TRAIN_MANIFEST_PATH and VAL_MANIFEST_PATH for this tokenizer;
+               a validation manifest they leave nothing to score fails it
   step         the configured model's heaviest micro-batch at MAX_BATCH_DURATION (copies of the
                longest utterance with the padded frames and joint cells no batch the sampler packs
                exceeds in any epoch), one optimizer step in each phase in PRECISION: fits or not,
