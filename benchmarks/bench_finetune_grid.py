@@ -11,7 +11,7 @@ Usage:
     python benchmarks/bench_finetune_grid.py --work data/finetune_grid \\
         --variant ramp:NEW_PIECE_WARMUP=50 --variant ramp:NEW_PIECE_DECAY=100 \\
         --variant short_frozen:UNFREEZE_STEP=10 --variant long_frozen:UNFREEZE_STEP=66 \\
-        --variant small_ext:VOCAB_SIZE=+128 --variant fresh_ext:VOCAB_SIZE=fresh \\
+        --variant fresh_ext:VOCAB_SIZE=fresh \\
         --variant aug:SPEED_PERTURB=0.9,1.0,1.1   # any knob of config.py; commas stay in the value
     python benchmarks/bench_finetune_grid.py --only defaults,encoder_lr   # bench_finetune_init's variants
 
