@@ -167,11 +167,7 @@ def discover_shards(shards_dir: Path) -> tuple[list[Shard], list[dict[str, str]]
             # Its path, shard_id, source and language are text in the manifest and the summary,
             # which hold UTF-8 only.
             misplaced.append(
-                {
-                    "path": file_names.printable(path),
-                    "reason": "its path is not UTF-8 (such bytes shown as \\xNN): rename the "
-                    "directory in UTF-8 to build its rows",
-                }
+                file_names.not_utf8(path, "path", "rename the directory in UTF-8 to build its rows")
             )
             continue
         if len(rel.parts) != 3:

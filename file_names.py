@@ -24,3 +24,12 @@ def is_utf8(path: str | os.PathLike[str]) -> bool:
 def printable(path: str | os.PathLike[str]) -> str:
     """``path`` as a message can print it: each byte that is not UTF-8 shown as ``\\xNN``."""
     return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def not_utf8(path: str | os.PathLike[str], what: str, fix: str) -> dict[str, str]:
+    """The report of a file or directory skipped because ``path`` is not UTF-8: its printable
+    path and why, ``what`` naming the part at fault ("path", "name") and ``fix`` what to do."""
+    return {
+        "path": printable(path),
+        "reason": f"its {what} is not UTF-8 (such bytes shown as \\xNN): {fix}",
+    }

@@ -244,12 +244,10 @@ def extract_shard(shard_dir: Path, delete_tar: bool = False, force: bool = False
     shard_dir = Path(shard_dir)
     if not file_names.is_utf8(shard_dir):
         # build_manifest.py cannot hold its path as text and skips it: its audio would go unused.
-        return ShardReport(
-            file_names.printable(shard_dir),
-            status="failed",
-            error="its path is not UTF-8 (such bytes shown as \\xNN): rename the directory in "
-            "UTF-8 and rerun; its tar is untouched",
+        report = file_names.not_utf8(
+            shard_dir, "path", "rename the directory in UTF-8 and rerun; its tar is untouched"
         )
+        return ShardReport(report["path"], status="failed", error=report["reason"])
     report = ShardReport(str(shard_dir))
     tar_path, marker = shard_dir / TAR_FILE, shard_dir / DONE_MARKER
     try:

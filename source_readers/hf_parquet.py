@@ -94,11 +94,7 @@ def read_hf_parquet(
         if not file_names.is_utf8(file):
             # Its rows' audio paths would hold the name, and a manifest holds UTF-8 text only.
             bad_files.append(
-                {
-                    "path": file_names.printable(file),
-                    "reason": "its name is not UTF-8 (such bytes shown as \\xNN): rename it in "
-                    "UTF-8 to import its rows",
-                }
+                file_names.not_utf8(file, "name", "rename it in UTF-8 to import its rows")
             )
             continue
         try:

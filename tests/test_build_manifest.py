@@ -39,6 +39,20 @@ def build(shards_dir: Path, tmp_path: Path, **kwargs) -> tuple[pl.DataFrame, dic
     return pl.read_parquet(out), summary
 
 
+def strict_cli_build(tmp_path: Path) -> int:
+    """The exit code of ``build_manifest.py --strict`` over tmp_path/shards into tmp_path/m.parquet."""
+    return bm.main(
+        [
+            "--shards-dir",
+            str(tmp_path / "shards"),
+            "--output",
+            str(tmp_path / "m.parquet"),
+            "--strict",
+            "--no-progress",
+        ]
+    )
+
+
 def one_row_manifest(tmp_path: Path, transcript: str | None, **row) -> pl.DataFrame:
     write_shard(
         tmp_path / "shards",
@@ -721,16 +735,7 @@ def test_metadata_at_the_wrong_depth_is_reported_and_the_rest_is_built(tmp_path,
         (str(too_deep), "4 levels deep)"),
         (str(too_shallow), "2 levels deep)"),
     ]
-    code = bm.main(
-        [
-            "--shards-dir",
-            str(tmp_path / "shards"),
-            "--output",
-            str(tmp_path / "m.parquet"),
-            "--strict",
-            "--no-progress",
-        ]
-    )
+    code = strict_cli_build(tmp_path)
     assert (
         code != 0
         and "levels deep" in capsys.readouterr().err
@@ -752,16 +757,7 @@ def test_a_shard_whose_path_is_not_utf8_is_reported_by_its_bytes_and_the_rest_is
     [bad] = summary["bad_shards"]
     assert bad["path"] == shown and "UTF-8" in bad["reason"]
     json.dumps(summary, ensure_ascii=False).encode("utf-8")  # the summary file can be written
-    code = bm.main(
-        [
-            "--shards-dir",
-            str(tmp_path / "shards"),
-            "--output",
-            str(tmp_path / "m.parquet"),
-            "--strict",
-            "--no-progress",
-        ]
-    )
+    code = strict_cli_build(tmp_path)
     err = capsys.readouterr().err
     assert code != 0 and shown in err and not (tmp_path / "m.parquet").exists()
 

@@ -30,6 +30,12 @@ def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("preflight")
     data = make_training_data(root, per_lang=16, vocab_size=64)
     env = tiny_train_env(data, DATA_DIR=str(root / "data"), MODEL_CONFIG=str(TINY))
+    build_caches(env)
+    return root, data, env
+
+
+def build_caches(env: dict) -> None:
+    """scripts/build_training_cache.py run as a user runs it, in ``env``."""
     built = subprocess.run(
         [sys.executable, "scripts/build_training_cache.py"],
         cwd=REPO,
@@ -39,7 +45,6 @@ def corpus(tmp_path_factory):
         timeout=300,
     )
     assert built.returncode == 0, built.stdout + built.stderr
-    return root, data, env
 
 
 def preflight_run(env: dict, *args: str, torchrun: bool = False) -> tuple[int, dict[str, str], str]:
@@ -350,15 +355,7 @@ def test_a_validation_manifest_with_nothing_to_score_fails_the_caches_check(corp
         val,
     )
     env = dict(env, VAL_MANIFEST_PATH=str(val), EVAL_EVERY_STEPS="5")
-    built = subprocess.run(
-        [sys.executable, "scripts/build_training_cache.py"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert built.returncode == 0, built.stdout + built.stderr
+    build_caches(env)
     code, lines, out = preflight_run(env, "--consume-audio-per-second", "0.01")
     assert code == 1, out[-3000:]
     line = lines["caches"]
