@@ -29,6 +29,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 
 from process_control import (
     LAUNCHER_PRINTS_ERRORS,
@@ -87,14 +88,43 @@ def signals_to_handle(requested: str) -> str:
     return ",".join(name for name in names if name != STACK_DUMP_SIGNAL.name)
 
 
+REDELIVERY_DELAY_S = 0.01
+
+
+def before_its_clock_starts(frame) -> bool:
+    """Whether an exception raised in ``frame`` now would end in torch's metrics wrapper
+    (``torch.distributed.elastic.metrics.prof``) before it has bound ``start``: its ``finally``
+    then fails with UnboundLocalError, which replaces the SignalException, and the agent stops
+    the ranks with SIGTERM, not the signal received, and exits 1 with a traceback. The monitor
+    loop enters that wrapper ten times a second, so a stop signal lands there now and then."""
+    while frame is not None:
+        code = frame.f_code
+        if (
+            code.co_name == "wrapper"
+            and code.co_filename.replace(os.sep, "/").endswith("elastic/metrics/api.py")
+            and "start" in code.co_varnames
+            and "start" not in frame.f_locals
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def stop_once(handler):
     """torchrun's signal handler (it raises SignalException, and the agent then passes the signal to
     the ranks and waits for them), run for the first signal only: a later one would interrupt that
-    wait, and the launcher's exit would kill the ranks (PR_SET_PDEATHSIG) before they saved."""
+    wait, and the launcher's exit would kill the ranks (PR_SET_PDEATHSIG) before they saved. A
+    signal arriving where raising would break torch's own bookkeeping (before_its_clock_starts) is
+    sent again to this process a moment later, when the agent is back in its loop."""
     first: list[str] = []
 
     def handle(signum, frame):
         name = signal.Signals(signum).name
+        if not first and before_its_clock_starts(frame):
+            again = threading.Timer(REDELIVERY_DELAY_S, os.kill, (os.getpid(), signum))
+            again.daemon = True
+            again.start()
+            return
         if first:
             os.write(
                 2,

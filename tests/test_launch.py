@@ -4,6 +4,7 @@ stack-dump request (SIGUSR2, scripts/dump_stacks.py) leaves the job training."""
 
 from __future__ import annotations
 
+import linecache
 import os
 import re
 import signal
@@ -67,6 +68,54 @@ def test_the_stop_signals_are_always_handed_to_torchrun_and_the_stack_dump_signa
         "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
     )
     assert launch.signals_to_handle("SIGUSR2, SIGTERM") == "SIGTERM,SIGUSR1,SIGINT"
+
+
+def test_a_stop_landing_before_torchs_metrics_clock_starts_reaches_the_agent_a_moment_later():
+    """torch's metrics wrapper binds ``start`` inside its try; a SignalException raised before that
+    turns into UnboundLocalError in its finally and the agent stops the ranks with SIGTERM. The
+    signal must instead reach torchrun's handler once the wrapper has run."""
+    from torch.distributed.elastic.metrics.api import prof
+    from torch.distributed.elastic.multiprocessing import api as torchrun_processes
+
+    @prof
+    def monitor_once():
+        return "monitored"
+
+    handle = launch.stop_once(torchrun_processes._terminate_process_handler)
+    landed = []
+
+    def land_the_signal_before_start_is_bound(frame, event, arg):
+        code = frame.f_code
+        source = linecache.getline(code.co_filename, frame.f_lineno).strip()
+        if (
+            event == "line"
+            and not landed
+            and source.startswith("start = ")
+            and "start" not in frame.f_locals
+        ):
+            landed.append(frame.f_lineno)
+            handle(signal.SIGUSR1, frame)  # as if SLURM's USR1 arrived on this line
+        return land_the_signal_before_start_is_bound
+
+    def trace_the_wrapper(frame, event, arg):
+        if frame.f_code is monitor_once.__code__:
+            return land_the_signal_before_start_is_bound
+        return None
+
+    previous = signal.signal(signal.SIGUSR1, handle)
+    try:
+        sys.settrace(trace_the_wrapper)
+        try:
+            result = monitor_once()
+        finally:
+            sys.settrace(None)
+        assert landed, "the trace never reached the wrapper's `start = ...` line"
+        assert result == "monitored"
+        with pytest.raises(torchrun_processes.SignalException) as raised:
+            time.sleep(5)
+        assert raised.value.sigval == signal.SIGUSR1
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def test_the_error_line_is_the_root_causes_message_as_the_rank_printed_it():
