@@ -20,9 +20,10 @@ the corpus of another seed it is finetuned on) x ``--lrs`` (PHASE1_LR = PHASE2_L
 (SEED). A cell is one base at one LR; in it each chosen variant and the reference ``new_tokenizer``
 (a fresh tokenizer of the same size, shared pieces' rows carried) run once per seed, with the
 commands a user runs (bench_finetune_init.py's machinery: make_demo_corpus.py, train_tokenizer.py,
-torchrun train.py with 2 CPU processes, the demo's model). By default a run is ``--steps`` 200
-finetuning steps (UNFREEZE_STEP 33), validated every ``--eval-every`` 50 and at step 0, of a base
-trained ``--base-steps`` 600.
+torchrun train.py with 2 CPU processes, the demo's model). By default a run is ``--steps`` 120
+finetuning steps (UNFREEZE_STEP 20), validated every ``--eval-every`` 30 and at step 0, of a base
+trained ``--base-steps`` 600: small enough that the whole grid (two bases, 24 finetunes) runs in
+under two hours on 2 idle cores (docs/training.md, "The grid", has the measured time).
     en_te  English and Telugu (256 pieces, encoder 128 wide), onto Hindi, Tamil, Bengali, Urdu and
            English (512 pieces)
     hi_en  Hindi and English (320 pieces, encoder 192 wide), onto Telugu, Kannada, Urdu, Hindi and
@@ -707,8 +708,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--base-steps", type=int, default=600, help="optimizer steps of each base model"
     )
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps of every finetune")
-    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=120, help="optimizer steps of every finetune")
+    parser.add_argument("--eval-every", type=int, default=30)
     args = parser.parse_args(argv)
 
     table = grid_variants(args.steps, args.variant, args.set)
