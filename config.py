@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from file_names import is_utf8, printable
 from process_control import UserError, exit_on_user_errors
 
 REPO_DIR = Path(__file__).resolve().parent
@@ -103,6 +104,13 @@ def _path(raw: str) -> Path:
     raw = raw.strip()
     if not raw:
         raise ValueError("expected a path")
+    # A path is written into manifests, W&B, run records and model cards as text; a byte that is
+    # not UTF-8 would fail there, hours in, so it fails here.
+    if not is_utf8(raw):
+        raise ValueError(
+            "expected a path in UTF-8 (bytes that are not UTF-8 shown as \\xNN): rename it in UTF-8 or "
+            "point at a symlink with a UTF-8 name"
+        )
     return Path(raw).expanduser()
 
 
@@ -463,7 +471,9 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
             try:
                 value = parse(raw)
             except ValueError as exc:
-                errors.append(f"{name}={raw!r}: {exc}")
+                # repr would show a byte that is not UTF-8 as a surrogate (\udcNN), not as itself
+                shown = repr(raw) if is_utf8(raw) else f"'{printable(raw)}'"
+                errors.append(f"{name}={shown}: {exc}")
                 value, source = default, "env"
             else:
                 source = "env"

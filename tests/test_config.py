@@ -142,6 +142,21 @@ def test_a_bad_value_fails_at_import_as_one_line_and_exit_code_2():
     )
 
 
+def test_a_path_whose_bytes_are_not_utf8_is_refused_at_import_with_its_bytes_shown():
+    # os.environ holds a Latin-1 byte as a surrogate escape; subprocess passes it on as the byte.
+    proc = _run_config({"VAL_MANIFEST_PATH": "v\udce9.parquet"})
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip()
+    assert "\n" not in line
+    assert line.startswith(
+        "error: invalid configuration: VAL_MANIFEST_PATH='v\\xe9.parquet': expected a path in UTF-8"
+    )
+    # the same name in UTF-8 is a path like any other
+    assert config.read_config({"VAL_MANIFEST_PATH": "vé.parquet"})["VAL_MANIFEST_PATH"].value == (
+        Path("vé.parquet")
+    )
+
+
 def test_help_prints_usage_and_runs_nothing():
     proc = _run_config({}, "--help")
     assert proc.returncode == 0 and proc.stdout.startswith("usage: config.py")
