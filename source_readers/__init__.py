@@ -46,7 +46,9 @@ missing tar) is reported with its path and skipped.
 Layout: one module per kind of source (``nemo_json``, ``nemo_tarred``, ``hf_parquet``,
 ``kaldi``, ``common_voice``), each with a ``read_*`` function, and ``standard_rows`` for what
 they share (the spec, the rows a reader gives, the audio checks, the FLAC writing). A new kind
-is a module of its own plus its entry in ``READERS`` below.
+is a module of its own plus its entry in ``READERS`` below. The in-house shards, which
+build_manifest.py reads in batches of many shards rather than row by row, have
+``in_house_shards`` (``discover_shards``, ``read_shards``).
 """
 
 from __future__ import annotations
