@@ -44,6 +44,7 @@ import pyarrow.parquet as pq
 import config
 import training_cache
 from atomic_files import atomic_write
+from file_names import printable
 from manifest_schema import SUMMARY_SUFFIX
 
 matplotlib.use("Agg")
@@ -176,8 +177,9 @@ def read_summaries(paths: list[Path]) -> list[dict[str, Any]]:
             )
         steps.append(
             {
-                "step": Path(path).name.removesuffix(SUMMARY_SUFFIX),
-                "path": str(path),
+                # printable: a name that is not UTF-8 could not be written into report.md
+                "step": printable(Path(path).name).removesuffix(SUMMARY_SUFFIX),
+                "path": printable(path),
                 "rows_in": data.get("rows_in"),
                 "rows_out": data.get("rows_out"),
                 "dropped": {str(k): int(v) for k, v in data["dropped"].items()},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import config
-from manifest_schema import tagged_text
+from manifest_schema import SUMMARY_SUFFIX, tagged_text
 from sampler import BatchingSettings, DurationBucketBatchSampler
 from scripts import manifest_report as mr
 from tests.conftest import WORDS
@@ -246,6 +247,17 @@ def test_without_summaries_the_report_says_how_to_pass_them(tmp_path):
     md = (tmp_path / "out" / "report.md").read_text()
     assert "--summary" in md and "dropped.png" not in result["files"]
     assert result["files"] == ["durations.png", "hours.png", "report.md"]
+
+
+def test_a_summary_whose_name_is_not_utf8_is_reported_by_its_bytes(tmp_path):
+    write_manifest(tmp_path / "m.parquet", {"hi": 30, "en": 10})
+    # a build summary written on a Latin-1 system: "caf\xe9" is no UTF-8 name
+    named = os.fsencode(tmp_path) + b"/caf\xe9" + SUMMARY_SUFFIX.encode()
+    Path(os.fsdecode(named)).write_text(json.dumps(MASTER_SUMMARY))
+    result = mr.write_report(tmp_path / "m.parquet", tmp_path / "out", with_sampler=False)
+    md = (tmp_path / "out" / "report.md").read_text(encoding="utf-8")
+    assert "caf\\xe9" in md and "| duration_too_long | 7 | hi 7 |" in md
+    assert result["summaries"] == [f"{tmp_path}/caf\\xe9{SUMMARY_SUFFIX}"]
 
 
 def test_temperature_is_read_from_config_at_call_time(monkeypatch, report):
