@@ -9,8 +9,8 @@ Usage:
     # a lever on the grid: a variant is the defaults plus its knobs (--variant NAME:KNOB=VALUE,
     # repeated for several knobs of one variant)
     python benchmarks/bench_finetune_grid.py --work data/finetune_grid \\
-        --variant ramp:NEW_PIECE_WARMUP=50 --variant ramp:NEW_PIECE_DECAY=100 \\
-        --variant short_frozen:UNFREEZE_STEP=10 --variant long_frozen:UNFREEZE_STEP=66 \\
+        --variant ramp:NEW_PIECE_WARMUP=30 --variant ramp:NEW_PIECE_DECAY=60 \\
+        --variant short_frozen:UNFREEZE_STEP=6 --variant long_frozen:UNFREEZE_STEP=40 \\
         --variant fresh_ext:VOCAB_SIZE=fresh \\
         --variant aug:SPEED_PERTURB=0.9,1.0,1.1   # any knob of config.py; commas stay in the value
     python benchmarks/bench_finetune_grid.py --only defaults,encoder_lr   # bench_finetune_init's variants
