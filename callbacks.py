@@ -718,14 +718,28 @@ class EpochBoundarySyncCallback(_pl.Callback):
     Lightning 2.4 calls set_epoch only on ``loader.sampler`` and ``loader.batch_sampler.sampler``,
     never on a custom batch_sampler: without this, epoch 2 would replay an exhausted plan (measured:
     the fit loop then spins forever on an empty iterator). set_epoch with the current epoch keeps the
-    position, so a restored mid-epoch sampler is not rewound. Lightning also sized every epoch from
-    len() of the first plan and ends an epoch at that count; each epoch's plan has its own length
-    (packing differs), so the fit loop is told this one's.
+    position, so a restored mid-epoch sampler is not rewound.
+
+    Each epoch's plan has its own length (packing, speed factors and subsets differ), and every
+    epoch trains exactly that many micro-batches. Lightning 2.4 reads len() of the loader once,
+    when it first builds it, and ends every later epoch at that count twice over: the fit loop's
+    ``max_batches`` and the CombinedLoader's ``limits`` (which size the data fetcher's ``done``).
+    Both are set here to this epoch's plan, before the epoch's iterator is made.
     """
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         pl_module.sampler.set_epoch(trainer.current_epoch)
-        trainer.fit_loop.max_batches = len(pl_module.sampler)
+        planned = len(pl_module.sampler)
+        loop = trainer.fit_loop
+        loop.max_batches = planned
+        loader = getattr(loop, "_combined_loader", None)
+        if loader is None or len(loader.flattened) != 1:
+            raise RuntimeError(
+                "EpochBoundarySyncCallback expects the fit loop to hold the one training loader "
+                f"(lightning {_pl.__version__} changed its internals): pin lightning as "
+                "requirements.txt does"
+            )
+        loader.limits = [planned]
         trainer.strategy.barrier("epoch_boundary")
 
 

@@ -482,6 +482,102 @@ def test_resume_from_a_checkpoint_taken_at_the_last_micro_batch_of_an_epoch(tmp_
         torch.testing.assert_close(weights(resumed)[k], v, rtol=0, atol=0)
 
 
+class UnevenEpochsModule(TinyModule):
+    """32 utterances played at 0.9, 1.0 or 1.1 speed: the sampler packs each epoch into another
+    number of micro-batches, some epochs more than the first and some fewer."""
+
+    SETTINGS = dict(
+        boundaries=(2.0,),
+        max_batch_duration=6.0,
+        temperature=0.5,
+        grad_accum=GRAD_ACCUM,
+        seed=0,
+        epoch_size=0,
+        lang_weighting="count",
+        cost_quadratic=0.0,
+        speed_factors=(0.9, 1.0, 1.1),
+    )
+
+    def __init__(self, num_workers: int = 0):
+        super().__init__(SignalDataset(32), num_workers=num_workers)
+
+    def planned_lengths(self, epochs: int) -> list[int]:
+        """Each epoch's micro-batches, from a sampler of its own (the plan is a pure function)."""
+        sampler = DurationBucketBatchSampler(
+            self.dataset.durations,
+            self.dataset.languages,
+            BatchingSettings.from_config(**self.SETTINGS),
+        )
+        lengths = []
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            lengths.append(len(sampler))
+        return lengths
+
+    def train_dataloader(self):
+        self.sampler = DurationBucketBatchSampler(
+            self.dataset.durations,
+            self.dataset.languages,
+            BatchingSettings.from_config(**self.SETTINGS),
+        )
+        if self.resume_sampler_state is not None:
+            self.sampler.load_state_dict(self.resume_sampler_state)
+            self.resume_sampler_state = None
+        return torch.utils.data.DataLoader(
+            self.dataset,
+            batch_sampler=self.sampler,
+            collate_fn=collate_asr_batch,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+
+def micro_batches_per_epoch(seen: list[tuple]) -> list[int]:
+    epochs = [epoch for epoch, _ in seen]
+    return [epochs.count(e) for e in range(epochs[-1] + 1)]
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "2-workers-prefetching"])
+def test_every_epoch_trains_exactly_the_micro_batches_its_own_plan_holds(tmp_path, workers):
+    planned = UnevenEpochsModule().planned_lengths(4)
+    first = planned[0]
+    assert any(n > first for n in planned[1:]) and any(n < first for n in planned[1:]), planned
+    steps = sum(planned) // GRAD_ACCUM
+    _, straight = fit(tmp_path / "a", max_steps=steps, module=UnevenEpochsModule(workers))
+    assert micro_batches_per_epoch(straight.seen) == planned
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "2-workers-prefetching"])
+def test_a_run_resumed_at_any_step_trains_what_the_straight_run_trains_with_uneven_epochs(
+    tmp_path, workers
+):
+    planned = UnevenEpochsModule().planned_lengths(4)
+    steps = sum(planned) // GRAD_ACCUM
+    _, straight = fit(tmp_path / "a", max_steps=steps, module=UnevenEpochsModule(workers))
+    boundaries = np.cumsum(planned) // GRAD_ACCUM
+    # Mid-epoch in the first, longer and shorter epochs, and at the end of the longer one.
+    for stop in (2, int(boundaries[0]) + 3, int(boundaries[1]), int(boundaries[2]) + 2):
+        root = tmp_path / f"stop{stop}"
+        _, first = fit(
+            root,
+            max_steps=steps,
+            every=stop,
+            extra=[StopAt(stop)],
+            module=UnevenEpochsModule(workers),
+        )
+        _, resumed = fit(
+            root,
+            max_steps=steps,
+            every=1000,
+            seed=999,
+            module=UnevenEpochsModule(workers),
+            ckpt_path=str(root / "ckpt" / f"step_{stop:08d}.ckpt"),
+        )
+        assert first.seen + resumed.seen == straight.seen, f"resumed at step {stop}"
+        for k, v in weights(straight).items():
+            torch.testing.assert_close(weights(resumed)[k], v, rtol=0, atol=0)
+
+
 class StopAt(pl.Callback):
     """Ends the fit right after optimizer step ``step`` (a crash, as far as the loop knows)."""
 

@@ -68,9 +68,16 @@ def write_manifest(
 
 
 def make_training_data(
-    root: Path, per_lang: int = 12, *, langs=("hi", "en"), vocab_size: int = 64, seed: int = 0
+    root: Path,
+    per_lang: int = 12,
+    *,
+    langs=("hi", "en"),
+    vocab_size: int = 64,
+    seed: int = 0,
+    min_s: float = 1.0,
+    max_s: float = 3.0,
 ) -> dict[str, Path]:
-    manifest = write_manifest(root, per_lang, langs=langs, seed=seed)
+    manifest = write_manifest(root, per_lang, langs=langs, seed=seed, min_s=min_s, max_s=max_s)
     tokenizer = root / "tokenizer"
     train_tokenizer.train_tokenizer(
         manifest,
