@@ -894,25 +894,132 @@ def portable_description(model, tokenizer_dir: Path | None = None) -> dict[str, 
     }
 
 
-def model_from_description(description: dict[str, Any]):
+# What a model description may name, a closed set: its class is one of the families' NeMo model
+# classes, found by name in NeMo's ASR model package; every ``_target_`` in its config is a class of
+# NeMo's ASR module package or its submodules (what NeMo's own configs of these models hold, adapter
+# twins included); its tokenizer files are TOKENIZER_FILES, by their plain names.
+DESCRIPTION_CLASS_PACKAGE = "nemo.collections.asr.models"
+DESCRIPTION_TARGET_PACKAGE = "nemo.collections.asr.modules"
+
+
+def _description_refusal(source: str, field: str, problem: str) -> CheckpointError:
+    return CheckpointError(
+        f"refusing the model description in {source}: {field} {problem}, which no checkpoint "
+        f"train.py writes holds; use a checkpoint this project wrote"
+    )
+
+
+def _is_dotted_name(text: str) -> bool:
+    return bool(text) and all(part.isidentifier() for part in text.split("."))
+
+
+def _config_targets(node: Any, where: str = "config") -> list[tuple[str, Any]]:
+    """Every (place, value) of a ``_target_`` key in the nested config ``node``."""
+    found = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            place = f"{where}.{key}"
+            if key == "_target_":
+                found.append((place, value))
+            else:
+                found += _config_targets(value, place)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            found += _config_targets(value, f"{where}[{i}]")
+    return found
+
+
+def check_description(description: Any, source: str | Path) -> dict[str, Any]:
+    """``description`` (a step checkpoint's ``PORTABLE_KEY`` entry) when it names only what one
+    ``portable_description`` writes may name; otherwise CheckpointError, one line naming ``source``
+    and the field. Pure: nothing is written or imported, so a refused description has done nothing.
+
+    Allowed: ``tokenizer`` maps names of TOKENIZER_FILES (plain file names, never a path) to bytes,
+    tokenizer.model among them; ``class`` is ``nemo.collections.asr.models[.<module>].<Family>``,
+    <Family> one of the families' classes (``FAMILIES``), resolved by name in that package; the
+    config is a dict whose ``_target_`` entries (the classes NeMo constructs from it) are
+    ``nemo.collections.asr.modules[.<module>].<Name>``, and whose ``target`` (the model class) is
+    as ``class``."""
+    source = str(source)
+    if not isinstance(description, dict):
+        raise _description_refusal(source, "the description", f"is a {type(description).__name__}")
+    tokenizer = description.get("tokenizer")
+    if not isinstance(tokenizer, dict) or "tokenizer.model" not in tokenizer:
+        raise _description_refusal(source, "'tokenizer'", "has no tokenizer.model")
+    for name, data in tokenizer.items():
+        if name not in TOKENIZER_FILES:
+            raise _description_refusal(
+                source, f"'tokenizer' file name {name!r}", f"is not one of {list(TOKENIZER_FILES)}"
+            )
+        if not isinstance(data, bytes):
+            raise _description_refusal(
+                source, f"'tokenizer' file {name!r}", f"holds a {type(data).__name__}, not bytes"
+            )
+    model_class_name(description.get("class"), source, "'class'")
+    cfg = description.get("config")
+    if not isinstance(cfg, dict):
+        raise _description_refusal(source, "'config'", f"is a {type(cfg).__name__}, not a dict")
+    if cfg.get("target") is not None:
+        model_class_name(cfg["target"], source, "'config.target'")
+    for place, target in _config_targets(cfg):
+        package = str(target).rpartition(".")[0]
+        if not (
+            isinstance(target, str)
+            and _is_dotted_name(target)
+            and (
+                package == DESCRIPTION_TARGET_PACKAGE
+                or package.startswith(DESCRIPTION_TARGET_PACKAGE + ".")
+            )
+        ):
+            raise _description_refusal(
+                source, f"{place} {target!r}", f"is not a class of {DESCRIPTION_TARGET_PACKAGE}"
+            )
+    return description
+
+
+def model_class_name(value: Any, source: str, field: str) -> str:
+    """The family class name that ``value`` (a description's class path) names; CheckpointError
+    (``check_description``'s) when it is not one of the families' classes in NeMo's ASR models."""
+    families = sorted(k.nemo_class for k in FAMILIES)
+    if isinstance(value, str) and _is_dotted_name(value):
+        module, _, name = value.rpartition(".")
+        in_package = module == DESCRIPTION_CLASS_PACKAGE or module.startswith(
+            DESCRIPTION_CLASS_PACKAGE + "."
+        )
+        if in_package and name in families:
+            return name
+    raise _description_refusal(
+        source, f"{field} {value!r}", f"is not one of {families} in {DESCRIPTION_CLASS_PACKAGE}"
+    )
+
+
+def model_from_description(description: dict[str, Any], source: str | Path = "a checkpoint"):
     """The model ``portable_description`` describes (fresh weights), on CPU, ready for its weights:
     the tokenizer files go to a directory that lives as long as this process (a .nemo export copies
-    them from there), and the loss and the encoder settings are those ``build_model`` gives."""
+    them from there), and the loss and the encoder settings are those ``build_model`` gives. The
+    description is checked first (``check_description``): a refused one writes and imports nothing."""
     from omegaconf import OmegaConf, open_dict
 
+    check_description(description, source)
+    name = model_class_name(description["class"], str(source), "'class'")
     tokenizer_dir = Path(tempfile.mkdtemp(prefix="asr-tokenizer-"))
     atexit.register(shutil.rmtree, tokenizer_dir, True)
-    for name, data in description["tokenizer"].items():
-        (tokenizer_dir / name).write_bytes(data)
+    write_tokenizer_files(description, tokenizer_dir)
     cfg = OmegaConf.create(description["config"])
     with open_dict(cfg):
         cfg.tokenizer = {"dir": str(tokenizer_dir), "type": "bpe"}
-    module, _, name = description["class"].rpartition(".")
-    model = getattr(importlib.import_module(module), name)(cfg=cfg)
+    model = getattr(importlib.import_module(DESCRIPTION_CLASS_PACKAGE), name)(cfg=cfg)
     family(model).attach_loss(model)
     ensure_validation_ds(model)
     make_encoder_forward_rank_local(model)
     return model
+
+
+def write_tokenizer_files(description: dict[str, Any], directory: Path) -> None:
+    """The tokenizer files of a checked description (``check_description``) into ``directory``."""
+    for name in TOKENIZER_FILES:
+        if name in description["tokenizer"]:
+            (directory / name).write_bytes(description["tokenizer"][name])
 
 
 def model_weights(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -950,7 +1057,7 @@ def load_trained_model(path: str | Path, device: str = "cpu", weights: dict | No
         )
     portable = checkpoint.get(PORTABLE_KEY)
     if portable is not None:
-        model = model_from_description(portable)
+        model = model_from_description(portable, path)
         source = f"the model description inside {path}"
     else:
         model = build_model()

@@ -208,7 +208,12 @@ def _hash_phrase(digest: str | None) -> str:
     return f"weights sha256 {digest}" if digest else "no weights hash recorded"
 
 
-def base_as_received(record: dict, portable: dict | None, named: str | None = None):
+def base_as_received(
+    record: dict,
+    portable: dict | None,
+    named: str | None = None,
+    checkpoint: str = "the checkpoint",
+):
     """The model the finetune of ``record`` (a step checkpoint's run record) started from: its
     recorded base (``recorded_base``), or ``named`` (--base-model: where that base is on this
     machine), through the vocabulary change the run made, with the settings the run built it with
@@ -221,7 +226,9 @@ def base_as_received(record: dict, portable: dict | None, named: str | None = No
     BlendError when the recorded base is not on this machine (without ``named``), when the model's
     weights hash differs from the recorded one (a model other than the run's base is never blended),
     or when its vocabulary change differs from the recorded one in what a blend depends on
-    (``BLEND_VOCABULARY_KEYS``). A record without a weights hash is blended after a warning."""
+    (``BLEND_VOCABULARY_KEYS``). A record without a weights hash is blended after a warning.
+    A description naming anything outside its closed set (``asr_model.check_description``) is
+    refused as ``checkpoint``'s before anything is written."""
     import shutil
     import tempfile
 
@@ -243,14 +250,15 @@ def base_as_received(record: dict, portable: dict | None, named: str | None = No
             f"{where_now} is not at that path on this machine: give where it is now with "
             f"--base-model PATH"
         )
+    if portable is not None:  # what it may name is checked before anything is written
+        asr_model.check_description(portable, checkpoint)
     tokenizer_dir = Path(tempfile.mkdtemp(prefix="blend-tokenizer-"))
     try:
         if portable is None:  # a checkpoint without its tokenizer: TOKENIZER_DIR as in training
             shutil.rmtree(tokenizer_dir)
             shutil.copytree(config.TOKENIZER_DIR, tokenizer_dir)
         else:
-            for name, data in portable["tokenizer"].items():
-                (tokenizer_dir / name).write_bytes(data)
+            asr_model.write_tokenizer_files(portable, tokenizer_dir)
         base = asr_model.build_model(
             source, None, tokenizer_dir, "carry", recorded["NEW_PIECE_BIAS"]
         )
@@ -583,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     if sweep or args.blend_base:
         try:
             base = base_as_received(
-                record, newest_checkpoint.get(asr_model.PORTABLE_KEY), args.base_model
+                record, newest_checkpoint.get(asr_model.PORTABLE_KEY), args.base_model, str(newest)
             )
             finetuned = weights or asr_model.model_weights(newest_checkpoint)
             if sweep:

@@ -256,8 +256,9 @@ def base_tokenizer_model(source: str, setting: str = "INIT_MODEL") -> tuple[byte
         from checkpoints import read_checkpoint
 
         portable = read_checkpoint(path, mmap=True).get(asr_model.PORTABLE_KEY)
-        if not portable or "tokenizer.model" not in portable.get("tokenizer", {}):
+        if not portable:
             raise TokenizerError(f"{path} carries no tokenizer (a checkpoint of an older train.py)")
+        asr_model.check_description(portable, path)
         return portable["tokenizer"]["tokenizer.model"], f"the tokenizer of {path}"
     if path.exists() or source.endswith((".nemo", ".ckpt")):
         raise TokenizerError(

@@ -10,9 +10,11 @@ import dataclasses
 import enum
 import os
 import pickle
+import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import typing
 from pathlib import Path
 
@@ -308,3 +310,147 @@ def test_lightning_resumes_through_the_same_refusal(tmp_path):
     with pytest.raises(checkpoints.CheckpointError, match="its pickle names posix.system"):
         fit(tmp_path, max_steps=6, ckpt_path=str(planted))
     assert not marker.exists()
+
+
+# ---- a model description is data: what it may name is a closed set ------------------------------
+
+PLANTED_MODULE = "planted_description_module"
+
+
+def plant_module(directory: Path, marker: Path) -> Path:
+    """A module that touches ``marker`` when imported, in ``directory`` (put on the import path)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{PLANTED_MODULE}.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).touch()\nclass Model:\n"
+        "    def __init__(self, cfg=None):\n        pass\n"
+    )
+    return directory
+
+
+def description_with(trained_ckpt: Path, field: str, escape: Path) -> dict:
+    """The real description of ``trained_ckpt`` with one field planted: a tokenizer file named by
+    an absolute path and by ``../``, the class, or an encoder ``_target_`` naming the planted module."""
+    description = dict(trusted_load(trained_ckpt)[asr_model.PORTABLE_KEY])
+    if field == "tokenizer":
+        description["tokenizer"] = {
+            **description["tokenizer"],
+            str(escape / "absolute.py"): b"written = True\n",
+            "../escaped.py": b"written = True\n",
+        }
+    elif field == "class":
+        description["class"] = f"{PLANTED_MODULE}.Model"
+    else:
+        cfg = dict(description["config"])
+        cfg["encoder"] = {**cfg["encoder"], "_target_": f"{PLANTED_MODULE}.Model"}
+        description["config"] = cfg
+    return description
+
+
+def planted_description_checkpoint(trained_ckpt: Path, path: Path, field: str, escape: Path):
+    """A checkpoint of plain data (it passes the weights-only unpickler) whose description plants
+    ``field``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    checkpoint = trusted_load(trained_ckpt)
+    checkpoint[asr_model.PORTABLE_KEY] = description_with(trained_ckpt, field, escape)
+    torch.save(checkpoint, path)
+    checkpoints.read_checkpoint(path)  # the premise: the unpickler lets it through
+    return path
+
+
+DESCRIPTION_READERS = {
+    "evaluate / export / transcribe / INIT_MODEL (load_trained_model)": asr_model.load_trained_model,
+    "export --blend-base": lambda p: __import__("scripts.export_nemo").export_nemo.base_as_received(
+        checkpoints.read_checkpoint(p)["run_record"],
+        checkpoints.read_checkpoint(p)[asr_model.PORTABLE_KEY],
+        checkpoint=str(p),
+    ),
+    "the tokenizer's base": lambda p: train_tokenizer.base_tokenizer_model(str(p)),
+}
+FIELD_NAMED = {
+    "tokenizer": "'tokenizer' file name",
+    "class": f"'class' '{PLANTED_MODULE}.Model'",
+    "_target_": f"config.encoder._target_ '{PLANTED_MODULE}.Model'",
+}
+
+
+@pytest.mark.parametrize("field", list(FIELD_NAMED))
+@pytest.mark.parametrize("reader", DESCRIPTION_READERS, ids=list(DESCRIPTION_READERS))
+def test_a_description_naming_files_or_code_outside_its_closed_set_writes_and_runs_nothing(
+    trained, tmp_path, monkeypatch, field, reader
+):
+    marker = tmp_path / "imported"
+    monkeypatch.syspath_prepend(str(plant_module(tmp_path / "importable", marker)))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where "../" from a temp dir lands
+    escape = tmp_path / "elsewhere"
+    path = planted_description_checkpoint(
+        trained["ckpt"], tmp_path / "ckpt" / "step_00000002.ckpt", field, escape
+    )
+    with pytest.raises(checkpoints.CheckpointError) as refused:
+        DESCRIPTION_READERS[reader](path)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"refusing the model description in {path}: {FIELD_NAMED[field]}")
+    assert not marker.exists() and PLANTED_MODULE not in sys.modules
+    assert not escape.exists() and not (tmp_path / "escaped.py").exists()
+    assert list(scratch.iterdir()) == []  # not even an empty temporary directory
+
+
+def test_evaluate_refuses_a_description_that_would_write_and_import_in_one_line(trained, tmp_path):
+    """The reproduction as a user meets it: scripts/evaluate.py on a .ckpt of plain data whose
+    description names a tokenizer file outside any directory and a class in a module on the path."""
+    marker = tmp_path / "imported"
+    importable = plant_module(tmp_path / "importable", marker)
+    path = tmp_path / "ckpt" / "step_00000002.ckpt"
+    checkpoint = trusted_load(trained["ckpt"])
+    description = description_with(trained["ckpt"], "tokenizer", tmp_path / "elsewhere")
+    description["class"] = f"{PLANTED_MODULE}.Model"
+    checkpoint[asr_model.PORTABLE_KEY] = description
+    path.parent.mkdir()
+    torch.save(checkpoint, path)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env = {**trained["env"], "PYTHONPATH": str(importable), "TMPDIR": str(scratch)}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts/evaluate.py"),
+            str(path),
+            "--manifest",
+            str(trained["val"]),
+            "--device",
+            "cpu",
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    line = one_error_line(proc)
+    assert f"refusing the model description in {path}: 'tokenizer' file name" in line
+    assert not marker.exists() and not (tmp_path / "elsewhere").exists()
+    assert not (tmp_path / "escaped.py").exists()
+    assert not [p for p in scratch.rglob("*") if p.suffix == ".py"]
+
+
+def test_a_description_train_py_writes_passes_the_check_unchanged(trained):
+    description = trusted_load(trained["ckpt"])[asr_model.PORTABLE_KEY]
+    assert asr_model.check_description(description, trained["ckpt"]) is description
+    assert description["class"].rpartition(".")[2] in {k.nemo_class for k in asr_model.FAMILIES}
+
+
+def test_the_docs_name_exactly_what_a_model_description_may_name():
+    """docs/operations.md's "What loading a checkpoint or a .nemo trusts" lists the closed set the
+    check enforces: every tokenizer file, every family class and the module package."""
+    text = (REPO / "docs" / "operations.md").read_text()
+    section = text.split("### What loading a checkpoint or a `.nemo` trusts", 1)[1].split("\n### ")[
+        0
+    ]
+    listed = set(re.findall(r"`([\w.]+\.(?:model|vocab|txt|json))`", section))
+    assert listed == set(asr_model.TOKENIZER_FILES)
+    for family in asr_model.FAMILIES:
+        assert f"`{family.nemo_class}`" in section
+    assert f"`{asr_model.DESCRIPTION_CLASS_PACKAGE}`" in section
+    assert f"`{asr_model.DESCRIPTION_TARGET_PACKAGE}`" in section
