@@ -97,7 +97,16 @@ def _float(raw: str) -> float:
 
 
 def _str(raw: str) -> str:
-    return raw.strip()
+    # A text setting (a run name, INIT_MODEL's or RESUME_FROM's path) is written into run records,
+    # hparams and W&B as text: a byte that is not UTF-8 would fail there, after the model and the
+    # caches are built, so it fails here, as a path setting does.
+    raw = raw.strip()
+    if not is_utf8(raw):
+        raise ValueError(
+            "expected UTF-8 text (bytes that are not UTF-8 shown as \\xNN): for a file, rename it in "
+            "UTF-8 or point at a symlink with a UTF-8 name"
+        )
+    return raw
 
 
 def _path(raw: str) -> Path:
@@ -145,7 +154,7 @@ def _run_defining_settings(raw: str) -> tuple[str, ...]:
 
 
 def _sources(raw: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in raw.split(";") if part.strip())
+    return tuple(_str(part) for part in raw.split(";") if part.strip())
 
 
 def _boundaries(raw: str) -> tuple[float, ...] | str:

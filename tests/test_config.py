@@ -157,6 +157,34 @@ def test_a_path_whose_bytes_are_not_utf8_is_refused_at_import_with_its_bytes_sho
     )
 
 
+@pytest.mark.parametrize("name", ["INIT_MODEL", "RESUME_FROM", "WANDB_RUN_NAME"])
+def test_a_text_setting_whose_bytes_are_not_utf8_is_refused_like_a_path(name):
+    """INIT_MODEL and RESUME_FROM name files but are text (a pretrained name, 'last'); a run name
+    names a directory. Each is written as text hours in, so each is refused at import."""
+    raw = "base_\udce9.nemo"
+    with pytest.raises(config.ConfigError) as refused:
+        config.read_config({name: raw})
+    message = str(refused.value)
+    assert f"{name}='base_\\xe9.nemo': expected UTF-8 text" in message
+    assert "\n" not in message.strip()
+    assert config.read_config({name: "base_é.nemo"})[name].value == "base_é.nemo"
+
+
+def test_every_setting_is_refused_when_its_bytes_are_not_utf8():
+    """No setting passes a value that cannot be written as text (run records, hparams, W&B)."""
+    passed = []
+    for name, knob in config.read_config({}).items():
+        if knob.source == "derived":
+            continue
+        try:
+            config.read_config({name: "x\udce9"})
+        except config.ConfigError as exc:
+            assert f"{name}='x\\xe9'" in str(exc)
+        else:
+            passed.append(name)
+    assert passed == []
+
+
 def test_help_prints_usage_and_runs_nothing():
     proc = _run_config({}, "--help")
     assert proc.returncode == 0 and proc.stdout.startswith("usage: config.py")
