@@ -109,7 +109,9 @@ def language_table(durations: np.ndarray, languages: np.ndarray) -> list[dict[st
 
 
 def sampler_plan(durations: np.ndarray, languages: np.ndarray) -> dict[str, Any]:
-    """One epoch of the configured sampler on one rank: its epoch_stats() plus per-bucket fill."""
+    """One epoch of the configured sampler on one rank: its epoch_stats() plus per-bucket fill,
+    every figure in the seconds the batches play (each row's duration over its SPEED_PERTURB
+    factor), as the sampler packs them."""
     # heavy import (torch), only when plotting it
     from sampler import BatchingSettings, DurationBucketBatchSampler
 
@@ -128,7 +130,12 @@ def sampler_plan(durations: np.ndarray, languages: np.ndarray) -> dict[str, Any]
         itertools.chain.from_iterable(batches), dtype=np.int64, count=int(sizes.sum())
     )
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    dur = durations[flat]
+    speeds = np.fromiter(
+        itertools.chain.from_iterable(b.speeds or itertools.repeat(1.0, len(b)) for b in batches),
+        dtype=np.float64,
+        count=len(flat),
+    )
+    dur = durations[flat] / speeds
     longest = np.maximum.reduceat(dur, starts) if len(starts) else np.zeros(0)
     audio = np.add.reduceat(dur, starts) if len(starts) else np.zeros(0)
     bucket = np.searchsorted(

@@ -176,6 +176,30 @@ def test_bucket_table_counts_every_planned_batch_and_utterance(report):
     assert all(0 < e <= 1 for e, b in zip(plan["padding_efficiency"], plan["batches"]) if b)
 
 
+def test_the_bucket_table_counts_the_seconds_the_batches_play_under_speed_perturbation(
+    report, monkeypatch
+):
+    monkeypatch.setattr(config, "SPEED_PERTURB", (0.9, 1.0, 1.1))
+    durations, langs = report["durations"], report["langs"]
+    plan = mr.sampler_plan(durations, langs)
+    # The reference, from the definition: each planned row lasts its duration over its factor.
+    sampler = DurationBucketBatchSampler(durations, langs, BatchingSettings.from_config())
+    played = [durations[list(b)] / np.asarray(b.speeds) for b in sampler]
+    assert any(set(b.speeds) != {1.0} for b in sampler)
+    real = sum(p.sum() for p in played)
+    padded = sum(len(p) * p.max() for p in played)
+    batches = np.asarray(plan["batches"], dtype=float)
+    audio = np.asarray(plan["mean_batch_seconds"]) * batches
+    assert audio.sum() == pytest.approx(real, rel=1e-9)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        table_padded = np.where(batches > 0, audio / np.asarray(plan["padding_efficiency"]), 0)
+    assert audio.sum() / table_padded.sum() == pytest.approx(real / padded, rel=1e-9)
+    assert audio.sum() / table_padded.sum() == pytest.approx(
+        plan["stats"]["padding_efficiency"], abs=1e-9
+    )
+    assert max(plan["mean_batch_seconds"]) <= config.MAX_BATCH_DURATION
+
+
 def test_rows_dropped_are_read_from_every_build_summary_beside_the_manifest(report):
     md = report["markdown"]
     assert [Path(p).name for p in report["result"]["summaries"]] == [
