@@ -277,6 +277,25 @@ class NoiseFiles:
         return cls(tuple(paths), frames, rates)
 
 
+def augmentation_in_force(noise: NoiseSettings, speed_factors: Sequence[float]) -> str:
+    """One phrase: the augmentation a training run applies with these settings. NOISE_DIR is
+    checked as the training dataset checks it: NoiseDirError, with that message, when it cannot
+    serve (what train.py exits with at start-up)."""
+    speeds = (
+        f"speed factors {','.join(f'{f:g}' for f in speed_factors)}"
+        if speed_factors
+        else "no speed perturbation"
+    )
+    if noise.prob <= 0:
+        return f"{speeds}; no noise"
+    if noise.directory is None:
+        source = "generated noise"
+    else:
+        source = f"{len(NoiseFiles.scan(noise.directory).paths)} recordings in {noise.directory}"
+    low, high = noise.snr_db
+    return f"{speeds}; noise on {noise.prob:.0%} of utterances at {low:g}-{high:g} dB SNR, {source}"
+
+
 def add_noise(signal: np.ndarray, noise: np.ndarray, snr_db: float) -> np.ndarray:
     """``signal + g x noise`` (float32, new), with the gain g that makes the signal-to-noise ratio
     10 log10(sum(signal^2) / sum((g x noise)^2)) equal ``snr_db``; ``signal`` unchanged when either
@@ -393,7 +412,9 @@ class LocalShardDataset(torch.utils.data.Dataset):
       most ``max_token_len``; ``duration``: the manifest's seconds; ``lang``: the manifest's code.
     - Returns None for bad audio (see ``load_audio``), counted for ``collate_asr_batch``.
     - ``__getitems__`` of a ``sampler.PlannedBatch`` augments (speed factors as planned, ``noise``:
-      NoiseSettings, None = the NOISE_* knobs); see the module docstring. ``duration`` is then the
+      NoiseSettings; None = no noise, what every reader but the training loader wants, so that
+      evaluation, validation and preflight's reads never depend on the NOISE_* knobs; the training
+      dataset passes ``NoiseSettings.from_config()``); see the module docstring. ``duration`` is then the
       seconds handed out: the manifest's divided by the speed factor.
     - Pickling (spawn/forkserver workers) carries the settings, not the table: the worker maps the
       training cache again on first use. Forked workers share the parent's mapping.
@@ -436,7 +457,7 @@ class LocalShardDataset(torch.utils.data.Dataset):
             raise ValueError(
                 f"frame_seconds={self.frame_seconds}: expected seconds per encoder frame > 0"
             )
-        self.noise = NoiseSettings.from_config() if noise is None else noise
+        self.noise = NoiseSettings() if noise is None else noise
         self._noise_files = self._noise_bank = None
         if self.noise.prob > 0 and self.noise.directory is not None:
             self._noise_files = NoiseFiles.scan(self.noise.directory)

@@ -789,12 +789,15 @@ def train_manifest_path() -> Path:
     return path
 
 
-def build_dataset(tokenizer):
-    """LocalShardDataset over TRAIN_MANIFEST_PATH (feasibility-filtered)."""
-    from dataset import LocalShardDataset
+def build_dataset(tokenizer, *, progress: bool = True):
+    """LocalShardDataset over TRAIN_MANIFEST_PATH (feasibility-filtered), with the noise the NOISE_*
+    knobs configure: NoiseDirError (the message train.py exits with) when NOISE_DIR cannot serve."""
+    from dataset import LocalShardDataset, NoiseSettings
 
     path = train_manifest_path()
-    dataset = LocalShardDataset(path, tokenizer)
+    dataset = LocalShardDataset(
+        path, tokenizer, progress=progress, noise=NoiseSettings.from_config()
+    )
     if len(dataset) == 0:
         raise ValueError(
             f"TRAIN_MANIFEST_PATH={path}: no utterance is left after the feasibility filter "

@@ -623,8 +623,9 @@ def test_validation_with_augmentation_knobs_on_decodes_clean_audio(
     import evaluation
 
     monkeypatch.setattr(config, "NOISE_PROB", 1.0)
-    ds = load(utterances, tokenizer)  # from the knobs, as the validation callback builds it
-    assert ds.noise.prob == 1.0
+    monkeypatch.setattr(config, "NOISE_DIR", Path("/nonexistent/noise"))  # not read either
+    ds = load(utterances, tokenizer)  # as the validation callback builds it
+    assert ds.noise.prob == 0.0
     decoded = []
 
     def decode_batch(model, signal, signal_len, **kwargs):

@@ -126,6 +126,22 @@ def test_evaluate_prints_a_per_language_table_and_writes_the_csv(tiny, capsys):
     ] == []  # no temporary left
 
 
+def test_a_training_jobs_noise_settings_do_not_stop_an_evaluation(tiny, monkeypatch, capsys):
+    """A shell that still exports the training job's NOISE_* on a machine without its NOISE_DIR:
+    evaluation never augments, so it scores; the training dataset still refuses that NOISE_DIR."""
+    from dataset import NoiseDirError
+
+    missing = tiny.root / "not_mounted_noise"
+    monkeypatch.setattr(config, "NOISE_PROB", 0.5)
+    monkeypatch.setattr(config, "NOISE_DIR", missing)
+    out = tiny.root / "noise_knobs.csv"
+    assert evaluate.main([str(tiny.ckpt), "--manifest", str(tiny.manifest), "--out", str(out)]) == 0
+    assert [r["lang"] for r in read_csv(out)] == ["en", "hi", "all"]
+    monkeypatch.setattr(config, "TRAIN_MANIFEST_PATH", tiny.manifest)
+    with pytest.raises(NoiseDirError, match=f"NOISE_DIR={missing} is not a directory"):
+        training_step.build_dataset(tiny.model.tokenizer, progress=False)
+
+
 def test_a_checkpoint_and_its_nemo_export_get_the_same_rates(tiny):
     a, b, c = tiny.root / "a.csv", tiny.root / "b.csv", tiny.root / "c.csv"
     evaluate.main([str(tiny.nemo), "--manifest", str(tiny.manifest), "--out", str(a)])
