@@ -11,6 +11,7 @@ what to paste into an issue. Exit 0 when nothing failed, 1 when a check failed, 
 A rank that fails a check does not hold up the others: the report still comes, naming the rank.
 
   gpu          the device torch sees, its memory (free and total), the driver against torch's CUDA
+  augmentation the speed factors and noise train.py applies; a NOISE_DIR it refuses fails here
   model        the configured model (INIT_MODEL or MODEL_CONFIG) built on every rank
   tdt-loss     the start-up check of train.py: NeMo's numba TDT and RNN-T kernels against tdt_loss.py,
                and what one loss costs with TDT_LOSS=numba and =torch (CUDA)
@@ -652,7 +653,12 @@ def data_reader(node: Node, args):
             planned.extend(indices)
             if len(planned) >= args.data_files:
                 break
-        return loader, [node.dataset.audio_path(int(i)) for i in planned], "the training sampler"
+        augmented = sampler.speed_factors or node.dataset.noise.prob > 0
+        return (
+            loader,
+            [node.dataset.audio_path(int(i)) for i in planned],
+            "the training sampler" + (", augmented as configured" if augmented else ""),
+        )
     manifest = Path(config.TRAIN_MANIFEST_PATH)
     if not manifest.is_file():
         raise FileNotFoundError(
@@ -682,7 +688,13 @@ def data_reader(node: Node, args):
         prefetch_factor=2 if workers > 0 else None,
         timeout=config.COLLECTIVE_TIMEOUT_MINUTES * 60 if workers > 0 else 0,
     )
-    return loader, paths, f"{len(paths)} rows of {manifest.name} at random, no training cache"
+    augmented = config.SPEED_PERTURB or config.NOISE_PROB > 0
+    return (
+        loader,
+        paths,
+        f"{len(paths)} rows of {manifest.name} at random, no training cache"
+        + (", so without the configured augmentation" if augmented else ""),
+    )
 
 
 def check_data(node: Node, args) -> Check:
@@ -867,16 +879,31 @@ def build_model(node: Node) -> Check:
 
 
 def load_dataset(node: Node):
-    """The training manifest through its training cache when that exists (never built here)."""
-    from dataset import LocalShardDataset
+    """The training manifest through its training cache when that exists (never built here), with
+    the noise train.py's training dataset has (``training_step.build_dataset``'s settings)."""
+    from dataset import LocalShardDataset, NoiseSettings
 
     manifest = Path(config.TRAIN_MANIFEST_PATH)
     if node.model is None or not manifest.is_file():
         return None
     if training_cache_of(manifest, node.model.tokenizer) is None:
         return None
-    dataset = LocalShardDataset(manifest, node.model.tokenizer, progress=False)
+    dataset = LocalShardDataset(
+        manifest, node.model.tokenizer, progress=False, noise=NoiseSettings.from_config()
+    )
     return dataset if len(dataset) else None
+
+
+def check_augmentation() -> Check:
+    """The augmentation train.py would apply (SPEED_PERTURB, NOISE_*), NOISE_DIR read as its
+    training dataset reads it: a NOISE_DIR train.py refuses fails here with the same message."""
+    from dataset import NoiseSettings, augmentation_in_force
+
+    return Check(
+        "augmentation",
+        "ok",
+        augmentation_in_force(NoiseSettings.from_config(), config.SPEED_PERTURB),
+    )
 
 
 def check_schedule() -> Check:
@@ -898,7 +925,12 @@ def run_checks(node: Node, args) -> list[Check]:
     failure is its own line, which the merged report names by rank."""
     from collectives import rank_local
 
-    checks = [guarded("gpu", check_gpu, node), check_schedule(), build_model(node)]
+    checks = [
+        guarded("gpu", check_gpu, node),
+        check_schedule(),
+        guarded("augmentation", check_augmentation),
+        build_model(node),
+    ]
     if node.model is None:
         checks += [
             Check(name, "skip", "no model (see the model line)")
@@ -909,7 +941,7 @@ def run_checks(node: Node, args) -> list[Check]:
         checks.append(guarded("caches", check_caches, node))
         try:
             node.dataset = load_dataset(node)
-        except Exception:  # noqa: BLE001  (the caches line says what is missing)
+        except Exception:  # noqa: BLE001  (the caches and augmentation lines say what is wrong)
             node.dataset = None
         with rank_local():
             checks.append(guarded("step", check_step, node))

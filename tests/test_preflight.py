@@ -72,12 +72,16 @@ def verdict(line: str) -> str:
 
 
 def test_a_cpu_node_with_its_data_in_place_passes_and_says_what_it_skipped(corpus):
+    """With the augmentation a job may run with (speed factors, generated noise): the data check
+    reads through it."""
     _, _, env = corpus
+    env = dict(env, SPEED_PERTURB="0.9,1.0,1.1", NOISE_PROB="0.5")
     code, lines, out = preflight_run(env, "--consume-audio-per-second", "0.01")
     assert code == 0, out[-3000:]
     assert {name: verdict(line) for name, line in lines.items()} == {
         "gpu": "skip",
         "schedule": "ok",
+        "augmentation": "ok",
         "model": "ok",
         "tdt-loss": "skip",
         "caches": "ok",
@@ -91,7 +95,25 @@ def test_a_cpu_node_with_its_data_in_place_passes_and_says_what_it_skipped(corpu
     assert re.search(r"phase 1 [\d.]+ s, phase 2 [\d.]+ s a micro-batch", lines["step"])
     assert "MAX_BATCH_DURATION=6's padding bound:" in lines["step"]
     assert re.search(r"\d+ audio s/s per rank \(NUM_WORKERS=1, cold", lines["data"])
+    assert "of the training sampler, augmented as configured" in lines["data"]
+    assert "speed factors 0.9,1,1.1; noise on 50% of utterances" in lines["augmentation"]
+    assert "generated noise" in lines["augmentation"]
     assert "4 skipped (gpu, tdt-loss, max-batch, all-reduce)" in out
+
+
+def test_a_noise_dir_train_py_refuses_fails_preflight_with_the_same_message(corpus, tmp_path):
+    _, _, env = corpus
+    missing = tmp_path / "noise_not_mounted"
+    env = dict(env, NOISE_PROB="0.5", NOISE_DIR=str(missing), MAX_STEPS="1")
+    refusal = f"NOISE_DIR={missing} is not a directory"
+    code, lines, out = preflight_run(env, "--consume-audio-per-second", "0.01")
+    assert code == 1, out[-3000:]
+    assert verdict(lines["augmentation"]) == "fail" and refusal in lines["augmentation"]
+    assert "failed (augmentation)" in out
+    trained = subprocess.run(
+        [sys.executable, "train.py"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert trained.returncode == 2 and refusal in trained.stderr, trained.stderr[-3000:]
 
 
 def test_slow_data_and_an_unreachable_wandb_warn_without_failing(corpus):
