@@ -12,9 +12,10 @@ What it does, in one process (TOKENIZER_DIR's tokenizer; the other knobs as trai
    files), written into ``--work-dir`` with its training cache, so that an epoch outlasts the run.
 2. One worker: train.py's sampler and dataset (``training_step.build_dataloader``) with one worker
    and no model, for ``--worker-seconds``: the audio seconds (the utterances' own, no padding) one
-   worker, so one CPU core, delivers per second. The first micro-batch (the worker's start) is left
-   out; the files were read once before, so this is decoding's rate with the page cache warm (cold
-   storage adds its reads: preflight's data check measures them on the node).
+   worker, so one CPU core, delivers per second, over as many epochs as that takes. The first
+   micro-batches (the worker's start and what it had ready: they arrive at once) are left out; the
+   files were read once before, so this is decoding's rate with the page cache warm (cold storage
+   adds its reads: preflight's data check measures them on the node).
 3. The step fed by that loader: ``TrainingModule`` as train.py builds it, phase 2, GRAD_ACCUM
    micro-batches per optimizer step, PRECISION, NUM_WORKERS workers, ``--warmup`` + ``--steps``
    optimizer steps, each measured as train.py logs it (``callbacks.TrainingMetricsCallback``): step
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -93,26 +95,43 @@ def load_dataset(manifest: Path, tokenizer, work_dir: Path):
     return LocalShardDataset(manifest, tokenizer, cache_dir=work_dir / "cache", progress=False)
 
 
-def one_worker_rate(dataset, seconds: float) -> tuple[float, int, float, int]:
+# The micro-batches a worker may have ready before the timing starts (the loader's prefetch_factor
+# and the one in flight): they arrive at once, so they are left out of the rate.
+PREFETCHED = 3
+# Fewer timed micro-batches than this give no rate: advice from them would be noise.
+MIN_TIMED_BATCHES = 5
+
+
+def one_worker_rate(dataset, seconds: float) -> tuple[float | None, int, float, int]:
     """(audio seconds per second, micro-batches, seconds timed, unreadable files) of train.py's
-    loader with one worker and no model: the batches after the first for ``seconds``."""
-    loader, _ = build_dataloader(
+    loader with one worker and no model, timed for ``seconds`` over as many epochs as that takes,
+    after the micro-batches the worker had ready at the start (``PREFETCHED``, which arrive at
+    once). The rate is None when fewer than ``MIN_TIMED_BATCHES`` were timed."""
+    loader, sampler = build_dataloader(
         dataset, BatchingSettings.from_config(), world_size=1, rank=0, pin_memory=False, workers=1
     )
-    audio, batches, first, bad = 0.0, 0, None, 0
-    for batch in loader:
-        now = time.perf_counter()
-        bad += sum(batch.bad_audio.values())
-        if first is None:
-            first = now
-            continue
-        audio += sum(batch.durations)
-        batches += 1
-        if now - first >= seconds:
+    audio, batches, seen, bad = 0.0, 0, 0, 0
+    first = now = time.perf_counter()
+    for epoch in itertools.count():
+        sampler.set_epoch(epoch)
+        seen_before = seen
+        for batch in loader:
+            now = time.perf_counter()
+            bad += sum(batch.bad_audio.values())
+            seen += 1
+            if seen <= PREFETCHED:
+                first = now
+                continue
+            audio += sum(batch.durations)
+            batches += 1
+            if now - first >= seconds:
+                break
+        if seen == seen_before or now - first >= seconds:
             break
-    elapsed = time.perf_counter() - first if first is not None else 0.0
+    elapsed = now - first if batches else 0.0
     del loader
-    return (audio / elapsed if elapsed > 0 else 0.0), batches, elapsed, bad
+    rate = audio / elapsed if batches >= MIN_TIMED_BATCHES and elapsed > 0 else None
+    return rate, batches, elapsed, bad
 
 
 class StepMetrics(pl.Callback):
@@ -150,9 +169,10 @@ def fed_steps(model, dataset, device, precision: str, steps: int) -> list[dict]:
 
 
 def workers_needed(demand: float, per_worker: float) -> int:
-    """Workers whose summed rate covers ``demand`` with HEADROOM (at least 1)."""
-    if per_worker <= 0:
-        return 0
+    """Workers whose summed rate covers ``demand`` with HEADROOM (at least 1); ValueError for a
+    worker rate that is not positive (no measurement, not a worker that needs no help)."""
+    if not per_worker > 0:
+        raise ValueError(f"one worker's rate {per_worker}: expected a measured rate > 0")
     return max(1, math.ceil(HEADROOM * demand / per_worker))
 
 
@@ -231,9 +251,18 @@ def main(argv: list[str] | None = None) -> int:
         f"NUM_WORKERS={config.NUM_WORKERS}; {os.cpu_count()} cores; device {device}, {precision}"
     )
     rate, batches, elapsed, bad = one_worker_rate(dataset, args.worker_seconds)
+    skipped = f"; {bad} unreadable files skipped" if bad else ""
+    if rate is None:
+        print(
+            f"error: one worker delivered {batches} micro-batches in {elapsed:.1f} s after the "
+            f"{PREFETCHED} it had ready: too few to time (at least {MIN_TIMED_BATCHES}); raise "
+            f"--worker-seconds or --repeat{skipped}",
+            file=sys.stderr,
+        )
+        return 1
     print(
         f"one worker: {rate:.0f} audio s/s ({batches} micro-batches in {elapsed:.1f} s after the "
-        f"first, page cache warm" + (f"; {bad} unreadable files skipped" if bad else "") + ")"
+        f"{PREFETCHED} it had ready, page cache warm{skipped})"
     )
     demand = args.demand
     if not args.skip_training:

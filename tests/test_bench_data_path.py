@@ -4,12 +4,14 @@ workers a GPU needs."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
 import config
 from benchmarks import bench_data_path as bench
+from sampler import BatchingSettings, DurationBucketBatchSampler
 from tests.tiny_training_data import make_training_data
 
 
@@ -38,6 +40,40 @@ def test_workers_cover_the_demand_with_a_quarter_to_spare(demand, per_worker, ex
     assert need * per_worker >= 1.25 * demand
     assert need == 1 or (need - 1) * per_worker < 1.25 * demand
     assert math.isclose(bench.HEADROOM, 1.25)
+
+
+def test_a_worker_rate_that_is_not_positive_gives_no_worker_count():
+    for rate in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="expected a measured rate > 0"):
+            bench.workers_needed(1000.0, rate)
+
+
+def test_one_workers_rate_is_timed_across_epochs_past_what_it_had_ready(tmp_path, monkeypatch):
+    """An epoch of a few micro-batches, shorter than the timing: the worker is timed over later
+    epochs for the seconds asked, never over the batches it had ready (they arrive at once)."""
+    import asr_model
+
+    data = make_training_data(tmp_path, per_lang=3, langs=("hi", "en"), vocab_size=64)
+    monkeypatch.setattr(config, "MAX_BATCH_DURATION", 4.0)
+    monkeypatch.setattr(config, "GRAD_ACCUM", 1)
+    tokenizer = asr_model.build_model(
+        "", Path(config.REPO_DIR) / "configs" / "tiny_tdt.yaml", data["tokenizer"]
+    ).tokenizer
+    dataset = bench.load_dataset(data["manifest"], tokenizer, tmp_path / "work")
+    per_epoch = len(
+        DurationBucketBatchSampler(
+            dataset.durations,
+            dataset.languages,
+            BatchingSettings.from_config(),
+            token_lengths=dataset.token_lengths,
+        )
+    )
+    rate, batches, elapsed, _ = bench.one_worker_rate(dataset, 1.5)
+    assert elapsed >= 1.5 and batches > per_epoch  # timed over several epochs
+    assert rate is not None and rate > 0
+    # timed too briefly: no rate, so no worker advice
+    rate, batches, _, _ = bench.one_worker_rate(dataset, 0.0)
+    assert rate is None and batches < bench.MIN_TIMED_BATCHES
 
 
 @pytest.mark.slow
