@@ -52,10 +52,21 @@ on against off from the same weights, whose relative difference must stay within
 FLOPs of one optimizer step (B utterances padded to T encoder frames and U+1 decoder positions,
 encoder of L layers, width d, P_enc parameters; joint hidden H, V+1+D outputs; k = 3 with the
 encoder training (forward + backward), 1 with it frozen):
-    encoder   k * (2 * P_enc * B * T + 6 * L * d * B * T^2)      (weights; scores, position scores, values)
+    encoder   k * (2 * P * B * T                   (per-frame weights: P, the weights of the layers'
+                                                    linear maps and convolutions but the position
+                                                    projections')
+                   + 2 * P_pos * (2T - 1)          (the position projections: one table of 2T - 1
+                                                    relative positions per batch, not per utterance)
+                   + 2 * L * d * B * T * (4T - 1)  (scores T x T, position scores T x (2T - 1), values)
+                   + B * S)                        (S: the subsampling convolutions on one utterance,
+                                                    counted by torch's FlopCounterMode)
     joint     3 * 2 * B * T * (U + 1) * H * (V + 1 + D)          (output projection, forward + backward)
-MFU = FLOPs / step time / peak bf16 dense FLOP/s of the device (H100 and H200: 989e12; ``--peak-tflops``
-for others). Subsampling convolutions, the prediction network and the loss are left out (< 2%).
+The encoder's term is the matmul and convolution count torch's FlopCounterMode makes of its forward
+(tests/test_bench_train_step.py holds the two equal on the tiny config; the 0.6B model at 2 x 20 s:
+6.416e11 both ways, where a T^2 position term and per-utterance position projections counted 1.8%
+less). MFU = FLOPs / step time / peak bf16 dense FLOP/s of the device (H100 and H200: 989e12;
+``--peak-tflops`` for others). The prediction network, the joint's input projections and the loss
+are left out (under 1% at full size).
 
 --find-max-batch-duration (CUDA): the largest MAX_BATCH_DURATION, in steps of 5 s, whose heaviest
 micro-batch runs two phase-2 optimizer steps with peak allocated memory <= 90% of the device's
@@ -158,15 +169,49 @@ def synthetic_tokenizer(vocab_size: int, work_dir: Path, seed: int = 0) -> Path:
 # --------------------------------------------------------------------------------------------------
 
 
+def subsampling_flops(enc, mel_frames: int) -> tuple[float, int]:
+    """(FLOPs, encoder frames out) of the subsampling convolutions on one utterance of
+    ``mel_frames`` feature frames, as torch's FlopCounterMode counts them: they run before the
+    frame rate drops, so their cost is not their parameters' per frame."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    device = next(enc.parameters()).device
+    features = torch.zeros(1, mel_frames, enc._feat_in, device=device)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        out, _ = enc.pre_encode(features, torch.tensor([mel_frames], device=device))
+    return float(counter.get_total_flops()), int(out.shape[1])
+
+
+def encoder_forward_flops(enc, B: int, mel_frames: int) -> float:
+    """Matmul and convolution FLOPs of the encoder's forward on B utterances of ``mel_frames``
+    feature frames, for its full-context relative-position attention (the formula in the module
+    docstring, the count torch's FlopCounterMode makes)."""
+    L, d = enc.n_layers, enc.d_model
+    subsampling, T = subsampling_flops(enc, mel_frames)
+    # The multiply-adds are the weights of the layers' linear maps and convolutions (their biases
+    # and the norms are elementwise, which the count leaves out).
+    weights = [
+        (name, m.weight.numel())
+        for name, m in enc.layers.named_modules()
+        if isinstance(m, torch.nn.Linear | torch.nn.Conv1d)
+    ]
+    positions = sum(n for name, n in weights if name.endswith("self_attn.linear_pos"))
+    per_frame = sum(n for _, n in weights) - positions
+    return float(
+        2 * per_frame * B * T
+        + 2 * positions * (2 * T - 1)
+        + 2 * L * d * B * T * (4 * T - 1)
+        + B * subsampling
+    )
+
+
 def step_flops(model, batch: AsrBatch, phase: int) -> float:
     """Model FLOPs of one optimizer step on ``batch`` (formula in the module docstring)."""
-    enc = model.encoder
-    p_enc = sum(p.numel() for p in enc.parameters())
-    B = batch.signal.shape[0]
-    T = int(batch.signal.shape[1] / config.TARGET_SAMPLE_RATE / config.ENCODER_FRAME_SECONDS)
-    L, d = enc.n_layers, enc.d_model
+    B, samples = batch.signal.shape
+    mel_frames = samples // model.preprocessor.featurizer.hop_length + 1  # centred frames
+    T = int(samples / config.TARGET_SAMPLE_RATE / config.ENCODER_FRAME_SECONDS)
     k = 3 if phase == 2 else 1
-    encoder = k * (2 * p_enc * B * T + 6 * L * d * B * T * T)
+    encoder = k * encoder_forward_flops(model.encoder, B, mel_frames)
     H = model.joint.joint_hidden
     outputs = model.joint.num_classes_with_blank
     joint = 3 * 2 * B * T * (batch.tokens.shape[1] + 1) * H * outputs

@@ -75,3 +75,34 @@ def test_the_prediction_says_it_is_one_and_follows_the_flop_count(tiny_bench, ca
         step_s = float(line.split("a step, ")[1].split(" s/step")[0])
         # step time = FLOPs / (MFU x peak)
         assert gflop > 0 and step_s == pytest.approx(gflop * 1e9 / (0.4 * 1000e12), rel=0.01)
+
+
+@pytest.mark.parametrize("utterances,seconds", [(1, 3.0), (3, 7.3), (4, 20.0)])
+def test_the_encoder_flop_count_is_the_count_torchs_flop_counter_makes(
+    tmp_path, utterances, seconds
+):
+    """The reference is torch's own FlopCounterMode over the encoder's forward (every matmul and
+    convolution, relative-position scores T x (2T - 1) and one position table per batch)."""
+    from pathlib import Path
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import asr_model
+
+    data = make_training_data(tmp_path, per_lang=3, vocab_size=64)
+    model = asr_model.build_model(
+        "", Path(config.REPO_DIR) / "configs" / "tiny_tdt.yaml", data["tokenizer"]
+    ).eval()
+    samples = int(seconds * config.TARGET_SAMPLE_RATE)
+    with torch.no_grad():
+        features, lengths = model.preprocessor(
+            input_signal=torch.randn(utterances, samples),
+            length=torch.full((utterances,), samples),
+        )
+        with FlopCounterMode(display=False) as counter:
+            model.encoder(audio_signal=features, length=lengths)
+    mel_frames = samples // model.preprocessor.featurizer.hop_length + 1
+    assert mel_frames == features.shape[-1]
+    counted = bench.encoder_forward_flops(model.encoder, utterances, mel_frames)
+    assert counted == counter.get_total_flops()
