@@ -839,19 +839,36 @@ def record_validation(step: int, evaluation: dict[str, Any] | None, checkpoint_d
 _UNREADABLE = object()
 
 
+# What a checkpoint's own run record says of its scoring, by (path, size, mtime): a run that prunes
+# at every save reads each checkpoint of an older run.json once, not at every save.
+_scoring_read: dict[tuple[str, int, int], Any] = {}
+
+
 def validation_scoring(entry: dict[str, Any], path: Path) -> Any:
     """How the validation WER of run.json's ``entry`` for the step checkpoint ``path`` compared
-    texts: the entry's ``scoring`` (None: as written, tags stripped); for an entry without one, the
-    ``scoring`` of the validation the checkpoint itself carries (its run record's ``evaluation`` of
-    that step); ``_UNREADABLE`` when the checkpoint cannot be read."""
+    texts: the entry's ``scoring`` (None: as written, tags stripped); for an entry without one (a
+    run.json older than the field), the ``scoring`` of the validation the checkpoint itself carries
+    (its run record's ``evaluation`` of that step), read once per process and file;
+    ``_UNREADABLE`` when the checkpoint cannot be read."""
     if "scoring" in entry:
         return entry["scoring"]
     try:
-        record = read_checkpoint(path, mmap=True).get(RUN_RECORD_KEY) or {}
-    except CheckpointError:
+        stat = path.stat()
+    except OSError:
         return _UNREADABLE
-    evaluation = record.get("evaluation") or {}
-    return evaluation.get("scoring") if evaluation.get("step") == checkpoint_number(path) else None
+    key = (str(path), stat.st_size, stat.st_mtime_ns)
+    if key not in _scoring_read:
+        try:
+            record = read_checkpoint(path, mmap=True).get(RUN_RECORD_KEY) or {}
+        except CheckpointError:
+            return _UNREADABLE
+        evaluation = record.get("evaluation") or {}
+        _scoring_read[key] = (
+            evaluation.get("scoring")
+            if evaluation.get("step") == checkpoint_number(path)
+            else None
+        )
+    return _scoring_read[key]
 
 
 def best_checkpoints(

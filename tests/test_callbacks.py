@@ -1244,6 +1244,37 @@ def test_best_of_run_json_entries_that_do_not_say_their_scoring_asks_their_check
         checkpoints.best_checkpoints(3, directory, strict=True)
 
 
+def test_a_prune_at_every_save_reads_each_checkpoint_of_an_older_run_json_once(
+    tmp_path, monkeypatch
+):
+    """50 kept checkpoints whose run.json entries predate 'scoring': each one's own record is read
+    at the first prune, not again at the next (on a 0.6B run the reads stalled every save by
+    seconds); one rewritten in place is read again."""
+    directory = scored_directory(
+        tmp_path,
+        {step: {"wer": 1.0 / step} for step in range(1, 51)},
+        {step: {"step": step} for step in range(1, 51)},
+    )
+    reads = []
+    read = checkpoints.read_checkpoint
+    monkeypatch.setattr(
+        checkpoints,
+        "read_checkpoint",
+        lambda path, *a, **k: (reads.append(path), read(path, *a, **k))[1],
+    )
+    for _ in range(3):
+        assert checkpoints.prune_checkpoints(50, directory, keep_best=3) == []
+        best = checkpoints.best_checkpoints(3, directory)
+    assert [p.name for p in best] == [checkpoints.checkpoint_name(s) for s in (50, 49, 48)]
+    assert sorted(reads) == sorted(checkpoints.step_checkpoints(directory))  # once each
+    rewritten = directory / checkpoints.checkpoint_name(7)
+    torch.save(
+        {"global_step": 7, "run_record": {"evaluation": {"step": 7}}, "pad": [0] * 99}, rewritten
+    )
+    checkpoints.prune_checkpoints(50, directory, keep_best=3)
+    assert reads.count(rewritten) == 2
+
+
 def test_best_names_the_lowest_wer_checkpoints_on_disk_ties_to_the_later_step(
     tmp_path, monkeypatch
 ):
