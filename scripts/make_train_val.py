@@ -188,6 +188,9 @@ SPEAKER_KEY = "speaker_key"
 # Between a speaker's namespace and its id where an id is used by more than one namespace: a
 # character no speaker id holds in practice, so the two forms of a key never meet.
 _NAMESPACE_SEPARATOR = "\x1f"
+# A speaker id of 32 or more hex digits is a hash of one identity (Common Voice's client_id is 128):
+# the same in two sources, it is the same person, whatever --same-speakers says.
+HASHED_SPEAKER_ID = r"^[0-9a-fA-F]{32,}$"
 
 
 def speaker_namespaces(
@@ -232,10 +235,12 @@ def speaker_keys(
 
     A speaker is (source, speaker id): two corpora that both number their speakers "1" or
     "spk001" hold two different people, unless ``same_speakers`` puts the sources in one namespace
-    (``speaker_namespaces``). A speaker id only one namespace uses is its own key, so a source whose
-    ids no other source uses keeps its speakers' keys, and with them its split, whatever else the
-    master holds; an id several namespaces use is keyed by namespace and id. The summary entry:
-    ``{"ids": n, "sources": [...], "example": id}`` of the ids used in more than one namespace
+    (``speaker_namespaces``). A hashed id (``HASHED_SPEAKER_ID``: Common Voice's client_id) is one
+    person in every source, so Common Voice locales read as separate sources share speakers. A
+    speaker id only one namespace uses is its own key, so a source whose ids no other source uses
+    keeps its speakers' keys, and with them its split, whatever else the master holds; an id
+    several namespaces use is keyed by namespace and id. The summary entry: ``{"ids": n,
+    "sources": [...], "example": id}`` of the ids used in more than one namespace and not hashed
     ({} when none)."""
     sources = frame.get_column("source").cast(pl.String).fill_null("")
     namespace = speaker_namespaces(sources.unique().to_list(), same_speakers, master)
@@ -246,7 +251,14 @@ def speaker_keys(
             "ns": sources.replace_strict(namespace, return_dtype=pl.String),
         }
     )
-    shared = pl.col("id").is_not_null() & (pl.col("ns").n_unique().over("id") > 1)
+    # A hashed id (Common Voice's client_id: 128 hex digits of one contributor in every locale)
+    # names one person wherever it appears: it is never a per-corpus number like "1" or "spk001".
+    hashed = pl.col("id").str.contains(HASHED_SPEAKER_ID)
+    shared = (
+        pl.col("id").is_not_null()
+        & ~hashed.fill_null(False)
+        & (pl.col("ns").n_unique().over("id") > 1)
+    )
     spaces = spaces.with_columns(shared.alias("shared"))
     keys = spaces.select(
         pl.when("shared")
@@ -271,8 +283,8 @@ def format_shared_speaker_ids(report: dict[str, Any]) -> str:
     return (
         f"{report['ids']:,} speaker id(s) (e.g. {report['example'][:40]!r}) appear in more than "
         f"one of the sources {', '.join(sources)}: counted as different people in each source; if they "
-        f"are the same people (Common Voice's client_id is one contributor in every locale), pass "
-        f"--same-speakers {','.join(sources)}"
+        f"are the same people, pass --same-speakers {','.join(sources)} (hashed ids, such as Common "
+        f"Voice's client_id, are always taken as one person)"
     )
 
 

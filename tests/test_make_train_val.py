@@ -822,9 +822,33 @@ def test_corpora_that_number_their_speakers_alike_hold_different_people(tmp_path
     warning = [line for line in capsys.readouterr().err.splitlines() if "speaker id" in line]
     assert warning == [
         "make_train_val: warning: 1 speaker id(s) (e.g. '1') appear in more than one of the sources "
-        "a, b: counted as different people in each source; if they are the same people (Common "
-        "Voice's client_id is one contributor in every locale), pass --same-speakers a,b"
+        "a, b: counted as different people in each source; if they are the same people, pass "
+        "--same-speakers a,b (hashed ids, such as Common Voice's client_id, are always taken as one "
+        "person)"
     ]
+
+
+def test_a_hashed_speaker_id_in_two_sources_is_one_person_without_being_told(tmp_path, capsys):
+    """Common Voice locales read as two sources: a contributor's client_id (a 128-hex-digit hash)
+    is one person in both, so their rows never straddle train and test."""
+    one, two, three = ("%0128x" % (n * 7919) for n in (1, 2, 3))
+    rows = [
+        with_split("train", f"a{i}", f"पहला {i}", shard="a/hi/s0", speaker=(one, two)[i % 2])
+        for i in range(8)
+    ]
+    rows += [
+        with_split("dev", f"a-dev{i}", f"दूसरा {i}", shard="a/hi/s0", speaker=three)
+        for i in range(2)
+    ]
+    rows += [
+        with_split("test", f"b{i}", f"तीसरा {i}", shard="b/hi/s0", speaker=one) for i in range(2)
+    ]
+    train, _, test, summary = run_splits(tmp_path, rows)
+    assert ids(train) == ["a1", "a3", "a5", "a7"]  # the contributor of B's test rows is out
+    assert ids(test) == ["b0", "b1"]
+    assert summary["dropped"] == {"leak_speaker": 4}
+    assert summary["speaker_ids_in_several_sources"] == {}
+    assert "speaker id" not in capsys.readouterr().err
 
 
 def test_sources_said_to_share_speakers_compare_them_as_one(tmp_path, capsys):
