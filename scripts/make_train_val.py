@@ -499,18 +499,23 @@ def make_train_val(
         nemo_json=nemo_json,
         nemo_json_tags=nemo_json_tags,
     )
-    if not test.height:
-        _set_aside_superseded(test_path, split_id)
+    # What an earlier split left that this one did not write would pass for this split's: its
+    # test manifest (when this one has none) and NeMo JSON twins (when this one writes none).
+    stale = [] if test.height else [test_path]
+    stale += [nemo_json_path(path) for path in (*halves, *stale) if not nemo_json]
+    stale += [] if test.height or not nemo_json else [nemo_json_path(test_path)]
+    _set_aside_superseded(stale, split_id)
     summary["seconds"] = round(time.perf_counter() - started, 3)
     return summary
 
 
-def _set_aside_superseded(test_path: Path, split_id: str) -> None:
-    """A test manifest left by an earlier split, when this one has no test rows, would pass for this
-    split's: its rows may now be in train. It is renamed ``<name>.superseded<suffix>`` (its NeMo JSON
-    twin too), or ``<name>.superseded-2<suffix>``, ``-3``, ... when that name holds the test set of
-    a split before, with a warning; nothing is deleted or overwritten."""
-    present = [path for path in (test_path, nemo_json_path(test_path)) if path.exists()]
+def _set_aside_superseded(paths: Sequence[Path], split_id: str) -> None:
+    """Manifests of ``paths`` left by an earlier split (a test manifest when this one has no test
+    rows, NeMo JSON twins when this one writes none) would pass for this split's: their rows may
+    now be elsewhere. Each is renamed ``<name>.superseded<suffix>``, or ``<name>.superseded-2
+    <suffix>``, ``-3``, ... when that name holds one of a split before, with a warning; nothing is
+    deleted or overwritten."""
+    present = [path for path in paths if path.exists()]
     if not present:
         return
     for n in itertools.count(1):
@@ -522,8 +527,7 @@ def _set_aside_superseded(test_path: Path, split_id: str) -> None:
         path.replace(aside)
         print(
             f"make_train_val: warning: {path} belonged to an earlier split (this one, "
-            f"{split_id}, has no test rows): renamed {aside}, so it is not evaluated as this "
-            f"split's test set",
+            f"{split_id}, wrote none): renamed {aside}, so it is not taken for this split's",
             file=sys.stderr,
         )
 

@@ -754,6 +754,18 @@ def test_a_second_split_without_test_rows_keeps_the_test_set_set_aside_before(tm
     assert not (tmp_path / "test.parquet").exists()
 
 
+def test_a_split_without_nemo_json_sets_the_earlier_splits_json_manifests_aside(tmp_path, capsys):
+    run_splits(tmp_path, released(), nemo_json=True)
+    earlier = {name: (tmp_path / f"{name}.json").read_text() for name in ("train", "val", "test")}
+    run_splits(tmp_path, released(body="दूसरा"))
+    for name, text in earlier.items():
+        assert not (tmp_path / f"{name}.json").exists()
+        assert (tmp_path / f"{name}.superseded.json").read_text() == text
+    assert (tmp_path / "test.parquet").exists()  # this split's own test set stays
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "superseded" in line]
+    assert len(warnings) == 3 and all("belonged to an earlier split" in w for w in warnings)
+
+
 def test_duplicates_within_a_split_are_dropped_as_before(tmp_path):
     rows = released()
     rows.append(rows[0] | {"segment_id": "hi0-again", "text": tagged_text("hi", "और कुछ")})
