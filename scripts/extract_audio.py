@@ -53,6 +53,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -415,18 +416,27 @@ def extract_all(
                 bar.update()
         else:
             # spawn, not fork: forking a process that already runs polars' thread pool can deadlock
-            with ProcessPoolExecutor(
-                max_workers=workers, mp_context=multiprocessing.get_context("spawn")
-            ) as pool:
-                for report in pool.map(
-                    extract_shard,
-                    shards,
-                    [delete_tars] * len(shards),
-                    [force] * len(shards),
-                    chunksize=1,
-                ):
-                    reports.append(report)
-                    bar.update()
+            try:
+                with ProcessPoolExecutor(
+                    max_workers=workers, mp_context=multiprocessing.get_context("spawn")
+                ) as pool:
+                    for report in pool.map(
+                        extract_shard,
+                        shards,
+                        [delete_tars] * len(shards),
+                        [force] * len(shards),
+                        chunksize=1,
+                    ):
+                        reports.append(report)
+                        bar.update()
+            except BrokenProcessPool:
+                # extract_shard never raises: a worker that vanished was killed from outside
+                raise ExtractError(
+                    f"an extraction worker process died after {len(reports)} of {len(shards)} "
+                    f"shard(s) (killed by the system: out of memory, or a signal): rerun, the "
+                    f"finished shards keep their done markers and are skipped; --workers 1 needs "
+                    f"the least memory"
+                ) from None
     by_status: dict[str, int] = {}
     for r in reports:
         by_status[r.status] = by_status.get(r.status, 0) + 1

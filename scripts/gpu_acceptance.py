@@ -127,11 +127,22 @@ class Summary:
 
 
 def _run_step(cmd: list[str], env: dict[str, str], log) -> None:
+    """Run one preparation step into ``log``; a failure is a RuntimeError naming the step, its
+    exit status and the reason its own output gives (its last error line, else its last line)."""
     log.write(f"$ {' '.join(cmd)}\n")
     log.flush()
+    start = log.tell()
     done = subprocess.run(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[1:3])} failed (exit {done.returncode}); see {log.name}")
+        log.flush()
+        with open(log.name, encoding="utf-8", errors="replace") as text:
+            text.seek(start)
+            said = [line.strip() for line in text.read().splitlines() if line.strip()]
+        errors = [line for line in said if re.search(r"error|failed|unverified", line, re.I)]
+        reason = (errors or said or ["no output"])[-1][:400]
+        raise RuntimeError(
+            f"{' '.join(cmd[1:3])} failed (exit {done.returncode}): {reason}; see {log.name}"
+        )
 
 
 def drop_unreadable_rows(manifest: Path) -> int:

@@ -96,6 +96,44 @@ def test_many_shards_extract_in_parallel_processes(tmp_path):
     assert all((s / "u1.flac").is_file() for s in shards)
 
 
+def test_a_worker_killed_from_outside_is_one_line_and_the_done_shards_stay_done(
+    tmp_path, monkeypatch
+):
+    """The system kills a worker (out of memory under a busy machine): the pool breaks. The run
+    says so in one line with what to do, and the shard finished before keeps its marker."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    shards = [shard_with_audio(tmp_path, n=2, name=f"s{i}") for i in range(3)]
+
+    class DyingPool:
+        """A pool whose second worker is killed: the first shard's report comes, then the break."""
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def map(self, fn, *iterables, chunksize=1):
+            first = next(zip(*iterables))
+            yield fn(*first)
+            raise BrokenProcessPool("A process in the process pool was terminated abruptly")
+
+    monkeypatch.setattr(ea, "ProcessPoolExecutor", DyingPool)
+    with pytest.raises(ea.ExtractError) as died:
+        ea.extract_all(tmp_path / "shards", workers=2, progress=False)
+    message = str(died.value)
+    assert "\n" not in message
+    assert "worker process died after 1 of 3 shard(s)" in message and "rerun" in message
+    assert (shards[0] / ea.DONE_MARKER).is_file()
+    assert not (shards[1] / ea.DONE_MARKER).exists()
+    summary = ea.extract_all(tmp_path / "shards", workers=1, progress=False)  # the rerun
+    assert summary["by_status"] == {"extracted": 2, "skipped_done": 1}
+
+
 # --- resumability --------------------------------------------------------------------------------
 def test_a_rerun_skips_shards_already_done(tmp_path):
     shard = shard_with_audio(tmp_path)

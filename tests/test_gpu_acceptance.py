@@ -520,3 +520,24 @@ def test_the_environment_stage_names_the_cuda_combination_and_whether_the_numba_
     )
     assert f"driver CUDA {driver // 1000}.{driver % 1000 // 10}, torch CUDA 12.6" in figure
     assert f"NeMo's numba loss {said}" in figure
+
+
+def test_a_preparation_step_that_fails_says_why_in_the_error(tmp_path):
+    """A step's own reason (extract_audio's failed shard, a traceback's last line), not only its
+    exit status, reaches the user; prepare.log keeps the whole output."""
+    from scripts import gpu_acceptance
+
+    said = (
+        "print('shards: 2 (extracted=1, failed=1)'); "
+        "print('FAILED /d/s1: disk full writing /d/s1/a.flac (No space left on device): free "
+        "space and rerun'); print('tars deleted: 0'); raise SystemExit(1)"
+    )
+    log_path = tmp_path / "prepare.log"
+    with open(log_path, "w", encoding="utf-8") as log:
+        log.write("an earlier step's output: error here is not this step's\n")
+        with pytest.raises(RuntimeError) as failed:
+            gpu_acceptance._run_step([sys.executable, "-c", said], dict(os.environ), log)
+    message = str(failed.value)
+    assert "failed (exit 1): FAILED /d/s1: disk full writing /d/s1/a.flac" in message
+    assert message.endswith(f"see {log_path}")
+    assert "tars deleted" in log_path.read_text()
