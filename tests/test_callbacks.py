@@ -197,17 +197,19 @@ class TinyModule(pl.LightningModule):
         self.phase = 1
         self.skipped_steps = self.empty_micro_batches = self.nonfinite_losses = 0
 
+    SETTINGS = dict(
+        boundaries=(2.0,),
+        max_batch_duration=6.0,
+        temperature=0.5,
+        grad_accum=GRAD_ACCUM,
+        seed=1,
+        epoch_size=0,
+        lang_weighting="count",
+        cost_quadratic=0.0,
+    )
+
     def train_dataloader(self):
-        settings = BatchingSettings.from_config(
-            boundaries=(2.0,),
-            max_batch_duration=6.0,
-            temperature=0.5,
-            grad_accum=GRAD_ACCUM,
-            seed=1,
-            epoch_size=0,
-            lang_weighting="count",
-            cost_quadratic=0.0,
-        )
+        settings = BatchingSettings.from_config(**self.SETTINGS)
         self.sampler = DurationBucketBatchSampler(
             self.dataset.durations, self.dataset.languages, settings, world_size=1, rank=0
         )
@@ -486,17 +488,7 @@ class UnevenEpochsModule(TinyModule):
     """32 utterances played at 0.9, 1.0 or 1.1 speed: the sampler packs each epoch into another
     number of micro-batches, some epochs more than the first and some fewer."""
 
-    SETTINGS = dict(
-        boundaries=(2.0,),
-        max_batch_duration=6.0,
-        temperature=0.5,
-        grad_accum=GRAD_ACCUM,
-        seed=0,
-        epoch_size=0,
-        lang_weighting="count",
-        cost_quadratic=0.0,
-        speed_factors=(0.9, 1.0, 1.1),
-    )
+    SETTINGS = dict(TinyModule.SETTINGS, seed=0, speed_factors=(0.9, 1.0, 1.1))
 
     def __init__(self, num_workers: int = 0):
         super().__init__(SignalDataset(32), num_workers=num_workers)
@@ -513,23 +505,6 @@ class UnevenEpochsModule(TinyModule):
             sampler.set_epoch(epoch)
             lengths.append(len(sampler))
         return lengths
-
-    def train_dataloader(self):
-        self.sampler = DurationBucketBatchSampler(
-            self.dataset.durations,
-            self.dataset.languages,
-            BatchingSettings.from_config(**self.SETTINGS),
-        )
-        if self.resume_sampler_state is not None:
-            self.sampler.load_state_dict(self.resume_sampler_state)
-            self.resume_sampler_state = None
-        return torch.utils.data.DataLoader(
-            self.dataset,
-            batch_sampler=self.sampler,
-            collate_fn=collate_asr_batch,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
 
 
 def micro_batches_per_epoch(seen: list[tuple]) -> list[int]:
