@@ -864,9 +864,7 @@ def validation_scoring(entry: dict[str, Any], path: Path) -> Any:
             return _UNREADABLE
         evaluation = record.get("evaluation") or {}
         _scoring_read[key] = (
-            evaluation.get("scoring")
-            if evaluation.get("step") == checkpoint_number(path)
-            else None
+            evaluation.get("scoring") if evaluation.get("step") == checkpoint_number(path) else None
         )
     return _scoring_read[key]
 
