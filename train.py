@@ -90,8 +90,9 @@ from training_step import (  # noqa: E402
     check_audio_sample,
     describe_new_piece_schedule,
     prepare_training_caches,
+    startup_refusals,
+    steps_left,
     train_manifest_path,
-    validation_manifest,
 )
 
 log = logging.getLogger("train")
@@ -369,43 +370,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def check_inputs() -> str | None:
-    """Everything the run needs that can be checked before a model is built or downloaded (minutes
-    at full size): the manifests and their split, the tokenizer, INIT_MODEL or MODEL_CONFIG, and
-    RESUME_FROM with the CHECKPOINT_DIR it writes into (``checkpoints.plan_resume``: a requeue
-    continues its run's newest checkpoint, a rewind moves the later steps aside) and the
-    run-defining settings against the checkpoint's, and the train manifest's transcript style
-    against TRANSCRIPT_STYLE. Returns the checkpoint to resume (None: fresh); a problem is a
-    UserError naming the variable."""
-    from manifest_schema import check_same_split
-
-    train = train_manifest_path()
-    val = validation_manifest()
-    if val is not None:
-        check_same_split(train, val)
-    transcript_style.check_manifest_style(train)
-    asr_model.check_model_inputs()
-    plan = checkpoints.plan_resume()
-    checkpoints.check_directory_for_run(plan.path, set_aside=plan.set_aside)
-    if plan.path is not None:
-        checkpoints.check_resume_settings(plan.path)
-    # Only once every check passed: a refused job leaves the directory as it found it.
+    """``training_step.startup_refusals`` (everything the run needs that can be checked before a
+    model is built or downloaded, minutes at full size), then, once every check passed, the resume
+    plan applied: a refused job leaves the directory as it found it. Returns the checkpoint to
+    resume (None: fresh); a problem is a UserError naming the variable."""
+    plan = startup_refusals()
     checkpoints.apply_resume_plan(plan)
     return plan.path
-
-
-def steps_left(ckpt_path: str | None) -> int:
-    """Optimizer steps this job has to do: MAX_STEPS minus the resumed checkpoint's step. A
-    checkpoint past MAX_STEPS is a UserError (MAX_STEPS lowered by mistake)."""
-    if ckpt_path is None:
-        return config.MAX_STEPS
-    step = checkpoints.checkpoint_step(ckpt_path)
-    if step > config.MAX_STEPS:
-        raise checkpoints.CheckpointError(
-            f"RESUME_FROM={config.RESUME_FROM} resolves to {ckpt_path}, at optimizer step {step}, "
-            f"past MAX_STEPS={config.MAX_STEPS}: nothing would be trained. Raise MAX_STEPS above "
-            f"{step} to continue this run, or start a new one in another CHECKPOINT_DIR"
-        )
-    return config.MAX_STEPS - step
 
 
 @record  # any other failure: its traceback becomes the root cause of torchrun's summary

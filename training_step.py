@@ -789,6 +789,46 @@ def train_manifest_path() -> Path:
     return path
 
 
+def startup_refusals() -> checkpoints.ResumePlan:
+    """What train.py refuses before it builds a model, checked changing nothing on disk (preflight
+    runs the same): the manifests and their split, the train manifest's transcript style against
+    TRANSCRIPT_STYLE, the tokenizer and INIT_MODEL or MODEL_CONFIG, RESUME_FROM with the
+    CHECKPOINT_DIR it writes into (``checkpoints.plan_resume``: a requeue continues its run's
+    newest checkpoint, a rewind moves the later steps aside) and the run-defining settings against
+    the checkpoint's, and the steps left to train. Returns the resume plan, not yet applied; a
+    problem is a UserError naming the variable."""
+    import transcript_style
+    from manifest_schema import check_same_split
+
+    train = train_manifest_path()
+    val = validation_manifest()
+    if val is not None:
+        check_same_split(train, val)
+    transcript_style.check_manifest_style(train)
+    asr_model.check_model_inputs()
+    plan = checkpoints.plan_resume()
+    checkpoints.check_directory_for_run(plan.path, set_aside=plan.set_aside)
+    if plan.path is not None:
+        checkpoints.check_resume_settings(plan.path)
+    steps_left(plan.path)
+    return plan
+
+
+def steps_left(ckpt_path: str | None) -> int:
+    """Optimizer steps this job has to do: MAX_STEPS minus the resumed checkpoint's step. A
+    checkpoint past MAX_STEPS is a UserError (MAX_STEPS lowered by mistake)."""
+    if ckpt_path is None:
+        return config.MAX_STEPS
+    step = checkpoints.checkpoint_step(ckpt_path)
+    if step > config.MAX_STEPS:
+        raise checkpoints.CheckpointError(
+            f"RESUME_FROM={config.RESUME_FROM} resolves to {ckpt_path}, at optimizer step {step}, "
+            f"past MAX_STEPS={config.MAX_STEPS}: nothing would be trained. Raise MAX_STEPS above "
+            f"{step} to continue this run, or start a new one in another CHECKPOINT_DIR"
+        )
+    return config.MAX_STEPS - step
+
+
 def build_dataset(tokenizer, *, progress: bool = True):
     """LocalShardDataset over TRAIN_MANIFEST_PATH (feasibility-filtered), with the noise the NOISE_*
     knobs configure: NoiseDirError (the message train.py exits with) when NOISE_DIR cannot serve."""

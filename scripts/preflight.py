@@ -11,6 +11,9 @@ what to paste into an issue. Exit 0 when nothing failed, 1 when a check failed, 
 A rank that fails a check does not hold up the others: the report still comes, naming the rank.
 
   gpu          the device torch sees, its memory (free and total), the driver against torch's CUDA
+  inputs       what train.py refuses before it builds a model (manifests and their split, the
+               transcript style, the model's inputs, RESUME_FROM and CHECKPOINT_DIR, the steps
+               left), with its message
   augmentation the speed factors and noise train.py applies; a NOISE_DIR it refuses fails here
   model        the configured model (INIT_MODEL or MODEL_CONFIG) built on every rank
   tdt-loss     the start-up check of train.py: NeMo's numba TDT and RNN-T kernels against tdt_loss.py,
@@ -894,6 +897,17 @@ def load_dataset(node: Node):
     return dataset if len(dataset) else None
 
 
+def check_inputs() -> Check:
+    """What train.py refuses before it builds a model (``training_step.startup_refusals``: the
+    manifests and their split, the transcript style, the model's inputs, RESUME_FROM and its
+    CHECKPOINT_DIR, the steps left), with the same message; nothing on disk changes."""
+    from training_step import startup_refusals, steps_left
+
+    plan = startup_refusals()
+    start = f"resumes {plan.path}" if plan.path is not None else "starts fresh"
+    return Check("inputs", "ok", f"{start}, {steps_left(plan.path)} optimizer steps to train")
+
+
 def check_augmentation() -> Check:
     """The augmentation train.py would apply (SPEED_PERTURB, NOISE_*), NOISE_DIR read as its
     training dataset reads it: a NOISE_DIR train.py refuses fails here with the same message."""
@@ -928,6 +942,7 @@ def run_checks(node: Node, args) -> list[Check]:
     checks = [
         guarded("gpu", check_gpu, node),
         check_schedule(),
+        guarded("inputs", check_inputs),
         guarded("augmentation", check_augmentation),
         build_model(node),
     ]

@@ -81,6 +81,7 @@ def test_a_cpu_node_with_its_data_in_place_passes_and_says_what_it_skipped(corpu
     assert {name: verdict(line) for name, line in lines.items()} == {
         "gpu": "skip",
         "schedule": "ok",
+        "inputs": "ok",
         "augmentation": "ok",
         "model": "ok",
         "tdt-loss": "skip",
@@ -101,15 +102,27 @@ def test_a_cpu_node_with_its_data_in_place_passes_and_says_what_it_skipped(corpu
     assert "4 skipped (gpu, tdt-loss, max-batch, all-reduce)" in out
 
 
-def test_a_noise_dir_train_py_refuses_fails_preflight_with_the_same_message(corpus, tmp_path):
+@pytest.mark.parametrize("refused", ["noise_dir", "resume_past_max_steps"])
+def test_a_setting_train_py_refuses_fails_preflight_with_the_same_message(
+    corpus, tmp_path, refused
+):
     _, _, env = corpus
-    missing = tmp_path / "noise_not_mounted"
-    env = dict(env, NOISE_PROB="0.5", NOISE_DIR=str(missing), MAX_STEPS="1")
-    refusal = f"NOISE_DIR={missing} is not a directory"
+    if refused == "noise_dir":
+        missing = tmp_path / "noise_not_mounted"
+        env = dict(env, NOISE_PROB="0.5", NOISE_DIR=str(missing), MAX_STEPS="1")
+        check, refusal = "augmentation", f"NOISE_DIR={missing} is not a directory"
+    else:  # a step checkpoint past MAX_STEPS: MAX_STEPS lowered by mistake
+        directory = tmp_path / "checkpoints"
+        directory.mkdir()
+        import torch
+
+        torch.save({"global_step": 9, "state_dict": {}}, directory / "step_00000009.ckpt")
+        env = dict(env, CHECKPOINT_DIR=str(directory), RESUME_FROM="last", MAX_STEPS="4")
+        check, refusal = "inputs", "at optimizer step 9, past MAX_STEPS=4"
     code, lines, out = preflight_run(env, "--consume-audio-per-second", "0.01")
     assert code == 1, out[-3000:]
-    assert verdict(lines["augmentation"]) == "fail" and refusal in lines["augmentation"]
-    assert "failed (augmentation)" in out
+    assert verdict(lines[check]) == "fail" and refusal in lines[check], lines[check]
+    assert f"failed ({check})" in out
     trained = subprocess.run(
         [sys.executable, "train.py"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
     )
