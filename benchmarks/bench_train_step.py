@@ -63,8 +63,8 @@ encoder training (forward + backward), 1 with it frozen):
     joint     3 * 2 * B * T * (U + 1) * H * (V + 1 + D)          (output projection, forward + backward)
 The encoder's term is the matmul and convolution count torch's FlopCounterMode makes of its forward
 (tests/test_bench_train_step.py holds the two equal on the tiny config; the 0.6B model at 2 x 20 s:
-6.416e11 both ways, where a T^2 position term and per-utterance position projections counted 1.8%
-less). MFU = FLOPs / step time / peak bf16 dense FLOP/s of the device (H100 and H200: 989e12;
+6.416e11 both ways, where a T^2 position term and per-utterance position projections would count
+1.8% less). MFU = FLOPs / step time / peak bf16 dense FLOP/s of the device (H100 and H200: 989e12;
 ``--peak-tflops`` for others). The prediction network, the joint's input projections and the loss
 are left out (under 1% at full size).
 
