@@ -81,7 +81,9 @@ def repeated_manifest(manifest: Path, repeat: int, out_dir: Path) -> Path:
 
 
 def load_dataset(manifest: Path, tokenizer, work_dir: Path):
-    from dataset import LocalShardDataset
+    """The training dataset of ``manifest`` as train.py builds it (the NOISE_* knobs' noise
+    included: augmentation costs the workers time), its cache in ``work_dir``."""
+    from dataset import LocalShardDataset, NoiseSettings
 
     training_cache.ensure(
         manifest,
@@ -92,7 +94,13 @@ def load_dataset(manifest: Path, tokenizer, work_dir: Path):
         workers=config.CACHE_BUILD_WORKERS,
         progress=False,
     )
-    return LocalShardDataset(manifest, tokenizer, cache_dir=work_dir / "cache", progress=False)
+    return LocalShardDataset(
+        manifest,
+        tokenizer,
+        cache_dir=work_dir / "cache",
+        progress=False,
+        noise=NoiseSettings.from_config(),
+    )
 
 
 # The micro-batches a worker may have ready before the timing starts (the loader's prefetch_factor

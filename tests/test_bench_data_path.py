@@ -68,6 +68,10 @@ def test_one_workers_rate_is_timed_across_epochs_past_what_it_had_ready(tmp_path
             token_lengths=dataset.token_lengths,
         )
     )
+    assert dataset.noise.prob == 0.0  # NOISE_PROB's default
+    monkeypatch.setattr(config, "NOISE_PROB", 0.5)
+    noisy = bench.load_dataset(data["manifest"], tokenizer, tmp_path / "work")
+    assert noisy.noise.prob == 0.5  # the workers are timed with the noise train.py would add
     rate, batches, elapsed, _ = bench.one_worker_rate(dataset, 1.5)
     assert elapsed >= 1.5 and batches > per_epoch  # timed over several epochs
     assert rate is not None and rate > 0
