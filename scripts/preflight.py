@@ -882,19 +882,17 @@ def build_model(node: Node) -> Check:
 
 
 def load_dataset(node: Node):
-    """The training manifest through its training cache when that exists (never built here), with
-    the noise train.py's training dataset has (``training_step.build_dataset``'s settings)."""
-    from dataset import LocalShardDataset, NoiseSettings
+    """train.py's training dataset (``training_step.build_dataset``: its noise included) when the
+    manifest's training cache exists (never built here); None without one. Its errors (an empty
+    manifest, a NOISE_DIR it refuses) are the caches and augmentation lines' to report."""
+    from training_step import build_dataset
 
     manifest = Path(config.TRAIN_MANIFEST_PATH)
     if node.model is None or not manifest.is_file():
         return None
     if training_cache_of(manifest, node.model.tokenizer) is None:
         return None
-    dataset = LocalShardDataset(
-        manifest, node.model.tokenizer, progress=False, noise=NoiseSettings.from_config()
-    )
-    return dataset if len(dataset) else None
+    return build_dataset(node.model.tokenizer, progress=False)
 
 
 def check_inputs() -> Check:
