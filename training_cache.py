@@ -472,9 +472,77 @@ def _init_worker(proto: bytes | None, tokenizer, parent: int | None = None) -> N
     _worker_encoder = _Encoder(proto, tokenizer) if proto is not None or tokenizer else None
     if parent is not None:
         # A stop signal is the builder's to act on (it reaches every process of the job at once),
-        # except SIGTERM, by which Pool.terminate ends its workers: a worker that dies of it loses
-        # nothing the builder, signalled too, still wants. A killed builder leaves no worker behind.
+        # except SIGTERM: a worker that dies of it loses nothing the builder, signalled too, still
+        # wants. A killed builder leaves no worker behind.
         process_control.leave_stop_signals_to_parent(parent, but=(signal.SIGTERM,))
+
+
+def _work(conn, tasks: list[_Task], proto: bytes, parent: int) -> None:
+    """A forked worker: build ``tasks`` in order, answering each on ``conn``; stop at a failure."""
+    _init_worker(proto, None, parent)
+    for task in tasks:
+        try:
+            answer = ("built", _build_part(task))
+        except BaseException as error:  # the builder raises it, as if it had been its own
+            answer = ("failed", error)
+        try:
+            conn.send(answer)
+        except Exception:  # an exception that does not pickle: its text still reaches the builder
+            conn.send(("failed", RuntimeError(f"{type(answer[1]).__name__}: {answer[1]}")))
+        if answer[0] == "failed":
+            break
+    conn.close()
+
+
+class _Workers:
+    """Forked workers, task ``i`` given to worker ``i % n`` and answered on that worker's own pipe in
+    order, so the builder reads the parts in manifest order. Nothing is shared between the workers:
+    no lock a killed worker could leave held, no queue a half-written answer could jam, so stopping
+    them is a kill and a wait, never a wait on another process. A worker that dies (the OOM killer)
+    is an error naming its exit, never a build that waits for its part forever."""
+
+    def __init__(self, n: int, tasks: list[_Task], proto: bytes):
+        context = multiprocessing.get_context("fork")
+        self.processes, self.pipes = [], []
+        with process_control.stop_signals_blocked():
+            for w in range(n):
+                receive, send = context.Pipe(duplex=False)
+                process = context.Process(
+                    target=_work, args=(send, tasks[w::n], proto, os.getpid()), daemon=True
+                )
+                process.start()
+                send.close()
+                self.processes.append(process)
+                self.pipes.append(receive)
+
+    def results(self, count: int):
+        n = len(self.processes)
+        for i in range(count):
+            try:
+                kind, value = self.pipes[i % n].recv()
+            except EOFError:
+                process = self.processes[i % n]
+                process.join(timeout=10)
+                code = process.exitcode
+                how = f"was killed by signal {-code}" if code and code < 0 else f"exited ({code})"
+                raise RuntimeError(
+                    f"a training cache build worker (pid {process.pid}) {how} before it finished "
+                    "its part; if the kernel log names the OOM killer, build with fewer workers "
+                    "(CACHE_BUILD_WORKERS=N)"
+                ) from None
+            if kind == "failed":
+                raise value
+            yield value
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+        for process in self.processes:
+            process.join()
+            process.close()
+        for pipe in self.pipes:
+            pipe.close()
 
 
 def _return_memory() -> None:
@@ -863,12 +931,9 @@ def build(
             # the workers' garbage collector off the parent's objects, whose pages it would
             # otherwise copy into every worker.
             gc.freeze()
-            with process_control.stop_signals_blocked():
-                pool = multiprocessing.get_context("fork").Pool(
-                    workers, initializer=_init_worker, initargs=(proto, None, os.getpid())
-                )
+            pool = _Workers(workers, tasks, proto)
             gc.unfreeze()
-            results = pool.imap(_build_part, tasks)
+            results = pool.results(len(tasks))
         with tqdm(
             total=rows,
             desc="building training cache",
@@ -880,8 +945,7 @@ def build(
                 peak_worker_rss = max(peak_worker_rss, result["peak_rss"])
                 bar.update(result["rows"])
         if pool is not None:
-            pool.close()
-            pool.join()
+            pool.stop()
             pool = None
         columns = assembler.close()
         tables = assembler.tables
@@ -911,8 +975,7 @@ def build(
         os.replace(tmp, out_path)
     except BaseException:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            pool.stop()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:

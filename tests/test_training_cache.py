@@ -204,6 +204,32 @@ def test_a_bad_row_in_a_later_row_group_names_its_manifest_row(tmp_path, tokeniz
     assert caches(tmp_path) == [] and not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
 
 
+def test_a_worker_that_dies_ends_the_build_with_its_exit_while_another_still_works(
+    tmp_path, tokenizer, monkeypatch
+):
+    import signal
+    import time
+
+    real = training_cache._build_part
+
+    def part(task):
+        if task.row_group == 1:  # as the OOM killer ends a worker: no answer, no exception
+            os.kill(os.getpid(), signal.SIGKILL)
+        if task.row_group == 2:
+            time.sleep(60)  # the other worker is busy: the builder must not wait for it
+        return real(task)
+
+    monkeypatch.setattr(training_cache, "_build_part", part)
+    path = write(tmp_path / "m.parquet", rows(40), row_group_size=10)
+    before = set(child_pids(os.getpid()))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker \(pid \d+\) was killed by signal 9"):
+        ensure(path, tokenizer, workers=2)
+    assert time.monotonic() - t0 < 30
+    assert caches(tmp_path) == [] and not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+    assert set(child_pids(os.getpid())) <= before  # both workers are gone, none left a zombie
+
+
 def test_a_null_names_the_column_and_row(tmp_path, tokenizer):
     table = rows(12)
     table[7]["audio_filepath"] = None
