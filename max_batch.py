@@ -1,9 +1,9 @@
 """The sampler's heaviest micro-batch, real optimizer steps on it, and the largest MAX_BATCH_DURATION
 a GPU holds: what preflight checks a node with and what the step benchmark times.
 
-The heaviest micro-batch at a MAX_BATCH_DURATION is ``sampler.heaviest_packed_batch``: copies of
+The heaviest micro-batch at a MAX_BATCH_DURATION is ``batch_bound.heaviest_packed_batch``: copies of
 the longest utterance, as many as reach the padded encoder frames and with the tokens that reach the
-joint cells no batch the sampler packs exceeds in any epoch (``sampler.packed_batch_bound``: from
+joint cells no batch the sampler packs exceeds in any epoch (``batch_bound.packed_batch_bound``: from
 the packing rules and the caps over the whole manifest, not one epoch's draw), so that no batch
 training deals is heavier in padded frames or in joint cells. With SPEED_PERTURB both are of the
 durations as played (the sampler packs by them): its utterances are the longest / the slowest
@@ -39,7 +39,8 @@ import torch
 
 import config
 from dataset import AsrBatch
-from sampler import BatchingSettings, heaviest_packed_batch, token_density
+from batch_bound import heaviest_packed_batch
+from sampler import BatchingSettings, token_density
 from step_speed import SpeedSettings, apply_to_model
 from training_cache import tag_token_id
 from training_step import TrainingModule
@@ -94,7 +95,7 @@ def synthetic_corpus(
 def heaviest_batch_shape(
     max_batch_duration: float, tokens_per_second: float, seed: int = 0
 ) -> BatchShape:
-    """The sampler's heaviest micro-batch (``sampler.heaviest_packed_batch``) on the synthetic
+    """The sampler's heaviest micro-batch (``batch_bound.heaviest_packed_batch``) on the synthetic
     corpus at ``tokens_per_second``, without a replay floor: its languages are no base's."""
     durations, languages, tokens = synthetic_corpus(tokens_per_second, seed)
     settings = BatchingSettings.from_config(
@@ -104,7 +105,7 @@ def heaviest_batch_shape(
 
 
 def manifest_batch_shape(dataset, max_batch_duration: float) -> BatchShape:
-    """The sampler's heaviest micro-batch (``sampler.heaviest_packed_batch``) on a loaded
+    """The sampler's heaviest micro-batch (``batch_bound.heaviest_packed_batch``) on a loaded
     training manifest (a ``dataset.LocalShardDataset``) at ``max_batch_duration``, the other
     batching knobs as configured."""
     settings = BatchingSettings.from_config(

@@ -1,4 +1,4 @@
-"""Benchmark the heaviest-batch bound (``sampler.heaviest_packed_batch``) against the heaviest batch of
+"""Benchmark the heaviest-batch bound (``batch_bound.heaviest_packed_batch``) against the heaviest batch of
 one epoch's plan, which it replaces, in one process; and how close the bound is to what the sampler
 really packs.
 
@@ -28,7 +28,8 @@ import tracemalloc
 
 import numpy as np
 
-from sampler import BatchingSettings, DurationBucketBatchSampler, packed_batch_bound
+from batch_bound import packed_batch_bound
+from sampler import BatchingSettings, DurationBucketBatchSampler
 
 LANGS = ("hi", "en", "ta", "te", "bn", "mr", "kn")
 MAX_BATCH_SECONDS = 600.0

@@ -15,7 +15,7 @@ What it does:
   tokenizer, else a synthetic multilingual BPE tokenizer of ``--vocab-size`` pieces (default
   VOCAB_SIZE) trained once into ``--work-dir``.
 - Batch: a micro-batch as heavy as every batch the sampler packs at MAX_BATCH_DURATION
-  (``sampler.heaviest_packed_batch``: copies of the longest utterance, as many as reach the most
+  (``batch_bound.heaviest_packed_batch``: copies of the longest utterance, as many as reach the most
   padded encoder frames of any batch packed in any epoch) from a synthetic corpus of 200k
   utterances (lognormal durations, median 6 s, clipped to MIN_DURATION..MAX_DURATION), with
   ``--tokens-per-second`` tokens per utterance second plus the language tag, and noise as audio.

@@ -10,7 +10,8 @@ import pytest
 
 import config
 import max_batch
-from sampler import BatchingSettings, DurationBucketBatchSampler, heaviest_packed_batch
+from batch_bound import heaviest_packed_batch
+from sampler import BatchingSettings, DurationBucketBatchSampler
 
 
 def padded_frames_and_joint_cells(durations, tokens) -> tuple[float, float]:
