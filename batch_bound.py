@@ -21,8 +21,8 @@ from sampler import (
     _MIN_SORT_SECONDS,
     BatchingSettings,
     DurationBucketBatchSampler,
-    _slices,
 )
+from sampler_inputs import slices
 
 
 def heaviest_packed_batch(
@@ -103,7 +103,7 @@ def packed_batch_bound(sampler: DurationBucketBatchSampler) -> tuple[float, floa
     weight, seconds, squares, rows = (np.zeros(size) for _ in range(4))
     tokens = np.zeros(size, dtype=np.int64)
     most_frames = most_cells = 0.0
-    for lo, hi in _slices(sampler.num_utterances):
+    for lo, hi in slices(sampler.num_utterances):
         u_all = np.asarray(sampler.token_lengths[lo:hi]) if with_tokens else None
         mc_all = most_copies[sampler._codes[lo:hi]]
         for d, w in _played_versions(sampler, lo, hi, copies[sampler._codes[lo:hi]]):

@@ -33,6 +33,14 @@ from torch.utils.data import Sampler
 
 import config
 from process_control import UserError
+from sampler_inputs import (
+    CHUNK,
+    check_durations,
+    check_settings,
+    encode_languages,
+    slices,
+    speed_factors,
+)
 
 log = logging.getLogger("sampler")
 
@@ -45,8 +53,6 @@ _LANE_BATCHES = 2048
 _PRUNE_EVERY = 16
 # Durations below this are treated as this when jittered, so a 0 s row still gets a sort position.
 _MIN_SORT_SECONDS = 1e-3
-# Slice length for in-place passes over epoch-sized arrays (bounds temporaries to a few MB).
-_CHUNK = 1 << 16
 # Guards floor(duration / frame) against 0.24 / 0.08 = 2.9999999999999996, as the training cache's
 # feasibility filter does.
 _FRAME_EPS = 1e-9
@@ -285,15 +291,15 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         self.sort_jitter = float(settings.sort_jitter)
         self.world_size = int(world_size)
         self.rank = int(rank)
-        _check_settings(self)
-        self.speed_factors = _speed_factors(settings.speed_factors)
+        check_settings(self)
+        self.speed_factors = speed_factors(settings.speed_factors)
         # The factors by their code in a plan, and 1.0 last: the factor of an utterance that would
         # be infeasible at the one drawn.
         self._speed_table = np.array((*self.speed_factors, 1.0))
 
-        self.durations = _check_durations(durations)
+        self.durations = check_durations(durations)
         n = len(self.durations)
-        codes, self.languages = _encode_languages(languages, n, language_names)
+        codes, self.languages = encode_languages(languages, n, language_names)
         self.num_utterances = n
         requested = int(settings.epoch_size)
         if requested < 0:
@@ -328,7 +334,7 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         num_langs = len(self.languages)
         counts = np.zeros(num_langs, dtype=np.int64)
         seconds = np.zeros(num_langs)
-        for lo, hi in _slices(n):
+        for lo, hi in slices(n):
             counts += np.bincount(codes[lo:hi], minlength=num_langs)
             seconds += np.bincount(codes[lo:hi], weights=self.durations[lo:hi], minlength=num_langs)
         self._lang_offsets = np.concatenate([[0], np.cumsum(counts)])
@@ -560,7 +566,7 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
             0, fallback, size=len(selected), dtype=np.int8
         )
         if self.token_lengths is not None:
-            for lo, hi in _slices(len(selected)):
+            for lo, hi in slices(len(selected)):
                 rows = selected[lo:hi]
                 part = codes[lo:hi]
                 frames = np.floor(
@@ -589,7 +595,7 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         scale = ((1 << key_bits) - 2) / longest
         jitter_rng = self._rng(2, epoch)
         key = np.empty(size, dtype=np.uint64)
-        for lo, hi in _slices(size):
+        for lo, hi in slices(size):
             dur = self.durations[selected[lo:hi]]
             if codes is not None:
                 dur /= self._speed_table[codes[lo:hi]]
@@ -616,7 +622,7 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         # The rows are written over the key buffer's already-read front half: no third epoch array.
         flat = key.view(np.int32)[:size]
         flat_codes = None if codes is None else np.empty(size, dtype=np.int8)
-        for lo, hi in _slices(size):
+        for lo, hi in slices(size):
             at = key[lo:hi].astype(np.intp)
             flat[lo:hi] = selected[at]
             if codes is not None:
@@ -725,7 +731,7 @@ class DurationBucketBatchSampler(Sampler[list[int]]):
         used_count = self._quotas - trimmed
         if self.lang_weighting == "hours":
             used = np.zeros(num_langs)
-            for lo, hi in _slices(len(flat)):
+            for lo, hi in slices(len(flat)):
                 rows = flat[lo:hi]
                 used += np.bincount(
                     self._codes[rows], weights=self.durations[rows], minlength=num_langs
@@ -825,198 +831,6 @@ def _differs(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) != len(b) or any(_differs(x, y) for x, y in zip(a, b))
     return a != b
-
-
-def _check_settings(s: DurationBucketBatchSampler) -> None:
-    problems = []
-    if not 0 <= float(s.settings.base_share) < 1:
-        problems.append(f"base_share={s.settings.base_share}: expected a share in [0, 1)")
-    if s.world_size < 1:
-        problems.append(f"world_size={s.world_size}: expected >= 1")
-    elif not 0 <= s.rank < s.world_size:
-        problems.append(f"rank={s.rank}: expected 0 <= rank < world_size={s.world_size}")
-    if s.grad_accum < 1:
-        problems.append(f"grad_accum={s.grad_accum}: expected >= 1")
-    if not (s.max_batch_duration > 0 and math.isfinite(s.max_batch_duration)):
-        problems.append(f"max_batch_duration={s.max_batch_duration}: expected seconds > 0")
-    if not (s.temperature >= 0 and math.isfinite(s.temperature)):
-        problems.append(
-            f"temperature={s.temperature}: expected >= 0 (1 = natural shares, 0 = uniform)"
-        )
-    if s.lang_weighting not in config.LANG_WEIGHTINGS:
-        problems.append(
-            f"lang_weighting={s.lang_weighting!r}: expected one of {config.LANG_WEIGHTINGS}"
-        )
-    if not (s.cost_quadratic >= 0 and math.isfinite(s.cost_quadratic)):
-        problems.append(f"cost_quadratic={s.cost_quadratic}: expected >= 0")
-    if not (s.sort_jitter >= 0 and math.isfinite(s.sort_jitter)):
-        problems.append(f"sort_jitter={s.sort_jitter}: expected >= 0")
-    if problems:
-        raise ValueError("DurationBucketBatchSampler: " + "; ".join(problems))
-
-
-def _speed_factors(values: Any) -> tuple[float, ...]:
-    """``values`` as a tuple of speed factors; () when there are none or every one is 1 (no
-    perturbation). A factor outside config.SPEED_FACTOR_RANGE raises a ValueError naming it."""
-    try:
-        factors = tuple(float(v) for v in values)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"speed_factors={values!r}: expected numbers such as (0.9, 1.0, 1.1)"
-        ) from None
-    low, high = config.SPEED_FACTOR_RANGE
-    bad = [v for v in factors if not low <= v <= high]  # NaN fails too
-    if bad or len(factors) > config.SPEED_FACTORS_MOST:
-        raise ValueError(
-            f"speed_factors={values!r}: expected at most {config.SPEED_FACTORS_MOST} factors "
-            f"between {low:g} and {high:g} such as (0.9, 1.0, 1.1)"
-            + (f" (bad: {bad})" if bad else "")
-        )
-    return factors if any(v != 1.0 for v in factors) else ()
-
-
-def _check_durations(durations: Any) -> np.ndarray:
-    try:
-        d = np.asarray(durations, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"durations: expected numbers in seconds ({exc})") from None
-    if d.ndim != 1:
-        raise ValueError(f"durations: expected a 1-D array, got shape {d.shape}")
-    if len(d) == 0:
-        raise ValueError(
-            "durations is empty: the sampler needs at least one utterance (is the manifest empty?)"
-        )
-    if not (d.min() >= 0 and d.max() < np.inf):  # NaN fails both comparisons
-        bad = ~(np.isfinite(d) & (d >= 0))
-        row = int(np.argmax(bad))
-        raise ValueError(
-            f"durations[{row}] = {float(d[row])!r}: expected finite seconds >= 0 "
-            f"({int(bad.sum())} bad rows; fix or drop them in the manifest)"
-        )
-    return d
-
-
-def _encode_languages(
-    languages: Any, n: int, names: Sequence[str] | None
-) -> tuple[np.ndarray, list[str]]:
-    """Small-integer codes 0..L-1 in sorted-name order, and the sorted language names."""
-    arr = np.asarray(languages)
-    if arr.ndim != 1:
-        raise ValueError(f"languages: expected a 1-D array, got shape {arr.shape}")
-    if len(arr) != n:
-        raise ValueError(
-            f"languages has {len(arr)} rows but durations has {n}: expected one language per utterance"
-        )
-    if arr.dtype.kind in "iu":
-        if arr.min() < 0:
-            row = int(np.argmin(arr))
-            raise ValueError(
-                f"languages[{row}] = {int(arr[row])}: expected integer language codes >= 0"
-            )
-        present = np.flatnonzero(np.bincount(arr)) if arr.max() < 2**20 else np.unique(arr)
-        if names is not None and present[-1] >= len(names):
-            raise ValueError(
-                f"language code {int(present[-1])} has no entry in language_names "
-                f"({len(names)} names): expected codes < len(language_names)"
-            )
-        found = [str(names[c]) if names is not None else str(c) for c in present.tolist()]
-        order = sorted(range(len(found)), key=lambda i: found[i])
-        dtype = _code_dtype(len(found))
-        lut = np.zeros(int(present[-1]) + 1, dtype=dtype)
-        lut[present[order]] = np.arange(len(found), dtype=dtype)
-        return lut[arr], [found[i] for i in order]
-    if arr.dtype.kind not in "OUS":
-        raise ValueError(f"languages: expected strings or integer codes, got dtype {arr.dtype}")
-    if arr.dtype.kind == "O":
-        # Python objects already cost a pass per row; this one catches None / NaN before astype(str)
-        # would turn them into a language called "None".
-        row = next((i for i, x in enumerate(arr.tolist()) if not isinstance(x, str)), None)
-        if row is not None:
-            raise ValueError(f"languages[{row}] = {arr[row]!r}: expected a language code string")
-        arr = arr.astype(str)
-    found, codes = _string_codes(arr)
-    order = sorted(range(len(found)), key=lambda i: found[i])
-    dtype = _code_dtype(len(found))
-    remap = np.empty(len(found), dtype=dtype)
-    remap[order] = np.arange(len(found), dtype=dtype)
-    return remap[codes], [found[i] for i in order]
-
-
-def _code_dtype(num_languages: int) -> type:
-    return np.int8 if num_languages <= 127 else np.int16 if num_languages <= 32767 else np.int32
-
-
-def _string_codes(arr: np.ndarray) -> tuple[list[str], np.ndarray]:
-    """Codes 0..L-1, and the distinct strings they stand for, of a fixed-width string array."""
-    # Compare the strings as machine words (a 'U2' code is one uint64), far faster than comparing
-    # or sorting 10M strings: first by a hash of the words (two passes), then, should two
-    # languages share a hash slot, by one vectorized pass per language.
-    arr = np.ascontiguousarray(arr)
-    width = 8 if arr.dtype.itemsize % 8 == 0 else 4 if arr.dtype.itemsize % 4 == 0 else 1
-    words = arr.view(f"u{width}").reshape(len(arr), -1)
-    hashed = _hashed_codes(words)
-    if hashed is not None:
-        rows, codes = hashed
-        return [_text(arr[r]) for r in rows.tolist()], codes
-    codes = np.full(len(arr), -1, dtype=np.int8)
-    found: list[str] = []
-    at = 0
-    while len(found) < 100:
-        row = _first_negative(codes, at)
-        if row < 0:
-            return found, codes
-        match = words[:, 0] == words[row, 0]
-        for col in range(1, words.shape[1]):
-            match &= words[:, col] == words[row, col]
-        codes[match] = len(found)
-        found.append(_text(arr[row]))
-        at = row
-    uniq, inverse = np.unique(arr, return_inverse=True)
-    return [_text(u) for u in uniq], inverse.ravel()
-
-
-def _hash_slots(words: np.ndarray) -> np.ndarray:
-    """A 16-bit multiplicative hash of each row of machine words."""
-    h = np.zeros(len(words), dtype=np.uint64)
-    for col in range(words.shape[1]):
-        h += words[:, col].astype(np.uint64)
-        h *= np.uint64(0x9E3779B97F4A7C15)  # wraps: arithmetic mod 2**64
-    h >>= np.uint64(48)
-    return h.astype(np.intp)
-
-
-def _hashed_codes(words: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """(one row per distinct string, int8 codes) when no two distinct strings share a hash slot, else None."""
-    n = len(words)
-    holder = np.full(1 << 16, -1, dtype=np.int64)
-    for lo, hi in _slices(n):
-        holder[_hash_slots(words[lo:hi])] = np.arange(lo, hi)
-    present = np.flatnonzero(holder >= 0)
-    if len(present) > 127:
-        return None
-    code_of_slot = np.zeros(1 << 16, dtype=np.int8)
-    code_of_slot[present] = np.arange(len(present), dtype=np.int8)
-    codes = np.empty(n, dtype=np.int8)
-    for lo, hi in _slices(n):
-        chunk = words[lo:hi]
-        slots = _hash_slots(chunk)
-        if not np.array_equal(chunk, words[holder[slots]]):
-            return None  # a hash collision between two languages
-        codes[lo:hi] = code_of_slot[slots]
-    return holder[present], codes
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _first_negative(values: np.ndarray, start: int) -> int:
-    """Index of the first negative value at or after ``start``, or -1; scans a slice at a time."""
-    for lo, hi in _slices(len(values) - start):
-        hit = np.flatnonzero(values[start + lo : start + hi] < 0)
-        if len(hit):
-            return start + lo + int(hit[0])
-    return -1
 
 
 def _resolve_boundaries(
@@ -1119,10 +933,6 @@ def _members(few: np.ndarray, many: np.ndarray) -> np.ndarray:
     return found
 
 
-def _slices(size: int) -> Iterator[tuple[int, int]]:
-    return ((lo, min(size, lo + _CHUNK)) for lo in range(0, size, _CHUNK))
-
-
 def _durations_of(
     durations: np.ndarray, flat: np.ndarray, speed, lo: int = 0, hi: int | None = None
 ) -> np.ndarray:
@@ -1157,7 +967,7 @@ def _greedy_pack(
     # sort key it follows); durations are gathered into it a slice at a time.
     cum = np.empty(size + 1)
     cum[0] = 0.0
-    for lo, hi in _slices(size):
+    for lo, hi in slices(size):
         np.take(durations, flat[lo:hi], out=cum[lo + 1 : hi + 1])
         if speed is not None:
             cum[lo + 1 : hi + 1] /= speed[0][speed[1][lo:hi]]
@@ -1198,7 +1008,7 @@ def _greedy_pack(
     while b < len(starts):
         # Batches covering about one slice of items (at least one batch): one gather, one reduceat.
         e = min(
-            max(int(bounds.searchsorted(bounds[b] + _CHUNK, side="right")) - 1, b + 1), len(starts)
+            max(int(bounds.searchsorted(bounds[b] + CHUNK, side="right")) - 1, b + 1), len(starts)
         )
         lo, hi = int(bounds[b]), int(bounds[e])
         longest[b:e] = np.maximum.reduceat(

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import config
 import sampler as sampler_module
+import sampler_inputs
 from process_control import UserError
 from sampler import BatchingSettings, DurationBucketBatchSampler
 
@@ -347,7 +348,8 @@ def test_lane_parallel_packing_is_greedy_except_at_lane_and_bucket_ends(
     # The packer advances many lanes at once; tiny lanes make every lane / bucket / pruning path run.
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sampler_module, "_LANE_BATCHES", lane_batches)
-        patch.setattr(sampler_module, "_CHUNK", 64)
+        patch.setattr(sampler_module, "CHUNK", 64)
+        patch.setattr(sampler_inputs, "CHUNK", 64)
         check_greedy_packing(data, n, cap, num_buckets, lane_batches)
 
 
@@ -576,7 +578,7 @@ def test_languages_sharing_a_hash_slot_still_get_their_own_codes(monkeypatch, dt
     languages = languages.astype(dtype) if dtype != "O" else languages.astype(object)
     expected = plan_digest(make(durations, languages))
     monkeypatch.setattr(
-        sampler_module, "_hash_slots", lambda words: np.zeros(len(words), dtype=np.intp)
+        sampler_inputs, "_hash_slots", lambda words: np.zeros(len(words), dtype=np.intp)
     )
     collided = make(durations, languages)
     assert collided.languages == sorted([*SKEWED, "kn-IN"])
