@@ -37,6 +37,7 @@ import torch
 
 import config
 import tdt_loss
+import vocabulary
 from checkpoints import PORTABLE_KEY, CheckpointError, read_checkpoint
 from pretrained_models import ModelNotFetched, pretrained_nemo  # noqa: F401 (ModelNotFetched: for callers)
 
@@ -122,27 +123,6 @@ def quiet_harmless_messages() -> None:
 
 
 quiet_harmless_messages()
-
-
-def _spm_pieces(model_file: Path) -> list[str]:
-    import sentencepiece as spm
-
-    sp = spm.SentencePieceProcessor(model_file=str(model_file))
-    return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
-
-
-def model_pieces(model) -> list[str] | None:
-    """The pieces of the model's SentencePiece tokenizer in id order, or None for another kind."""
-    inner = getattr(model.tokenizer, "tokenizer", None)
-    if inner is None or not hasattr(inner, "id_to_piece"):
-        return None
-    return [inner.id_to_piece(i) for i in range(inner.get_piece_size())]
-
-
-def tokenizer_matches(model, tokenizer_dir: Path) -> bool:
-    """True when the model's SentencePiece pieces are exactly those of ``tokenizer_dir/tokenizer.model``."""
-    ours = model_pieces(model)
-    return ours is not None and ours == _spm_pieces(tokenizer_dir / "tokenizer.model")
 
 
 def ensure_validation_ds(model) -> None:
@@ -252,7 +232,7 @@ class TDT(ModelFamily):
         (the names of the parts the counts apply to)."""
         from omegaconf import open_dict
 
-        old_size, old_pieces = model.tokenizer.vocab_size, model_pieces(model)
+        old_size, old_pieces = model.tokenizer.vocab_size, vocabulary.model_pieces(model)
         if decoder_init == "carry" and old_pieces is None:
             raise config.ConfigError(
                 f"DECODER_INIT=carry matches the base model's rows to the pieces of "
@@ -269,7 +249,7 @@ class TDT(ModelFamily):
             model.change_vocabulary(new_tokenizer_dir=str(tokenizer_dir), new_tokenizer_type="bpe")
         heads = self.vocabulary_heads(model)
         if decoder_init == "carry":
-            pieces = model_pieces(model)
+            pieces = vocabulary.model_pieces(model)
             new_rows = _PieceRows(old_pieces, pieces).new
             prior = None
             bias = config.NEW_PIECE_BIAS if new_piece_bias is None else new_piece_bias
@@ -509,7 +489,7 @@ def build_model(
         log.info("building a fresh %s model from %s", kind.name, model_config)
         model = kind.new_model(cfg)
 
-    base_pieces = model_pieces(model) if init_model else None
+    base_pieces = vocabulary.model_pieces(model) if init_model else None
     decoder_init = config.DECODER_INIT if decoder_init is None else decoder_init
     new_piece_bias = config.NEW_PIECE_BIAS if new_piece_bias is None else new_piece_bias
     # Hashed here, before the vocabulary change rewrites the decoder and joint: the only moment the
@@ -520,7 +500,9 @@ def build_model(
     # What the model card says of the vocabulary change (None: the base's vocabulary as it was).
     model.vocabulary_change = use_tokenizer(model, tokenizer_dir, decoder_init, new_piece_bias)
     if base_pieces and model.vocabulary_change is not None:
-        warn_unless_extension(base_pieces, model_pieces(model) or [], tokenizer_dir, init_model)
+        warn_unless_extension(
+            base_pieces, vocabulary.model_pieces(model) or [], tokenizer_dir, init_model
+        )
     ensure_validation_ds(model)
     make_encoder_forward_rank_local(model)
     check_frontend(model)
@@ -597,7 +579,7 @@ def use_tokenizer(
     decoder_init = config.DECODER_INIT if decoder_init is None else decoder_init
     kind = family(model)
     counts = None
-    if not tokenizer_matches(model, tokenizer_dir):
+    if not vocabulary.tokenizer_matches(model, tokenizer_dir):
         counts = kind.change_vocabulary(model, tokenizer_dir, decoder_init, new_piece_bias)
     kind.attach_loss(model)
     return counts
@@ -605,11 +587,11 @@ def use_tokenizer(
 
 def new_piece_prior(tokenizer_dir: Path, pieces: list[str], new_rows: list[int]):
     """The log share of each new piece (``new_rows``, in that order) among the new pieces'
-    occurrences in the text the tokenizer was trained on (``training_cache.read_piece_counts``: the
+    occurrences in the text the tokenizer was trained on (``vocabulary.read_piece_counts``: the
     training language mix), add-one smoothed, so the shares sum to 1; None when
     ``tokenizer_dir`` holds no counts for its tokenizer (one made before pieces were counted):
     the new pieces then start with equal shares."""
-    from training_cache import read_piece_counts
+    from vocabulary import read_piece_counts
 
     counts = read_piece_counts(tokenizer_dir)
     if counts is None or len(counts) != len(pieces):

@@ -6,7 +6,7 @@ pieces of that language's scripts).
 for of one padded batch from one encoder forward: auto, with the language given, the first piece
 of auto decoding and the batch's loss; ``greedy_texts``, ``greedy_texts_and_first_tokens`` and
 ``greedy_texts_and_loss`` are its one-call forms. A language becomes its tag's piece
-(``language_tag_pieces``) and the pieces it may write (``language_piece_masks``). The greedy TDT
+(``vocabulary.language_tag_pieces``) and the pieces it may write (``vocabulary.language_piece_masks``). The greedy TDT
 search is NeMo's label-looping greedy decoding: ``auto_decoding`` runs it as it comes,
 ``started_texts`` continues it from the state after the tag (``started_state``, at the frame
 ``first_emissions`` finds), with the pieces left out masked in its joint (``_KeptPieces``).
@@ -17,145 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
 
 import torch
 
 import asr_model
 import config
+import vocabulary
 
 # ---- the language given: its tag and the pieces written after it ------------------------------
-
-
-class LanguageNotInModel(config.ConfigError):
-    """A language given for decoding whose tag is no single piece of the model's vocabulary."""
-
-
-def language_tag_pieces(model, languages) -> list[int | None]:
-    """The piece id of each language's tag ``<|lang|>`` in ``model``'s vocabulary, None where the
-    language is not known (None, empty or ``UNKNOWN_LANG``: decoded auto); LanguageNotInModel
-    naming the language and the tags the model has when one has no single piece."""
-    from manifest_schema import known_lang, lang_tag, leading_lang
-    from training_cache import tag_piece_id
-
-    known: dict[str, int | None] = {}
-    out: list[int | None] = []
-    for lang in languages:
-        if not known_lang(lang):
-            out.append(None)
-            continue
-        if lang not in known:
-            known[lang] = tag_piece_id(model.tokenizer, lang)
-        if known[lang] is None:
-            tags = sorted(
-                {leading_lang(p) for p in (asr_model.model_pieces(model) or []) if leading_lang(p)}
-            )
-            raise LanguageNotInModel(
-                f"the model has no tag {lang_tag(lang)} for the language {lang!r} given to "
-                f"decode with (its tags: {', '.join(tags) or 'none'}); give one of those, or "
-                "no language to let the model guess it"
-            )
-        out.append(known[lang])
-    return out
-
-
-# Pieces that are no language's own writing, kept for every language: SentencePiece's special
-# pieces and its byte pieces (<0xE0>: a byte of a character the vocabulary lacks).
-_SPECIAL_PIECES = frozenset({"<unk>", "<s>", "</s>", "<pad>"})
-
-
-def always_kept(piece: str) -> bool:
-    """True for a special or byte piece, which decoding with any language given may write."""
-    return piece in _SPECIAL_PIECES or (
-        len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
-    )
-
-
-def is_language_tag(piece: str) -> bool:
-    """True for a piece that is a language's tag, ``<|hi|>``."""
-    from manifest_schema import lang_tag, leading_lang
-
-    lang = leading_lang(piece)
-    return lang is not None and piece == lang_tag(lang)
-
-
-# Per tokenizer object (a new vocabulary is a new one): the ids of its language tags, each piece's
-# (special, scripts, is a tag), and the masks built from them, per (language, scripts).
-_PIECE_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def language_tag_ids(model) -> frozenset[int]:
-    """The ids of every language tag among ``model``'s pieces (``is_language_tag``)."""
-    known = _PIECE_MASKS.setdefault(model.tokenizer, {})
-    if "tags" not in known:
-        pieces = asr_model.model_pieces(model)
-        if pieces is None:
-            tokenizer = model.tokenizer
-            pieces = tokenizer.ids_to_tokens(list(range(int(tokenizer.vocab_size))))
-        known["tags"] = frozenset(i for i, piece in enumerate(pieces) if is_language_tag(piece))
-    return known["tags"]
-
-
-def language_piece_masks(model, languages) -> list[torch.Tensor | None]:
-    """Per utterance, which pieces decoding with its language given may write after the tag: a
-    bool tensor over ``model``'s pieces, True for a piece whose letters are all of the scripts the
-    model records that language written in (``model_languages.language_scripts``), for a piece
-    without letters (digits, punctuation, the word boundary) and for ``always_kept`` pieces;
-    False for every language tag. None (any piece) where the language is not known
-    (``manifest_schema.known_lang``), where the model records no scripts for it (or none: a
-    language whose texts had no letters), or for a tokenizer that is not SentencePiece."""
-    import model_languages
-    from manifest_schema import known_lang
-    from script_languages import scripts_of
-
-    recorded = model_languages.language_scripts(model)
-    wanted = {lang for lang in languages if known_lang(lang) and recorded.get(lang)}
-    if not wanted:
-        return [None] * len(languages)
-    known = _PIECE_MASKS.setdefault(model.tokenizer, {})
-    if "pieces" not in known:
-        pieces = asr_model.model_pieces(model)
-        known["pieces"] = (
-            None
-            if pieces is None
-            else [
-                (always_kept(piece), scripts_of(piece), is_language_tag(piece)) for piece in pieces
-            ]
-        )
-    if known["pieces"] is None:
-        return [None] * len(languages)
-    masks = {}
-    for lang in wanted:
-        key = (lang, recorded[lang])
-        if key not in known:
-            known[key] = torch.tensor(
-                [
-                    not tag and (special or written <= recorded[lang])
-                    for special, written, tag in known["pieces"]
-                ]
-            )
-        masks[lang] = known[key]
-    return [masks.get(lang) if known_lang(lang) else None for lang in languages]
-
-
-def kept_scripts_phrase(model, languages) -> str:
-    """How decoding with ``languages`` given writes after the tag, for a report's heading: in the
-    scripts the model records for each (LANGUAGE_GIVEN_SCRIPTS=1), or from the tag alone; and,
-    where ``UNKNOWN_LANG`` is among them, that it is decoded auto."""
-    import model_languages
-    from manifest_schema import UNKNOWN_LANG, known_lang
-
-    undetermined = f"; {UNKNOWN_LANG}: decoded auto" if UNKNOWN_LANG in languages else ""
-    if config.LANGUAGE_GIVEN_SCRIPTS != "1":
-        return "the tag alone (LANGUAGE_GIVEN_SCRIPTS=0)" + undetermined
-    recorded = model_languages.language_scripts(model)
-    asked = sorted({known_lang(lang) for lang in languages} - {None})
-    kept = [f"{lang} {'+'.join(sorted(recorded[lang]))}" for lang in asked if recorded.get(lang)]
-    alone = [lang for lang in asked if not recorded.get(lang)]
-    parts = [f"then only pieces of its scripts ({', '.join(kept)})"] if kept else []
-    if alone:
-        parts.append(f"the tag alone for {', '.join(alone)} (the model records no scripts for it)")
-    return ("; ".join(parts) or "the tag alone") + undetermined
 
 
 # ---- decoding a batch ------------------------------------------------------------------------
@@ -227,7 +96,7 @@ def decode_encoded(
     """Every decoding asked for of one batch, from the encoder's output: auto (``auto``), with the
     language given (``languages``: one per utterance, None or "" for an utterance decodes it auto
     there too; ``scripts``, default LANGUAGE_GIVEN_SCRIPTS=1: after the tag, only the pieces of
-    ``language_piece_masks``), the first piece of auto decoding (``first_tokens``) and the loss of
+    ``vocabulary.language_piece_masks``), the first piece of auto decoding (``first_tokens``) and the loss of
     ``loss_batch`` (the AsrBatch of this audio, with its tokens)."""
     kind = asr_model.family(model)
     out = BatchDecoding()
@@ -235,10 +104,12 @@ def decode_encoded(
     if auto:
         out.texts, auto_ids = auto_decoding(model, encoded, encoded_len)
     if languages is not None:
-        firsts = language_tag_pieces(model, languages)
+        firsts = vocabulary.language_tag_pieces(model, languages)
         if scripts is None:
             scripts = config.LANGUAGE_GIVEN_SCRIPTS == "1"
-        kept = language_piece_masks(model, languages) if scripts else [None] * len(firsts)
+        kept = (
+            vocabulary.language_piece_masks(model, languages) if scripts else [None] * len(firsts)
+        )
         rows = list(range(len(firsts)))
         if auto:
             # Where auto decoding wrote the given tag first and then only kept pieces, the search
@@ -381,7 +252,7 @@ def started_texts(
     try:
         with torch.inference_mode():
             starts = first_emissions(model, encoded, encoded_len)
-            tags = language_tag_ids(model)
+            tags = vocabulary.language_tag_ids(model)
             frames = [
                 int(length) if first is None else first[2] + (first[3] if first[0] in tags else 0)
                 for first, length in zip(starts, encoded_len.tolist())

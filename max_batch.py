@@ -38,8 +38,8 @@ import numpy as np
 import torch
 
 import config
-from dataset import AsrBatch
 from batch_bound import heaviest_packed_batch
+from dataset import AsrBatch
 from sampler import BatchingSettings, token_density
 from step_speed import SpeedSettings, apply_to_model
 from training_cache import tag_token_id

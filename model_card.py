@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import asr_model
+import vocabulary
 from atomic_files import write_together
 from evaluation import NORMALIZED_SCORING, base_and_final_rates
 
@@ -213,7 +214,7 @@ def render(record: dict[str, Any], model, nemo_name: str) -> str:
     )
     n_params = sum(p.numel() for p in model.parameters())
     tags = [
-        t for t in asr_model.model_pieces(model) or [] if t.startswith("<|") and t.endswith("|>")
+        t for t in vocabulary.model_pieces(model) or [] if t.startswith("<|") and t.endswith("|>")
     ]
     kind = next((k.name for k in asr_model.FAMILIES if k.owns(model)), "ASR model")
     lines = [

@@ -18,7 +18,6 @@ Usage::
 
 from __future__ import annotations
 
-import json
 import tarfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -139,67 +138,3 @@ def record_trained_languages(model, languages: tuple[str, ...] | None) -> None:
             model.cfg.pop(CONFIG_KEY, None)
         else:
             model.cfg[CONFIG_KEY] = list(languages)
-
-
-# In a tokenizer directory (scripts/train_tokenizer.py writes it): per language, how many letters
-# of each script (script_languages.letter_script) a sample of its training texts holds.
-LANGUAGE_SCRIPTS_FILE = "language_scripts.json"
-# The key of a model's config that lists, per language, the scripts it is written in.
-SCRIPTS_KEY = "language_scripts"
-# A script counts as one a language is written in from this share of its letters on: code-mixed
-# English words in Hindi transcripts are in, a stray character of another script is out.
-SCRIPT_MIN_SHARE = 0.01
-
-
-def write_language_scripts(tokenizer_dir: Path, letters: dict[str, dict[str, int]]) -> None:
-    """``LANGUAGE_SCRIPTS_FILE`` in ``tokenizer_dir``: ``letters[lang][script]``, letters counted."""
-    record = {lang: dict(sorted(counts.items())) for lang, counts in sorted(letters.items())}
-    (Path(tokenizer_dir) / LANGUAGE_SCRIPTS_FILE).write_text(
-        json.dumps(record, indent=1, ensure_ascii=False), encoding="utf-8"
-    )
-
-
-def read_language_scripts(tokenizer_dir: Path) -> dict[str, dict[str, int]] | None:
-    """What ``write_language_scripts`` stored in ``tokenizer_dir``; None when there is none (a
-    tokenizer directory from elsewhere) or it is not such a record."""
-    try:
-        record = json.loads((Path(tokenizer_dir) / LANGUAGE_SCRIPTS_FILE).read_text("utf-8"))
-        return {
-            str(lang): {str(script): int(n) for script, n in counts.items()}
-            for lang, counts in record.items()
-        }
-    except (OSError, ValueError, AttributeError, TypeError):
-        return None
-
-
-def scripts_written_in(letters: dict[str, int]) -> list[str]:
-    """The scripts holding at least SCRIPT_MIN_SHARE of ``letters`` (script -> count), sorted."""
-    total = sum(letters.values())
-    return sorted(s for s, n in letters.items() if n > 0 and n >= SCRIPT_MIN_SHARE * total)
-
-
-def record_language_scripts(model, tokenizer_dir: Path) -> dict[str, list[str]]:
-    """Write into ``model``'s config (``SCRIPTS_KEY``), which its checkpoints and .nemo exports
-    carry, the scripts each language is written in: those of ``tokenizer_dir``'s record for the
-    languages it counted, the base's record (the config ``model`` starts from) for the others.
-    Returns what was written ({} and nothing written when neither records any)."""
-    from omegaconf import open_dict
-
-    scripts = dict(language_scripts(model))
-    counted = read_language_scripts(tokenizer_dir) or {}
-    scripts.update({lang: scripts_written_in(letters) for lang, letters in counted.items()})
-    out = {lang: sorted(scripts[lang]) for lang in sorted(scripts)}
-    if out:
-        with open_dict(model.cfg):
-            model.cfg[SCRIPTS_KEY] = out
-    return out
-
-
-def language_scripts(model) -> dict[str, frozenset[str]]:
-    """Per language, the scripts ``model``'s config records it written in; {} when it records none
-    (a model this project did not train, or trained before it recorded them)."""
-    recorded = (getattr(model, "cfg", None) or {}).get(SCRIPTS_KEY) or {}
-    try:
-        return {str(lang): frozenset(str(s) for s in scripts) for lang, scripts in recorded.items()}
-    except (AttributeError, TypeError):
-        return {}

@@ -83,6 +83,7 @@ import model_languages  # noqa: E402
 import run_logging  # noqa: E402
 import step_speed  # noqa: E402
 import transcript_style  # noqa: E402
+import vocabulary  # noqa: E402
 from sampler import BatchingSettings  # noqa: E402
 from training_step import (  # noqa: E402
     TrainingModule,
@@ -446,7 +447,7 @@ def run(argv: list[str] | None = None) -> int:
         model, model_languages.trained_languages(module.batching.base_languages, data_languages)
     )
     # ...and the scripts each language is written in (decoding with a language given keeps to them).
-    model_languages.record_language_scripts(model, Path(config.TOKENIZER_DIR))
+    vocabulary.record_language_scripts(model, Path(config.TOKENIZER_DIR))
     # ...and in which style it writes (transcript_style: auto for a finetune of it follows it).
     transcript_style.record_style(model, transcript_style.manifest_style(train_manifest_path()))
     # Missing audio (a wrong DATA_DIR on a node, extraction never run) stops the job here, not

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import gc
 import hashlib
 import itertools
@@ -70,8 +69,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+import content_hash
 import process_control
-from atomic_files import atomic_write, check_writable, disk_full
+import vocabulary
+from atomic_files import check_writable, disk_full
 from manifest_schema import (
     AUDIO_COLUMN,
     LEGACY_AUDIO_COLUMNS,
@@ -114,7 +115,6 @@ DROPPED_SCHEMA = pa.schema(
 )
 # Rows a worker holds at once: bounds the Python lists of token ids SentencePiece returns.
 _BATCH_ROWS = 32_768
-_HASH_CHUNK = 8 << 20
 # Guards floor(duration / frame) against 0.24 / 0.08 = 2.9999999999999996.
 _FRAME_EPS = 1e-9
 # column -> dtype of its file; "token_ids" takes the tokenizer's id dtype.
@@ -142,18 +142,9 @@ class CacheError(process_control.UserError, ValueError):
 # --------------------------------------------------------------------------------------------------
 
 
-def tag_piece_id(tokenizer, lang: str) -> int | None:
-    """The single token id of ``lang_tag(lang)``, None when the tokenizer has no such piece."""
-    tag = lang_tag(lang)
-    token_id = int(tokenizer.token_to_id(tag))
-    # An unknown piece maps to <unk>; mapping the id back is the test that does not depend on which
-    # id <unk> has.
-    return token_id if tokenizer.ids_to_tokens([token_id]) == [tag] else None
-
-
 def tag_token_id(tokenizer, lang: str) -> int:
     """The single token id of ``lang_tag(lang)``; CacheError when the tokenizer has no such piece."""
-    token_id = tag_piece_id(tokenizer, lang)
+    token_id = vocabulary.tag_piece_id(tokenizer, lang)
     if token_id is None:
         tag = lang_tag(lang)
         unknown = int(tokenizer.token_to_id(tag))
@@ -170,97 +161,6 @@ def _no_tag_message(tag: str, token_id: int, piece: str) -> str:
         f"the tokenizer with every language tag as a user_defined_symbol (scripts/train_tokenizer.py), "
         f"or point TOKENIZER_DIR at the one trained on this manifest"
     )
-
-
-def tokenize_transcript(tokenizer, tag_id: int, transcript: str, max_token_len: int) -> list[int]:
-    """``[tag_id] + text_to_ids(transcript)``, truncated to ``max_token_len``.
-
-    Tokenizing ``"<|hi|> text"`` whole would give ``['▁', '<|hi|>', ...]``: SentencePiece prefixes a
-    word boundary before the user-defined tag, so the tag would be the second token, not the first.
-    """
-    ids = tokenizer.text_to_ids(transcript)
-    return [tag_id] + ids[: max_token_len - 1]
-
-
-@functools.cache
-def _warn_missing_field(name: str) -> None:
-    import sentencepiece
-
-    log.warning(
-        f"sentencepiece {sentencepiece.__version__} has no TrainerSpec.{name}: tokenizer fingerprints "
-        f"keep that path where a newer sentencepiece set one (a training cache keyed by it is rebuilt "
-        f"once; sentencepiece>=0.2.3 reads it)"
-    )
-
-
-def sentencepiece_model_without_paths(model: bytes) -> bytes:
-    """``model`` (a serialized SentencePiece ModelProto) without the paths of the files it was
-    trained from and into (the trainer's input, model prefix and seed pieces file, a normalization
-    rule file): what it encodes with and how it was trained, so the same pieces and settings give
-    the same bytes wherever they were trained."""
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
-    proto = pb.ModelProto()
-    proto.ParseFromString(model)
-    fields = proto.trainer_spec.DESCRIPTOR.fields_by_name
-    for name in ("input", "model_prefix", "seed_sentencepieces_file"):
-        if name in fields:
-            proto.trainer_spec.ClearField(name)
-        else:
-            _warn_missing_field(name)
-    for spec in (proto.normalizer_spec, proto.denormalizer_spec):
-        spec.ClearField("normalization_rule_tsv")
-    return proto.SerializeToString(deterministic=True)
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """sha256 of the SentencePiece model without the paths it was trained with
-    (``sentencepiece_model_without_paths``), or of the vocabulary for other tokenizers: two
-    trainings of the same tokenizer share their caches."""
-    processor = getattr(tokenizer, "tokenizer", None)
-    if hasattr(processor, "serialized_model_proto"):
-        blob = sentencepiece_model_without_paths(processor.serialized_model_proto())
-    else:
-        blob = "\n".join(tokenizer.ids_to_tokens(list(range(tokenizer.vocab_size)))).encode()
-    return hashlib.sha256(blob).hexdigest()
-
-
-# In a tokenizer directory (scripts/train_tokenizer.py writes it): how often each piece occurs in
-# the text the tokenizer was trained on, sampled with the training language mix. A finetune starts
-# the output bias of every piece its base lacks from it (asr_model.new_piece_prior).
-PIECE_COUNTS_FILE = "piece_counts.json"
-
-
-def write_piece_counts(tokenizer_dir: Path, counts: list[int], sentences: int) -> None:
-    """``PIECE_COUNTS_FILE`` in ``tokenizer_dir``: ``counts[i]`` occurrences of piece i in
-    ``sentences`` sampled training texts (each with its language tag), tied to the directory's
-    tokenizer.model by its sha256."""
-    model = (Path(tokenizer_dir) / "tokenizer.model").read_bytes()
-    record = {
-        "tokenizer_model_sha256": hashlib.sha256(model).hexdigest(),
-        "sentences": int(sentences),
-        "counts": [int(c) for c in counts],
-    }
-    (Path(tokenizer_dir) / PIECE_COUNTS_FILE).write_text(json.dumps(record), encoding="utf-8")
-
-
-def read_piece_counts(tokenizer_dir: Path) -> list[int] | None:
-    """The piece counts ``write_piece_counts`` stored for ``tokenizer_dir``'s tokenizer.model, or
-    None when there are none or they belong to another tokenizer.model (a file copied beside it)."""
-    directory = Path(tokenizer_dir)
-    try:
-        record = json.loads((directory / PIECE_COUNTS_FILE).read_text(encoding="utf-8"))
-        model = (directory / "tokenizer.model").read_bytes()
-        counts = record["counts"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if record.get("tokenizer_model_sha256") != hashlib.sha256(model).hexdigest():
-        log.warning(
-            "%s was counted for another tokenizer.model than the one beside it: ignored",
-            directory / PIECE_COUNTS_FILE,
-        )
-        return None
-    return counts
 
 
 def _sentencepiece_proto(tokenizer) -> bytes | None:
@@ -340,76 +240,6 @@ def encode_transcripts(
 # --------------------------------------------------------------------------------------------------
 # Content key
 # --------------------------------------------------------------------------------------------------
-
-
-def _file_identity(path: Path) -> list:
-    st = path.stat()
-    return [str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-
-
-def content_sha256(manifest_path: Path, memo_dir: Path, progress: bool = False) -> str:
-    """sha256 of the manifest's bytes, remembered in ``memo_dir`` for this exact file state.
-
-    The memo is keyed by path, inode, size, mtime and ctime: a write to the file (or a replacement
-    by rename) changes at least the ctime or the inode, so a remembered hash is never stale. Processes
-    that miss the memo at once (the ranks of a node) hash one at a time under a file lock, so the
-    file is read once and the others find the memo.
-    """
-    manifest_path = Path(manifest_path)
-    ident = _file_identity(manifest_path)
-    name = hashlib.sha256(ident[0].encode()).hexdigest()[:12]
-    memo = Path(memo_dir) / f".{manifest_path.name}.{name}.sha256.json"
-    value = _remembered(memo, ident)
-    if value is not None:
-        return value
-    try:
-        lock = open(memo.with_suffix(".lock"), "a+")
-    except OSError:  # a directory this process cannot write: hash without the memo
-        return _hash_file(manifest_path, ident[2], progress)
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        value = _remembered(memo, ident)
-        if value is not None:
-            return value
-        value = _hash_file(manifest_path, ident[2], progress)
-        if _file_identity(manifest_path) == ident:  # not rewritten while it was read
-            with contextlib.suppress(OSError):
-                atomic_write(
-                    memo,
-                    lambda tmp: Path(tmp).write_text(
-                        json.dumps({"identity": ident, "sha256": value})
-                    ),
-                )
-    return value
-
-
-def _remembered(memo: Path, ident: list) -> str | None:
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        remembered = json.loads(memo.read_text())
-        if remembered["identity"] == ident:
-            return remembered["sha256"]
-    return None
-
-
-def _hash_file(path: Path, size: int, progress: bool) -> str:
-    from tqdm import tqdm
-
-    digest = hashlib.sha256()
-    with (
-        open(path, "rb") as fh,
-        tqdm(
-            total=size,
-            desc=f"hashing {path.name}",
-            unit="B",
-            unit_scale=True,
-            disable=None if progress else True,  # None: no bar where stderr is a log file
-            leave=False,
-        ) as bar,
-    ):
-        while chunk := fh.read(_HASH_CHUNK):
-            digest.update(chunk)
-            bar.update(len(chunk))
-    return digest.hexdigest()
 
 
 def cache_key(content: str, tokenizer_sha256: str, frame_seconds: float, max_token_len: int) -> str:
@@ -1009,7 +839,7 @@ def _summary(manifest_path, rows, counts, frame_seconds, max_token_len, tokenize
         "truncated_to_max_token_len": total("truncated_to_max_token_len"),
         "frame_seconds": float(frame_seconds),
         "max_token_len": int(max_token_len),
-        "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
+        "tokenizer_sha256": vocabulary.tokenizer_fingerprint(tokenizer),
     }
 
 
@@ -1142,7 +972,7 @@ def lookup(
     (nothing is built; the manifest is hashed once, as ``ensure`` remembers it)."""
     return lookup_by_fingerprint(
         manifest_path,
-        tokenizer_fingerprint(tokenizer),
+        vocabulary.tokenizer_fingerprint(tokenizer),
         frame_seconds=frame_seconds,
         max_token_len=max_token_len,
         cache_dir=cache_dir,
@@ -1163,7 +993,7 @@ def lookup_by_fingerprint(
     directory = cache_directory(manifest_path, cache_dir)
     if not manifest_path.is_file() or not directory.is_dir():
         return None
-    content = content_sha256(manifest_path, directory)
+    content = content_hash.content_sha256(manifest_path, directory)
     key = cache_key(content, tokenizer_sha256, frame_seconds, max_token_len)
     return find_cache(directory, key)
 
@@ -1171,7 +1001,7 @@ def lookup_by_fingerprint(
 def model_file_fingerprint(model_path: Path) -> str:
     """``tokenizer_fingerprint`` of the SentencePiece tokenizer of the file ``model_path``."""
     model = Path(model_path).read_bytes()
-    return hashlib.sha256(sentencepiece_model_without_paths(model)).hexdigest()
+    return hashlib.sha256(vocabulary.sentencepiece_model_without_paths(model)).hexdigest()
 
 
 def ensure(
@@ -1197,11 +1027,11 @@ def ensure(
             f"scripts/make_train_val.py"
         )
     directory = cache_directory(manifest_path, cache_dir)
-    tok_sha = tokenizer_fingerprint(tokenizer)
+    tok_sha = vocabulary.tokenizer_fingerprint(tokenizer)
     explicit = cache_dir not in (None, "")
     if not directory.is_dir():
         _check_writable(directory, manifest_path, explicit)
-    content = content_sha256(manifest_path, directory, progress=progress)
+    content = content_hash.content_sha256(manifest_path, directory, progress=progress)
     key = cache_key(content, tok_sha, frame_seconds, max_token_len)
     found = find_cache(directory, key)
     if found is not None:

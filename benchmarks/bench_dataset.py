@@ -47,6 +47,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 import training_cache
+import vocabulary
 from benchmarks.process_memory import process_tree, pss_bytes, status_bytes
 from manifest_schema import TAR_FILE, lang_tag, tag_prefix
 
@@ -219,7 +220,7 @@ def make_dataset(kind: str, corpus: dict, tokenizer):
                     return None
                 tag_id = tokenizer.token_to_id(lang_tag(row["lang"]))
                 transcript = row["text"][len(tag_prefix(row["lang"])) :]
-                tokens = training_cache.tokenize_transcript(tokenizer, tag_id, transcript, 512)
+                tokens = vocabulary.tokenize_transcript(tokenizer, tag_id, transcript, 512)
                 return {
                     "signal": torch.from_numpy(signal),
                     "tokens": torch.tensor(tokens),
@@ -245,7 +246,7 @@ def make_dataset(kind: str, corpus: dict, tokenizer):
 
             def __getitem__(self, idx):
                 signal = dataset.load_audio(pool[idx % len(pool)])
-                tokens = training_cache.tokenize_transcript(tokenizer, tag_id, "kabir mehta", 512)
+                tokens = vocabulary.tokenize_transcript(tokenizer, tag_id, "kabir mehta", 512)
                 return {
                     "signal": torch.from_numpy(signal),
                     "tokens": torch.tensor(tokens),

@@ -42,7 +42,7 @@ def load_model(args, device):
 
     import asr_model
     import config
-    import model_languages
+    import vocabulary
 
     if args.model:
         return asr_model.load_trained_model(Path(args.model), device).eval()
@@ -51,7 +51,7 @@ def load_model(args, device):
     config.TOKENIZER_DIR = Path(args.tokenizer)
     torch.manual_seed(0)
     model = asr_model.build_model()
-    model_languages.record_language_scripts(model, config.TOKENIZER_DIR)  # as train.py does
+    vocabulary.record_language_scripts(model, config.TOKENIZER_DIR)  # as train.py does
     return model.to(device).eval()
 
 
@@ -99,9 +99,9 @@ def batches_of(args, model, device):
 
 
 def asr_model_pieces(model) -> list[str]:
-    import asr_model
+    import vocabulary
 
-    return asr_model.model_pieces(model) or []
+    return vocabulary.model_pieces(model) or []
 
 
 def ratio_lines(times: dict[str, list[float]], encoder_s: float) -> list[str]:
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import asr_model
     import decoding
-    import model_languages
+    import vocabulary
 
     asr_model.quiet_harmless_messages()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         "given_scripts": {"auto": False, "given": True, "scripts": True},
         "both": {"auto": True, "given": True, "scripts": True},
     }
-    has_scripts = bool(model_languages.language_scripts(model))
+    has_scripts = bool(vocabulary.language_scripts(model))
     if not has_scripts:
         del ways["given_scripts"]
         ways["both"]["scripts"] = False

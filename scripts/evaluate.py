@@ -172,9 +172,9 @@ def evaluate(
         raise ValueError(f"decode={decode!r}: expected both, auto or given")
     given = decode in ("both", "given")
     if given:
-        import decoding
+        import vocabulary
 
-        decoding.language_tag_pieces(model, names)  # UNKNOWN_LANG decodes auto
+        vocabulary.language_tag_pieces(model, names)  # UNKNOWN_LANG decodes auto
     out = evaluation.decode(
         model,
         dataset,
@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import asr_model
     import checkpoints
-    import decoding
+    import vocabulary
 
     model_path = checkpoints.resolve_model_path(args.model)
     manifest = Path(args.manifest or config.VAL_MANIFEST_PATH)
@@ -525,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = result_rows(results, bad, excluded, as_written, punctuation, lid, given)
     write_csv(rows, out)
-    kept = decoding.kept_scripts_phrase(model, [r["lang"] for r in rows if r["lang"] != "all"])
+    kept = vocabulary.kept_scripts_phrase(model, [r["lang"] for r in rows if r["lang"] != "all"])
     how = {
         "both": f"auto; WER given: from each row's language tag, {kept}",
         "auto": "auto",

@@ -69,10 +69,14 @@ from tqdm import tqdm
 
 import config
 from manifest_schema import is_nemo_json, lang_tag, split_lang_tags
-from model_languages import scripts_written_in, write_language_scripts
 from process_control import UserError
 from script_languages import script_letters
-from training_cache import sentencepiece_model_without_paths, write_piece_counts
+from vocabulary import (
+    scripts_written_in,
+    sentencepiece_model_without_paths,
+    write_language_scripts,
+    write_piece_counts,
+)
 
 log = logging.getLogger("train_tokenizer")
 

@@ -195,7 +195,7 @@ def transcribe(
 def check_languages(model, languages: list[str | None], args: argparse.Namespace) -> None:
     """LanguageNotInModel, before any decoding, for a language the model has no tag for, naming
     where it came from (the manifest's row, or --lang)."""
-    import decoding
+    import vocabulary
     from manifest_schema import known_lang
 
     first_row: dict[str, int] = {}
@@ -204,10 +204,10 @@ def check_languages(model, languages: list[str | None], args: argparse.Namespace
             first_row.setdefault(lang, row)
     for lang, row in first_row.items():
         try:
-            decoding.language_tag_pieces(model, [lang])
-        except decoding.LanguageNotInModel as exc:
+            vocabulary.language_tag_pieces(model, [lang])
+        except vocabulary.LanguageNotInModel as exc:
             where = f"{args.manifest} row {row}" if args.lang == FROM_MANIFEST else "--lang"
-            raise decoding.LanguageNotInModel(f"{where}: {exc}") from None
+            raise vocabulary.LanguageNotInModel(f"{where}: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,7 +255,7 @@ def run(args: argparse.Namespace, results, interactive: bool) -> int:
 
     import asr_model
     import checkpoints
-    import decoding
+    import vocabulary
     from atomic_files import atomic_write
     from manifest_schema import known_lang
 
@@ -267,7 +267,7 @@ def run(args: argparse.Namespace, results, interactive: bool) -> int:
             check_languages(model, languages, args)
             given = [lang for lang in languages if known_lang(lang)]
             if given:
-                how = decoding.kept_scripts_phrase(model, given)
+                how = vocabulary.kept_scripts_phrase(model, given)
                 print(f"transcribe: with the language given: its tag, {how}", file=sys.stderr)
             if len(given) < len(languages):
                 print(

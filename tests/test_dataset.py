@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import dataset
 import training_cache
+import vocabulary
 from manifest_schema import lang_tag, tagged_text
 from sampler import BatchingSettings
 from tests.conftest import LANGS, WORDS
@@ -319,9 +320,7 @@ def test_items_carry_the_same_tokens_as_tokenizing_on_the_fly(corpus, tokenizer)
     ds = load(corpus, tokenizer)
     for k, text in enumerate(texts):
         tag = tokenizer.token_to_id(lang_tag(LANGS[k % 3]))
-        assert ds[k]["tokens"].tolist() == training_cache.tokenize_transcript(
-            tokenizer, tag, text, 512
-        )
+        assert ds[k]["tokens"].tolist() == vocabulary.tokenize_transcript(tokenizer, tag, text, 512)
         assert ds[k]["tokens"].dtype == torch.int64
 
 
@@ -340,7 +339,7 @@ def test_text_read_in_batches_gives_the_same_tokens_and_row_numbers(
     )
     tag = tokenizer.token_to_id("<|hi|>")
     assert [ds[k]["tokens"].tolist() for k in range(10)] == [
-        training_cache.tokenize_transcript(tokenizer, tag, t, 4) for t in texts
+        vocabulary.tokenize_transcript(tokenizer, tag, t, 4) for t in texts
     ]
     corpus.rows[7]["text"] = "<|en|> hello"
     pq.write_table(pa.Table.from_pylist(corpus.rows), path, row_group_size=3)

@@ -13,6 +13,7 @@ import torch
 import asr_model
 import config
 import decoding
+import vocabulary
 from tests.test_evaluate import tiny_model_files
 
 
@@ -63,7 +64,7 @@ def test_the_first_token_and_its_probability_are_those_greedy_decoding_emits_fir
 
 def language_tags(model) -> set[int]:
     """The ids of the pieces that are a language tag, <|xx|>."""
-    pieces = asr_model.model_pieces(model)
+    pieces = vocabulary.model_pieces(model)
     return {i for i, p in enumerate(pieces) if p.startswith("<|") and p.endswith("|>")}
 
 
@@ -148,7 +149,7 @@ def shaped_model(tiny, shape: str):
         if shape in ("prediction", "tag first"):
             out.bias[blank] += float(margin.median())
             if shape == "tag first":
-                out.bias[asr_model.model_pieces(model).index("<|en|>")] += 1.0
+                out.bias[vocabulary.model_pieces(model).index("<|en|>")] += 1.0
         else:
             out.bias[blank] += max(float(margin[0].median()), float(margin[0, 0]) + 1e-4)
             out.bias[blank + 1 + model.decoding.decoding.durations.index(2)] += 10.0
@@ -198,7 +199,7 @@ def test_a_model_that_writes_no_tag_writes_the_tag_then_every_piece_it_writes_au
     torch.manual_seed(1)
     signal, lens = torch.randn(4, 32000), torch.tensor([32000, 24000, 16000, 9000])
     languages = ["hi", "en", None, "en"]
-    tags = decoding.language_tag_pieces(model, languages)
+    tags = vocabulary.language_tag_pieces(model, languages)
     bf16 = search == "bf16 autocast"
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), torch.no_grad():
         encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=lens)
@@ -227,7 +228,7 @@ def test_audio_of_no_frame_or_one_frame_with_the_language_given(tiny):
     decoded = decoding.decode_batch(model, signal, lens, languages=languages)
     assert decoded.texts[1:3] == ["", ""]
     assert decoded.given_texts[1:3] == ["<|en|>", "<|en|>"]
-    tag = decoding.language_tag_pieces(model, ["hi"])[0]
+    tag = vocabulary.language_tag_pieces(model, ["hi"])[0]
     assert decoded.given_texts[3] == model.tokenizer.ids_to_text([tag, *auto_ids[3]])
     assert decoded.given_texts[0].startswith("<|hi|>") and len(decoded.given_texts[0]) > 6
 
@@ -244,7 +245,7 @@ def test_decoding_with_the_language_given_is_greedy_tdt_from_the_given_tag(tiny,
     languages = ["hi", None, "en", "hi"]
     decoded = decoding.decode_batch(model, signal, lens, languages=languages)
     max_symbols = model.decoding.decoding.max_symbols
-    tags = decoding.language_tag_pieces(model, languages)
+    tags = vocabulary.language_tag_pieces(model, languages)
     went_on = []
     with torch.no_grad():
         encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=lens)
@@ -305,18 +306,18 @@ def test_with_the_language_given_decoding_writes_only_pieces_of_its_scripts(tiny
     tag_alone = decoding.decode_batch(model, signal, lens, languages=languages, scripts=False)
     with open_dict(model.cfg):
         model.cfg.language_scripts = {"en": ["Latin"], "hi": ["Devanagari"]}
-    kept = decoding.language_piece_masks(model, languages)
-    pieces = asr_model.model_pieces(model)
+    kept = vocabulary.language_piece_masks(model, languages)
+    pieces = vocabulary.model_pieces(model)
     assert kept[2] is None and bool(kept[0][pieces.index("<|en|>")]) is False  # tags are out
     with open_dict(model.cfg):  # a language recorded without letters: any piece, as unrecorded
         model.cfg.language_scripts = {"en": ["Latin"], "hi": []}
-    assert decoding.language_piece_masks(model, ["hi", "ta"]) == [None, None]
+    assert vocabulary.language_piece_masks(model, ["hi", "ta"]) == [None, None]
     with open_dict(model.cfg):
         model.cfg.language_scripts = {"en": ["Latin"], "hi": ["Devanagari"]}
     decoded = decoding.decode_batch(model, signal, lens, languages=languages)
     assert decoded.texts == before
     assert decoding.decode_batch(model, signal, lens).texts == before  # the rows are cleared
-    tags = decoding.language_tag_pieces(model, languages)
+    tags = vocabulary.language_tag_pieces(model, languages)
     max_symbols = model.decoding.decoding.max_symbols
     other = {"en": "Devanagari", "hi": "Latin"}
     strayed = 0
@@ -382,18 +383,20 @@ def test_reports_say_how_the_language_given_was_decoded(monkeypatch):
     from omegaconf import OmegaConf
 
     model = SimpleNamespace(cfg=OmegaConf.create({"language_scripts": {"hi": ["Devanagari"]}}))
-    assert decoding.kept_scripts_phrase(model, ["hi", None]) == (
+    assert vocabulary.kept_scripts_phrase(model, ["hi", None]) == (
         "then only pieces of its scripts (hi Devanagari)"
     )
-    assert decoding.kept_scripts_phrase(model, ["hi", "und", None]) == (
+    assert vocabulary.kept_scripts_phrase(model, ["hi", "und", None]) == (
         "then only pieces of its scripts (hi Devanagari); und: decoded auto"
     )
-    assert decoding.kept_scripts_phrase(model, ["hi", "ta"]).endswith(
+    assert vocabulary.kept_scripts_phrase(model, ["hi", "ta"]).endswith(
         "; the tag alone for ta (the model records no scripts for it)"
     )
     monkeypatch.setattr(config, "LANGUAGE_GIVEN_SCRIPTS", "0")
-    assert decoding.kept_scripts_phrase(model, ["hi"]) == "the tag alone (LANGUAGE_GIVEN_SCRIPTS=0)"
-    assert decoding.kept_scripts_phrase(model, ["und"]) == (
+    assert (
+        vocabulary.kept_scripts_phrase(model, ["hi"]) == "the tag alone (LANGUAGE_GIVEN_SCRIPTS=0)"
+    )
+    assert vocabulary.kept_scripts_phrase(model, ["und"]) == (
         "the tag alone (LANGUAGE_GIVEN_SCRIPTS=0); und: decoded auto"
     )
 
@@ -407,8 +410,8 @@ def test_a_language_not_known_decodes_auto_beside_languages_given(tiny):
     with open_dict(model.cfg):
         model.cfg.language_scripts = {"en": ["Latin"], "hi": ["Devanagari"], "und": ["Latin"]}
     languages = ["und", "hi", "", None]
-    assert decoding.language_tag_pieces(model, languages)[::2] == [None, None]
-    masks = decoding.language_piece_masks(model, languages)
+    assert vocabulary.language_tag_pieces(model, languages)[::2] == [None, None]
+    masks = vocabulary.language_piece_masks(model, languages)
     assert masks[0] is None and masks[1] is not None and masks[2:] == [None, None]
     decoded = decoding.decode_batch(model, signal, lens, languages=languages)
     alone = decoding.decode_batch(model, signal, lens, auto=False, languages=languages)
@@ -431,7 +434,7 @@ def test_decoding_both_ways_searches_again_only_where_auto_is_not_already_the_gi
     from omegaconf import open_dict
 
     model, signal, lens = shaped_model(tiny, "prediction")
-    pieces = asr_model.model_pieces(model)
+    pieces = vocabulary.model_pieces(model)
     with torch.no_grad(), open_dict(model.cfg):
         model.joint.joint_net[-1].bias[pieces.index("<|en|>")] += 1.0
         model.cfg.language_scripts = {"en": ["Latin"], "hi": ["Devanagari"]}
@@ -463,8 +466,8 @@ def test_decoding_both_ways_searches_again_only_where_auto_is_not_already_the_gi
 
 
 def test_a_language_the_model_has_no_tag_for_is_one_line_naming_it_and_the_tags_it_has(tiny):
-    with pytest.raises(decoding.LanguageNotInModel) as caught:
-        decoding.language_tag_pieces(tiny.model, ["hi", "ta"])
+    with pytest.raises(vocabulary.LanguageNotInModel) as caught:
+        vocabulary.language_tag_pieces(tiny.model, ["hi", "ta"])
     message = str(caught.value)
     assert "<|ta|>" in message and "its tags: en, hi" in message and "\n" not in message
-    assert decoding.language_tag_pieces(tiny.model, [None, ""]) == [None, None]
+    assert vocabulary.language_tag_pieces(tiny.model, [None, ""]) == [None, None]

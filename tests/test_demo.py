@@ -176,12 +176,12 @@ def test_the_base_trains_on_its_two_languages_and_the_finetune_extends_it(demo):
     # language given: those its tokenizer counted, from every language of its manifest
     from nemo.collections.asr.models import ASRModel
 
-    import model_languages
+    import vocabulary
 
     finetuned = ASRModel.restore_from(
         str(demo_dir / "checkpoints" / "step_00000006.nemo"), map_location="cpu"
     )
-    scripts = model_languages.language_scripts(finetuned)
+    scripts = vocabulary.language_scripts(finetuned)
     assert scripts["en"] == {"Latin"} and scripts["hi"] == {"Devanagari"}
     assert scripts["ta"] == {"Tamil"} and set(scripts) == {"en", "hi", "ta", "te", "kn", "ml", "bn"}
     page = first.stdout.split("Finetuning from the base", 1)[1]

@@ -22,6 +22,7 @@ import torch
 import asr_model
 import callbacks
 import config
+import vocabulary
 from tests.test_model import loader, synthetic_items
 from training_step import TrainingModule
 
@@ -184,7 +185,7 @@ def test_change_vocabulary_gives_the_language_tags_and_a_tdt_loss_with_the_new_b
     model = run["model"]
     tokenizer = model.tokenizer
     assert tokenizer.vocab_size != run["built"]["vocab"]
-    assert asr_model.tokenizer_matches(model, run["second"]["tokenizer"])
+    assert vocabulary.tokenizer_matches(model, run["second"]["tokenizer"])
     tag = tokenizer.token_to_id("<|ta|>")
     assert tokenizer.ids_to_tokens([tag]) == ["<|ta|>"]
     inner = model.loss._loss

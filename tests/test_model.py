@@ -15,6 +15,7 @@ import callbacks
 import config
 import tdt_loss
 import train
+import vocabulary
 from dataset import collate_asr_batch
 from tests.tiny_training_data import make_training_data
 from training_step import TrainingModule
@@ -155,7 +156,7 @@ def test_build_model_with_a_new_tokenizer_changes_vocabulary_and_rebuilds_the_td
 ):
     model = asr_model.build_model(init_model=str(nemo_file), tokenizer_dir=data["tok_b"])
     vocab = model.tokenizer.vocab_size
-    assert vocab == asr_model._spm_pieces(data["tok_b"] / "tokenizer.model").__len__()
+    assert vocab == vocabulary._spm_pieces(data["tok_b"] / "tokenizer.model").__len__()
     inner = model.loss._loss
     assert isinstance(inner, tdt_loss.DeviceDispatchTDTLoss)
     assert inner.blank == model.loss._blank == vocab

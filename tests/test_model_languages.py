@@ -16,6 +16,7 @@ import pytest
 
 import config
 import model_languages
+import vocabulary
 from sampler import BatchingSettings, DurationBucketBatchSampler
 
 REPO = Path(__file__).resolve().parents[1]
@@ -211,21 +212,21 @@ def test_the_scripts_of_each_language_travel_in_the_model_and_a_finetune_adds_it
 
     data = make_training_data(tmp_path, per_lang=4, langs=("hi", "en"), vocab_size=64)
     model = asr_model.build_model("", TINY, data["tokenizer"])
-    assert model_languages.language_scripts(model) == {}
+    assert vocabulary.language_scripts(model) == {}
     counts = {"hi": {"Devanagari": 950, "Latin": 50}, "te": {"Telugu": 995, "Latin": 5}}
-    model_languages.write_language_scripts(data["tokenizer"], counts)
-    assert model_languages.read_language_scripts(data["tokenizer"]) == counts
-    written = model_languages.record_language_scripts(model, data["tokenizer"])
+    vocabulary.write_language_scripts(data["tokenizer"], counts)
+    assert vocabulary.read_language_scripts(data["tokenizer"]) == counts
+    written = vocabulary.record_language_scripts(model, data["tokenizer"])
     assert written == {"hi": ["Devanagari", "Latin"], "te": ["Telugu"]}
     model.save_to(str(tmp_path / "base.nemo"))
     restored = ASRModel.restore_from(str(tmp_path / "base.nemo"), map_location="cpu")
-    assert model_languages.language_scripts(restored)["te"] == frozenset({"Telugu"})
+    assert vocabulary.language_scripts(restored)["te"] == frozenset({"Telugu"})
     finetune_tokenizer = tmp_path / "finetune-tokenizer"
     finetune_tokenizer.mkdir()
-    model_languages.write_language_scripts(finetune_tokenizer, {"hi": {"Devanagari": 10}})
-    again = model_languages.record_language_scripts(restored, finetune_tokenizer)
+    vocabulary.write_language_scripts(finetune_tokenizer, {"hi": {"Devanagari": 10}})
+    again = vocabulary.record_language_scripts(restored, finetune_tokenizer)
     assert again == {"hi": ["Devanagari"], "te": ["Telugu"]}
     # a tokenizer directory without the record, or with a broken one: the base's stands
-    (finetune_tokenizer / model_languages.LANGUAGE_SCRIPTS_FILE).write_text("[1, 2]")
-    assert model_languages.read_language_scripts(finetune_tokenizer) is None
-    assert model_languages.record_language_scripts(restored, tmp_path) == again
+    (finetune_tokenizer / vocabulary.LANGUAGE_SCRIPTS_FILE).write_text("[1, 2]")
+    assert vocabulary.read_language_scripts(finetune_tokenizer) is None
+    assert vocabulary.record_language_scripts(restored, tmp_path) == again

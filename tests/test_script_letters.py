@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import decoding
+import vocabulary
 from script_languages import OTHER_SCRIPT, letter_script, script_letters, scripts_of
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,8 +22,8 @@ def test_letters_and_marks_take_their_scripts_and_nothing_else_counts():
     assert letter_script("▁") is None and letter_script("1") is None and letter_script(",") is None
     assert scripts_of("▁the") == {"Latin"} and scripts_of("▁") == frozenset()
     assert scripts_of("<0xE0>") == {"Latin"}  # a byte piece reads as its name...
-    assert decoding.always_kept("<0xE0>") and decoding.always_kept("<unk>")  # ...and is kept
-    assert not decoding.always_kept("<|hi|>") and not decoding.always_kept("<0xE0>x")
+    assert vocabulary.always_kept("<0xE0>") and vocabulary.always_kept("<unk>")  # ...and is kept
+    assert not vocabulary.always_kept("<|hi|>") and not vocabulary.always_kept("<0xE0>x")
     counts = script_letters(["नमस्ते hello", "வணக்கம் 123", "Привет"])
     assert counts == {"Devanagari": 6, "Latin": 5, "Tamil": 7, OTHER_SCRIPT: 6}
 

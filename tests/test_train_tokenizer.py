@@ -77,10 +77,10 @@ def test_writes_the_nemo_tokenizer_files(trained):
 def test_language_scripts_count_each_languages_letters_by_script(trained):
     """Per language, the letters of each script in its texts: Hindi in Devanagari, English in
     Latin, Tamil in Tamil; the tags' letters are not counted (the texts are read without them)."""
-    import model_languages
+    import vocabulary
 
     out, summary = trained
-    letters = model_languages.read_language_scripts(out)
+    letters = vocabulary.read_language_scripts(out)
     assert set(letters) == {"en", "hi", "ta"}
     assert set(letters["hi"]) == {"Devanagari"} and set(letters["ta"]) == {"Tamil"}
     assert letters["en"] == {"Latin": sum(letters["en"].values())} and letters["en"]["Latin"] > 0
@@ -88,10 +88,10 @@ def test_language_scripts_count_each_languages_letters_by_script(trained):
 
 
 def test_piece_counts_are_the_sampled_texts_pieces_with_their_tags(trained):
-    import training_cache
+    import vocabulary
 
     out, summary = trained
-    counts = training_cache.read_piece_counts(out)
+    counts = vocabulary.read_piece_counts(out)
     sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
     assert len(counts) == sp.get_piece_size()
     record = json.loads((out / "piece_counts.json").read_text())
@@ -108,13 +108,13 @@ def test_piece_counts_are_the_sampled_texts_pieces_with_their_tags(trained):
 def test_piece_counts_beside_another_tokenizer_model_are_not_read(trained, tmp_path):
     import shutil
 
-    import training_cache
+    import vocabulary
 
     out, _ = trained
     copy = tmp_path / "tok"
     shutil.copytree(out, copy)
     (copy / "tokenizer.model").write_bytes((copy / "tokenizer.model").read_bytes() + b"\0")
-    assert training_cache.read_piece_counts(copy) is None
+    assert vocabulary.read_piece_counts(copy) is None
 
 
 def test_vocab_txt_follows_nemo_rules(trained):

@@ -15,8 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 
 import config
+import content_hash
 import dataset
 import training_cache
+import vocabulary
 from manifest_schema import tagged_text
 from tests.conftest import LANGS, WORDS
 from tests.torchrun_jobs import child_pids, is_running
@@ -107,7 +109,7 @@ def test_a_touch_or_a_copy_of_the_same_bytes_reuses_the_cache(tmp_path, tokenize
 def test_the_content_hash_is_the_files_sha256_and_is_remembered(tmp_path, tokenizer, monkeypatch):
     path = write(tmp_path / "train.parquet", rows(20))
     expected = hashlib.sha256(path.read_bytes()).hexdigest()
-    assert training_cache.content_sha256(path, tmp_path) == expected
+    assert content_hash.content_sha256(path, tmp_path) == expected
     opened = []
     real_open = open
 
@@ -116,7 +118,7 @@ def test_the_content_hash_is_the_files_sha256_and_is_remembered(tmp_path, tokeni
         return real_open(file, *args, **kwargs)
 
     monkeypatch.setattr("builtins.open", spying_open)
-    assert training_cache.content_sha256(path, tmp_path) == expected
+    assert content_hash.content_sha256(path, tmp_path) == expected
     assert str(path) not in opened  # the memo answered
 
 
@@ -358,8 +360,8 @@ def test_a_failed_build_leaves_nothing_that_looks_whole(tmp_path, tokenizer, mon
 def test_a_killed_builds_temporary_directory_is_removed_by_the_next_build(tmp_path, tokenizer):
     path = write(tmp_path / "m.parquet", rows(30))
     key = training_cache.cache_key(
-        training_cache.content_sha256(path, tmp_path),
-        training_cache.tokenizer_fingerprint(tokenizer),
+        content_hash.content_sha256(path, tmp_path),
+        vocabulary.tokenizer_fingerprint(tokenizer),
         0.08,
         512,
     )
@@ -564,20 +566,20 @@ def test_workers_die_with_a_killed_builder(tmp_path, tokenizer):
 
 def _hash_in_child(args):
     path, memo_dir = args
-    return training_cache.content_sha256(path, memo_dir)
+    return content_hash.content_sha256(path, memo_dir)
 
 
 def test_processes_missing_the_memo_together_read_the_manifest_once(tmp_path, monkeypatch):
     path = write(tmp_path / "m.parquet", rows(300))
     calls = tmp_path / "hash_calls"
-    real = training_cache._hash_file
+    real = content_hash._hash_file
 
     def counted(*args):
         with open(calls, "a") as fh:
             fh.write("x")
         return real(*args)
 
-    monkeypatch.setattr(training_cache, "_hash_file", counted)  # forked children inherit it
+    monkeypatch.setattr(content_hash, "_hash_file", counted)  # forked children inherit it
     with multiprocessing.get_context("fork").Pool(4) as pool:
         values = pool.map(_hash_in_child, [(path, tmp_path)] * 4)
     assert len(set(values)) == 1 and values[0] == hashlib.sha256(path.read_bytes()).hexdigest()
@@ -616,10 +618,10 @@ def test_a_sentencepiece_proto_without_a_path_field_fingerprints_with_one_warnin
 
     older = type("pb2", (), {"ModelProto": OlderModelProto})
     monkeypatch.setattr(sentencepiece, "sentencepiece_model_pb2", older)
-    training_cache._warn_missing_field.cache_clear()
-    with caplog.at_level("WARNING", logger="training_cache"):
-        first = training_cache.tokenizer_fingerprint(tokenizer)
-        second = training_cache.tokenizer_fingerprint(tokenizer)
+    vocabulary._warn_missing_field.cache_clear()
+    with caplog.at_level("WARNING", logger="vocabulary"):
+        first = vocabulary.tokenizer_fingerprint(tokenizer)
+        second = vocabulary.tokenizer_fingerprint(tokenizer)
     monkeypatch.undo()
     assert first == second
     warned = [
@@ -628,4 +630,4 @@ def test_a_sentencepiece_proto_without_a_path_field_fingerprints_with_one_warnin
     assert len(warned) == 1 and "has no TrainerSpec.seed_sentencepieces_file" in warned[0]
     # The seed file path is empty in a model trained here, so the fingerprint is the same as with
     # a sentencepiece that has the field.
-    assert first == training_cache.tokenizer_fingerprint(tokenizer)
+    assert first == vocabulary.tokenizer_fingerprint(tokenizer)

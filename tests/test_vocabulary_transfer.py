@@ -15,6 +15,7 @@ import asr_model
 import config
 import decoding
 import model_card
+import vocabulary
 from tests.tiny_training_data import make_extension_tokenizers, make_training_data, write_manifest
 from tests.torchrun_jobs import run_torchrun, tiny_train_env
 
@@ -46,7 +47,7 @@ def state(module) -> dict[str, torch.Tensor]:
 def carried(tokenizers):
     base = base_model(tokenizers)
     before = {"decoder": state(base.decoder), "joint": state(base.joint)}
-    old_pieces = asr_model.model_pieces(base)
+    old_pieces = vocabulary.model_pieces(base)
     counts = asr_model.use_tokenizer(base, tokenizers["extended"], decoder_init="carry")
     return base, before, old_pieces, counts
 
@@ -63,7 +64,7 @@ def test_shape_independent_weights_are_the_base_models(carried):
 
 def test_shared_pieces_blank_and_durations_carry_their_rows(carried):
     model, before, old_pieces, counts = carried
-    new_pieces = asr_model.model_pieces(model)
+    new_pieces = vocabulary.model_pieces(model)
     v_old, v_new = len(old_pieces), len(new_pieces)
     assert counts == {
         "carried": v_old,
@@ -121,7 +122,7 @@ def test_with_new_piece_bias_frequency_new_pieces_start_at_their_log_share_of_th
     monkeypatch.setattr(config, "NEW_PIECE_BIAS", "frequency")
     model = base_model(tokenizers)
     old_b = model.joint.joint_net[-1].bias.detach().clone()
-    v_old = len(asr_model.model_pieces(model))
+    v_old = len(vocabulary.model_pieces(model))
     counts = asr_model.use_tokenizer(model, tokenizers["extended"], decoder_init="carry")
     assert counts["new_piece_prior"] == "frequency"
     new_ids = list(range(v_old, v_old + counts["new"]))
@@ -151,7 +152,7 @@ def test_new_piece_bias_frequency_without_piece_counts_warns_and_starts_at_equal
     shutil.copytree(tokenizers["extended"], bare, ignore=shutil.ignore_patterns("piece_counts*"))
     model = base_model(tokenizers)
     old_b = model.joint.joint_net[-1].bias.detach().clone()
-    v_old = len(asr_model.model_pieces(model))
+    v_old = len(vocabulary.model_pieces(model))
     with caplog.at_level(logging.WARNING):
         counts = asr_model.use_tokenizer(model, bare, decoder_init="carry")
     n_new = counts["new"]
@@ -204,10 +205,10 @@ def test_the_extended_model_decodes_as_the_base_before_any_update(tokenizers, ca
 
 def test_a_replaced_tokenizer_carries_the_pieces_it_shares_by_their_string(tokenizers):
     base = base_model(tokenizers)
-    old_pieces = asr_model.model_pieces(base)
+    old_pieces = vocabulary.model_pieces(base)
     old_embed = base.decoder.state_dict()["prediction.embed.weight"].clone()
     counts = asr_model.use_tokenizer(base, tokenizers["replaced"], decoder_init="carry")
-    new_pieces = asr_model.model_pieces(base)
+    new_pieces = vocabulary.model_pieces(base)
     shared = [p for p in new_pieces if p in old_pieces]
     assert counts["carried"] == len(shared) > 0
     assert counts["dropped"] == len(old_pieces) - len(shared)
@@ -309,7 +310,7 @@ def hybrid_base_model(tokenizers):
 def hybrid_carried(tokenizers):
     base = hybrid_base_model(tokenizers)
     before = state(base.ctc_decoder)
-    old_pieces = asr_model.model_pieces(base)
+    old_pieces = vocabulary.model_pieces(base)
     counts = asr_model.use_tokenizer(base, tokenizers["extended"], decoder_init="carry")
     return base, before, old_pieces, counts
 
@@ -318,7 +319,7 @@ def test_the_hybrid_ctc_decoder_carries_shared_piece_rows_and_moves_blank(
     hybrid_carried, tokenizers
 ):
     model, before, old_pieces, _ = hybrid_carried
-    new_pieces = asr_model.model_pieces(model)
+    new_pieces = vocabulary.model_pieces(model)
     v_old, v_new = len(old_pieces), len(new_pieces)
     out = model.ctc_decoder.decoder_layers[-1]
     old_w, old_b = before["decoder_layers.0.weight"], before["decoder_layers.0.bias"]
@@ -346,7 +347,7 @@ def test_the_extended_hybrid_ctc_head_decodes_as_the_base_before_any_update(
         encoded, _ = m.forward(input_signal=signal_, input_signal_length=lengths)
         ids = m.ctc_decoder(encoder_output=encoded).argmax(dim=-1)
         blank = m.ctc_decoder.num_classes_with_blank - 1
-        pieces = asr_model.model_pieces(m)
+        pieces = vocabulary.model_pieces(m)
         return [["<blank>" if i == blank else pieces[i] for i in row.tolist()] for row in ids]
 
     with torch.no_grad():
@@ -391,7 +392,7 @@ def test_decoder_init_fresh_gives_an_aggregate_tokenizer_base_the_new_vocabulary
     model, tokenizer_dir = aggregate_base(tmp_path)
     counts = asr_model.use_tokenizer(model, tokenizer_dir, decoder_init="fresh")
     assert counts["decoder_init"] == "fresh" and counts["carried"] == 0
-    assert asr_model.tokenizer_matches(model, tokenizer_dir)
+    assert vocabulary.tokenizer_matches(model, tokenizer_dir)
     assert model.joint.joint_net[-1].out_features == 30 + 1 + model.joint.num_extra_outputs
 
 
