@@ -40,6 +40,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 import config
+import knob_values
 from atomic_files import atomic_write, disk_full
 from process_control import UserError
 
@@ -329,7 +330,7 @@ def _same_file(a: str | Path, b: str | Path) -> bool:
 # so are the run-defining settings, which ``check_resume_settings`` checks on every resume.
 REQUEUE_NEUTRAL_SETTINGS = frozenset(
     {
-        *config.RUN_DEFINING_SETTINGS,
+        *knob_values.RUN_DEFINING_SETTINGS,
         "DATA_SOURCES",
         "CACHE_DIR",
         "RESUME_FROM",
@@ -761,14 +762,14 @@ def check_directory_for_run(
 
 
 def run_defining_changes(recorded: dict[str, Any]) -> list[str]:
-    """How this job's run-defining settings (config.RUN_DEFINING_SETTINGS) differ from ``recorded``,
+    """How this job's run-defining settings (knob_values.RUN_DEFINING_SETTINGS) differ from ``recorded``,
     the ``run_record`` a step checkpoint carries, as ``NAME 'old' -> 'new'``, leaving out those
     RESUME_CHANGES names. MODEL_CONFIG counts only while INIT_MODEL is empty (it builds the model
     then); an empty WANDB_RUN_NAME continues the recorded run's name, and so does the name itself."""
     settings = recorded.get("settings") or {}
     now = config.run_settings()
     changes = []
-    for name in config.RUN_DEFINING_SETTINGS:
+    for name in knob_values.RUN_DEFINING_SETTINGS:
         if name in config.RESUME_CHANGES or name not in settings:
             continue
         old, new = settings[name], now[name]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import knob_values
 from env_variables import unknown_variables
 from file_names import is_utf8, printable
 from process_control import UserError, exit_on_user_errors
@@ -35,10 +36,6 @@ REPO_DIR = Path(__file__).resolve().parent
 PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true")
 WANDB_MODES = ("online", "offline", "disabled")
 LANG_WEIGHTINGS = ("count", "hours")
-# Speed perturbation factors a run may ask for (SPEED_PERTURB): a factor outside is a typo
-# ('90,100,110'), not an augmentation.
-SPEED_FACTOR_RANGE = (0.5, 2.0)
-SPEED_FACTORS_MOST = 16
 
 
 class ConfigError(UserError, ValueError):
@@ -79,155 +76,7 @@ class Knob:
 # --- parsers: each turns the raw string into a typed value or raises ValueError("expected ...") ---
 
 
-def _int(raw: str) -> int:
-    try:
-        return int(raw.strip())
-    except ValueError:
-        raise ValueError("expected an integer") from None
-
-
-def _float(raw: str) -> float:
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        raise ValueError("expected a number") from None
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError("expected a finite number")
-    return value
-
-
-def _str(raw: str) -> str:
-    # A text setting (a run name, INIT_MODEL's or RESUME_FROM's path) is written into run records,
-    # hparams and W&B as text: a byte that is not UTF-8 would fail there, after the model and the
-    # caches are built, so it fails here, as a path setting does.
-    raw = raw.strip()
-    if not is_utf8(raw):
-        raise ValueError(
-            "expected UTF-8 text (bytes that are not UTF-8 shown as \\xNN): for a file, rename it in "
-            "UTF-8 or point at a symlink with a UTF-8 name"
-        )
-    return raw
-
-
-def _path(raw: str) -> Path:
-    raw = raw.strip()
-    if not raw:
-        raise ValueError("expected a path")
-    # A path is written into manifests, W&B, run records and model cards as text; a byte that is
-    # not UTF-8 would fail there, hours in, so it fails here.
-    if not is_utf8(raw):
-        raise ValueError(
-            "expected a path in UTF-8 (bytes that are not UTF-8 shown as \\xNN): rename it in UTF-8 or "
-            "point at a symlink with a UTF-8 name"
-        )
-    return Path(raw).expanduser()
-
-
-def _languages(raw: str) -> tuple[str, ...]:
-    # The data's codes are lower case ('hi', 'en'); 'EN' means the same language.
-    codes = tuple(dict.fromkeys(c.strip().lower() for c in raw.split(",") if c.strip()))
-    bad = [c for c in codes if not c.replace("-", "").replace("_", "").isalnum()]
-    if bad:
-        raise ValueError(f"expected comma-separated language codes such as 'hi,en' (bad: {bad})")
-    return codes
-
-
-# What makes a run the run it is: a resume whose checkpoint was trained with other values is
-# refused unless RESUME_CHANGES names them (checkpoints.check_resume_settings).
-RUN_DEFINING_SETTINGS = (
-    "INIT_MODEL",
-    "TOKENIZER_DIR",
-    "MODEL_CONFIG",
-    "TRAIN_MANIFEST_PATH",
-    "WANDB_RUN_NAME",
-)
-
-
-def _run_defining_settings(raw: str) -> tuple[str, ...]:
-    names = tuple(dict.fromkeys(n.strip().upper() for n in raw.split(",") if n.strip()))
-    unknown = [n for n in names if n not in RUN_DEFINING_SETTINGS]
-    if unknown:
-        raise ValueError(
-            f"expected comma-separated names of {', '.join(RUN_DEFINING_SETTINGS)} (not {unknown})"
-        )
-    return names
-
-
-def _sources(raw: str) -> tuple[str, ...]:
-    return tuple(_str(part) for part in raw.split(";") if part.strip())
-
-
-def _boundaries(raw: str) -> tuple[float, ...] | str:
-    raw = raw.strip()
-    if raw.startswith("auto:"):
-        k = raw[5:]
-        if not k.isdigit() or int(k) < 2:
-            raise ValueError(
-                "expected 'auto:K' with an integer K >= 2, or increasing seconds like '3,5,8'"
-            )
-        return raw
-    try:
-        values = tuple(float(v) for v in raw.split(",") if v.strip())
-    except ValueError:
-        raise ValueError("expected increasing seconds like '3,5,8,12,16', or 'auto:K'") from None
-    if not values or any(v <= 0 or v != v for v in values):
-        raise ValueError("expected positive seconds like '3,5,8,12,16', or 'auto:K'")
-    if any(b <= a for a, b in zip(values, values[1:])):
-        raise ValueError("expected strictly increasing seconds like '3,5,8,12,16', or 'auto:K'")
-    return values
-
-
-def _speed_factors(raw: str) -> tuple[float, ...]:
-    low, high = SPEED_FACTOR_RANGE
-    expected = (
-        f"expected comma-separated speed factors between {low:g} and {high:g} such as "
-        f"'0.9,1.0,1.1' (at most {SPEED_FACTORS_MOST}), or 1 for none"
-    )
-    try:
-        values = tuple(float(v) for v in raw.split(",") if v.strip())
-    except ValueError:
-        raise ValueError(expected) from None
-    if len(values) > SPEED_FACTORS_MOST or any(not low <= v <= high for v in values):
-        raise ValueError(expected)
-    return values if any(v != 1.0 for v in values) else ()
-
-
-def _decibel_range(raw: str) -> tuple[float, float]:
-    expected = "expected 'low,high' in dB such as '10,20', or one number for a fixed value"
-    try:
-        values = [_float(v) for v in raw.split(",")]
-    except ValueError:
-        raise ValueError(expected) from None
-    if len(values) == 1:
-        values *= 2
-    if len(values) != 2 or values[0] > values[1]:
-        raise ValueError(expected)
-    return (values[0], values[1])
-
-
-def _choice(*allowed: str) -> Callable[[str], str]:
-    def parse(raw: str) -> str:
-        value = raw.strip()
-        if value not in allowed:
-            raise ValueError(f"expected one of {', '.join(allowed)}")
-        return value
-
-    return parse
-
-
 # --- checks on a typed value: return None when fine, else what is expected ---
-
-
-def _positive(v: float) -> str | None:
-    return None if v > 0 else "expected a value > 0"
-
-
-def _non_negative(v: float) -> str | None:
-    return None if v >= 0 else "expected a value >= 0"
-
-
-def _zero_or_at_least_two(v: int) -> str | None:
-    return None if v == 0 or v >= 2 else "expected 0 (off) or an integer >= 2"
 
 
 def default_workers(env: Mapping[str, str]) -> int:
@@ -264,7 +113,11 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         unknown = set(steps) - set(STEPS)
         assert not unknown, f"knob {name}: unknown steps {sorted(unknown)}"
         raw = env.get(name)
-        if raw is None or (raw.strip() == "" and parse is not _str and parse is not _languages):
+        if raw is None or (
+            raw.strip() == ""
+            and parse is not knob_values.text
+            and parse is not knob_values.languages
+        ):
             value, source = default, ("derived" if derived else "default")
         else:
             try:
@@ -286,14 +139,14 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     data_dir = knob(
         "DATA_DIR",
         REPO_DIR / "data",
-        _path,
+        knob_values.path,
         "Root of the data tree; the paths below follow it unless set",
         steps=STEPS,
     )
     knob(
         "SHARDS_DIR",
         data_dir / "shards",
-        _path,
+        knob_values.path,
         "Input shards: <source>/<lang>/<shard>/{metadata,audio_index}.parquet + audio.tar",
         derived=True,
         steps=("extract_audio", "build_manifest", "demo_corpus"),
@@ -301,7 +154,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "DATA_SOURCES",
         (),
-        _sources,
+        knob_values.sources,
         "Sources build_manifest imports, separated by ';': nemo:train.json, hf:parquet_dir, "
         "kaldi:data_dir, cv:common_voice_language_dir, shards:DIR, each with :option=value,... "
         "(see docs/bring_your_own_data.md); "
@@ -311,7 +164,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "IMPORTED_AUDIO_DIR",
         data_dir / "imported_audio",
-        _path,
+        knob_values.path,
         "Where build_manifest writes imported audio as FLAC (tar members, parquet bytes, Kaldi "
         "segments)",
         derived=True,
@@ -320,7 +173,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "MASTER_MANIFEST_PATH",
         data_dir / "master_manifest.parquet",
-        _path,
+        knob_values.path,
         "build_manifest.py output",
         derived=True,
         steps=("build_manifest", "make_train_val"),
@@ -328,7 +181,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "TRAIN_MANIFEST_PATH",
         data_dir / "train_manifest_v2.parquet",
-        _path,
+        knob_values.path,
         "make_train_val.py output read by train.py",
         derived=True,
         steps=("make_train_val", "train_tokenizer", "build_cache", "train", "manifest_report"),
@@ -336,7 +189,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "VAL_MANIFEST_PATH",
         data_dir / "val_manifest_v2.parquet",
-        _path,
+        knob_values.path,
         "make_train_val.py output read by evaluation",
         derived=True,
         steps=("make_train_val", "build_cache", "train", "evaluate"),
@@ -344,7 +197,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "TEST_MANIFEST_PATH",
         data_dir / "test_manifest_v2.parquet",
-        _path,
+        knob_values.path,
         "make_train_val.py output: the source's own test split, never trained on "
         "(scripts/evaluate.py MODEL --manifest it)",
         derived=True,
@@ -353,7 +206,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "TOKENIZER_DIR",
         data_dir / "tokenizer",
-        _path,
+        knob_values.path,
         "SentencePiece tokenizer directory (train_tokenizer.py output)",
         derived=True,
         steps=("train_tokenizer", "build_cache", "train", "evaluate", "export_nemo", "transcribe"),
@@ -361,7 +214,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "CHECKPOINT_DIR",
         data_dir / "checkpoints",
-        _path,
+        knob_values.path,
         "Step checkpoints and the final .nemo",
         derived=True,
         steps=("train", "evaluate", "export_nemo", "transcribe"),
@@ -369,66 +222,74 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "WANDB_LOG_DIR",
         data_dir / "wandb_logs",
-        _path,
+        knob_values.path,
         "W&B run directory (offline runs live here) and the local metrics JSONL",
         derived=True,
         steps=("train",),
     )
 
     # Weights & Biases
-    knob("WANDB_PROJECT", "parakeet-tdt-finetune", _str, "W&B project name", steps=("train",))
+    knob(
+        "WANDB_PROJECT",
+        "parakeet-tdt-finetune",
+        knob_values.text,
+        "W&B project name",
+        steps=("train",),
+    )
     knob(
         "WANDB_MODE",
         "",
-        _choice("", *WANDB_MODES),
+        knob_values.choice("", *WANDB_MODES),
         "online, offline or disabled; empty = online with WANDB_API_KEY, else offline",
         steps=("train",),
     )
-    knob("WANDB_RUN_NAME", "", _str, "W&B run name; empty = generated", steps=("train",))
+    knob(
+        "WANDB_RUN_NAME", "", knob_values.text, "W&B run name; empty = generated", steps=("train",)
+    )
 
     # Model
     knob(
         "INIT_MODEL",
         "",
-        _str,
+        knob_values.text,
         "A .nemo path or a pretrained name (e.g. nvidia/parakeet-tdt-0.6b-v2); empty = fresh model from MODEL_CONFIG",
         steps=("train_tokenizer", "train", "evaluate", "export_nemo", "transcribe"),
     )
     knob(
         "MODEL_CONFIG",
         REPO_DIR / "configs" / "tiny_tdt.yaml",
-        _path,
+        knob_values.path,
         "YAML of a fresh model, used when INIT_MODEL is empty",
         steps=("train", "evaluate", "export_nemo", "transcribe"),
     )
     knob(
         "RESUME_FROM",
         "",
-        _str,
+        knob_values.text,
         "A checkpoint path, or 'last' for the newest in CHECKPOINT_DIR; empty = start fresh",
         steps=("train",),
     )
     knob(
         "RESUME_CHANGES",
         (),
-        _run_defining_settings,
+        knob_values.run_defining_settings,
         "Run-defining settings a resume may change from its checkpoint's (comma-separated, of "
-        + ", ".join(RUN_DEFINING_SETTINGS)
+        + ", ".join(knob_values.RUN_DEFINING_SETTINGS)
         + "); any other change is refused, so a wrong CHECKPOINT_DIR cannot continue another run",
         steps=("train",),
     )
     knob(
         "VOCAB_SIZE",
         12000,
-        _int,
+        knob_values.integer,
         "SentencePiece vocabulary size for train_tokenizer.py",
-        _positive,
+        knob_values.positive,
         steps=("train_tokenizer",),
     )
     knob(
         "TOKENIZER_MODE",
         "auto",
-        _choice("auto", "new", "extend", "tags"),
+        knob_values.choice("auto", "new", "extend", "tags"),
         "train_tokenizer.py: new = learned from the manifest; extend = the base model's (INIT_MODEL) "
         "with pieces for what it does not cover and the tags appended, every base piece keeping its "
         "id; tags = the base's plus the tags only; auto = extend when INIT_MODEL is set, else new",
@@ -437,7 +298,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "DECODER_INIT",
         "carry",
-        _choice("carry", "fresh"),
+        knob_values.choice("carry", "fresh"),
         "When TOKENIZER_DIR's vocabulary differs from the base model's: carry = keep the base's "
         "decoder and joint (and a hybrid's CTC decoder), with the rows of pieces both vocabularies "
         "share, blank and durations moved to their new ids and new pieces started below every base "
@@ -448,7 +309,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "NEW_PIECE_BIAS",
         "equal",
-        _choice("equal", "frequency"),
+        knob_values.choice("equal", "frequency"),
         "DECODER_INIT=carry: where the output bias of a piece the base lacks starts, below the mean "
         "base piece: equal = log(1/N) for N new pieces; frequency = log of its share of the new "
         "pieces in the tokenizer's sampled text (TOKENIZER_DIR/piece_counts.json)",
@@ -457,7 +318,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "TDT_LOSS",
         "numba",
-        _choice("numba", "torch"),
+        knob_values.choice("numba", "torch"),
         "TDT loss on CUDA: numba = NeMo's kernel (requirements-gpu.txt), torch = tdt_loss.py "
         "(no numba needed, slower); CPU always runs tdt_loss.py",
         steps=("train", "evaluate"),
@@ -465,9 +326,9 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "ENCODER_FRAME_SECONDS",
         0.08,
-        _float,
+        knob_values.number,
         "Seconds per encoder frame (10 ms hop x 8x subsampling); utterances with more tokens than frames are dropped",
-        _positive,
+        knob_values.positive,
         steps=("build_cache", "train", "evaluate"),
     )
 
@@ -475,39 +336,45 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "LANGUAGES",
         (),
-        _languages,
+        knob_values.languages,
         "Comma-separated language codes to keep (e.g. 'hi,ta,en'); empty = all",
         steps=("build_manifest", "make_train_val"),
     )
     knob(
         "TARGET_SAMPLE_RATE",
         16000,
-        _int,
+        knob_values.integer,
         "Audio is resampled to this rate (Hz)",
-        _positive,
+        knob_values.positive,
         steps=("train", "evaluate", "transcribe"),
     )
     knob(
         "MIN_DURATION",
         0.5,
-        _float,
+        knob_values.number,
         "Shortest utterance kept, seconds",
-        _non_negative,
+        knob_values.non_negative,
         steps=("build_manifest",),
     )
     knob(
         "MAX_DURATION",
         20.0,
-        _float,
+        knob_values.number,
         "Longest utterance kept, seconds",
-        _positive,
+        knob_values.positive,
         steps=("build_manifest", "manifest_report", "demo_corpus"),
     )
-    knob("MIN_QUALITY", 0.0, _float, "Lowest tx_quality_score kept", steps=("build_manifest",))
+    knob(
+        "MIN_QUALITY",
+        0.0,
+        knob_values.number,
+        "Lowest tx_quality_score kept",
+        steps=("build_manifest",),
+    )
     knob(
         "TRANSCRIPT_STYLE",
         "auto",
-        _choice("auto", "plain", "punctuated"),
+        knob_values.choice("auto", "plain", "punctuated"),
         "How build_manifest.py writes the training targets: plain = punctuation and symbols removed "
         "(the danda too), case as written; punctuated = the sentence punctuation . , ? ! ; : and "
         "the danda and double danda kept, attached to the word before, and case as written; both "
@@ -520,31 +387,31 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "MAX_TOKEN_LEN",
         512,
-        _int,
+        knob_values.integer,
         "Token sequences are truncated to this length",
-        _positive,
+        knob_values.positive,
         steps=("build_cache", "train", "evaluate"),
     )
     knob(
         "AUDIO_DURATION_TOLERANCE",
         0.25,
-        _float,
+        knob_values.number,
         "Decoded audio whose length differs from the manifest by more (seconds) is bad audio",
-        _non_negative,
+        knob_values.non_negative,
         steps=("train", "evaluate", "transcribe"),
     )
     knob(
         "VAL_PER_LANG",
         200,
-        _int,
+        knob_values.integer,
         "Validation utterances per language (make_train_val.py)",
-        _non_negative,
+        knob_values.non_negative,
         steps=("make_train_val",),
     )
     knob(
         "VAL_MAX_FRACTION",
         0.5,
-        _float,
+        knob_values.number,
         "At most this share of a language's rows goes to validation (make_train_val.py)",
         lambda v: None if 0 <= v <= 1 else "expected a fraction between 0 and 1",
         steps=("make_train_val",),
@@ -552,7 +419,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "VAL_WARN_FRACTION",
         1 / 3,
-        _float,
+        knob_values.number,
         "A split that puts more than this share of a language's rows into validation warns, "
         "naming the flag that keeps more for training (make_train_val.py)",
         lambda v: None if 0 <= v <= 1 else "expected a fraction between 0 and 1",
@@ -562,7 +429,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "SCRIPT_VOTE_THRESHOLD",
         0.9,
-        _float,
+        knob_values.number,
         "Share of a transcript's letters in one script for that script to correct its language tag (make_train_val.py)",
         lambda v: None if 0.5 < v <= 1 else "expected a fraction above 0.5 and at most 1",
         steps=("build_manifest", "make_train_val"),
@@ -572,22 +439,22 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "BUCKET_BOUNDARIES",
         (3.0, 5.0, 8.0, 12.0, 16.0),
-        _boundaries,
+        knob_values.boundaries,
         "Duration bucket edges in seconds, or 'auto:K' for K quantile buckets",
         steps=("train", "manifest_report"),
     )
     knob(
         "MAX_BATCH_DURATION",
         90.0,
-        _float,
+        knob_values.number,
         "Seconds of raw audio per micro-batch (per GPU)",
-        _positive,
+        knob_values.positive,
         steps=("train", "manifest_report"),
     )
     knob(
         "TEMPERATURE",
         0.3,
-        _float,
+        knob_values.number,
         "Language mix: share ~ n_l^T (1 = natural, 0 = uniform)",
         lambda v: None if v >= 0 else "expected a value >= 0 (1 = natural shares, 0 = uniform)",
         steps=("train_tokenizer", "train", "manifest_report"),
@@ -595,14 +462,14 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "LANG_WEIGHTING",
         "count",
-        _choice(*LANG_WEIGHTINGS),
+        knob_values.choice(*LANG_WEIGHTINGS),
         "Temperature over utterance counts or over hours",
         steps=("train_tokenizer", "train", "manifest_report"),
     )
     knob(
         "BASE_LANGUAGE_SHARE",
         0.25,
-        _float,
+        knob_values.number,
         "Replay: the least share of the language mix (after TEMPERATURE) that the base model's "
         "languages (BASE_LANGUAGES) get together when the data also has new ones, so finetuning "
         "keeps them; 0 = none",
@@ -612,7 +479,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "BASE_LANGUAGES",
         (),
-        _languages,
+        knob_values.languages,
         "The languages the base model (INIT_MODEL) was trained on, which BASE_LANGUAGE_SHARE keeps "
         "(comma-separated); empty = those INIT_MODEL records (a .nemo or step checkpoint this "
         "project trained); a base from elsewhere records none and needs them set while "
@@ -622,23 +489,23 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "EPOCH_SIZE",
         0,
-        _int,
+        knob_values.integer,
         "Utterances per sampler epoch; 0 = the number of utterances",
-        _non_negative,
+        knob_values.non_negative,
         steps=("train",),
     )
     knob(
         "BATCH_COST_QUADRATIC",
         0.0,
-        _float,
+        knob_values.number,
         "Quadratic term of the batch cost model (attention), per second^2",
-        _non_negative,
+        knob_values.non_negative,
         steps=("train",),
     )
     knob(
         "MAX_BATCH_JOINT_CELLS",
         0.0,
-        _float,
+        knob_values.number,
         "Most transducer-joint cells (utterances x encoder frames x (tokens + 1), padded) in a "
         "micro-batch; a batch over it is cut. 0 = those of MAX_BATCH_DURATION seconds of copies of "
         "the manifest's longest utterance at its p99.9 tokens per second; below 0 = no cap",
@@ -647,19 +514,19 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "BATCH_COST_JOINT",
         0.001,
-        _float,
+        knob_values.number,
         "Seconds of audio one joint cell costs in the batch cost model (ordering and rank balance); "
         "0.001 for parakeet-tdt-0.6b at 12k pieces (2 x 640 x 12k FLOPs per cell against its "
         "encoder's per second of audio)",
-        _non_negative,
+        knob_values.non_negative,
         steps=("train",),
     )
     knob(
         "BUCKET_SORT_JITTER",
         0.05,
-        _float,
+        knob_values.number,
         "Relative random spread of the within-bucket duration sort: higher = more random batches, more padding",
-        _non_negative,
+        knob_values.non_negative,
         steps=("train",),
     )
 
@@ -667,7 +534,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "SPEED_PERTURB",
         (),
-        _speed_factors,
+        knob_values.speed_factors,
         "Speed perturbation of training audio: comma-separated factors, one drawn per utterance "
         "and epoch, e.g. 0.9,1.0,1.1 (Kaldi's, Lhotse's and NeMo's set; 1.1 = 10 % faster and "
         "higher, so 1/1.1 as long). The sampler packs batches by the durations played, so "
@@ -679,7 +546,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "NOISE_PROB",
         0.0,
-        _float,
+        knob_values.number,
         "Share of training utterances that get additive noise at an SNR from NOISE_SNR_DB, e.g. "
         "0.5; 0 = off",
         lambda v: None if 0 <= v <= 1 else "expected a probability between 0 and 1",
@@ -688,7 +555,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "NOISE_SNR_DB",
         (10.0, 20.0),
-        _decibel_range,
+        knob_values.decibel_range,
         "Signal-to-noise ratio of the added noise, dB over the whole utterance: 'low,high', drawn "
         "uniformly per utterance (Lhotse's CutMix default), or one number",
         steps=("train",),
@@ -696,7 +563,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "NOISE_DIR",
         None,
-        _path,
+        knob_values.path,
         "Noise recordings (FLAC or WAV, searched recursively, e.g. MUSAN's noise/) that "
         "NOISE_PROB adds: a file and an offset drawn per utterance, looped when shorter; empty = "
         "generated Gaussian noise, its colour drawn per utterance from white to brown (power ~ "
@@ -708,7 +575,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "CACHE_DIR",
         None,
-        _path,
+        knob_values.path,
         "Where training caches live (tokenized manifests, one directory each); empty: beside each "
         "manifest. Set it when the data directory is read-only or small",
         steps=("build_cache", "train", "evaluate"),
@@ -716,9 +583,9 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "CACHE_BUILD_WORKERS",
         0,
-        _int,
+        knob_values.integer,
         "Processes that tokenize a manifest into its training cache; 0: every usable core",
-        _non_negative,
+        knob_values.non_negative,
         steps=("build_cache", "train", "evaluate"),
     )
 
@@ -726,183 +593,211 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "NUM_WORKERS",
         default_workers(env),
-        _int,
+        knob_values.integer,
         "DataLoader workers per rank; default: the node's usable cores / local ranks - 1 (a core "
         "for the rank itself), at least 1, at most 4 (decoding costs ~0.16 ms of a core per second "
         "of audio: 1-2 workers feed a GPU rank, 4 leave room for cold storage)",
-        _non_negative,
+        knob_values.non_negative,
         derived=True,
         steps=("train",),
         shown="cores/ranks-1, 1..4",
     )
-    knob("GRAD_ACCUM", 4, _int, "Micro-batches per optimizer step", _positive, steps=("train",))
-    knob("MAX_STEPS", 600000, _int, "Optimizer steps of the whole run", _positive, steps=("train",))
+    knob(
+        "GRAD_ACCUM",
+        4,
+        knob_values.integer,
+        "Micro-batches per optimizer step",
+        knob_values.positive,
+        steps=("train",),
+    )
+    knob(
+        "MAX_STEPS",
+        600000,
+        knob_values.integer,
+        "Optimizer steps of the whole run",
+        knob_values.positive,
+        steps=("train",),
+    )
     checkpoint_every = knob(
         "CHECKPOINT_EVERY",
         5000,
-        _int,
+        knob_values.integer,
         "Save a checkpoint every N optimizer steps",
-        _positive,
+        knob_values.positive,
         steps=("train",),
     )
     knob(
         "COLLECTIVE_TIMEOUT_MINUTES",
         10.0,
-        _float,
+        knob_values.number,
         "A collective (all-reduce, barrier) waiting longer than this ends the job with an error: a "
         "stopped or hung rank costs minutes, not the default 30",
-        _positive,
+        knob_values.positive,
         steps=("train",),
     )
     knob(
         "WATCHDOG_SECONDS",
         300,
-        _int,
+        knob_values.integer,
         "A rank that completes no micro-batch for this long logs where it waits and which rank last "
         "made progress when; 0 turns the watchdog off",
-        _non_negative,
+        knob_values.non_negative,
         steps=("train",),
     )
     knob(
         "MAX_EMPTY_STEPS",
         50,
-        _int,
+        knob_values.integer,
         "Stop with an error after this many optimizer steps in a row with no utterance on any rank "
         "(all audio missing); 0 never stops",
-        _non_negative,
+        knob_values.non_negative,
         steps=("train",),
     )
     knob(
         "AUDIO_CHECK_SAMPLES",
         64,
-        _int,
+        knob_values.integer,
         "Audio files of the train manifest each rank opens at start-up; none readable stops the "
         "run before training. 0 skips the check",
-        _non_negative,
+        knob_values.non_negative,
         steps=("train",),
     )
     knob(
         "KEEP_CHECKPOINTS",
         0,
-        _int,
+        knob_values.integer,
         "Step checkpoints kept in CHECKPOINT_DIR: the newest N (and the best, KEEP_BEST_CHECKPOINTS); "
         "0 keeps all",
-        _non_negative,
+        knob_values.non_negative,
         steps=("train",),
     )
     knob(
         "KEEP_BEST_CHECKPOINTS",
         1,
-        _int,
+        knob_values.integer,
         "Step checkpoints with the lowest validation WER (val/wer/all) kept whatever "
         "KEEP_CHECKPOINTS says; 'best' in evaluate.py, export_nemo.py and transcribe.py names them",
-        _non_negative,
+        knob_values.non_negative,
         steps=("train",),
     )
     knob(
         "PHASE1_LR",
         3e-4,
-        _float,
+        knob_values.number,
         "Peak LR of phase 1 (encoder frozen)",
-        _positive,
+        knob_values.positive,
         steps=("train",),
     )
     knob(
         "PHASE2_LR",
         1e-4,
-        _float,
+        knob_values.number,
         "Peak LR of phase 2 (encoder unfrozen)",
-        _positive,
+        knob_values.positive,
         steps=("train",),
     )
     knob(
         "MIN_LR",
         1e-6,
-        _float,
+        knob_values.number,
         "LR at MAX_STEPS after cosine decay",
-        _non_negative,
+        knob_values.non_negative,
         steps=("train",),
     )
     knob(
         "UNFREEZE_STEP",
         40000,
-        _int,
+        knob_values.integer,
         "Optimizer step at which the encoder is unfrozen (0 = never frozen)",
-        _non_negative,
+        knob_values.non_negative,
         steps=("train",),
     )
     knob(
         "WARMUP_STEPS",
         5000,
-        _int,
+        knob_values.integer,
         "Linear warmup steps of phase 1",
-        _non_negative,
+        knob_values.non_negative,
         steps=("train",),
     )
     knob(
         "PHASE2_WARMUP",
         3000,
-        _int,
+        knob_values.integer,
         "Linear warmup steps after unfreezing",
-        _non_negative,
+        knob_values.non_negative,
         steps=("train",),
     )
     knob(
         "ENCODER_LR_SCALE",
         1.0,
-        _float,
+        knob_values.number,
         "The encoder's LR is this times the schedule's (phase 2, or from step 0 with "
         "UNFREEZE_STEP=0); decoder and joint get the schedule's own. Below 1 a finetune's encoder "
         "drifts less from its base, and the new languages learn more slowly (docs/training.md)",
-        _positive,
+        knob_values.positive,
         steps=("train",),
     )
     knob(
         "NEW_PIECE_LR_SCALE",
         10.0,
-        _float,
+        knob_values.number,
         "Finetuning with DECODER_INIT=carry: the rows of the pieces the base lacked (prediction "
         "embedding, joint output, a hybrid's CTC output) take steps this many times the LR's, so "
         "a new language's pieces catch up with the base's",
-        _positive,
+        knob_values.positive,
         steps=("train",),
     )
     knob(
         "NEW_PIECE_WARMUP",
         0,
-        _int,
+        knob_values.integer,
         "The new pieces' rows' factor NEW_PIECE_LR_SCALE ramps in linearly from 1x over this many "
         "optimizer steps from step 0 (0 = the full factor from the first step), apart from the "
         "LR's own warmups",
-        _non_negative,
+        knob_values.non_negative,
         steps=("train",),
     )
     knob(
         "NEW_PIECE_DECAY",
         0,
-        _int,
+        knob_values.integer,
         "After NEW_PIECE_WARMUP, the new pieces' rows' factor NEW_PIECE_LR_SCALE falls by cosine "
         "back to 1x over this many optimizer steps and stays there (0 = it stays at "
         "NEW_PIECE_LR_SCALE), apart from the LR's own decay",
-        _non_negative,
+        knob_values.non_negative,
         steps=("train",),
     )
-    knob("WEIGHT_DECAY", 1e-3, _float, "AdamW weight decay", _non_negative, steps=("train",))
-    knob("GRAD_CLIP", 1.0, _float, "Gradient norm clip (0 = off)", _non_negative, steps=("train",))
+    knob(
+        "WEIGHT_DECAY",
+        1e-3,
+        knob_values.number,
+        "AdamW weight decay",
+        knob_values.non_negative,
+        steps=("train",),
+    )
+    knob(
+        "GRAD_CLIP",
+        1.0,
+        knob_values.number,
+        "Gradient norm clip (0 = off)",
+        knob_values.non_negative,
+        steps=("train",),
+    )
     knob(
         "EVAL_EVERY_STEPS",
         checkpoint_every,
-        _int,
+        knob_values.integer,
         "Validation (per-language WER/CER and loss on VAL_MANIFEST_PATH) every N optimizer steps; "
         "default CHECKPOINT_EVERY, so every checkpoint has its scores; 0 = off",
-        _non_negative,
+        knob_values.non_negative,
         derived=True,
         steps=("train",),
     )
     knob(
         "EVAL_BASE",
         "auto",
-        _choice("auto", "1", "0"),
+        knob_values.choice("auto", "1", "0"),
         "Validate at step 0, before the first update: auto = when finetuning (INIT_MODEL set), so every "
         "per-language WER curve starts from the base and the model card shows base vs finetuned; "
         "1 = always; 0 = never. A resumed job does not repeat it",
@@ -911,7 +806,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "VAL_LANGUAGE_GIVEN",
         "1",
-        _choice("1", "0"),
+        knob_values.choice("1", "0"),
         "Validation decodes every utterance twice from one encoder forward: auto (the model names "
         "the language: val/wer/<lang>) and from its language's tag (val/wer_given/<lang>), so a "
         "wrong language is told from a wrong word; 0 = auto only",
@@ -920,7 +815,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "LANGUAGE_GIVEN_SCRIPTS",
         "1",
-        _choice("1", "0"),
+        knob_values.choice("1", "0"),
         "Decoding with the language given (validation's val/wer_given, evaluate.py, transcribe.py "
         "--lang) writes, after the tag, only pieces of the scripts the model records that "
         "language written in (train_tokenizer.py counts them; pieces without letters always "
@@ -930,43 +825,49 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "FORGETTING_WARN_POINTS",
         5.0,
-        _float,
+        knob_values.number,
         "Warn at each validation where a base language's WER (auto) has risen more than this many "
         "points above its step-0 validation (val/forgetting/<lang>); 0 = never warn",
-        _non_negative,
+        knob_values.non_negative,
         steps=("train",),
     )
     knob(
         "OVERFITTING_WARN_VALIDATIONS",
         3,
-        _int,
+        knob_values.integer,
         "Warn once when the validation loss rose at each of the last N validations while the "
         "training loss fell (its mean since the previous validation, last interval of those against "
         "the first); run_report.py marks every such validation. 0 = never warn",
-        _zero_or_at_least_two,
+        knob_values.zero_or_at_least_two,
         steps=("train",),
     )
     knob(
         "EVAL_SAMPLES_PER_LANG",
         0,
-        _int,
+        knob_values.integer,
         "Validation utterances per language (a seeded choice); 0 = the whole validation manifest, "
         "split across ranks",
-        _non_negative,
+        knob_values.non_negative,
         steps=("train",),
     )
     knob(
         "SEED",
         1234,
-        _int,
+        knob_values.integer,
         "Seed of the sampler plan, model init and workers",
         steps=("make_train_val", "train_tokenizer", "train", "demo_corpus"),
     )
-    knob("PRECISION", "bf16-mixed", _choice(*PRECISIONS), "Lightning precision", steps=("train",))
+    knob(
+        "PRECISION",
+        "bf16-mixed",
+        knob_values.choice(*PRECISIONS),
+        "Lightning precision",
+        steps=("train",),
+    )
     knob(
         "ACCELERATOR",
         "auto",
-        _choice("auto", "cpu", "gpu", "cuda"),
+        knob_values.choice("auto", "cpu", "gpu", "cuda"),
         "Lightning accelerator",
         steps=("train",),
     )
@@ -975,7 +876,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "USE_PYTORCH_SDPA",
         "auto",
-        _choice("auto", "1", "0"),
+        knob_values.choice("auto", "1", "0"),
         "The encoder's attention through torch's scaled_dot_product_attention (fused kernels) "
         "instead of NeMo's matmul-softmax-matmul: auto = as the model's config says "
         "(use_pytorch_sdpa), 1 = on, 0 = off",
@@ -984,17 +885,17 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "JOINT_FUSED_BATCH_SIZE",
         0,
-        _int,
+        knob_values.integer,
         "Utterances per sub-batch of the fused joint + loss (fused_batch_size): larger runs fewer, "
         "larger joint kernels and holds more joint memory at once; 0 = as the model's config says "
         "(4 in Parakeet's)",
-        _non_negative,
+        knob_values.non_negative,
         steps=("train",),
     )
     knob(
         "FUSED_ADAMW",
         "0",
-        _choice("1", "0"),
+        knob_values.choice("1", "0"),
         "AdamW's fused kernel (torch.optim.AdamW(fused=True)): one kernel for the whole update "
         "instead of a few per parameter list",
         steps=("train",),
@@ -1002,7 +903,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "COMPILE_ENCODER",
         "0",
-        _choice("1", "0"),
+        knob_values.choice("1", "0"),
         "Compile each encoder layer with torch.compile (dynamic shapes; the first steps of each "
         "new shape pay for compiling)",
         steps=("train",),
@@ -1010,7 +911,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "MATMUL_PRECISION",
         "highest",
-        _choice("highest", "high", "medium"),
+        knob_values.choice("highest", "high", "medium"),
         "torch.set_float32_matmul_precision for the parts that run in float32 under bf16-mixed "
         "(the mel front end, attention scores NeMo keeps in float32, the loss): high = TF32 tensor "
         "cores, still finer than bf16",
@@ -1020,7 +921,7 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
     knob(
         "IGNORE_UNKNOWN_ENV",
         "",
-        _str,
+        knob_values.text,
         "Comma-separated variables that look like knobs but are not, to let pass (every entry point "
         "refuses them otherwise, as likely typos); '*' turns the check off",
         steps=STEPS,
@@ -1042,41 +943,6 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         sep = " " if len(errors) == 1 else "\n  "
         raise ConfigError("invalid configuration:" + sep + sep.join(errors))
     return knobs
-
-
-def schedule_warnings() -> list[str]:
-    """One line per training-schedule knob (MAX_STEPS, UNFREEZE_STEP, WARMUP_STEPS, PHASE2_WARMUP)
-    whose value the run cannot reach, each naming the knobs and a value that works. Warnings, not
-    errors: the run still trains, only not as its knobs suggest. A frozen encoder for the whole run
-    is a real choice (a decoder-only finetune, or a run to be resumed with a larger MAX_STEPS), so
-    it is said, not refused. Read at call time, so tests can monkeypatch the values."""
-    g = globals()
-    max_steps, unfreeze = g["MAX_STEPS"], g["UNFREEZE_STEP"]
-    warmup, phase2_warmup = g["WARMUP_STEPS"], g["PHASE2_WARMUP"]
-    out = []
-    phase1 = min(unfreeze, max_steps)
-    if 0 < phase1 < warmup:
-        out.append(
-            f"WARMUP_STEPS={warmup} is longer than phase 1 ({phase1} optimizer steps: UNFREEZE_STEP="
-            f"{unfreeze}, MAX_STEPS={max_steps}), so the LR never gets above "
-            f"{g['PHASE1_LR'] * phase1 / warmup:.2e} of PHASE1_LR={g['PHASE1_LR']:.2e}: "
-            f"set WARMUP_STEPS={max(1, phase1 // 10)} (a tenth of phase 1)"
-        )
-    phase2 = max_steps - unfreeze
-    if 0 < phase2 < phase2_warmup:
-        out.append(
-            f"PHASE2_WARMUP={phase2_warmup} is longer than phase 2 ({phase2} optimizer steps: "
-            f"MAX_STEPS={max_steps} - UNFREEZE_STEP={unfreeze}), so the LR never gets above "
-            f"{g['PHASE2_LR'] * phase2 / phase2_warmup:.2e} of PHASE2_LR={g['PHASE2_LR']:.2e}: "
-            f"set PHASE2_WARMUP={max(1, phase2 // 10)} (a tenth of phase 2)"
-        )
-    if 0 < unfreeze and max_steps <= unfreeze:
-        out.append(
-            f"UNFREEZE_STEP={unfreeze} >= MAX_STEPS={max_steps}: the encoder stays frozen for the "
-            f"whole run and only the decoder and joint train; set UNFREEZE_STEP={max_steps // 2} "
-            "(or any value below MAX_STEPS) to finetune the encoder too"
-        )
-    return out
 
 
 def _format_value(value: Any) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 import config
+import knob_values
 
 
 def check_settings(s) -> None:
@@ -48,18 +49,18 @@ def check_settings(s) -> None:
 
 def speed_factors(values: Any) -> tuple[float, ...]:
     """``values`` as a tuple of speed factors; () when there are none or every one is 1 (no
-    perturbation). A factor outside config.SPEED_FACTOR_RANGE raises a ValueError naming it."""
+    perturbation). A factor outside knob_values.SPEED_FACTOR_RANGE raises a ValueError naming it."""
     try:
         factors = tuple(float(v) for v in values)
     except (TypeError, ValueError):
         raise ValueError(
             f"speed_factors={values!r}: expected numbers such as (0.9, 1.0, 1.1)"
         ) from None
-    low, high = config.SPEED_FACTOR_RANGE
+    low, high = knob_values.SPEED_FACTOR_RANGE
     bad = [v for v in factors if not low <= v <= high]  # NaN fails too
-    if bad or len(factors) > config.SPEED_FACTORS_MOST:
+    if bad or len(factors) > knob_values.SPEED_FACTORS_MOST:
         raise ValueError(
-            f"speed_factors={values!r}: expected at most {config.SPEED_FACTORS_MOST} factors "
+            f"speed_factors={values!r}: expected at most {knob_values.SPEED_FACTORS_MOST} factors "
             f"between {low:g} and {high:g} such as (0.9, 1.0, 1.1)"
             + (f" (bad: {bad})" if bad else "")
         )

@@ -91,6 +91,7 @@ from training_step import (  # noqa: E402
     check_audio_sample,
     describe_new_piece_schedule,
     prepare_training_caches,
+    schedule_warnings,
     startup_refusals,
     steps_left,
     train_manifest_path,
@@ -408,7 +409,7 @@ def run(argv: list[str] | None = None) -> int:
     ckpt_path = check_inputs()
     if env["rank"] == 0:
         hint = single_process_hint(env)
-        for line in ([hint] if hint else []) + config.schedule_warnings():
+        for line in ([hint] if hint else []) + schedule_warnings():
             log.warning(line)
     if steps_left(ckpt_path) == 0:
         if env["rank"] == 0:

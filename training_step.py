@@ -901,3 +901,37 @@ def log_first_step(sampler, rank: int) -> None:
         first["audio_seconds"],
         first["max_duration"],
     )
+
+
+def schedule_warnings() -> list[str]:
+    """One line per training-schedule knob (MAX_STEPS, UNFREEZE_STEP, WARMUP_STEPS, PHASE2_WARMUP)
+    whose value the run cannot reach, each naming the knobs and a value that works. Warnings, not
+    errors: the run still trains, only not as its knobs suggest. A frozen encoder for the whole run
+    is a real choice (a decoder-only finetune, or a run to be resumed with a larger MAX_STEPS), so
+    it is said, not refused."""
+    max_steps, unfreeze = config.MAX_STEPS, config.UNFREEZE_STEP
+    warmup, phase2_warmup = config.WARMUP_STEPS, config.PHASE2_WARMUP
+    out = []
+    phase1 = min(unfreeze, max_steps)
+    if 0 < phase1 < warmup:
+        out.append(
+            f"WARMUP_STEPS={warmup} is longer than phase 1 ({phase1} optimizer steps: UNFREEZE_STEP="
+            f"{unfreeze}, MAX_STEPS={max_steps}), so the LR never gets above "
+            f"{config.PHASE1_LR * phase1 / warmup:.2e} of PHASE1_LR={config.PHASE1_LR:.2e}: "
+            f"set WARMUP_STEPS={max(1, phase1 // 10)} (a tenth of phase 1)"
+        )
+    phase2 = max_steps - unfreeze
+    if 0 < phase2 < phase2_warmup:
+        out.append(
+            f"PHASE2_WARMUP={phase2_warmup} is longer than phase 2 ({phase2} optimizer steps: "
+            f"MAX_STEPS={max_steps} - UNFREEZE_STEP={unfreeze}), so the LR never gets above "
+            f"{config.PHASE2_LR * phase2 / phase2_warmup:.2e} of PHASE2_LR={config.PHASE2_LR:.2e}: "
+            f"set PHASE2_WARMUP={max(1, phase2 // 10)} (a tenth of phase 2)"
+        )
+    if 0 < unfreeze and max_steps <= unfreeze:
+        out.append(
+            f"UNFREEZE_STEP={unfreeze} >= MAX_STEPS={max_steps}: the encoder stays frozen for the "
+            f"whole run and only the decoder and joint train; set UNFREEZE_STEP={max_steps // 2} "
+            "(or any value below MAX_STEPS) to finetune the encoder too"
+        )
+    return out

@@ -919,8 +919,10 @@ def check_augmentation() -> Check:
 
 
 def check_schedule() -> Check:
-    """The training-schedule knobs train.py warns about (config.schedule_warnings), before the run."""
-    problems = config.schedule_warnings()
+    """The training-schedule knobs train.py warns about (training_step.schedule_warnings), before the run."""
+    from training_step import schedule_warnings
+
+    problems = schedule_warnings()
     if not problems:
         return Check(
             "schedule", "ok", f"MAX_STEPS={config.MAX_STEPS}, UNFREEZE_STEP={config.UNFREEZE_STEP}"

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import config
+import training_step
 
 REPO = Path(config.__file__).resolve().parent
 
@@ -397,7 +398,7 @@ def test_default_workers_share_the_nodes_cores_among_its_ranks(
 def schedule(monkeypatch, **values):
     for name, value in values.items():
         monkeypatch.setattr(config, name, value)
-    return config.schedule_warnings()
+    return training_step.schedule_warnings()
 
 
 def test_a_schedule_that_fits_the_run_has_no_warning(monkeypatch):
