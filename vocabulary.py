@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import config
 from manifest_schema import UNKNOWN_LANG, known_lang, lang_tag, leading_lang
+from process_control import UserError
 from script_languages import scripts_of
 
 if TYPE_CHECKING:
@@ -338,3 +339,7 @@ def read_piece_counts(tokenizer_dir: Path) -> list[int] | None:
         )
         return None
     return counts
+
+
+class TokenizerError(UserError, ValueError):
+    """A base tokenizer that cannot be read or extended; the message says which and what to do."""

@@ -72,6 +72,7 @@ from manifest_schema import is_nemo_json, lang_tag, split_lang_tags
 from process_control import UserError
 from script_languages import script_letters
 from vocabulary import (
+    TokenizerError,
     scripts_written_in,
     sentencepiece_model_without_paths,
     write_language_scripts,
@@ -230,83 +231,10 @@ def train_with_cap(
         return cap
 
 
-class TokenizerError(UserError, ValueError):
-    """A base tokenizer that cannot be read or extended; the message says which and what to do."""
-
-
 # ModelProto.TrainerSpec.ModelType and ModelProto.SentencePiece.Type values (sentencepiece_model.proto)
 UNIGRAM, BPE = 1, 2
 NORMAL, USER_DEFINED = 1, 4
 STANDARD_NORMALIZERS = ("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity")
-
-
-def base_tokenizer_model(source: str, setting: str = "INIT_MODEL") -> tuple[bytes, str]:
-    """The serialized SentencePiece model of ``source`` and a description of where it came from.
-
-    ``source``: a tokenizer directory (tokenizer.model), a .nemo file, a train.py step checkpoint
-    (.ckpt, which carries its tokenizer) or a pretrained model name (its .nemo, from Hugging Face's
-    cache or downloaded: ``pretrained_models.pretrained_nemo``, whose ModelNotFetched names
-    ``setting``)."""
-    path = Path(source)
-    if path.is_dir():
-        model = path / "tokenizer.model"
-        if not model.is_file():
-            raise TokenizerError(f"base tokenizer {path} has no tokenizer.model")
-        return model.read_bytes(), f"the tokenizer directory {path}"
-    if path.is_file() and path.suffix == ".nemo":
-        return _nemo_tokenizer_model(path), f"the tokenizer of {path}"
-    if path.is_file() and path.suffix == ".ckpt":
-        import asr_model
-        from checkpoints import read_checkpoint
-
-        portable = read_checkpoint(path, mmap=True).get(asr_model.PORTABLE_KEY)
-        if not portable:
-            raise TokenizerError(f"{path} carries no tokenizer (a checkpoint of an older train.py)")
-        asr_model.check_description(portable, path)
-        return portable["tokenizer"]["tokenizer.model"], f"the tokenizer of {path}"
-    if path.exists() or source.endswith((".nemo", ".ckpt")):
-        raise TokenizerError(
-            f"base {source}: expected a .nemo file, a step_*.ckpt, a tokenizer directory or a "
-            f"pretrained name"
-        )
-    from pretrained_models import pretrained_nemo
-
-    downloaded = pretrained_nemo(source, setting)
-    return _nemo_tokenizer_model(downloaded), f"the tokenizer of {source}"
-
-
-def _nemo_tokenizer_model(path: Path) -> bytes:
-    """tokenizer.model inside a .nemo archive; TokenizerError for a kind that cannot be extended."""
-    import tarfile
-
-    import yaml
-
-    try:
-        with tarfile.open(path) as archive:
-            members = {Path(m.name).name: m for m in archive.getmembers() if m.isfile()}
-            cfg = yaml.safe_load(archive.extractfile(members["model_config.yaml"]))
-            tokenizer = (cfg or {}).get("tokenizer") or {}
-            kind = tokenizer.get("type")
-            if kind == "agg":
-                raise TokenizerError(
-                    f"{path} has an aggregate tokenizer (one per language): it cannot be extended "
-                    f"as one SentencePiece model; use TOKENIZER_MODE=new"
-                )
-            if kind != "bpe":
-                raise TokenizerError(
-                    f"{path} has a {kind!r} tokenizer, not SentencePiece ('bpe'): a WordPiece "
-                    f"vocabulary cannot be extended here; use TOKENIZER_MODE=new"
-                )
-            name = str(tokenizer.get("model_path", "")).rsplit(":", 1)[-1]
-            name = Path(name).name if name else ""
-            member = members.get(name) or next(
-                (m for n, m in members.items() if n.endswith("tokenizer.model")), None
-            )
-            if member is None:
-                raise TokenizerError(f"{path} holds no SentencePiece tokenizer.model")
-            return archive.extractfile(member).read()
-    except (tarfile.TarError, KeyError, OSError) as exc:
-        raise TokenizerError(f"cannot read the tokenizer of {path}: {type(exc).__name__}: {exc}")
 
 
 def _proto(data: bytes):
@@ -587,9 +515,11 @@ def train_tokenizer(
     rng = np.random.default_rng(config.SEED if seed is None else seed)
     setting = "INIT_MODEL" if base is None else "--base"
     mode, base = resolve_mode(mode, base)
-    base_model, base_from = (
-        base_tokenizer_model(base, setting) if base and mode != "new" else (None, None)
-    )
+    base_model, base_from = None, None
+    if base and mode != "new":
+        from asr_model import base_tokenizer_model  # torch and NeMo only for a base to extend
+
+        base_model, base_from = base_tokenizer_model(base, setting)
     if not manifest_path.exists():
         raise FileNotFoundError(
             f"TRAIN_MANIFEST_PATH={manifest_path} does not exist; "

@@ -26,7 +26,6 @@ import asr_model
 import checkpoints
 import model_languages
 import transcript_style
-from scripts import train_tokenizer
 from tests.tiny_training_data import make_extension_tokenizers, write_manifest
 from tests.torchrun_jobs import tiny_train_env
 
@@ -239,7 +238,7 @@ READERS = {
     "evaluate / export (load_trained_model)": asr_model.load_trained_model,
     "INIT_MODEL's languages": lambda p: model_languages.recorded_languages(str(p)),
     "INIT_MODEL's style": transcript_style.recorded_style,
-    "the tokenizer's base": lambda p: train_tokenizer.base_tokenizer_model(str(p)),
+    "the tokenizer's base": lambda p: asr_model.base_tokenizer_model(str(p)),
 }
 
 
@@ -364,7 +363,7 @@ DESCRIPTION_READERS = {
         checkpoints.read_checkpoint(p)[asr_model.PORTABLE_KEY],
         checkpoint=str(p),
     ),
-    "the tokenizer's base": lambda p: train_tokenizer.base_tokenizer_model(str(p)),
+    "the tokenizer's base": lambda p: asr_model.base_tokenizer_model(str(p)),
 }
 FIELD_NAMED = {
     "tokenizer": "'tokenizer' file name",
