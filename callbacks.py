@@ -758,39 +758,6 @@ def log_base_and_final(base: dict | None, final: dict | None) -> None:
         )
 
 
-def warn_of_forgetting(step: int, forgetting: dict[str, dict[str, float | None]]) -> None:
-    """One warning line per base language whose auto WER rose more than FORGETTING_WARN_POINTS
-    above its step-0 validation (``evaluation.forgetting``), with the numbers and what to do. A
-    language whose WER was already at or above 1.0 at step 0 gets none: the base knew nothing of
-    it to forget."""
-    limit = float(_config.FORGETTING_WARN_POINTS)
-    if limit <= 0:
-        return
-    for lang, row in forgetting.items():
-        if row["points"] is None or row["points"] <= limit or row["base"] >= 1.0:
-            continue
-        given = (
-            f"; with the language given {100 * row['base_given']:.1f} -> "
-            f"{100 * row['now_given']:.1f}"
-            if row.get("points_given") is not None
-            else ""
-        )
-        _log.warning(
-            "step %d: the base language %s is being forgotten: its WER rose %.1f points above "
-            "step 0's (%.1f -> %.1f%s; FORGETTING_WARN_POINTS=%g). Keep more of it: raise "
-            "BASE_LANGUAGE_SHARE (the replay share), lower ENCODER_LR_SCALE or PHASE2_LR, or blend "
-            "with the base at export (scripts/export_nemo.py --blend-sweep); docs/training.md, "
-            '"Forgetting"',
-            step,
-            lang,
-            row["points"],
-            100 * row["base"],
-            100 * row["now"],
-            given,
-            limit,
-        )
-
-
 def warn_of_overfitting(window: list[training_metrics.LossAtValidation]) -> None:
     """One warning line: the validation loss rose at each validation of ``window`` after its first
     while the training loss fell (``training_metrics.overfitting_at``), the numbers, what to do."""
@@ -1056,6 +1023,7 @@ class PerLanguageWERCallback(_pl.Callback):
             pl_module.last_evaluation,
             self.base_languages,
         )
+        forgetting_warnings = evaluation.forgetting_warnings(trainer.global_step, forgetting)
         if trainer.is_global_zero:
             seconds = time.perf_counter() - started
             lid = evaluation.language_id_accuracy(confusion)
@@ -1064,7 +1032,8 @@ class PerLanguageWERCallback(_pl.Callback):
             )
             if loss is not None:
                 metrics["val/loss"] = loss
-            warn_of_forgetting(trainer.global_step, forgetting)
+            for line in forgetting_warnings:
+                _log.warning(line)
             if self.punctuated:
                 metrics.update(punctuation_metrics(punctuation_case_scores(refs, outs, langs)))
             log_to_loggers(trainer, metrics, step=trainer.global_step)

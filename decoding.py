@@ -98,18 +98,21 @@ def decode_encoded(
     there too; ``scripts``, default LANGUAGE_GIVEN_SCRIPTS=1: after the tag, only the pieces of
     ``vocabulary.language_piece_masks``), the first piece of auto decoding (``first_tokens``) and the loss of
     ``loss_batch`` (the AsrBatch of this audio, with its tokens)."""
-    kind = asr_model.family(model)
     out = BatchDecoding()
+    if languages is not None:
+        # What the vocabulary says of the languages, asked before any search: a language the
+        # model has no tag for is refused before the batch is decoded at all.
+        if scripts is None:
+            scripts = config.LANGUAGE_GIVEN_SCRIPTS == "1"
+        kept = vocabulary.language_piece_masks(model, languages) if scripts else None
+        tag_ids = vocabulary.language_tag_ids(model)
+        firsts = vocabulary.language_tag_pieces(model, languages)
+        if kept is None:
+            kept = [None] * len(firsts)
     auto_ids = None
     if auto:
         out.texts, auto_ids = auto_decoding(model, encoded, encoded_len)
     if languages is not None:
-        firsts = vocabulary.language_tag_pieces(model, languages)
-        if scripts is None:
-            scripts = config.LANGUAGE_GIVEN_SCRIPTS == "1"
-        kept = (
-            vocabulary.language_piece_masks(model, languages) if scripts else [None] * len(firsts)
-        )
         rows = list(range(len(firsts)))
         if auto:
             # Where auto decoding wrote the given tag first and then only kept pieces, the search
@@ -129,12 +132,14 @@ def decode_encoded(
                 encoded_len if len(rows) == len(firsts) else encoded_len[at],
                 [firsts[b] for b in rows],
                 [kept[b] for b in rows],
+                tag_ids=tag_ids,
             )
             for b, text in zip(rows, texts):
                 out.given_texts[b] = text
     if first_tokens:
         out.first_tokens = first_tokens_of_encoded(model, encoded, encoded_len)
     if loss_batch is not None:
+        kind = asr_model.family(model)
         out.loss = float(kind.loss_of_encoded(model, encoded, encoded_len, loss_batch))
     return out
 
@@ -186,14 +191,17 @@ def greedy_texts_of_encoded(
     encoded_len,
     first_pieces: list[int | None] | None = None,
     kept: list[torch.Tensor | None] | None = None,
+    *,
+    tag_ids: frozenset[int] = frozenset(),
 ) -> list[str]:
     """Greedy transcripts from the encoder's output; where ``first_pieces`` gives an utterance a
     piece id, its decoding starts from that piece as if it had emitted it (the language given)
     and writes after it only the pieces ``kept`` marks True for it (None: any piece); None
-    decodes it as it comes (auto)."""
+    decodes it as it comes (auto). ``tag_ids``: the model's language tags
+    (``vocabulary.language_tag_ids``), for ``started_texts``."""
     if first_pieces is None or all(p is None for p in first_pieces):
         return auto_decoding(model, encoded, encoded_len)[0]
-    return started_texts(model, encoded, encoded_len, first_pieces, kept)
+    return started_texts(model, encoded, encoded_len, first_pieces, kept, tag_ids=tag_ids)
 
 
 def auto_decoding(model, encoded, encoded_len) -> tuple[list[str], list | None]:
@@ -214,6 +222,8 @@ def started_texts(
     encoded_len,
     first_pieces: list[int | None],
     kept: list[torch.Tensor | None] | None = None,
+    *,
+    tag_ids: frozenset[int],
 ) -> list[str]:
     """Greedy transcripts of a batch in which utterance b starts with ``first_pieces[b]``, a
     language's tag, in front of what the model writes (None: the utterance decodes auto), and
@@ -221,8 +231,8 @@ def started_texts(
     any piece).
 
     Greedy decoding walks the frames with the start state until a piece beats blank
-    (``first_emissions``), at frame t with duration d. Where that piece is a language tag (the
-    model's guess of the language), the given tag takes its place: the prediction network reads
+    (``first_emissions``), at frame t with duration d. Where that piece is a language tag, one of
+    ``tag_ids`` (the model's guess of the language), the given tag takes its place: the prediction network reads
     it and the search goes on from frame t + d. Where it is any other piece (a model that writes
     no tag, or skipped it), the given tag goes before it: the prediction network reads the tag
     and the search goes on from frame t itself (the tag took no frame), where the model chooses
@@ -252,9 +262,10 @@ def started_texts(
     try:
         with torch.inference_mode():
             starts = first_emissions(model, encoded, encoded_len)
-            tags = vocabulary.language_tag_ids(model)
             frames = [
-                int(length) if first is None else first[2] + (first[3] if first[0] in tags else 0)
+                int(length)
+                if first is None
+                else first[2] + (first[3] if first[0] in tag_ids else 0)
                 for first, length in zip(starts, encoded_len.tolist())
             ]
             state = started_state(model, first_pieces, frames)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+import config
 import decoding
 from manifest_schema import leading_lang, strip_lang_tag
 
@@ -441,6 +442,35 @@ EXCLUSION_REASONS = {
     "infeasible_tokens_gt_frames": "more tokens than encoder frames",
     "bad_duration": "no valid duration",
 }
+
+
+def forgetting_warnings(step: int, forgetting: dict[str, dict[str, float | None]]) -> list[str]:
+    """One warning line per base language whose auto WER rose more than FORGETTING_WARN_POINTS
+    above its step-0 validation (``forgetting``), with the numbers and what to do. A language
+    whose WER was already at or above 1.0 at step 0 gets none: the base knew nothing of it to
+    forget."""
+    limit = float(config.FORGETTING_WARN_POINTS)
+    if limit <= 0:
+        return []
+    lines = []
+    for lang, row in forgetting.items():
+        if row["points"] is None or row["points"] <= limit or row["base"] >= 1.0:
+            continue
+        given = (
+            f"; with the language given {100 * row['base_given']:.1f} -> "
+            f"{100 * row['now_given']:.1f}"
+            if row.get("points_given") is not None
+            else ""
+        )
+        lines.append(
+            f"step {step}: the base language {lang} is being forgotten: its WER rose "
+            f"{row['points']:.1f} points above step 0's ({100 * row['base']:.1f} -> "
+            f"{100 * row['now']:.1f}{given}; FORGETTING_WARN_POINTS={limit:g}). Keep more of it: "
+            "raise BASE_LANGUAGE_SHARE (the replay share), lower ENCODER_LR_SCALE or PHASE2_LR, or "
+            "blend with the base at export (scripts/export_nemo.py --blend-sweep); "
+            'docs/training.md, "Forgetting"'
+        )
+    return lines
 
 
 def excluded_rows(dataset) -> dict[str, dict[str, tuple[int, list[str]]]]:

@@ -445,9 +445,9 @@ def test_decoding_both_ways_searches_again_only_where_auto_is_not_already_the_gi
     searched = []
     real = decoding.started_texts
 
-    def spy(model, encoded, encoded_len, firsts, kept=None):
+    def spy(model, encoded, encoded_len, firsts, kept=None, **tags):
         searched.append(len(firsts))
-        return real(model, encoded, encoded_len, firsts, kept)
+        return real(model, encoded, encoded_len, firsts, kept, **tags)
 
     monkeypatch.setattr(decoding, "started_texts", spy)
     for languages, scripts, rows in (

@@ -398,11 +398,11 @@ def let_echo_models_start_from_a_piece(monkeypatch) -> None:
 
     real = decoding.started_texts
 
-    def started(model, encoded, encoded_len, pieces, kept=None):
+    def started(model, encoded, encoded_len, pieces, kept=None, **tags):
         if isinstance(model, EchoModel):
             starts = [None if p is None else SimpleNamespace(piece=p) for p in pieces]
             return [h.text for h in model.decode(encoded, encoded_len, starts)]
-        return real(model, encoded, encoded_len, pieces, kept)
+        return real(model, encoded, encoded_len, pieces, kept, **tags)
 
     monkeypatch.setattr(decoding, "started_texts", started)
 

@@ -294,10 +294,8 @@ def test_rows_of_unknown_language_decode_auto_in_transcribe_as_in_evaluate(tiny,
     assert scored["und"]["utterances"] == "2" and scored["und"]["wer_given"] == scored["und"]["wer"]
 
 
-def test_no_forgetting_warning_for_a_language_the_base_never_knew(monkeypatch, caplog):
-    import logging
-
-    import callbacks
+def test_no_forgetting_warning_for_a_language_the_base_never_knew(monkeypatch):
+    import evaluation
 
     monkeypatch.setattr(config, "FORGETTING_WARN_POINTS", 5.0)
     row = {"points_given": None, "base_given": None, "now_given": None}
@@ -305,7 +303,8 @@ def test_no_forgetting_warning_for_a_language_the_base_never_knew(monkeypatch, c
         "en": {**row, "base": 0.10, "now": 0.30, "points": 20.0},  # known, then forgotten
         "ta": {**row, "base": 1.00, "now": 1.25, "points": 25.0},  # never known: nothing to lose
     }
-    with caplog.at_level(logging.WARNING, logger="callbacks"):
-        callbacks.warn_of_forgetting(20, rows)
-    warned = [r.getMessage() for r in caplog.records if "being forgotten" in r.getMessage()]
-    assert len(warned) == 1 and "the base language en " in warned[0]
+    warned = evaluation.forgetting_warnings(20, rows)
+    assert len(warned) == 1 and "step 20: the base language en is being forgotten" in warned[0]
+    assert "(10.0 -> 30.0; FORGETTING_WARN_POINTS=5)" in warned[0]
+    monkeypatch.setattr(config, "FORGETTING_WARN_POINTS", 0.0)  # 0: never warn
+    assert evaluation.forgetting_warnings(20, rows) == []
