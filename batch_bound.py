@@ -91,7 +91,7 @@ def packed_batch_bound(sampler: DurationBucketBatchSampler) -> tuple[float, floa
     its share to 1.0), and with its most copies at each (a looser cap on rows, never a tighter one).
 
     One pass over the manifest in slices (a histogram over bucket x duration, 1/16 of a frame wide,
-    up to max_batch_duration), then prefix sums over the bins: benchmarks/bench_packing_bound.py."""
+    up to max_batch_duration), then prefix sums over the bins (measured: docs/benchmarks.md)."""
     f, cap = sampler.frame_seconds, sampler.max_batch_duration
     per_frame = _BOUND_BINS_PER_FRAME
     # The copies of each row an epoch draws: q_l / n_l on average, at most its ceiling.

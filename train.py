@@ -177,7 +177,7 @@ def build_trainer(
         # (TrainingModule.average_batchnorm_statistics).
         # DDP warns on every rank when a backward finds no unused parameter, which phase 2 is until
         # stop_searching_unused_parameters re-wraps DDP: expected with this design; the search's
-        # cost is measured by benchmarks/bench_ddp_unused.py.
+        # cost was measured (docs/benchmarks.md, "find_unused_parameters").
         warnings.filterwarnings(
             "ignore", message=r"find_unused_parameters=True was specified in DDP constructor"
         )
