@@ -48,6 +48,56 @@ NEG = -1e30
 REDUCTIONS = (None, "none", "sum", "mean", "mean_batch", "mean_volume")
 
 
+class _ArcLogProbs(torch.autograd.Function):
+    """The log-probabilities the recursion reads, from the joint's logits ``acts`` [B, T, U1, V1+D]:
+    blank's [B, T, U1], each next label's [B, T, U1-1] (over the V1 token logits) and the
+    durations' [B, T, U1, D] (over the last D).
+
+    Only those entries of the token log-softmax are ever read, so the forward keeps one log-sum-exp
+    per (b, t, u) instead of the whole log-softmax, and the backward writes the gradient of ``acts``
+    in one pass: -softmax x (the incoming gradients summed over the entries read), plus each
+    entry's own gradient where it was read (the gradient NeMo's kernels compute too). Autograd
+    through log_softmax, gather and slicing would keep the whole log-softmax and build the
+    gradient from several full-size temporaries, which is most of a CPU step's loss."""
+
+    @staticmethod
+    def forward(ctx, acts, labels, blank: int, n_dur: int):
+        v1 = acts.shape[-1] - n_dur
+        u1 = acts.shape[2]
+        tokens = acts[..., :v1]
+        lse = torch.logsumexp(tokens, dim=-1)  # [B, T, U1]
+        index = labels[:, None, : u1 - 1, None].expand(-1, acts.shape[1], -1, 1)
+        blank_lp = tokens[..., blank] - lse
+        label_lp = (
+            torch.gather(tokens[:, :, : u1 - 1, :], 3, index).squeeze(3) - lse[:, :, : u1 - 1]
+        )
+        dur_lp = torch.log_softmax(acts[..., v1:], dim=-1)
+        ctx.save_for_backward(acts, lse, index, dur_lp)
+        ctx.blank, ctx.v1 = blank, v1
+        return blank_lp, label_lp, dur_lp
+
+    @staticmethod
+    def backward(ctx, g_blank, g_label, g_dur):
+        acts, lse, index, dur_lp = ctx.saved_tensors
+        v1, u1 = ctx.v1, acts.shape[2]
+        read = torch.zeros_like(lse) if g_blank is None else g_blank.clone()
+        if g_label is not None:
+            read[:, :, : u1 - 1] += g_label
+        # Over every column at once (contiguous, one pass); the duration columns are rewritten below.
+        grad = torch.sub(acts, lse.unsqueeze(-1))
+        grad.exp_().mul_(read.neg_().unsqueeze(-1))
+        tokens = grad[..., :v1]
+        if g_blank is not None:
+            tokens[..., ctx.blank] += g_blank
+        if g_label is not None:
+            tokens[:, :, : u1 - 1].scatter_add_(3, index, g_label.unsqueeze(3))
+        if g_dur is None:
+            grad[..., v1:] = 0
+        else:
+            grad[..., v1:] = g_dur - dur_lp.exp() * g_dur.sum(dim=-1, keepdim=True)
+        return grad, None, None, None
+
+
 def _arc_scores(
     acts: torch.Tensor,
     labels: torch.Tensor,
@@ -57,16 +107,11 @@ def _arc_scores(
     use_rnnt: bool,
 ):
     """Time-major [T, B, U1] blank-arc and [T, B, U1-1] label-arc scores, each a list of (duration, scores)."""
-    n_dur = len(durations)
-    token_lp = torch.log_softmax(acts[..., : acts.shape[-1] - n_dur], dim=-1)
     u1 = acts.shape[2]
-    blank_lp = token_lp[..., blank]  # [B, T, U1]
-    index = labels[:, None, : u1 - 1, None].expand(-1, acts.shape[1], -1, 1)
-    label_lp = torch.gather(token_lp[:, :, : u1 - 1, :], 3, index).squeeze(3)  # [B, T, U1-1]
+    blank_lp, label_lp, dur_lp = _ArcLogProbs.apply(acts, labels, blank, len(durations))
     tm = lambda x: x.permute(1, 0, 2)  # noqa: E731  (time-major: frame t is a contiguous slab)
     if use_rnnt:
         return [(1, tm(blank_lp))], [(0, tm(label_lp))]
-    dur_lp = torch.log_softmax(acts[..., acts.shape[-1] - n_dur :], dim=-1)
     blank_arcs = [
         (d, tm(blank_lp - sigma + dur_lp[..., i])) for i, d in enumerate(durations) if d > 0
     ]

@@ -311,3 +311,28 @@ def test_numpy_without_row_stack_gets_the_alias_numba_cuda_registers_once(monkey
     assert np.row_stack is np.vstack
     warned = [r.getMessage() for r in caplog.records if "row_stack" in r.getMessage()]
     assert len(warned) == 1 and "numba-cuda" in warned[0]
+
+
+@pytest.mark.parametrize("labels_len", [0, 3])
+def test_the_arc_log_probabilities_gradient_is_autograds_of_log_softmax(labels_len):
+    # The fused backward against numerical differentiation, every output's gradient used at once
+    # (blank, each next label, the durations), and with no label at all.
+    g = torch.Generator().manual_seed(3)
+    acts = torch.randn(2, 4, labels_len + 1, 7 + 3, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 6, (2, labels_len), generator=g)
+    acts.requires_grad_(True)
+
+    def outputs(a):
+        return tdt_loss._ArcLogProbs.apply(a, labels, 6, 3)
+
+    assert torch.autograd.gradcheck(outputs, (acts,))
+    blank, label, dur = outputs(acts)
+    tokens = torch.log_softmax(acts[..., :7], dim=-1)
+    assert torch.allclose(blank, tokens[..., 6])
+    assert torch.allclose(
+        label,
+        tokens[:, :, :labels_len]
+        .gather(3, labels[:, None, :, None].expand(-1, 4, -1, 1))
+        .squeeze(3),
+    )
+    assert torch.allclose(dur, torch.log_softmax(acts[..., 7:], dim=-1))
