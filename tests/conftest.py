@@ -10,6 +10,32 @@ import pytest  # noqa: E402
 
 from manifest_schema import lang_tag, tagged_text  # noqa: E402
 
+# Test files that hold a test of minutes, started first. make test runs each file on one of two
+# workers (pytest-xdist, --dist loadfile, --no-loadscope-reorder to keep this order): a file that
+# starts last and runs five minutes leaves the other worker idle for them; started first, it runs
+# while the other works through the short files. Longest first.
+LONG_FILES = (
+    "test_air_gapped.py",
+    "test_gpu_acceptance.py",
+    "test_build_wheelhouse.py",
+    "test_tdt_loss_kernels.py",
+    "test_demo.py",
+    "test_resume.py",
+    "test_entry_points.py",
+    "test_run_timeline.py",
+    "test_preflight.py",
+    "test_job_faults.py",
+    "test_full_size_model.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    first = {name: rank for rank, name in enumerate(LONG_FILES)}
+    items.sort(
+        key=lambda item: first.get(item.path.name, len(first))
+    )  # stable: the rest as collected
+
+
 LANGS = ("hi", "en", "mr")
 WORDS = ("नमस्ते", "भारत", "आज", "कल", "मराठी", "hello", "world", "speech", "data", "test")
 

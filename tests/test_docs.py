@@ -46,3 +46,12 @@ def test_every_relative_link_reaches_a_page_and_a_heading():
             elif anchor and path.suffix == ".md" and anchor not in anchors(path):
                 broken.append(f"{page.name}: {target}#{anchor}")
     assert broken == []
+
+
+def test_the_test_files_started_first_exist():
+    # conftest.LONG_FILES orders the suite's longest files first; a renamed file would silently
+    # fall back to the end of the run.
+    from tests.conftest import LONG_FILES
+
+    here = Path(__file__).resolve().parent
+    assert [name for name in LONG_FILES if not (here / name).is_file()] == []
