@@ -119,7 +119,7 @@ def base_style(init_model: str | None = None) -> tuple[str | None, str]:
     recorded = recorded_style(init_model)
     if recorded:
         return recorded, f"INIT_MODEL={init_model} records {recorded} targets"
-    from asr_model import base_tokenizer_model
+    from base_tokenizer import base_tokenizer_model
 
     try:
         model, _ = base_tokenizer_model(init_model)

@@ -517,7 +517,7 @@ def train_tokenizer(
     mode, base = resolve_mode(mode, base)
     base_model, base_from = None, None
     if base and mode != "new":
-        from asr_model import base_tokenizer_model  # torch and NeMo only for a base to extend
+        from base_tokenizer import base_tokenizer_model
 
         base_model, base_from = base_tokenizer_model(base, setting)
     if not manifest_path.exists():

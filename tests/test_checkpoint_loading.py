@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import asr_model
+import base_tokenizer
 import checkpoints
 import model_languages
 import transcript_style
@@ -238,7 +239,7 @@ READERS = {
     "evaluate / export (load_trained_model)": asr_model.load_trained_model,
     "INIT_MODEL's languages": lambda p: model_languages.recorded_languages(str(p)),
     "INIT_MODEL's style": transcript_style.recorded_style,
-    "the tokenizer's base": lambda p: asr_model.base_tokenizer_model(str(p)),
+    "the tokenizer's base": lambda p: base_tokenizer.base_tokenizer_model(str(p)),
 }
 
 
@@ -363,7 +364,7 @@ DESCRIPTION_READERS = {
         checkpoints.read_checkpoint(p)[asr_model.PORTABLE_KEY],
         checkpoint=str(p),
     ),
-    "the tokenizer's base": lambda p: asr_model.base_tokenizer_model(str(p)),
+    "the tokenizer's base": lambda p: base_tokenizer.base_tokenizer_model(str(p)),
 }
 FIELD_NAMED = {
     "tokenizer": "'tokenizer' file name",
