@@ -10,6 +10,9 @@ Decoding, validation, the tokenizer step and the training cache all ask here:
 - ``language_scripts`` and its records (``LANGUAGE_SCRIPTS_FILE`` in a tokenizer directory,
   ``SCRIPTS_KEY`` in a model's config): the scripts each language is written in;
   ``language_piece_masks`` turns them into the pieces a language given may write.
+- ``tokenize_transcript``: a transcript's ids behind its tag; ``tokenizer_fingerprint``: what
+  identifies a tokenizer (the training cache's key); ``PIECE_COUNTS_FILE``: how often the tokenizer
+  step saw each piece; ``TokenizerError``: a base tokenizer that cannot be read or extended.
 """
 
 from __future__ import annotations
