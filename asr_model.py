@@ -189,6 +189,24 @@ class ModelFamily:
         raise NotImplementedError
 
 
+@contextlib.contextmanager
+def _logits_for_the_loss(joint):
+    """The joint gives the loss its logits, not their log-softmax, within the block.
+
+    NeMo's joint log-softmaxes its output on CPU when ``log_softmax`` is unset (for NeMo's own CPU
+    decoders); the TDT loss normalizes the token and the duration logits itself, so on CPU that pass
+    over the step's largest tensor, and its backward, only cost time. The loss is the same up to
+    float rounding; a joint set to log-softmax explicitly, or with a temperature, is left as set."""
+    if joint.log_softmax is not None or getattr(joint, "temperature", 1.0) != 1.0:
+        yield
+        return
+    joint.log_softmax = False
+    try:
+        yield
+    finally:
+        joint.log_softmax = None
+
+
 class TDT(ModelFamily):
     """Parakeet-TDT: a FastConformer encoder, an LSTM prediction network and a joint with token and
     duration outputs, trained with the TDT loss of ``tdt_loss.py`` (NeMo's numba kernel on CUDA)."""
@@ -301,6 +319,10 @@ class TDT(ModelFamily):
 
     def loss_of_encoded(self, model, encoded, encoded_len, batch) -> torch.Tensor:
         decoded, target_len, _ = model.decoder(targets=batch.tokens, target_length=batch.token_len)
+        with _logits_for_the_loss(model.joint):
+            return self._joint_loss(model, encoded, encoded_len, decoded, target_len, batch)
+
+    def _joint_loss(self, model, encoded, encoded_len, decoded, target_len, batch) -> torch.Tensor:
         if model.joint.fuse_loss_wer:
             loss, _, _, _ = model.joint(
                 encoder_outputs=encoded,

@@ -61,6 +61,53 @@ def test_the_hybrid_loss_weighs_the_tdt_and_ctc_losses_by_ctc_loss_weight(hybrid
     assert float(both) == pytest.approx(0.7 * float(tdt) + 0.3 * float(ctc), rel=1e-5)
 
 
+def test_the_tdt_loss_of_the_joints_logits_is_the_loss_of_its_cpu_log_softmax(data, monkeypatch):
+    """On CPU NeMo's joint log-softmaxes its output unless told not to; the loss normalizes its
+    token and duration logits itself, so the training loss skips that pass: the same loss and
+    gradients as the joint's log-softmaxed output gives, and the joint left as it was."""
+    torch.manual_seed(0)
+    model = asr_model.build_model(init_model="", model_config=TINY, tokenizer_dir=data["tokenizer"])
+    model.eval()
+    batch = collate_asr_batch(synthetic_items(3, model.tokenizer.vocab_size))
+    encoded, encoded_len = model.forward(
+        input_signal=batch.signal, input_signal_length=batch.signal_len
+    )
+    encoded = encoded.detach()
+    decoded, target_len, _ = model.decoder(targets=batch.tokens, target_length=batch.token_len)
+    assert model.joint.log_softmax is None
+    log_probs = model.joint(encoder_outputs=encoded, decoder_outputs=decoded)
+    # one log-softmax over tokens and durations together: the loss renormalizes each part
+    assert torch.allclose(log_probs.exp().sum(-1), torch.tensor(1.0))
+    reference = model.loss(
+        log_probs=log_probs,
+        targets=batch.tokens,
+        input_lengths=encoded_len,
+        target_lengths=target_len,
+    )
+    weight = model.joint.joint_net[-1].weight
+    (ref_grad,) = torch.autograd.grad(reference, weight)
+
+    full_softmaxes = []
+    real = torch.Tensor.log_softmax
+
+    def counting(self, *args, **kwargs):
+        if self.shape[-1] == log_probs.shape[-1]:
+            full_softmaxes.append(self.shape)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "log_softmax", counting)
+    loss = asr_model.TDT().loss_of_encoded(model, encoded, encoded_len, batch)
+    (grad,) = torch.autograd.grad(loss, weight)
+    assert full_softmaxes == []
+    assert float(loss) == pytest.approx(float(reference), rel=1e-5)
+    assert torch.allclose(grad, ref_grad, atol=1e-6, rtol=1e-4)
+    assert model.joint.log_softmax is None
+    monkeypatch.setattr(model.joint, "joint_net", None)  # a failing joint leaves it as it was too
+    with pytest.raises(TypeError):
+        asr_model.TDT().loss_of_encoded(model, encoded, encoded_len, batch)
+    assert model.joint.log_softmax is None
+
+
 def test_a_model_of_no_family_is_refused_with_its_class():
     with pytest.raises(config.ConfigError, match="a Linear is no model family"):
         asr_model.family(torch.nn.Linear(1, 1))
