@@ -361,6 +361,7 @@ REQUEUE_NEUTRAL_SETTINGS = frozenset(
         "FUSED_ADAMW",
         "COMPILE_ENCODER",
         "MATMUL_PRECISION",
+        "HOST_MEMORY_REUSE",
     }
 )
 

@@ -917,6 +917,15 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         "cores, still finer than bf16",
         steps=("train",),
     )
+    knob(
+        "HOST_MEMORY_REUSE",
+        "auto",
+        knob_values.choice("auto", "1", "0"),
+        "Keep the host memory torch frees for its next tensors (glibc malloc: no mmap per large "
+        "block, no heap trimming) instead of faulting it in again page by page every step: auto = "
+        "on when the step runs on the CPU, where its largest tensors live",
+        steps=("train",),
+    )
 
     knob(
         "IGNORE_UNKNOWN_ENV",
@@ -1124,6 +1133,7 @@ JOINT_FUSED_BATCH_SIZE: int
 FUSED_ADAMW: str
 COMPILE_ENCODER: str
 MATMUL_PRECISION: str
+HOST_MEMORY_REUSE: str
 IGNORE_UNKNOWN_ENV: str
 
 

@@ -15,6 +15,10 @@ measurement alone (``benchmarks/bench_train_step.py --levers`` times each on and
 - COMPILE_ENCODER: each encoder layer compiled by ``torch.compile`` (dynamic shapes), in place, so
   parameter names, state dicts and checkpoints are unchanged.
 - MATMUL_PRECISION: ``torch.set_float32_matmul_precision`` for the float32 parts.
+- HOST_MEMORY_REUSE: glibc's malloc keeps the host memory torch frees for its next tensors (no mmap
+  of its own per large block, no trimming of the heap) instead of handing it back to the kernel and
+  faulting it in again page by page at the next step; "auto" is on when the step runs on the CPU,
+  where its largest tensors (the joint's logits and their gradient) are host memory.
 
 ``TrainingModule`` applies the settings to the model it trains (``apply_to_model``) and to its AdamW
 (``adamw_options``); train.py applies ``apply_to_process`` once.
@@ -22,6 +26,7 @@ measurement alone (``benchmarks/bench_train_step.py --levers`` times each on and
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from dataclasses import dataclass
 
@@ -35,7 +40,12 @@ LEVERS = {
     "fused-adamw": {"fused_adamw": True},
     "compile": {"compile_encoder": True},
     "tf32": {"matmul_precision": "high"},
+    "host-memory-reuse": {"host_memory_reuse": "1"},
 }
+
+# glibc's mallopt parameters and their defaults (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX = 128 * 1024, 65536
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,7 @@ class SpeedSettings:
     fused_adamw: bool = False
     compile_encoder: bool = False
     matmul_precision: str = "highest"
+    host_memory_reuse: str = "auto"  # "auto" (on for a CPU step), "1" or "0"
 
     @classmethod
     def from_config(cls) -> SpeedSettings:
@@ -57,7 +68,19 @@ class SpeedSettings:
             fused_adamw=config.FUSED_ADAMW == "1",
             compile_encoder=config.COMPILE_ENCODER == "1",
             matmul_precision=config.MATMUL_PRECISION,
+            host_memory_reuse=config.HOST_MEMORY_REUSE,
         )
+
+    def resolved(self, *, on_cpu: bool) -> SpeedSettings:
+        """These settings with HOST_MEMORY_REUSE's auto made the value it takes (``on_cpu``: the
+        step runs on the CPU), so a lever that is already on compares equal."""
+        return dataclasses.replace(
+            self, host_memory_reuse="1" if self.reuses_host_memory(on_cpu) else "0"
+        )
+
+    def reuses_host_memory(self, on_cpu: bool) -> bool:
+        """Whether HOST_MEMORY_REUSE is on for a step on the CPU (``on_cpu``) or a GPU."""
+        return on_cpu if self.host_memory_reuse == "auto" else self.host_memory_reuse == "1"
 
     def with_lever(self, lever: str) -> SpeedSettings:
         """These settings with benchmark lever ``lever`` (LEVERS, or ``fused-batch-size=N``) on."""
@@ -175,14 +198,37 @@ def keep_kernel_choice(optimizer: torch.optim.Optimizer) -> None:
     optimizer.register_load_state_dict_pre_hook(own_kernels)
 
 
-def apply_to_process(settings: SpeedSettings) -> None:
-    """The process-wide part: float32 matmul precision."""
+def reuse_host_memory(on: bool) -> bool:
+    """Have glibc's malloc keep freed memory for reuse (``on``: no mmap of its own per large block,
+    no trimming of the heap's top) or behave as by default again. Forked processes (DataLoader
+    workers) inherit it. Returns False, changing nothing, where the C library has no ``mallopt``
+    (not glibc).
+
+    A large block that malloc maps by itself is unmapped when freed, so every step's tensors of
+    tens or hundreds of MB are faulted in again a 4 kB page at a time; kept in the heap they are
+    reused as they are. The peak stays the step's own (the same blocks are reused)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    trim, mmap_max = (2**31 - 1, 0) if on else (_DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX)
+    return bool(mallopt(_M_TRIM_THRESHOLD, trim)) and bool(mallopt(_M_MMAP_MAX, mmap_max))
+
+
+def apply_to_process(settings: SpeedSettings, *, on_cpu: bool) -> list[str]:
+    """The process-wide part: float32 matmul precision and host memory reuse (``on_cpu``: the step
+    runs on the CPU). Returns what differs from the process's defaults, for the log."""
     torch.set_float32_matmul_precision(settings.matmul_precision)
+    reuse = settings.reuses_host_memory(on_cpu)
+    if reuse_host_memory(reuse) and reuse:
+        return ["freed host memory kept for reuse (HOST_MEMORY_REUSE)"]
+    return []
 
 
-def describe(settings: SpeedSettings, model_changes: list[str]) -> str:
-    """One line for the start-up log: what runs differently from the model's own settings."""
-    parts = list(model_changes)
+def describe(settings: SpeedSettings, changes: list[str]) -> str:
+    """One line for the start-up log: what runs differently from the model's and the process's own
+    settings (``changes``: what ``apply_to_model`` and ``apply_to_process`` returned)."""
+    parts = list(changes)
     if settings.fused_adamw:
         parts.append("fused AdamW")
     if settings.matmul_precision != "highest":

@@ -161,6 +161,13 @@ def build_callbacks() -> list[pl.Callback]:
     ]
 
 
+def runs_on_cpu() -> bool:
+    """Whether this run's steps run on the CPU (ACCELERATOR=cpu, or auto without a CUDA device)."""
+    return config.ACCELERATOR == "cpu" or (
+        config.ACCELERATOR == "auto" and not torch.cuda.is_available()
+    )
+
+
 def build_trainer(
     callback_list: list[pl.Callback], env: dict, ckpt_path: str | None = None
 ) -> pl.Trainer:
@@ -420,7 +427,9 @@ def run(argv: list[str] | None = None) -> int:
                 config.MAX_STEPS,
             )
         return 0
-    step_speed.apply_to_process(step_speed.SpeedSettings.from_config())
+    process_speed_changes = step_speed.apply_to_process(
+        step_speed.SpeedSettings.from_config(), on_cpu=runs_on_cpu()
+    )
     # Same seed everywhere for the model's initial weights (DDP also broadcasts rank 0's).
     pl.seed_everything(config.SEED, workers=True)
     model = asr_model.build_model()
@@ -463,7 +472,10 @@ def run(argv: list[str] | None = None) -> int:
     trainer = build_trainer(callback_list, env, ckpt_path)
     log_startup(trainer, env, model)
     if env["rank"] == 0:
-        log.info("step speed: %s", step_speed.describe(module.speed, module.speed_changes))
+        log.info(
+            "step speed: %s",
+            step_speed.describe(module.speed, module.speed_changes + process_speed_changes),
+        )
         log_finetuning_levers(model, module.batching, data_languages, module.finetuning_trade_off)
     trainer.fit(module, ckpt_path=ckpt_path)
     process_control.set_training(False)

@@ -44,10 +44,11 @@ printed as a table; ``--trace FILE`` keeps the chrome trace (chrome://tracing, P
 P% of the device's peak (a prediction, printed as one; nothing runs).
 
 --levers A,B,...: instead of the timing, phase-2 optimizer steps of the project with the step-speed
-knobs as set (off) and with each lever on (step_speed.LEVERS: sdpa, fused-adamw, compile, tf32, and
-fused-batch-size=N), alternating, ``--rounds`` runs each; per lever the median on/off ratio of the
-paired rounds, and the loss of the batch in eval mode (no dropout, no SpecAugment) with the lever
-on against off from the same weights, whose relative difference must stay within bf16 noise.
+knobs as set (off) and with each lever on (step_speed.LEVERS: sdpa, fused-adamw, compile, tf32,
+host-memory-reuse, and fused-batch-size=N), alternating, ``--rounds`` runs each; per lever the
+median on/off ratio of the paired rounds, and the loss of the batch in eval mode (no dropout, no
+SpecAugment) with the lever on against off from the same weights, whose relative difference must
+stay within bf16 noise.
 
 FLOPs of one optimizer step (B utterances padded to T encoder frames and U+1 decoder positions,
 encoder of L layers, width d, P_enc parameters; joint hidden H, V+1+D outputs; k = 3 with the
@@ -293,7 +294,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=lambda text: [t.strip() for t in text.split(",") if t.strip()],
         default=None,
         help="time phase 2 with each of these step-speed levers on against off (sdpa, fused-adamw, "
-        "compile, tf32, fused-batch-size=N)",
+        "compile, tf32, host-memory-reuse, fused-batch-size=N)",
     )
     parser.add_argument("--skip-nemo", action="store_true", help="time the project's step only")
     parser.add_argument(
@@ -404,7 +405,11 @@ def main(argv: list[str] | None = None) -> int:
         f"micro-batch: the sampler's heaviest at MAX_BATCH_DURATION={config.MAX_BATCH_DURATION:g}: "
         f"{shape.describe()}; {args.grad_accum} per optimizer step"
     )
-    print(f"step speed: {describe_speed(SpeedSettings.from_config(), model)}")
+    # As train.py applies it: process-wide, so NeMo's side runs with it too.
+    process_changes = step_speed.apply_to_process(
+        SpeedSettings.from_config(), on_cpu=device.type == "cpu"
+    )
+    print(f"step speed: {describe_speed(SpeedSettings.from_config(), model, process_changes)}")
     if args.predict_mfu:
         return predict(model, batch, shape, args)
     if args.profile:
@@ -430,12 +435,12 @@ def predict(model, batch, shape, args) -> int:
     return 0
 
 
-def describe_speed(settings: SpeedSettings, model) -> str:
+def describe_speed(settings: SpeedSettings, model, process_changes: list[str]) -> str:
     """The step-speed settings as the project's step will run them on ``model`` (the model is
-    left as it was found: its own settings)."""
+    left as it was found: its own settings), with what ``apply_to_process`` changed."""
     changes = apply_to_model(model, settings)
     apply_to_model(model, SpeedSettings())
-    return step_speed.describe(settings, changes)
+    return step_speed.describe(settings, changes + process_changes)
 
 
 def run_kwargs(args, device, precision) -> dict:
@@ -586,9 +591,14 @@ def eval_loss(model, batch: AsrBatch, device: torch.device, precision: str) -> f
 
 def compare_levers(model, batch, shape, args, device, precision) -> int:
     """Phase 2 with each lever on against the knobs as set, alternating, ``--rounds`` rounds."""
-    base = SpeedSettings.from_config()
+    on_cpu = device.type == "cpu"
+    base = SpeedSettings.from_config().resolved(on_cpu=on_cpu)
     audio = shape.audio_seconds * args.grad_accum
-    print(f"levers, each on against the knobs as set ({describe_speed(base, model)}), phase 2:")
+    changes = step_speed.apply_to_process(base, on_cpu=on_cpu)
+    print(
+        f"levers, each on against the knobs as set ({describe_speed(base, model, changes)}), "
+        "phase 2:"
+    )
     for lever in args.levers:
         try:
             on = base.with_lever(lever)
@@ -601,7 +611,7 @@ def compare_levers(model, batch, shape, args, device, precision) -> int:
         losses = {}
         for name, settings in (("off", base), ("on", on)):
             apply_to_model(model, settings)
-            step_speed.apply_to_process(settings)
+            step_speed.apply_to_process(settings, on_cpu=on_cpu)
             losses[name] = eval_loss(model, batch, device, precision)
         apply_to_model(model, SpeedSettings())
         runs: dict[str, list[RunResult]] = {"off": [], "on": []}
@@ -609,7 +619,7 @@ def compare_levers(model, batch, shape, args, device, precision) -> int:
             order = ("off", "on") if round_ % 2 == 0 else ("on", "off")
             for name in order:
                 settings = base if name == "off" else on
-                step_speed.apply_to_process(settings)
+                step_speed.apply_to_process(settings, on_cpu=on_cpu)
                 runs[name].append(
                     run_steps(
                         "project",
@@ -620,7 +630,7 @@ def compare_levers(model, batch, shape, args, device, precision) -> int:
                         **run_kwargs(args, device, precision),
                     )
                 )
-        step_speed.apply_to_process(base)
+        step_speed.apply_to_process(base, on_cpu=on_cpu)
         medians = {k: statistics.median(t for r in v for t in r.times) for k, v in runs.items()}
         paired = [
             on_run.median / off_run.median for on_run, off_run in zip(runs["on"], runs["off"])

@@ -36,8 +36,8 @@ mkdir -p "$DEMO_DIR"
 
 export DATA_DIR="$DEMO_DIR"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# Training defaults, sized so the whole demo takes ~8 minutes on 2 idle cores (0.45 s a step of the
-# base, 0.9 s of the finetune: 512 pieces, seven languages) and the model visibly transcribes:
+# Training defaults, sized so the whole demo takes ~7 minutes on 2 idle cores (0.45 s a step of the
+# base, 0.55 s of the finetune: 512 pieces, seven languages) and the model visibly transcribes:
 # configs/demo_tdt.yaml (128 x 3 encoder; wider costs little, the transducer loss dominates a step).
 # The base: English and Hindi, the corpus's two largest languages, trained from scratch for
 # DEMO_BASE_STEPS (a stand-in for the pretrained Parakeet a user starts from: it shows the method,

@@ -77,3 +77,8 @@ def test_a_log_file_gets_a_plain_progress_line_at_the_last_step(logs):
     assert re.search(
         r"INFO callbacks: step 3/3 \(100%\) \| micro-batch 3 .*steps/s, ETA 0:00:00", first
     )
+
+
+def test_a_cpu_run_says_it_keeps_freed_host_memory_for_reuse(logs):
+    first, _ = logs  # ACCELERATOR=cpu, HOST_MEMORY_REUSE at its default (auto)
+    assert "INFO train: step speed: freed host memory kept for reuse (HOST_MEMORY_REUSE)" in first
