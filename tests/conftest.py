@@ -17,15 +17,15 @@ from manifest_schema import lang_tag, tagged_text  # noqa: E402
 LONG_FILES = (
     "test_air_gapped.py",
     "test_gpu_acceptance.py",
-    "test_build_wheelhouse.py",
     "test_tdt_loss_kernels.py",
     "test_demo.py",
     "test_resume.py",
-    "test_entry_points.py",
-    "test_run_timeline.py",
-    "test_preflight.py",
     "test_job_faults.py",
+    "test_run_timeline.py",
+    "test_entry_points.py",
+    "test_preflight.py",
     "test_full_size_model.py",
+    "test_build_wheelhouse.py",
 )
 
 
