@@ -277,10 +277,13 @@ class NoiseFiles:
         return cls(tuple(paths), frames, rates)
 
 
-def augmentation_in_force(noise: NoiseSettings, speed_factors: Sequence[float]) -> str:
+def augmentation_in_force(
+    noise: NoiseSettings, speed_factors: Sequence[float], recordings: int | None = None
+) -> str:
     """One phrase: the augmentation a training run applies with these settings. NOISE_DIR is
     checked as the training dataset checks it: NoiseDirError, with that message, when it cannot
-    serve (what train.py exits with at start-up)."""
+    serve (what train.py exits with at start-up); ``recordings``: how many it holds, where a
+    dataset has already read it (``LocalShardDataset.noise_recordings``)."""
     speeds = (
         f"speed factors {','.join(f'{f:g}' for f in speed_factors)}"
         if speed_factors
@@ -291,7 +294,9 @@ def augmentation_in_force(noise: NoiseSettings, speed_factors: Sequence[float]) 
     if noise.directory is None:
         source = "generated noise"
     else:
-        source = f"{len(NoiseFiles.scan(noise.directory).paths)} recordings in {noise.directory}"
+        if recordings is None:
+            recordings = len(NoiseFiles.scan(noise.directory).paths)
+        source = f"{recordings} recordings in {noise.directory}"
     low, high = noise.snr_db
     return f"{speeds}; noise on {noise.prob:.0%} of utterances at {low:g}-{high:g} dB SNR, {source}"
 
@@ -558,6 +563,11 @@ class LocalShardDataset(torch.utils.data.Dataset):
     @property
     def manifest_rows(self) -> np.ndarray:
         return self._columns().manifest_row
+
+    @property
+    def noise_recordings(self) -> int | None:
+        """How many recordings of NOISE_DIR the noise comes from (None: none read)."""
+        return None if self._noise_files is None else len(self._noise_files.paths)
 
     def __len__(self) -> int:
         return len(self._columns().durations)

@@ -84,6 +84,7 @@ import run_logging  # noqa: E402
 import step_speed  # noqa: E402
 import transcript_style  # noqa: E402
 import vocabulary  # noqa: E402
+from dataset import augmentation_in_force  # noqa: E402
 from sampler import BatchingSettings  # noqa: E402
 from training_step import (  # noqa: E402
     TrainingModule,
@@ -475,6 +476,12 @@ def run(argv: list[str] | None = None) -> int:
         log.info(
             "step speed: %s",
             step_speed.describe(module.speed, module.speed_changes + process_speed_changes),
+        )
+        log.info(
+            "augmentation: %s",
+            augmentation_in_force(
+                module.dataset.noise, config.SPEED_PERTURB, module.dataset.noise_recordings
+            ),
         )
         log_finetuning_levers(model, module.batching, data_languages, module.finetuning_trade_off)
     trainer.fit(module, ckpt_path=ckpt_path)

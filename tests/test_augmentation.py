@@ -800,3 +800,16 @@ def test_a_resumed_run_trains_on_the_same_augmented_audio(tmp_path):
         assert any(n != c for n, c, _ in rows)  # played at another speed
         assert any(n == c and not same for n, c, same in rows)  # noise at speed 1
         assert any(same for _, _, same in rows)  # NOISE_PROB=0.5 leaves some clean
+
+
+def test_the_augmentation_phrase_counts_the_recordings_a_dataset_already_read(tmp_path):
+    """train.py's start-up line names the recordings its dataset scanned, without a second scan of
+    NOISE_DIR (whose every header is read): given the count, the directory is not read again."""
+    gone = tmp_path / "unmounted_noise"  # a scan would raise NoiseDirError
+    noise = NoiseSettings(prob=0.25, snr_db=(5.0, 15.0), directory=gone)
+    phrase = dataset.augmentation_in_force(noise, (0.9, 1.0, 1.1), recordings=12)
+    assert phrase == (
+        f"speed factors 0.9,1,1.1; noise on 25% of utterances at 5-15 dB SNR, 12 recordings in {gone}"
+    )
+    with pytest.raises(NoiseDirError):
+        dataset.augmentation_in_force(noise, (0.9, 1.0, 1.1))

@@ -82,3 +82,9 @@ def test_a_log_file_gets_a_plain_progress_line_at_the_last_step(logs):
 def test_a_cpu_run_says_it_keeps_freed_host_memory_for_reuse(logs):
     first, _ = logs  # ACCELERATOR=cpu, HOST_MEMORY_REUSE at its default (auto)
     assert "INFO train: step speed: freed host memory kept for reuse (HOST_MEMORY_REUSE)" in first
+
+
+def test_a_run_says_the_augmentation_in_force(logs):
+    first, resumed = logs  # SPEED_PERTURB and NOISE_PROB at their defaults: off
+    for text in (first, resumed):
+        assert "INFO train: augmentation: no speed perturbation; no noise" in text
