@@ -71,7 +71,7 @@ wait "$pid" || fail "the resume failed (tail of resume.log):
 $(tail -20 "$SMOKE_DIR/resume.log")"
 pid=
 [[ -f "$CHECKPOINT_DIR/step_00000050.nemo" ]] || fail "no step_00000050.nemo after the resume"
-"$PY" - "$metrics" <<'PY'
+if ! "$PY" - "$metrics" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1], encoding="utf-8")]
 steps = [r["step"] for r in rows if "train/loss" in r]
@@ -79,5 +79,10 @@ peak = max((r.get("gpu/peak_memory_gib", 0) for r in rows), default=0)
 reserved = max((r.get("gpu/peak_reserved_gib", 0) for r in rows), default=0)
 print(f"[smoke] {len(steps)} optimizer steps logged, each once: {steps == sorted(set(steps))}; "
       f"peak GPU memory {peak:.2f} GiB allocated, {reserved:.2f} GiB reserved")
+# The stop and the resume lose no step and log none twice.
+sys.exit(0 if steps == list(range(1, 51)) else 1)
 PY
+then
+    fail "the metrics do not hold optimizer steps 1 to 50, each once: $metrics"
+fi
 say "passed: $SMOKE_DIR"

@@ -6,7 +6,6 @@ turns the run offline instead of ending it. Each test runs the real script as a 
 from __future__ import annotations
 
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -256,25 +255,6 @@ def test_a_wandb_server_that_answers_any_status_is_reachable(tmp_path):
     threading.Thread(target=server.handle_request, daemon=True).start()
     assert run_logging.wandb_reachable(f"http://127.0.0.1:{server.server_port}", 5.0) is None
     server.server_close()
-
-
-@pytest.mark.slow
-def test_the_smoke_test_stops_at_step_10_resumes_and_finishes_on_a_cpu(tiny, tmp_path):
-    root, data = tiny
-    env = tiny_train_env(
-        data,
-        DATA_DIR=str(tmp_path / "data"),
-        VAL_MANIFEST_PATH=str(data["manifest"]),
-        SMOKE_DIR=str(tmp_path / "smoke"),
-        EVAL_SAMPLES_PER_LANG="3",
-        PY=sys.executable,
-    )
-    proc = run(["bash", str(REPO / "scripts" / "smoke_test.sh")], env, REPO, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    saved = re.search(r"stopped with exit code 75 after saving step_(\d+)\.ckpt", proc.stdout)
-    assert saved and 10 <= int(saved.group(1)) < 50, proc.stdout
-    assert "50 optimizer steps logged, each once: True" in proc.stdout
-    assert (tmp_path / "smoke" / "checkpoints" / "step_00000050.nemo").exists()
 
 
 def test_train_py_asks_for_expandable_cuda_segments_unless_set():
