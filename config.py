@@ -823,6 +823,16 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         steps=("train", "evaluate", "transcribe"),
     )
     knob(
+        "AUTO_LANGUAGE",
+        "first",
+        knob_values.choice("first", "score"),
+        "Auto decoding (the language not given): first = the language whose tag the model "
+        "writes first; score = decode the utterance with each of the model's languages given "
+        "and keep the transcript the model itself scores most likely (its TDT log-likelihood), "
+        "one decoding and one loss per language",
+        steps=("train", "evaluate", "transcribe"),
+    )
+    knob(
         "FORGETTING_WARN_POINTS",
         5.0,
         knob_values.number,
@@ -1113,6 +1123,7 @@ UNFREEZE_STEP: int
 WARMUP_STEPS: int
 PHASE2_WARMUP: int
 ENCODER_LR_SCALE: float
+AUTO_LANGUAGE: str
 NEW_PIECE_LR_SCALE: float
 NEW_PIECE_WARMUP: int
 NEW_PIECE_DECAY: int

@@ -23,6 +23,7 @@ import torch
 import asr_model
 import config
 import vocabulary
+from manifest_schema import leading_lang
 
 # ---- the language given: its tag and the pieces written after it ------------------------------
 
@@ -111,7 +112,8 @@ def decode_encoded(
             kept = [None] * len(firsts)
     auto_ids = None
     if auto:
-        out.texts, auto_ids = auto_decoding(model, encoded, encoded_len)
+        decode_auto = scored_decoding if config.AUTO_LANGUAGE == "score" else auto_decoding
+        out.texts, auto_ids = decode_auto(model, encoded, encoded_len)
     if languages is not None:
         rows = list(range(len(firsts)))
         if auto:
@@ -216,6 +218,74 @@ def auto_decoding(model, encoded, encoded_len) -> tuple[list[str], list | None]:
     return [hyp.text for hyp in hyps], [[int(i) for i in seq] for seq in ids]
 
 
+def scored_decoding(model, encoded, encoded_len) -> tuple[list[str], list | None]:
+    """Auto decoding that chooses each utterance's language by the model's own evidence
+    (AUTO_LANGUAGE=score): the batch is decoded with each of the model's languages given (its
+    tag first, then, under LANGUAGE_GIVEN_SCRIPTS, that language's pieces only), each transcript
+    is scored by the model's TDT log-likelihood of its pieces (``sequence_log_likelihoods``:
+    every alignment, the tag included), and each utterance keeps its most likely transcript.
+    Greedy transcripts and their piece ids, as ``auto_decoding``. A model with fewer than two
+    language tags decodes as ``auto_decoding``."""
+    tag_ids = vocabulary.language_tag_ids(model)
+    pieces = vocabulary.model_pieces(model) or model.tokenizer.ids_to_tokens(sorted(tag_ids))
+    languages = sorted(
+        {leading_lang(pieces[i]) for i in tag_ids} if len(pieces) > max(tag_ids, default=-1) else ()
+    )
+    if len(languages) < 2:
+        return auto_decoding(model, encoded, encoded_len)
+    size = encoded.shape[0]
+    scripts = config.LANGUAGE_GIVEN_SCRIPTS == "1"
+    best = torch.full((size,), float("-inf"))
+    texts: list[str] = [""] * size
+    ids: list[list[int]] = [[] for _ in range(size)]
+    for lang in languages:
+        given = [lang] * size
+        firsts = vocabulary.language_tag_pieces(model, given)
+        kept = vocabulary.language_piece_masks(model, given) if scripts else None
+        lang_texts, lang_ids = started_decoding(
+            model, encoded, encoded_len, firsts, kept, tag_ids=tag_ids
+        )
+        scores = sequence_log_likelihoods(model, encoded, encoded_len, lang_ids).cpu()
+        for b in range(size):
+            if scores[b] > best[b]:
+                best[b], texts[b], ids[b] = scores[b], lang_texts[b], lang_ids[b]
+    return texts, ids
+
+
+@torch.no_grad()
+def sequence_log_likelihoods(model, encoded, encoded_len, ids: list[list[int]]) -> torch.Tensor:
+    """log P(``ids[b]`` | utterance b) [B] under the model's TDT: the prediction network reads
+    each piece sequence, the joint scores every frame against every prefix, and the TDT
+    forward sums over all alignments (``tdt_loss.tdt_loss`` with sigma 0: the probability the
+    model's softmaxes give, not the training loss's logit undernormalization)."""
+    import tdt_loss
+
+    device = encoded.device
+    blank = int(model.decoder.blank_idx)
+    durations = list(getattr(model.decoding.decoding, "durations", None) or [])
+    if not durations:
+        durations = [int(d) for d in model.cfg.loss.tdt_kwargs.durations]
+    lengths = torch.tensor([len(seq) for seq in ids], dtype=torch.long, device=device)
+    labels = torch.full((len(ids), max(1, int(lengths.max()))), blank, dtype=torch.long)
+    for b, seq in enumerate(ids):
+        labels[b, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+    labels = labels.to(device)
+    modes = (model.decoder.training, model.joint.training)
+    model.decoder.eval()
+    model.joint.eval()
+    try:
+        decoded, _, _ = model.decoder(targets=labels, target_length=lengths)
+        with asr_model._logits_for_the_loss(model.joint):
+            acts = model.joint.joint(encoded.transpose(1, 2), decoded.transpose(1, 2))
+    finally:
+        model.decoder.train(modes[0])
+        model.joint.train(modes[1])
+    nll = tdt_loss.tdt_loss(
+        acts, labels, encoded_len, lengths, blank=blank, durations=durations, reduction="none"
+    )
+    return -nll.float()
+
+
 def started_texts(
     model,
     encoded,
@@ -225,10 +295,23 @@ def started_texts(
     *,
     tag_ids: frozenset[int],
 ) -> list[str]:
-    """Greedy transcripts of a batch in which utterance b starts with ``first_pieces[b]``, a
-    language's tag, in front of what the model writes (None: the utterance decodes auto), and
-    after it writes only the pieces ``kept[b]`` marks True (a bool tensor over the pieces; None:
-    any piece).
+    """``started_decoding``'s transcripts."""
+    return started_decoding(model, encoded, encoded_len, first_pieces, kept, tag_ids=tag_ids)[0]
+
+
+def started_decoding(
+    model,
+    encoded,
+    encoded_len,
+    first_pieces: list[int | None],
+    kept: list[torch.Tensor | None] | None = None,
+    *,
+    tag_ids: frozenset[int],
+) -> tuple[list[str], list[list[int]]]:
+    """Greedy transcripts, and their piece ids (the given piece first), of a batch in which
+    utterance b starts with ``first_pieces[b]``, a language's tag, in front of what the model
+    writes (None: the utterance decodes auto), and after it writes only the pieces ``kept[b]``
+    marks True (a bool tensor over the pieces; None: any piece).
 
     Greedy decoding walks the frames with the start state until a piece beats blank
     (``first_emissions``), at frame t with duration d. Where that piece is a language tag, one of
@@ -287,7 +370,8 @@ def started_texts(
     for hyp, piece in zip(hyps, first_pieces):
         if piece is not None:
             hyp.y_sequence = torch.cat((emitted[piece], hyp.y_sequence.to(torch.long)))
-    return [hyp.text for hyp in model.decoding.decode_hypothesis(hyps)]
+    ids = [[int(i) for i in hyp.y_sequence.tolist()] for hyp in hyps]
+    return [hyp.text for hyp in model.decoding.decode_hypothesis(hyps)], ids
 
 
 def started_state(model, first_pieces: list[int | None], frames: list[int]):

@@ -471,3 +471,68 @@ def test_a_language_the_model_has_no_tag_for_is_one_line_naming_it_and_the_tags_
     message = str(caught.value)
     assert "<|ta|>" in message and "its tags: en, hi" in message and "\n" not in message
     assert vocabulary.language_tag_pieces(tiny.model, [None, ""]) == [None, None]
+
+
+def reference_log_likelihood(model, encoded, encoded_len, ids: list[int]) -> float:
+    """log P(ids | one utterance) under the TDT model, from its definition: the prediction
+    network reads the start symbol, then each piece; the joint scores every frame against each of
+    its outputs; the TDT forward sums over every alignment (reference_tdt_loss, sigma 0)."""
+    from tests.reference_tdt_loss import reference_tdt_loss
+
+    out, state = model.decoder.predict(None, None, add_sos=False, batch_size=1)
+    outs = [out]
+    for piece in ids:
+        out, state = model.decoder.predict(
+            torch.tensor([[piece]]), state, add_sos=False, batch_size=1
+        )
+        outs.append(out)
+    frames = int(encoded_len)
+    acts = model.joint.joint(encoded.transpose(1, 2)[:, :frames], torch.cat(outs, dim=1))
+    nll = reference_tdt_loss(
+        acts.double(),
+        torch.tensor([ids]),
+        torch.tensor([frames]),
+        torch.tensor([len(ids)]),
+        int(model.decoder.blank_idx),
+        list(model.decoding.decoding.durations),
+    )
+    return -float(nll[0])
+
+
+@pytest.mark.parametrize("scripts", ["1", "0"])
+def test_auto_language_score_keeps_the_transcript_of_the_language_the_model_scores_highest(
+    tiny, monkeypatch, scripts
+):
+    """AUTO_LANGUAGE=score, from its definition: each utterance decoded with each of the model's
+    languages given (the greedy TDT from that language's tag, keeping that language's pieces
+    under LANGUAGE_GIVEN_SCRIPTS=1), each transcript scored by the model's log-likelihood of its
+    pieces, the tag included; the utterance's transcript is the best-scored one."""
+    monkeypatch.setattr(config, "LANGUAGE_GIVEN_SCRIPTS", scripts)
+    model, signal, lens = shaped_model(tiny, "prediction")
+    pieces = vocabulary.model_pieces(model)
+    languages = sorted(pieces[i][2:-2] for i in language_tags(model))
+    assert len(languages) >= 2
+    monkeypatch.setattr(config, "AUTO_LANGUAGE", "score")
+    scored = decoding.decode_batch(model, signal, lens)
+    monkeypatch.setattr(config, "AUTO_LANGUAGE", "first")
+    first = decoding.decode_batch(model, signal, lens)
+    max_symbols = model.decoding.decoding.max_symbols
+    chosen = []
+    with torch.no_grad():
+        encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=lens)
+        for b in range(signal.shape[0]):
+            one = (model, encoded[b : b + 1], encoded_len[b])
+            best = None
+            for lang in languages:
+                (tag,) = vocabulary.language_tag_pieces(model, [lang])
+                (kept,) = vocabulary.language_piece_masks(model, [lang])
+                ids = reference_greedy_tdt(*one, tag, max_symbols, kept if scripts == "1" else None)
+                score = reference_log_likelihood(*one, ids)
+                if best is None or score > best[0]:
+                    best = (score, lang, ids)
+            assert scored.texts[b] == model.tokenizer.ids_to_text(best[2]), b
+            chosen.append(best[1])
+    # the model's first piece names no language here (it writes no tag first): the choice is
+    # made by the scores alone, and so differs from the first piece's
+    assert scored.texts != first.texts
+    assert all(text.startswith(f"<|{lang}|>") for text, lang in zip(scored.texts, chosen))
