@@ -769,6 +769,27 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         steps=("train",),
     )
     knob(
+        "DISTILL_WEIGHT",
+        0.0,
+        knob_values.number,
+        "Finetuning (INIT_MODEL set): a frozen copy of the base runs on each micro-batch's "
+        "utterances of the base's languages, and the loss adds this times the mean squared "
+        "difference of the encoder's output from the copy's there (phase 2); 0 = off. The copy "
+        "costs one more model's weights per rank (in bf16 under bf16 precision)",
+        knob_values.non_negative,
+        steps=("train",),
+    )
+    knob(
+        "L2SP_WEIGHT",
+        0.0,
+        knob_values.number,
+        "Finetuning (INIT_MODEL set): after each optimizer step every weight the base had moves "
+        "back toward the base's value by this times its LR times its distance (L2-SP, decoupled "
+        "as AdamW's weight decay; the new pieces' rows are free); 0 = off",
+        knob_values.non_negative,
+        steps=("train",),
+    )
+    knob(
         "WEIGHT_DECAY",
         1e-3,
         knob_values.number,
@@ -1123,6 +1144,8 @@ UNFREEZE_STEP: int
 WARMUP_STEPS: int
 PHASE2_WARMUP: int
 ENCODER_LR_SCALE: float
+DISTILL_WEIGHT: float
+L2SP_WEIGHT: float
 AUTO_LANGUAGE: str
 NEW_PIECE_LR_SCALE: float
 NEW_PIECE_WARMUP: int

@@ -348,16 +348,20 @@ def run_steps(
     grad_accum: int = 1,
     speed: SpeedSettings | None = None,
     callbacks: list[pl.Callback] | None = None,
+    base=None,
+    batching=None,
 ) -> RunResult:
     """``warmup + steps`` optimizer steps of ``side`` ("project" or "nemo") in one Trainer.fit,
     ``grad_accum`` micro-batches (copies of ``batch``) each. The project's step runs with ``speed``
     (default: the step-speed knobs), NeMo's with the model's own settings. ``callbacks`` (a
-    profiler's, say) run after the phase is set and before the step timer."""
+    profiler's, say) run after the phase is set and before the step timer. ``base`` and
+    ``batching``: the project's TrainingModule's (a frozen base copy that DISTILL_WEIGHT and
+    L2SP_WEIGHT act with; the sampler settings naming the base's languages)."""
     reset_model(model)
     timer = StepTimer(grad_accum)
     micro_batches = (warmup + steps) * grad_accum
     if side == "project":
-        module = TrainingModule(model, speed=speed)
+        module = TrainingModule(model, batching=batching, speed=speed, base=base)
         extra = [FixedPhase(phase)]
         data = [batch] * micro_batches
     else:

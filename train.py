@@ -76,6 +76,7 @@ import tqdm  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 import asr_model  # noqa: E402
+import base_anchor  # noqa: E402
 import callbacks  # noqa: E402
 import checkpoints  # noqa: E402
 import config  # noqa: E402
@@ -370,6 +371,23 @@ def log_finetuning_levers(
         log.info("finetuning trade-off: %s", trade_off)
 
 
+def frozen_base(model) -> base_anchor.FrozenBase | None:
+    """The frozen copy of ``model`` (the base as received) that DISTILL_WEIGHT and L2SP_WEIGHT
+    keep the run near, None when both are 0. Its matrix weights are in the dtype PRECISION
+    computes them in unless L2SP_WEIGHT pulls toward them (then exact). ConfigError for either
+    knob without a base (INIT_MODEL empty)."""
+    if config.DISTILL_WEIGHT <= 0 and config.L2SP_WEIGHT <= 0:
+        return None
+    if getattr(model, "base_model", None) is None:
+        raise config.ConfigError(
+            f"DISTILL_WEIGHT={config.DISTILL_WEIGHT:g} and L2SP_WEIGHT={config.L2SP_WEIGHT:g} keep "
+            f"a finetune near its base, and this run has none (INIT_MODEL is empty): set both to 0 "
+            f"or give the base in INIT_MODEL"
+        )
+    dtype = None if config.L2SP_WEIGHT > 0 else base_anchor.copy_dtype(config.PRECISION)
+    return base_anchor.FrozenBase.of(model, dtype)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__,
@@ -434,10 +452,13 @@ def run(argv: list[str] | None = None) -> int:
     # Same seed everywhere for the model's initial weights (DDP also broadcasts rank 0's).
     pl.seed_everything(config.SEED, workers=True)
     model = asr_model.build_model()
+    # Taken before any update: the base as this run received it, on a resume too (the
+    # checkpoint's weights are loaded into the model later, by fit).
+    base = frozen_base(model)
     # Per-rank randomness from here on (dropout, SpecAugment masks, dither), still a function of SEED.
     torch.manual_seed(config.SEED + env["rank"])
     # The sampler's knobs, read once here and handed to the module that builds the DataLoader.
-    module = TrainingModule(model, batching=BatchingSettings.from_config())
+    module = TrainingModule(model, batching=BatchingSettings.from_config(), base=base)
     # Before the process group exists, so a cache build never runs into a collective timeout.
     prepare_training_caches(model.tokenizer)
     module.dataset = build_dataset(model.tokenizer)
@@ -484,6 +505,9 @@ def run(argv: list[str] | None = None) -> int:
             ),
         )
         log_finetuning_levers(model, module.batching, data_languages, module.finetuning_trade_off)
+        anchored = base_anchor.describe(config.DISTILL_WEIGHT, config.L2SP_WEIGHT, base)
+        if anchored:
+            log.info("keeping the base: %s", anchored)
     trainer.fit(module, ckpt_path=ckpt_path)
     process_control.set_training(False)
     checkpoint_callback = next(

@@ -70,9 +70,23 @@ def _loss_count(batch, module):
     return torch.isfinite(loss.detach()).to(torch.float64)
 
 
+def _distill_sum(batch, module):
+    """The micro-batch's distillation term (DISTILL_WEIGHT) where it had one, else 0."""
+    term = getattr(module, "last_distill", None)
+    if not _non_empty(batch) or term is None:
+        return 0.0
+    return term.detach().to(torch.float64)
+
+
+def _distill_count(batch, module):
+    return float(_non_empty(batch) and getattr(module, "last_distill", None) is not None)
+
+
 MEASURES: tuple[Measure, ...] = (
     Measure("loss_sum", "sum", of_micro_batch=_loss_sum),
     Measure("loss_count", "sum", of_micro_batch=_loss_count),
+    Measure("distill_sum", "sum", of_micro_batch=_distill_sum),
+    Measure("distill_count", "sum", of_micro_batch=_distill_count),
     Measure("utterances", "sum", of_micro_batch=lambda b, m: float(b.signal.shape[0])),
     Measure("audio_seconds", "sum", of_micro_batch=lambda b, m: float(sum(b.durations))),
     Measure("tokens", "sum", of_micro_batch=lambda b, m: float(b.token_count)),
@@ -161,6 +175,11 @@ def _shares(counts: Mapping[str, float]) -> dict[str, float]:
 STEP_METRICS: tuple[Metric, ...] = (
     Metric("train/loss", "pooled", "mean loss of this step's micro-batches with a finite loss, all ranks",
            lambda s: _ratio(s.measures["loss_sum"], s.measures["loss_count"])),
+    Metric("train/distill", "pooled", "mean distillation term (DISTILL_WEIGHT, before the weight) "
+           "of this step's micro-batches with utterances of the base's languages, all ranks; "
+           "NaN where none had one; not logged while DISTILL_WEIGHT is 0",
+           lambda s: _ratio(s.measures["distill_sum"], s.measures["distill_count"])
+           if getattr(s.module, "distill_weight", 0) > 0 else None),
     Metric("train/lr", "same", "learning rate this optimizer step used", lambda s: s.lr),
     Metric("train/phase", "same", "1 = encoder frozen, 2 = the whole model trains",
            lambda s: _float(s.module.phase)),
@@ -291,6 +310,8 @@ def step_metrics(step: Step, cuda: bool) -> dict[str, float]:
         if metric.cuda_only and not cuda:
             continue
         value = metric.value(step)
+        if value is None:  # a metric of something this run does not do
+            continue
         if isinstance(value, Mapping):
             placeholder = "<lang>" if "<lang>" in metric.key else "<reason>"
             for key, v in value.items():

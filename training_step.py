@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import asr_model
+import base_anchor
 import checkpoints
 import collectives
 import config
@@ -295,9 +296,14 @@ class TrainingModule(pl.LightningModule):
     monitoring callbacks read.
     """
 
-    def __init__(self, model, batching=None, speed=None):
+    def __init__(self, model, batching=None, speed=None, base=None):
         super().__init__()
         self.model = model
+        # base_anchor.FrozenBase of the base as received (None: nothing distilled or pulled):
+        # kept outside the module's children, so DDP, the optimizer and checkpoints never see it.
+        self.frozen_base = base
+        self.distill_weight = config.DISTILL_WEIGHT if base is not None else 0.0
+        self.last_distill: torch.Tensor | None = None  # this micro-batch's term, None if none
         # The sampler's settings (sampler.BatchingSettings): train.py passes the knobs it read.
         self.batching = batching if batching is not None else _batching_from_config()
         # How the step runs (step_speed.SpeedSettings), applied to the model it trains right here.
@@ -400,6 +406,8 @@ class TrainingModule(pl.LightningModule):
         }
 
     def on_fit_start(self):
+        if self.frozen_base is not None:
+            self.frozen_base.to(self.device)
         # Before the dataset is loaded: a CUDA loss that cannot run should cost seconds, not a node-hour.
         if self.device.type == "cuda":
             checked = asr_model.check_loss_on_device(self.model, self.device)
@@ -464,8 +472,20 @@ class TrainingModule(pl.LightningModule):
 
     # ---- the step -------------------------------------------------------------------------------
     def compute_loss(self, batch) -> torch.Tensor:
-        """The model's loss of one non-empty micro-batch (``asr_model.training_loss``)."""
-        return asr_model.training_loss(self.model, batch, encoder_frozen=self.encoder_frozen)
+        """The model's loss of one non-empty micro-batch (``asr_model.training_loss``), plus the
+        distillation term on its utterances of the base's languages
+        (``base_anchor.distilled_loss``) when DISTILL_WEIGHT is on."""
+        if self.distill_weight <= 0:
+            return asr_model.training_loss(self.model, batch, encoder_frozen=self.encoder_frozen)
+        loss, self.last_distill = base_anchor.distilled_loss(
+            self.model,
+            batch,
+            self.frozen_base,
+            self.batching.base_languages,
+            self.distill_weight,
+            encoder_frozen=self.encoder_frozen,
+        )
+        return loss
 
     def zero_loss(self) -> torch.Tensor:
         """0 that depends on every trainable parameter: DDP sees them all used, gradients are zeros."""
@@ -485,6 +505,7 @@ class TrainingModule(pl.LightningModule):
             self.last_loss = loss.detach()
         else:
             self._window_utterances += batch.batch_size
+            self.last_distill = None
             loss = self.compute_loss(batch)
             # What this micro-batch computed, non-finite included (the metrics leave it out of the mean).
             self.last_loss = loss.detach()
@@ -682,6 +703,13 @@ class TrainingModule(pl.LightningModule):
             new_piece_schedule,
             lambda: scheduler.last_epoch,
         ).attach(optimizer)
+        if self.frozen_base is not None:
+            base_anchor.PullTowardBase(
+                self.model.named_parameters(),
+                self.frozen_base,
+                config.L2SP_WEIGHT,
+                asr_model.new_piece_parameters(self.model),
+            ).attach(optimizer)
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},

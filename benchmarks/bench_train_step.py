@@ -296,6 +296,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="time phase 2 with each of these step-speed levers on against off (sdpa, fused-adamw, "
         "compile, tf32, host-memory-reuse, fused-batch-size=N)",
     )
+    parser.add_argument(
+        "--keep-base",
+        action="store_true",
+        help="time phase 2 with the base kept (a frozen copy of it: DISTILL_WEIGHT as set, 1 when "
+        "0, on every utterance; L2SP_WEIGHT as set) against without",
+    )
     parser.add_argument("--skip-nemo", action="store_true", help="time the project's step only")
     parser.add_argument(
         "--find-max-batch-duration",
@@ -416,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         return profile_step(model, batch, shape, args, device, precision)
     if args.levers:
         return compare_levers(model, batch, shape, args, device, precision)
+    if args.keep_base:
+        return compare_keep_base(model, batch, shape, args, device, precision)
     return time_sides(model, batch, shape, args, device, precision)
 
 
@@ -645,6 +653,63 @@ def compare_levers(model, batch, shape, args, device, precision) -> int:
             f"{peak:.2f} GiB), off {medians['off']:.3f} s; eval loss on {losses['on']:.5f}, off "
             f"{losses['off']:.5f} (relative difference {loss_diff:.1e})"
         )
+    return 0
+
+
+def compare_keep_base(model, batch, shape, args, device, precision) -> int:
+    """Phase 2 with the base kept against without, alternating, ``--rounds`` rounds: the frozen
+    copy train.py makes (``train.frozen_base``: its matrix weights in the training dtype unless
+    L2SP_WEIGHT pulls toward them), DISTILL_WEIGHT as set (1 when 0), every utterance of the batch
+    in one of the base's languages (distillation's most: in a run only the base's share is)."""
+    import dataclasses
+
+    import base_anchor
+    from sampler import BatchingSettings
+
+    weight = config.DISTILL_WEIGHT or 1.0
+    exact = config.L2SP_WEIGHT > 0
+    base = base_anchor.FrozenBase.of(model, None if exact else base_anchor.copy_dtype(precision))
+    batching = dataclasses.replace(
+        BatchingSettings.from_config(), base_languages=tuple(sorted(set(batch.langs)))
+    )
+    on_cpu = device.type == "cpu"
+    speed = SpeedSettings.from_config().resolved(on_cpu=on_cpu)
+    print(
+        f"the base kept: a frozen copy of {base.nbytes() / 2**20:.0f} MiB "
+        f"({'float32' if exact else precision} weights), DISTILL_WEIGHT={weight:g} on every "
+        f"utterance, L2SP_WEIGHT={config.L2SP_WEIGHT:g}; phase 2:"
+    )
+    runs: dict[str, list[RunResult]] = {"off": [], "on": []}
+    saved = config.DISTILL_WEIGHT
+    try:
+        for round_ in range(args.rounds):
+            for name in ("off", "on") if round_ % 2 == 0 else ("on", "off"):
+                config.DISTILL_WEIGHT = weight if name == "on" else 0.0
+                runs[name].append(
+                    run_steps(
+                        "project",
+                        model,
+                        batch,
+                        2,
+                        speed=speed,
+                        base=base if name == "on" else None,
+                        batching=batching,
+                        **run_kwargs(args, device, precision),
+                    )
+                )
+    finally:
+        config.DISTILL_WEIGHT = saved
+    audio = shape.audio_seconds * args.grad_accum
+    medians = {k: statistics.median(t for r in v for t in r.times) for k, v in runs.items()}
+    paired = [on_run.median / off_run.median for on_run, off_run in zip(runs["on"], runs["off"])]
+    peaks = {k: max(r.peak_bytes for r in v) / 2**30 for k, v in runs.items()}
+    print(
+        f"keep-base: on/off step time {statistics.median(paired):.3f} (paired rounds "
+        + ", ".join(f"{r:.3f}" for r in paired)
+        + f"); on {medians['on']:.3f} s ({audio / medians['on']:.1f} audio s/s, peak "
+        f"{peaks['on']:.2f} GiB), off {medians['off']:.3f} s ({audio / medians['off']:.1f} "
+        f"audio s/s, peak {peaks['off']:.2f} GiB)"
+    )
     return 0
 
 

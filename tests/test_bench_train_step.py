@@ -106,3 +106,21 @@ def test_the_encoder_flop_count_is_the_count_torchs_flop_counter_makes(
     assert mel_frames == features.shape[-1]
     counted = bench.encoder_forward_flops(model.encoder, utterances, mel_frames)
     assert counted == counter.get_total_flops()
+
+
+@pytest.mark.slow
+def test_keep_base_times_steps_with_the_frozen_copy_against_without(
+    tiny_bench, capsys, monkeypatch
+):
+    """The copy the run would make (float32 for L2-SP), its size, and paired rounds of phase-2
+    steps with it against without; the shell's DISTILL_WEIGHT of 0 is left as it was."""
+    monkeypatch.setattr(config, "L2SP_WEIGHT", 1.0)
+    args = ["--keep-base", "--steps", "1", "--warmup", "0", "--rounds", "2"]
+    assert bench.main(args) == 0
+    out = capsys.readouterr().out
+    assert (
+        "the base kept: a frozen copy of " in out and "(float32 weights), DISTILL_WEIGHT=1" in out
+    )
+    (line,) = [line for line in out.splitlines() if line.startswith("keep-base: on/off")]
+    assert "paired rounds" in line and "peak" in line
+    assert config.DISTILL_WEIGHT == 0.0

@@ -1,7 +1,8 @@
 """The finetuning levers of training_step: NEW_PIECE_LR_SCALE (larger steps for the rows of pieces
 the base lacked) on its own schedule (NEW_PIECE_WARMUP, NEW_PIECE_DECAY), ENCODER_LR_SCALE (the
 encoder's own LR), and a checkpoint of the one-group optimizer layout resuming under today's
-groups."""
+groups; a real 2-process finetune with every lever on (DISTILL_WEIGHT, L2SP_WEIGHT and
+AUTO_LANGUAGE=score among them), its resume and its export."""
 
 from __future__ import annotations
 
@@ -325,6 +326,9 @@ def finetune_run(tokenizers, tmp_path_factory):
         NEW_PIECE_DECAY="2",
         ENCODER_LR_SCALE="0.5",
         BASE_LANGUAGE_SHARE="0.6",
+        DISTILL_WEIGHT="2",
+        L2SP_WEIGHT="3",
+        AUTO_LANGUAGE="score",
         PHASE1_LR="1e-2",
         PHASE2_LR="1e-2",
     )
@@ -349,10 +353,20 @@ def test_a_finetune_names_its_levers_and_keeps_the_base_languages_at_their_floor
         "the base's languages (en, from INIT_MODEL's record) keep at least "
         "BASE_LANGUAGE_SHARE=0.6 of the mix" in out
     )
+    assert (
+        "keeping the base: the encoder's output on the base's languages distilled from a frozen "
+        "copy of the base at DISTILL_WEIGHT=2; the base's weights pulled toward the base at "
+        "L2SP_WEIGHT=3 x the LR per step (the copy: " in out
+    )
     metrics = next((finetune_run["root"] / "run" / "wandb_logs").glob("*/metrics.jsonl"))
     targets = [json.loads(line) for line in metrics.read_text().splitlines()]
     en = [r["lang_target/en"] for r in targets if "lang_target/en" in r]
     assert en and en[0] == pytest.approx(0.6)
+    # distilled only once the encoder trains (optimizer steps 3 and 4, after UNFREEZE_STEP=2)
+    distilled = {r["step"]: r["train/distill"] for r in targets if "train/distill" in r}
+    assert set(distilled) >= {1, 2, 3, 4}, distilled
+    assert any(v is not None and v > 0 for step, v in distilled.items() if step > 2), distilled
+    assert all(v is None or v != v for step, v in distilled.items() if step <= 2), distilled
     # the trade-off goes where the run is read later: its W&B settings and its model card
     settings = json.loads(metrics.with_name("hparams.json").read_text())
     assert settings["finetuning_trade_off"].startswith("the base's languages (en) over the new")
