@@ -77,6 +77,19 @@ class _SummarizeVocabulary(logging.Filter):
         return True
 
 
+class _PassOnExcept(logging.Handler):
+    """Hands each record of its logger's tree at ``level`` or above to the root logger's handlers,
+    as propagation would, except those whose message contains one of ``parts``. A filter on the
+    logger itself would see only the records logged on it, not those of its children."""
+
+    def __init__(self, parts: tuple[str, ...], level: int):
+        super().__init__(level)
+        self.addFilter(_DropMessages(parts))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger().handle(record)
+
+
 def quiet_harmless_messages() -> None:
     """Silence, each by its message, what NeMo and its telemetry print that does not apply here, so
     a run shows stages, progress, real warnings and results. Idempotent; called on import."""
@@ -104,15 +117,20 @@ def quiet_harmless_messages() -> None:
     if not any(isinstance(f, _DropMessages) for f in nemo_logger.filters):
         nemo_logger.addFilter(_DropMessages(harmless))
         nemo_logger.addFilter(_SummarizeVocabulary())
-    # NeMo's OneLogger telemetry is off in this app: its notes ("no exporters", "skipping ...
-    # because OneLogger is not enabled", on every rank) say nothing to a user. A level on the parent
-    # is not enough: once OneLogger is set up, its get_logger gives each module's logger a level of
-    # its own (INFO), which wins. So nothing of it propagates to the run's log at all.
+    # NeMo's OneLogger telemetry is off in this app: the notes it prints on every rank when NeMo is
+    # imported or a trainer starts say only that, and its INFO lines count exporters. Its warnings
+    # stay. A level or a filter on the parent logger is not enough: once OneLogger is set up, its
+    # get_logger gives each module's logger a level of its own (INFO), and a logger's filters never
+    # see its children's records; so the tree's records reach the run's log through _PassOnExcept.
+    one_logger_notes = (
+        "OneLogger: Setting error_handling_strategy to DISABLE_QUIETLY_AND_REPORT_METRIC_ERROR",
+        "No exporters were provided. This means that no telemetry data will be collected.",
+        "because OneLogger is not enabled.",
+    )
     one_logger = logging.getLogger("nv_one_logger")
-    one_logger.setLevel(logging.ERROR)
-    one_logger.propagate = False
-    if not one_logger.handlers:
-        one_logger.addHandler(logging.NullHandler())
+    if not any(isinstance(h, _PassOnExcept) for h in one_logger.handlers):
+        one_logger.addHandler(_PassOnExcept(one_logger_notes, logging.WARNING))
+        one_logger.propagate = False
     # NeMo's prediction network is a 1-layer LSTM built with its dropout argument; PyTorch warns
     # that the LSTM's inter-layer dropout then does nothing, while NeMo applies dropout itself.
     warnings.filterwarnings(

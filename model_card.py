@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import asr_model
+import config
 import vocabulary
 from atomic_files import write_together
 from evaluation import NORMALIZED_SCORING, base_and_final_rates
@@ -40,6 +41,30 @@ TRAINING_SETTINGS = (
     "PRECISION",
     "SEED",
 )
+
+# The finetuning levers: what shapes how much a finetune keeps of its base and how fast it learns
+# the new languages, listed in the card's "Finetuning levers" section in this order, each with the
+# run's value and whether it is the default. A lever added to config.py shows up once named here;
+# a knob of the run's settings whose name starts with one of FINETUNING_LEVER_PREFIXES shows up
+# without being named.
+FINETUNING_LEVERS = (
+    "TOKENIZER_MODE",
+    "VOCAB_SIZE",
+    "DECODER_INIT",
+    "NEW_PIECE_BIAS",
+    "UNFREEZE_STEP",
+    "ENCODER_LR_SCALE",
+    "NEW_PIECE_LR_SCALE",
+    "NEW_PIECE_WARMUP",
+    "NEW_PIECE_DECAY",
+    "BASE_LANGUAGE_SHARE",
+    "BASE_LANGUAGES",
+    "SPEED_PERTURB",
+    "NOISE_PROB",
+    "NOISE_SNR_DB",
+    "NOISE_DIR",
+)
+FINETUNING_LEVER_PREFIXES = ("DISTILL_", "L2SP_", "AUTO_LANGUAGE")
 
 
 def card_path(nemo_path: str | Path) -> Path:
@@ -162,6 +187,72 @@ def _vocabulary_lines(record: dict[str, Any]) -> list[str]:
     return lines
 
 
+def finetuning_levers(settings: dict[str, Any]) -> list[str]:
+    """The names of the levers ``settings`` holds: those of ``FINETUNING_LEVERS`` in its order, then
+    every other setting whose name starts with one of ``FINETUNING_LEVER_PREFIXES``, in the
+    settings' order. A lever whose value is None (NOISE_DIR unset) is left out."""
+    named = [k for k in FINETUNING_LEVERS if k in settings]
+    prefixed = [
+        k
+        for k in settings
+        if k.startswith(FINETUNING_LEVER_PREFIXES) and k not in FINETUNING_LEVERS
+    ]
+    return [k for k in named + prefixed if settings[k] is not None]
+
+
+def _setting_text(value: Any) -> str:
+    """A setting as a user writes it in the environment, in code type (a list comma-separated), or
+    the word empty for an empty one (an unset path, an empty list)."""
+    if isinstance(value, (list, tuple)):
+        value = ",".join(map(str, value))
+    return f"`{value}`" if value not in (None, "") else "empty"
+
+
+def _lever_lines(settings: dict[str, Any]) -> list[str]:
+    """The card's "Finetuning levers" section: each lever with the run's value, marked default or
+    changed (with the default) against config.py's defaults; [] when the settings hold none."""
+    levers = finetuning_levers(settings)
+    if not levers:
+        return []
+    # The defaults as run settings are written (JSON types), so a value compares with its own kind.
+    defaults = config.run_settings(config.read_config({}))
+    rows = []
+    for name in levers:
+        value = settings[name]
+        if name not in defaults:
+            mark = "no default in this version of config.py"
+        elif value == defaults[name]:
+            mark = "default"
+        else:
+            mark = f"**changed** (default {_setting_text(defaults[name])})"
+        rows.append(f"| `{name}` | {_setting_text(value)} | {mark} |")
+    # A knob of another step (train_tokenizer's) is as the training run's environment had it, which
+    # need not be what that step ran with; the tokenizer it made is the one the Model section shows.
+    elsewhere = [n for n in levers if n in config.KNOBS and "train" not in config.KNOBS[n].steps]
+    steps = sorted({s for n in elsewhere for s in config.KNOBS[n].steps})
+    return [
+        "",
+        "## Finetuning levers",
+        "",
+        "What shapes how much of the base model a finetune keeps and how fast it learns new "
+        "languages, as this run had them (docs/knobs.md):",
+        "",
+        "| lever | value | against the default |",
+        "|---|---|---|",
+        *rows,
+        *(
+            [
+                "",
+                f"{', '.join(f'`{n}`' for n in elsewhere)}: knobs of {', '.join(steps)}, not of "
+                f"training, as the training run's environment had them; the tokenizer the model "
+                f"has is the one under Model.",
+            ]
+            if elsewhere
+            else []
+        ),
+    ]
+
+
 def _scoring(evaluation: dict) -> str:
     """How the texts of ``evaluation``'s counts were compared, in words."""
     if evaluation.get("scoring") == NORMALIZED_SCORING:
@@ -263,6 +354,7 @@ def render(record: dict[str, Any], model, nemo_name: str) -> str:
         "| setting | value |",
         "|---|---|",
         *(f"| `{k}` | `{settings[k]}` |" for k in TRAINING_SETTINGS if k in settings),
+        *_lever_lines(settings),
         "",
         "## Evaluation",
         "",

@@ -734,7 +734,10 @@ def test_transcribe_script_runs_a_model_over_a_manifest_into_jsonl(tiny, capsys)
     assert "cannot read" in capsys.readouterr().err
 
 
-def test_transcribe_stdout_piped_to_a_file_is_valid_jsonl_and_the_logs_go_to_stderr(tiny):
+@pytest.fixture(scope="module")
+def transcribe_run(tiny):
+    """scripts/transcribe.py run as a user runs it on the tiny .nemo: two audio files of the
+    manifest and a missing one, stdout piped; (the files, the finished process)."""
     import polars as pl
 
     from manifest_schema import nemo_json_frame
@@ -748,12 +751,35 @@ def test_transcribe_stdout_piped_to_a_file_is_valid_jsonl_and_the_logs_go_to_std
         timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+    return files, result
+
+
+def test_transcribe_stdout_piped_to_a_file_is_valid_jsonl_and_the_logs_go_to_stderr(
+    transcribe_run,
+):
+    files, result = transcribe_run
     assert result.returncode == 1  # one file failed
     rows = [json.loads(line) for line in result.stdout.splitlines()]  # every line is JSON
     assert [r["audio_filepath"] for r in rows] == files
     assert rows[2]["error"] == "file not found"
     assert f"cannot read {files[2]}: file not found" in result.stderr
     assert "[NeMo" not in result.stdout
+
+
+# What NeMo's OneLogger telemetry (off in this app) prints when NeMo is imported, and what
+# SentencePiece prints for a deprecated trainer option.
+LIBRARY_NOTES = (
+    "No exporters were provided",
+    "OneLogger: Setting error_handling_strategy",
+    "is deprecated and ignored",
+)
+
+
+def test_a_command_that_loads_a_nemo_model_prints_none_of_the_librarys_notes(transcribe_run):
+    _, result = transcribe_run
+    assert "was successfully restored" in result.stderr  # NeMo was imported and loaded the model
+    for note in LIBRARY_NOTES:
+        assert note not in result.stdout + result.stderr, note
 
 
 @pytest.mark.parametrize(
@@ -1354,6 +1380,50 @@ def test_the_model_card_shows_the_error_rates_with_the_language_given_beside_aut
     off = {**record, "settings": {**record["settings"], "LANGUAGE_GIVEN_SCRIPTS": "0"}}
     assert "then any piece" in model_card.render(off, tiny.model, "tiny.nemo")
     assert "WER given" not in model_card.render(RUN_RECORD, tiny.model, "tiny.nemo")
+
+
+def test_the_model_card_lists_the_finetuning_levers_with_their_values_marking_the_changed(tiny):
+    defaults = config.run_settings(config.read_config({}))
+    settings = {
+        **defaults,
+        "ENCODER_LR_SCALE": 0.5,
+        "NEW_PIECE_WARMUP": 200,
+        "BASE_LANGUAGES": ["en", "hi"],
+        "SPEED_PERTURB": [0.9, 1.0, 1.1],
+        "NOISE_PROB": 0.3,
+        "NOISE_DIR": "/data/musan/noise",
+    }
+    card = model_card.render({**RUN_RECORD, "settings": settings}, tiny.model, "tiny.nemo")
+    levers = card.split("## Finetuning levers", 1)[1].split("\n## ", 1)[0]
+    scale, warmup = defaults["ENCODER_LR_SCALE"], defaults["NEW_PIECE_WARMUP"]
+    assert f"| `ENCODER_LR_SCALE` | `0.5` | **changed** (default `{scale}`) |" in levers
+    assert f"| `NEW_PIECE_WARMUP` | `200` | **changed** (default `{warmup}`) |" in levers
+    assert "| `BASE_LANGUAGES` | `en,hi` | **changed** (default empty) |" in levers
+    assert "| `SPEED_PERTURB` | `0.9,1.0,1.1` | **changed** (default empty) |" in levers
+    assert "| `NOISE_PROB` | `0.3` | **changed** (default `0.0`) |" in levers
+    assert "| `NOISE_DIR` | `/data/musan/noise` | **changed** (default empty) |" in levers
+    for name in ("NEW_PIECE_LR_SCALE", "UNFREEZE_STEP", "BASE_LANGUAGE_SHARE", "VOCAB_SIZE"):
+        assert f"| `{name}` | `{defaults[name]}` | default |" in levers
+    for name in model_card.FINETUNING_LEVERS:
+        if settings[name] is not None:
+            assert f"| `{name}` |" in levers, name
+    # train_tokenizer's knobs, as train.py's environment had them, are said to be that
+    assert "`TOKENIZER_MODE`, `VOCAB_SIZE`: knobs of train_tokenizer, not of training" in levers
+
+
+def test_a_setting_of_a_lever_family_is_listed_by_its_prefix_without_being_named(tiny):
+    settings = {"ENCODER_LR_SCALE": 1.0, "PHASE1_LR": 3e-4, "DISTILL_TEMPERATURE": 2.0}
+    settings.update(L2SP_ALPHA=0.01, AUTO_LANGUAGE_TOP=3)
+    card = model_card.render({**RUN_RECORD, "settings": settings}, tiny.model, "tiny.nemo")
+    levers = card.split("## Finetuning levers", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\| `(\w+)` \|", levers, flags=re.M)
+    assert listed == ["ENCODER_LR_SCALE", "DISTILL_TEMPERATURE", "L2SP_ALPHA", "AUTO_LANGUAGE_TOP"]
+    assert "| `DISTILL_TEMPERATURE` | `2.0` | no default in this version of config.py |" in levers
+
+
+def test_a_record_without_settings_has_no_levers_section(tiny):
+    card = model_card.render({"step": 1}, tiny.model, "tiny.nemo")
+    assert "## Finetuning levers" not in card
 
 
 def test_the_test_manifest_of_a_kept_split_evaluates(tiny, tmp_path, capsys):

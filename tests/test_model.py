@@ -387,24 +387,61 @@ def test_harmless_nemo_messages_are_dropped_by_their_text_and_the_rest_kept():
     assert caught
 
 
-def test_one_logger_notes_reach_no_log_even_from_a_module_logger_with_its_own_level():
+def one_logger_records_in_the_run_log(records: list[tuple[str, int, str]]) -> list[str]:
+    """The messages of ``records`` (module logger, level, message), logged the way nv_one_logger's
+    modules log them once OneLogger is set up (a level of their own on each module's logger), that
+    reach a handler on the root logger, as train.py's logging.basicConfig puts there."""
     import asr_model
 
     asr_model.quiet_harmless_messages()
-    # What nv_one_logger's get_logger does once OneLogger is set up: a level on the module's logger.
-    module_logger = logging.getLogger("nv_one_logger.core.internal.safe_execution")
-    module_logger.setLevel(logging.INFO)
     seen = []
-    run_log = logging.Handler()  # what train.py's logging.basicConfig puts on the root logger
-    run_log.emit = seen.append
+    run_log = logging.Handler()
+    run_log.emit = lambda record: seen.append(record.getMessage())
     logging.getLogger().addHandler(run_log)
     try:
-        module_logger.warning(
-            "Skipping execution of on_app_start because OneLogger is not enabled."
-        )
+        for name, level, message in records:
+            module_logger = logging.getLogger(name)
+            module_logger.setLevel(logging.INFO)
+            module_logger.log(level, message)
     finally:
         logging.getLogger().removeHandler(run_log)
-    assert seen == []
+    return seen
+
+
+def test_one_logger_notes_reach_no_log_even_from_a_module_logger_with_its_own_level():
+    notes = [
+        (
+            "nv_one_logger.core.internal.safe_execution",
+            logging.WARNING,
+            "Skipping execution of on_app_start because OneLogger is not enabled.",
+        ),
+        (
+            "nv_one_logger.api.config",
+            logging.WARNING,
+            "OneLogger: Setting error_handling_strategy to DISABLE_QUIETLY_AND_REPORT_METRIC_ERROR "
+            "for rank (rank=0) with OneLogger disabled. To override: explicitly set "
+            "error_handling_strategy parameter.",
+        ),
+        (
+            "nv_one_logger.training_telemetry.api.training_telemetry_provider",
+            logging.WARNING,
+            "No exporters were provided. This means that no telemetry data will be collected.",
+        ),
+        (
+            "nv_one_logger.exporter.export_config_manager",
+            logging.INFO,
+            "Final configuration contains 0 exporter(s)",
+        ),
+    ]
+    assert one_logger_records_in_the_run_log(notes) == []
+
+
+def test_a_genuine_one_logger_warning_reaches_the_run_log_once():
+    genuine = "Failed to load config file /etc/one_logger.yaml: expected a dict"
+    seen = one_logger_records_in_the_run_log(
+        [("nv_one_logger.exporter.export_config_manager", logging.WARNING, genuine)]
+    )
+    assert seen == [genuine]
 
 
 def test_nemos_vocabulary_dump_becomes_its_count_and_first_pieces():
