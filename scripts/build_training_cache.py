@@ -44,6 +44,9 @@ def load_tokenizer(tokenizer_dir: Path):
             f"TOKENIZER_DIR={tokenizer_dir} has no tokenizer.model; run scripts/train_tokenizer.py "
             f"first or point TOKENIZER_DIR at a trained tokenizer"
         )
+    import asr_model
+
+    asr_model.quiet_harmless_messages()  # before NeMo's import prints its telemetry notes
     from nemo.collections.common.tokenizers import SentencePieceTokenizer
 
     return SentencePieceTokenizer(str(model))

@@ -175,7 +175,6 @@ def _train_spm(
         shuffle_input_sentence=True,
         input_sentence_size=0,
         remove_extra_whitespaces=False,
-        train_extremely_large_corpus=False,
         minloglevel=2,
     )
     settings.update(options)

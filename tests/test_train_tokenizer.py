@@ -220,6 +220,23 @@ def test_vocabulary_larger_than_the_corpus_allows_is_capped_with_a_warning(corpu
     assert len(capped) == 1 and f"training {summary['vocab_size']} pieces" in capped[0]
 
 
+def test_sentencepiece_is_given_no_option_it_has_deprecated(corpus, tmp_path, monkeypatch):
+    """SentencePiece prints a line to stderr for a deprecated option it is given."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    given = {}
+    train = spm.SentencePieceTrainer.train
+
+    def recording_train(**options):
+        given.update(options)
+        return train(**options)
+
+    monkeypatch.setattr(spm.SentencePieceTrainer, "train", recording_train)
+    tt.train_tokenizer(corpus, tmp_path / "tok", vocab_size=100, seed=1)
+    fields = sentencepiece_model_pb2.TrainerSpec.DESCRIPTOR.fields_by_name
+    assert [k for k in given if k in fields and fields[k].GetOptions().deprecated] == []
+
+
 def test_vocabulary_below_the_corpus_characters_fails_with_the_minimum_to_set(corpus, tmp_path):
     out = tmp_path / "tok"
     proc = subprocess.run(
