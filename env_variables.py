@@ -29,6 +29,12 @@ SCRIPT_VARIABLES = {
     "REPO_DIR": "slurm_train.sh",
     "SHARED_DIR_TIMEOUT": "slurm_train.sh",
     "PREEMPT_SAVE_SECONDS": "slurm_train.sh",
+    "JOB_ENV": "slurm_train.sh",
+    "CONTAINER_RUNTIME": "slurm_train.sh",
+    "CONTAINER_IMAGE": "slurm_train.sh",
+    "CONTAINER_PYTHON": "slurm_train.sh",
+    "CONTAINER_PACKAGES": "slurm_train.sh",
+    "CONTAINER_MOUNTS": "slurm_train.sh",
 }
 
 # Other tools' variables, by prefix (``NAME`` or ``NAME_...``) or whole name: never a misspelt knob.

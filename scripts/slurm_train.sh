@@ -8,6 +8,9 @@
 # By hand (run on every node with the same MASTER_ADDR / MASTER_PORT and its own NODE_RANK):
 #   MASTER_ADDR=node0 NNODES=2 NODE_RANK=0 bash scripts/slurm_train.sh      # on node0
 #   MASTER_ADDR=node0 NNODES=2 NODE_RANK=1 bash scripts/slurm_train.sh      # on node1
+# In a site's container image (Containers, below; docs/operations.md has the package install):
+#   CONTAINER_RUNTIME=pyxis CONTAINER_IMAGE='nvcr.io#nvidia/pytorch:25.01-py3' \
+#     CONTAINER_PACKAGES=/shared/parakeet/site JOB_ENV=/shared/parakeet/job.env sbatch --nodes=2 scripts/slurm_train.sh
 #
 # Environment (all optional under SLURM, which provides the first four):
 #   NNODES          number of nodes                   (SLURM_JOB_NUM_NODES, else 1)
@@ -28,7 +31,24 @@
 #                   0 skips the check, e.g. for a single-node run)
 #   RESUME_FROM     unset: 'last', the newest checkpoint in CHECKPOINT_DIR or a fresh start when there
 #                   is none, so a requeued job continues. Set it (RESUME_FROM= starts fresh) to choose.
+#   JOB_ENV         a file of `export NAME=value` lines (the job's job.env), read on every node and again
+#                   inside the container, where its values win over any the image sets   (none)
 #   Every config.py knob (DATA_DIR, GRAD_ACCUM, ...) passes through to train.py unchanged.
+#
+# Containers: each node runs this script inside the image, with the image's Python, the checkout and
+# CONTAINER_PACKAGES on PYTHONPATH, and REPO_DIR, DATA_DIR, CHECKPOINT_DIR, CONTAINER_PACKAGES and
+# JOB_ENV (those set) mounted at their own paths; nothing is installed into the image.
+#   CONTAINER_RUNTIME   none: the host's PY, as above (none)
+#                       pyxis: the batch step's srun starts the image (--container-image, --container-mounts)
+#                       apptainer: each node enters it with `apptainer exec --nv --bind` (`singularity`
+#                       where apptainer is not on PATH), with SLURM or by hand
+#   CONTAINER_IMAGE     required: for pyxis an enroot URI (nvcr.io#nvidia/pytorch:25.01-py3) or a .sqsh
+#                       file, for apptainer a .sif file (or a docker:// URI)
+#   CONTAINER_PYTHON    the image's Python; PY is not read in a container         (python3)
+#   CONTAINER_PACKAGES  the directory `python -m pip install --target DIR` filled with what the image lacks,
+#                       first on PYTHONPATH                                        (none)
+#   CONTAINER_MOUNTS    more mounts, in the runtime's syntax: SRC:DST[:FLAGS],...  (none); for what the job
+#                       reads outside those above (INIT_MODEL's folder, ...)
 #
 # NCCL (GPU) and Gloo (CPU) networking; set these when the defaults pick the wrong interface:
 #   NCCL_SOCKET_IFNAME=ib0|eth0|^lo,docker   interface(s) for bootstrap / socket traffic
@@ -69,6 +89,15 @@ die() { log "ERROR: $*"; exit 1; }
 # set -e alone exits without a word; name the command and line instead.
 trap 'log "ERROR: exit status $? at line $LINENO of scripts/slurm_train.sh: $BASH_COMMAND"' ERR
 
+# Read again inside a container: pyxis and Apptainer keep an image's own value of a variable over the job's.
+if [[ -n "${JOB_ENV:-}" ]]; then
+    [[ "$JOB_ENV" == /* ]] || JOB_ENV="$PWD/$JOB_ENV"
+    [[ -f "$JOB_ENV" ]] || die "JOB_ENV=$JOB_ENV does not exist"
+    export JOB_ENV
+    # shellcheck source=/dev/null
+    source "$JOB_ENV" || die "JOB_ENV=$JOB_ENV: a line of it failed (message above)"
+fi
+
 # Under sbatch this file runs from a spool copy, so the repository comes from the submit directory.
 if [[ -z "${REPO_DIR:-}" ]]; then
     here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -78,6 +107,73 @@ if [[ -z "${REPO_DIR:-}" ]]; then
 fi
 export REPO_DIR
 cd "$REPO_DIR"
+
+# The first host of the job: node 0, which hosts the rendezvous.
+first_host() {
+    local hosts
+    # No pipe into head: under pipefail, scontrol's SIGPIPE would end the script on large jobs.
+    hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST") || die "scontrol cannot expand $SLURM_JOB_NODELIST"
+    MASTER_ADDR=${hosts%%$'\n'*}
+}
+
+# --- a container: check its settings on the host, before any node starts ---
+CONTAINER_RUNTIME=${CONTAINER_RUNTIME:-none}
+in_container=${_SLURM_TRAIN_CONTAINER:-}
+case $CONTAINER_RUNTIME in
+    none|pyxis|apptainer) ;;
+    *) die "CONTAINER_RUNTIME=$CONTAINER_RUNTIME: expected none, pyxis or apptainer" ;;
+esac
+# Sets container_mounts: the user's CONTAINER_MOUNTS, then each directory the job reads or writes at its
+# own path, so every path in the environment means the same inside; a later, more specific mount wins.
+set_container_mounts() {
+    local paths=("$REPO_DIR") mounted=() entries=() p q entry covered
+    container_mounts=${CONTAINER_MOUNTS:-}
+    [[ -z "$container_mounts" ]] || IFS=, read -r -a entries <<< "$container_mounts"
+    for entry in ${entries[@]+"${entries[@]}"}; do
+        [[ -z "$entry" || -e "${entry%%:*}" ]] || die "CONTAINER_MOUNTS: ${entry%%:*} does not exist on this node"
+    done
+    if [[ -n "${DATA_DIR:-}" ]]; then
+        [[ -d "$DATA_DIR" ]] || die "DATA_DIR=$DATA_DIR does not exist on this node (it is mounted into the container)"
+        paths+=("$DATA_DIR")
+    fi
+    if [[ -n "${CHECKPOINT_DIR:-}" ]]; then
+        mkdir -p "$CHECKPOINT_DIR" || die "cannot create CHECKPOINT_DIR=$CHECKPOINT_DIR"
+        paths+=("$CHECKPOINT_DIR")
+    fi
+    if [[ -n "${CONTAINER_PACKAGES:-}" ]]; then
+        [[ -d "$CONTAINER_PACKAGES" ]] || die "CONTAINER_PACKAGES=$CONTAINER_PACKAGES is not a directory: fill it \
+with the image's Python, python -m pip install --target $CONTAINER_PACKAGES (docs/operations.md)"
+        paths+=("$CONTAINER_PACKAGES")
+    fi
+    if [[ -n "${JOB_ENV:-}" ]]; then paths+=("$JOB_ENV"); fi
+    for p in "${paths[@]}"; do
+        if [[ "$p" != /* ]]; then p="$REPO_DIR/$p"; fi
+        p=${p%/}
+        covered=0
+        for q in ${mounted[@]+"${mounted[@]}"}; do
+            if [[ "$p" == "$q" || "$p" == "$q"/* ]]; then covered=1; fi
+        done
+        for entry in ${entries[@]+"${entries[@]}"}; do
+            if [[ "$entry" == "$p" || "$entry" == "$p:$p" ]]; then covered=1; fi
+        done
+        if (( covered )); then continue; fi
+        mounted+=("$p")
+        container_mounts+="${container_mounts:+,}$p:$p"
+    done
+}
+if [[ $CONTAINER_RUNTIME != none && -z "$in_container" ]]; then
+    [[ -n "${CONTAINER_IMAGE:-}" ]] || die "CONTAINER_RUNTIME=$CONTAINER_RUNTIME but CONTAINER_IMAGE is not set: \
+name the image (an enroot URI or .sqsh file for pyxis, a .sif file for apptainer)"
+    # A path must exist; pyxis also takes registry names (nvcr.io#nvidia/pytorch:25.01-py3), Apptainer URIs.
+    if [[ "$CONTAINER_IMAGE" == [/.~]* || ( $CONTAINER_RUNTIME == apptainer && "$CONTAINER_IMAGE" != *://* ) ]]; then
+        [[ -e "$CONTAINER_IMAGE" ]] || die "CONTAINER_IMAGE=$CONTAINER_IMAGE does not exist on this node"
+    fi
+    if [[ $CONTAINER_RUNTIME == apptainer ]]; then
+        apptainer=$(command -v apptainer || command -v singularity) || die "CONTAINER_RUNTIME=apptainer but \
+neither apptainer nor singularity is on PATH (module load apptainer, or CONTAINER_RUNTIME=pyxis where srun has it)"
+    fi
+    set_container_mounts
+fi
 
 # --- SLURM batch step: start this script once per node with srun, and handle the time limit ---
 in_step=0
@@ -98,9 +194,19 @@ optimizer step and exit; job $SLURM_JOB_ID is requeued after that (RESUME_FROM=l
     trap requeue USR1
     trap : USR2  # a stack-dump request (scancel --full --signal=USR2) must not end the batch shell
     trap - ERR  # srun's own status is reported below; wait returning early on USR1 is no error
+    container=()
+    if [[ $CONTAINER_RUNTIME == pyxis ]]; then
+        srun_help=$(srun --help 2>&1) || true
+        [[ "$srun_help" == *--container-image* ]] || die "CONTAINER_RUNTIME=pyxis but this srun has no \
+--container-image (the pyxis plugin is not installed here): use CONTAINER_RUNTIME=apptainer"
+        [[ -n "${MASTER_ADDR:-}" ]] || first_host  # here: the image may have no scontrol
+        export MASTER_ADDR _SLURM_TRAIN_CONTAINER=pyxis
+        container=(--container-image="$CONTAINER_IMAGE" --container-mounts="$container_mounts")
+        log "every node in the image $CONTAINER_IMAGE (pyxis), mounts $container_mounts"
+    fi
     log "starting one launcher per node on $SLURM_JOB_NODELIST (restart #${SLURM_RESTART_COUNT:-0})"
     srun --ntasks-per-node=1 --nodes="$NNODES" --kill-on-bad-exit=1 --export=ALL,_SLURM_TRAIN_STEP=1 \
-        bash "$REPO_DIR/scripts/slurm_train.sh" "$@" &
+        ${container[@]+"${container[@]}"} bash "$REPO_DIR/scripts/slurm_train.sh" "$@" &
     srun_pid=$!
     # wait returns early when USR1 arrives; the trap runs, then wait again for srun to end.
     while true; do
@@ -126,22 +232,45 @@ else
 fi
 if [[ -z "${MASTER_ADDR:-}" ]]; then
     if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
-        # No pipe into head: under pipefail, scontrol's SIGPIPE would end the script on large jobs.
-        hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST") || die "scontrol cannot expand $SLURM_JOB_NODELIST"
-        MASTER_ADDR=${hosts%%$'\n'*}
+        first_host
     elif (( NNODES == 1 )); then
         MASTER_ADDR=127.0.0.1
     else
         die "MASTER_ADDR is not set: give every node the address of node 0 (NNODES=$NNODES)"
     fi
 fi
+
+# --- Apptainer: this node enters the image here and runs this script again inside it ---
+if [[ $CONTAINER_RUNTIME != none && -z "$in_container" ]]; then
+    [[ $CONTAINER_RUNTIME == apptainer ]] || die "CONTAINER_RUNTIME=pyxis: srun starts the image, and this \
+script calls srun only as a SLURM batch step: submit it with sbatch (or run it from an salloc shell), or use \
+CONTAINER_RUNTIME=apptainer"
+    export NNODES NODE_RANK MASTER_ADDR _SLURM_TRAIN_CONTAINER=apptainer
+    log "entering the image: $apptainer exec --nv --bind $container_mounts $CONTAINER_IMAGE"
+    exec "$apptainer" exec --nv --bind "$container_mounts" "$CONTAINER_IMAGE" \
+        bash "$REPO_DIR/scripts/slurm_train.sh" "$@"
+fi
+
 MASTER_PORT=${MASTER_PORT:-29500}
 RDZV_ID=${RDZV_ID:-${SLURM_JOB_ID:-parakeet-$MASTER_PORT}}
 RDZV_TIMEOUT=${RDZV_TIMEOUT:-900}
 RDZV_READ_TIMEOUT=${RDZV_READ_TIMEOUT:-300}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 TRAIN_SCRIPT=${TRAIN_SCRIPT:-$REPO_DIR/train.py}
-if [[ -z "${PY:-}" ]]; then
+if [[ -n "$in_container" ]]; then
+    # The image's Python (the checkout's .venv was built for the host), with what pip --target put beside
+    # the read-only image, then the checkout, ahead of the image's own packages.
+    PY=${CONTAINER_PYTHON:-python3}
+    if [[ -n "${CONTAINER_PACKAGES:-}" && "$CONTAINER_PACKAGES" != /* ]]; then
+        CONTAINER_PACKAGES="$REPO_DIR/$CONTAINER_PACKAGES"
+    fi
+    command -v "$PY" > /dev/null || die "CONTAINER_PYTHON=$PY is not a command in the image ${CONTAINER_IMAGE:-}: \
+name the image's Python"
+    [[ -z "${CONTAINER_PACKAGES:-}" || -d "$CONTAINER_PACKAGES" ]] \
+        || die "CONTAINER_PACKAGES=$CONTAINER_PACKAGES is not mounted in the image"
+    export PYTHONPATH="${CONTAINER_PACKAGES:+$CONTAINER_PACKAGES:}$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}"
+    log "in the image ${CONTAINER_IMAGE:-} ($in_container): python $(command -v "$PY"), PYTHONPATH=$PYTHONPATH"
+elif [[ -z "${PY:-}" ]]; then
     if [[ -x "$REPO_DIR/.venv/bin/python" ]]; then PY="$REPO_DIR/.venv/bin/python"; else PY=python3; fi
 fi
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
