@@ -595,8 +595,8 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         default_workers(env),
         knob_values.integer,
         "DataLoader workers per rank; default: the node's usable cores / local ranks - 1 (a core "
-        "for the rank itself), at least 1, at most 4 (decoding costs ~0.16 ms of a core per second "
-        "of audio: 1-2 workers feed a GPU rank, 4 leave room for cold storage)",
+        "for the rank itself), at least 1, at most 4. What a job needs: scripts/plan_job.py (1 per "
+        "GPU at the step measured on an H200, 2 with SPEED_PERTURB; docs/operations.md)",
         knob_values.non_negative,
         derived=True,
         steps=("train",),
