@@ -7,6 +7,8 @@ Usage (on a machine that reaches the package index; the project's .venv is enoug
         --platform manylinux_2_28_x86_64 --target-freeze node_freeze.txt --training-only
     # an NVIDIA PyTorch container: its torch's version does not say its CUDA; state it
     python scripts/build_wheelhouse.py ... --target-freeze node_freeze.txt --cuda 12
+    # a node whose torch is older than the project accepts, driver for CUDA 12: torch's CUDA 12 build
+    python scripts/build_wheelhouse.py ... --target-freeze node_freeze.txt --replace-torch --cuda 12
 
 Then, on the node (no index, the wheelhouse copied next to the checkout):
     python -m pip install --no-index --find-links wheelhouse -r wheelhouse/requirements.txt
@@ -19,10 +21,13 @@ What goes in: requirements.txt and requirements-gpu.txt, each pin with every dep
 resolved by pip for ``--python-version`` and ``--platform`` (default: this interpreter's), as wheels
 only; a requirement published only as an sdist (antlr4-python3-runtime) is built into a wheel here,
 and must come out pure Python (or built for the target's own platform) to be used. setuptools comes
-too, so the project itself installs with ``--no-index``.
+too, so the project itself installs with ``--no-index``, and stays out of the install line: the
+node keeps its own, unless a package of the set asks for a newer one (NeMo 3.0's
+nv-one-logger-pytorch-lightning-integration asks for >= 79), which pip on the node then takes from
+the folder all the same: then it is pinned, and listed with the other packages the install replaces.
 
 What stays out, each printed with its reason:
-- the test and lint tools (pytest, hypothesis, ruff);
+- the test and lint tools (pytest, pytest-xdist, hypothesis, ruff);
 - with ``--training-only``, what only the offline steps import (polars, matplotlib): for a node that
   trains on data prepared elsewhere;
 - with ``--target-freeze`` (the node's ``python -m pip freeze``, in any form pip prints), what the
@@ -36,17 +41,29 @@ What stays out, each printed with its reason:
   compiler's, nvidia-cuda-nvcc-cu12): numba-cuda then finds libNVVM in the node's CUDA toolkit
   (CUDA_HOME), as in NVIDIA's containers.
 
+What the install replaces: pip keeps an installed version wherever every requirement of the set
+accepts it (one it replaced all the same is resolved again with the node's version pinned). Before
+it downloads, the builder prints each package of the freeze the install replaces, the node's
+version -> the shipped one, and who asks for it: a pin of the project the node's version is outside
+of, or each package of the set whose requirement excludes it; wheelhouse.json keeps the list.
+
 The node's torch is never replaced: one outside ACCEPTS, one whose version the freeze does not
 say, or one a requirement of the set excludes is refused in one line, unless ``--replace-torch``
-asks to ship requirements.txt's torch in its place. numba-cuda (NeMo's CUDA TDT loss) takes the
-CUDA extra (``cu12``, ``cu13``) of the torch the node trains with: from its local version tag
-(``+cu126``), else from the CUDA runtime wheel a registry build brings, else from ``--cuda``; where
-none says (NVIDIA's containers: ``2.12.0a0+6a5c3a1d2e.nv26.01``) the build is refused in one line.
+asks to ship requirements.txt's torch in its place. The torch the set ships (``--replace-torch``, or
+a node without torch) is built for the CUDA major the node's driver runs: ``--cuda``, else that of
+the node's own torch, else (no torch on the node) the registry's (CUDA 13). A CUDA 12 build comes
+from PyTorch's index (TORCH_INDEXES: ``cu126``), with the CUDA libraries and triton it pins, the
+rest of the set from the usual index; ``--torch-index`` names another index. numba-cuda (NeMo's CUDA
+TDT loss) takes the CUDA extra (``cu12``, ``cu13``) of the torch the node trains with: from its
+local version tag (``+cu126``), else from the CUDA runtime wheel a registry build brings, else from
+``--cuda``; where none says (NVIDIA's containers: ``2.12.0a0+6a5c3a1d2e.nv26.01``) the build is
+refused in one line.
 
 It prints the set's size and writes, beside the wheels, ``requirements.txt`` (one ``name==version``
-per wheel, and the node's own torch at its version: the install line above) and ``wheelhouse.json``
-(the target, the CUDA extra and why, what was left out and why, each wheel's size). Run again into
-the same folder, it keeps the wheels the new set holds and removes the other wheels there.
+per wheel but a setuptools the node keeps, and the node's own torch at its version: the install line
+above) and ``wheelhouse.json`` (the target, the CUDA extra and why, the torch the set ships and its
+index, what was left out and why, what the install replaces and why, each wheel's size). Run again
+into the same folder, it keeps the wheels the new set holds and removes the other wheels there.
 Markers (``; python_version < "3.12"``) are evaluated by pip on this machine's Python: a dependency
 that only an older Python needs can come along unused. The target's packages are known by name and
 version only, not by what they require: a shipped wheel that one of them bounds (torch bounding
@@ -89,7 +106,12 @@ MAX_SDIST_BUILDS = 10
 BUILD_BACKEND = "setuptools>=68"  # pyproject.toml's [build-system]
 
 # Needed to test and lint the project, not to train with it.
-DEV_ONLY = {"pytest": "the test runner", "hypothesis": "the tests' data", "ruff": "the linter"}
+DEV_ONLY = {
+    "pytest": "the test runner",
+    "pytest-xdist": "the test runner's parallel workers",
+    "hypothesis": "the tests' data",
+    "ruff": "the linter",
+}
 # Imported only by the offline steps (build_manifest, make_train_val, reports), never by train.py,
 # its DataLoader workers, preflight with a training cache, or the acceptance run.
 OFFLINE_ONLY = {
@@ -124,6 +146,10 @@ NVVM_WHEELS = {"nvidia-nvvm", "nvidia-cuda-nvcc", "nvidia-cuda-nvcc-cu12"}
 NUMBA_CUDA_EXTRAS = {12: "cu12", 13: "cu13"}
 # requirements.txt's torch as the registry has it for Linux: built for CUDA 13.0 (requirements-gpu.txt).
 REGISTRY_TORCH_CUDA = 13
+# Where a torch the set ships comes from when it must be built for another CUDA major than the
+# registry's (CUDA 13.0, which needs a driver >= 580): PyTorch's own index of that major's builds.
+# A CUDA 12.6 build runs on every CUDA 12 driver (>= 525, by CUDA's minor version compatibility).
+TORCH_INDEXES = {12: "https://download.pytorch.org/whl/cu126"}
 # torch's registry builds bring CUDA's runtime as a wheel: named for CUDA 12, plain for CUDA 13.
 CUDA_RUNTIME_WHEEL = re.compile(r"^nvidia-cuda-runtime(-cu\d+)?$")
 # torch's local version tag of a CUDA build: cu126 is CUDA 12.6, cu130 is 13.0.
@@ -161,6 +187,10 @@ class Plan:
     target: dict[str, str] = field(default_factory=dict)  # canonical name -> version
     cuda: str = ""  # numba-cuda's CUDA extra and why that one
     node_torch: str | None = None  # the node's torch version when the set keeps it
+    asks: dict[str, str] = field(default_factory=dict)  # canonical name -> why the project asks
+    torch_index: str | None = None  # the index the set's torch comes from; None: the usual one
+    torch_cuda: int | None = None  # the CUDA major of the torch the set ships
+    torch_why: str = ""  # why the torch the set ships is built for that CUDA
 
 
 def read_requirements(paths: list[Path]) -> list[Requirement]:
@@ -196,7 +226,7 @@ def version_in_url(url: str) -> str | None:
     scheme = url.split(":", 1)[0]
     if "+" in scheme:  # git+https://...@commit
         return None
-    filename = unquote(urlsplit(url).path).rsplit("/", 1)[-1]
+    filename = _file_name(url)
     try:
         if filename.endswith(".whl"):
             return str(parse_wheel_filename(filename)[1])
@@ -301,22 +331,14 @@ def choose_cuda(freeze: Freeze, cuda: int | None, replace_torch: bool) -> tuple[
     registry build without one, from the CUDA runtime wheel beside it; ``cuda`` (``--cuda``) states
     it where the freeze cannot (NVIDIA's containers: ``2.12.0a0+6a5c3a1d2e.nv26.01``) and must agree
     where it can. A set that ships requirements.txt's torch (no torch on the node, or
-    ``replace_torch``) takes the registry's build's. (None, why) for a CPU build of torch."""
+    ``replace_torch``) takes the CUDA that torch is built for (``shipped_torch_cuda``). (None, why)
+    for a CPU build of torch."""
     have = freeze.versions.get("torch")
     if have is None or replace_torch:
-        if cuda is not None and cuda != REGISTRY_TORCH_CUDA:
-            raise WheelhouseError(
-                f"--cuda {cuda}: this set ships requirements.txt's torch, the registry's CUDA "
-                f"{REGISTRY_TORCH_CUDA} build; for the node's own CUDA {cuda} torch give its "
-                f"freeze (--target-freeze) without --replace-torch"
-            )
-        return REGISTRY_TORCH_CUDA, (
-            f"the set ships requirements.txt's torch, a CUDA {REGISTRY_TORCH_CUDA} build"
-        )
+        return shipped_torch_cuda(freeze, cuda)
     where = freeze.line("torch")
     local = (Version(have).local or "").split(".")
-    tags = [TORCH_CUDA_TAG.match(part) for part in local]
-    tagged = {int(tag.group(1)) for tag in tags if tag}
+    tagged = local_cuda_majors(have)
     if tagged:
         found = tagged.pop()
         how = f"the node's torch {have} is a CUDA {found} build ({where})"
@@ -362,6 +384,44 @@ def choose_cuda(freeze: Freeze, cuda: int | None, replace_torch: bool) -> tuple[
     return found, how
 
 
+def local_cuda_majors(version: str) -> set[int]:
+    """The CUDA majors a torch version's local tag names (``2.13.0+cu126``: {12}; none for
+    ``2.13.0``, ``+cpu`` or NVIDIA's ``+6a5c3a1d2e.nv26.01``)."""
+    local = (Version(version).local or "").split(".")
+    return {int(tag.group(1)) for tag in map(TORCH_CUDA_TAG.match, local) if tag}
+
+
+def shipped_torch_cuda(freeze: Freeze, cuda: int | None) -> tuple[int, str]:
+    """(CUDA major, why) of the torch a set ships, in place of the node's or where it has none: the
+    major the node's driver runs, which a torch of another major may not run on (CUDA 13 builds need
+    a driver >= 580). ``cuda`` (``--cuda``) where given; else that of the node's own torch, which its
+    driver runs (its local tag or CUDA runtime wheel, as ``choose_cuda`` reads them); else, no torch
+    on the node, the registry's build's. A node torch whose freeze does not say its CUDA (NVIDIA's
+    builds, a CPU build, no version) is refused in one line without ``cuda``."""
+    if cuda is not None:
+        return cuda, f"--cuda {cuda}: the set ships requirements.txt's torch built for CUDA {cuda}"
+    if not freeze.has("torch"):
+        return REGISTRY_TORCH_CUDA, (
+            f"the set ships requirements.txt's torch, the registry's CUDA {REGISTRY_TORCH_CUDA} build"
+        )
+    have = freeze.versions.get("torch")
+    found = None
+    if have is not None:
+        try:
+            found, how = choose_cuda(freeze, None, replace_torch=False)
+        except WheelhouseError:
+            found = None
+    if found is not None:
+        return found, (
+            f"the set ships requirements.txt's torch built for CUDA {found}, the node's: {how}"
+        )
+    raise WheelhouseError(
+        f"{freeze.line('torch')}: the set ships requirements.txt's torch in place of the node's "
+        f"{have or '(no version)'}, which does not say the CUDA the node's driver runs: give "
+        f"--cuda 12 or --cuda 13 (`nvidia-smi` on the node prints it; CUDA 13 needs a driver >= 580)"
+    )
+
+
 def plan_requirements(
     requirements: list[Requirement],
     target: Freeze,
@@ -369,12 +429,15 @@ def plan_requirements(
     *,
     cuda: int | None = None,
     replace_torch: bool = False,
+    torch_index: str | None = None,
 ) -> Plan:
     """Which requirements pip resolves for the node, and which stay out (``DEV_ONLY``, with
     ``training_only`` ``OFFLINE_ONLY``, a target version inside ``ACCEPTS``, pre-releases and local
     versions included). The node's torch is never replaced unless ``replace_torch``: one the
     project does not accept, or whose version the freeze does not say, is refused in one line.
-    numba-cuda takes the CUDA extra of the torch the node trains with (``choose_cuda``)."""
+    numba-cuda takes the CUDA extra of the torch the node trains with (``choose_cuda``). A torch the
+    set ships comes from ``torch_index``, else from TORCH_INDEXES' index for the CUDA major it must
+    be built for (``shipped_torch_cuda``), else (the registry's CUDA 13) from the usual index."""
     plan = Plan(target=dict(target.versions))
     for req in requirements:
         name = canonicalize_name(req.name)
@@ -392,10 +455,11 @@ def plan_requirements(
         extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
         marker = f"; {req.marker}" if req.marker else ""
         have = target.versions.get(name)
-        if name == "torch" and target.has(name):
-            if replace_torch:
-                plan.requirements.append(str(req))
-                continue
+        if name == "torch" and (replace_torch or not target.has(name)):
+            plan_shipped_torch(plan, req, target, cuda, torch_index)
+            plan.requirements.append(str(req))
+            continue
+        if name == "torch":
             if have is None:
                 raise WheelhouseError(
                     f"{target.line(name)}: the node's torch has no version in its freeze line: "
@@ -405,6 +469,8 @@ def plan_requirements(
             plan.node_torch = have
         if have is not None and name in ACCEPTS and not installed_satisfies(have, req.specifier):
             spec, why = ACCEPTS[name]
+            if SpecifierSet(spec) != req.specifier:
+                plan.asks[name] = f"the project's {req} (it accepts {spec})"
             if installed_satisfies(have, spec):
                 plan.left_out.append(
                     (
@@ -422,9 +488,36 @@ def plan_requirements(
                     f"--replace-torch to ship {req} in place of the node's own build"
                 )
         plan.requirements.append(str(req))
+        plan.asks.setdefault(name, f"the project's {req}")
         if have is not None and installed_satisfies(have, req.specifier):
             plan.left_out.append((req.name, f"the target has {have}, as pinned"))
+    if torch_index and plan.torch_cuda is None:
+        kept = f"the node's torch {plan.node_torch} stays" if plan.node_torch else "no torch"
+        raise WheelhouseError(
+            f"--torch-index {torch_index}: the set ships {kept}; --replace-torch ships "
+            f"requirements.txt's torch from that index in its place"
+        )
     return plan
+
+
+def plan_shipped_torch(
+    plan: Plan, req: Requirement, target: Freeze, cuda: int | None, torch_index: str | None
+) -> None:
+    """Where ``req`` (requirements.txt's torch, shipped to the node) comes from, in ``plan``: built
+    for the CUDA major the node's driver runs (``shipped_torch_cuda``), from ``torch_index`` or
+    TORCH_INDEXES' index for that major, or the registry's own build where it is that major."""
+    major, why = shipped_torch_cuda(target, cuda)
+    if torch_index is None and major != REGISTRY_TORCH_CUDA:
+        if major not in TORCH_INDEXES:
+            raise WheelhouseError(
+                f"{req}: PyTorch's index is known here for CUDA {', '.join(map(str, TORCH_INDEXES))} "
+                f"only, and the registry's torch is a CUDA {REGISTRY_TORCH_CUDA} build; for CUDA "
+                f"{major} ({why}) give --torch-index with an index of torch's CUDA {major} builds"
+            )
+        torch_index = TORCH_INDEXES[major]
+    plan.torch_index, plan.torch_cuda, plan.torch_why = torch_index, major, why
+    source = torch_index or "the registry"
+    plan.asks["torch"] = f"--replace-torch: the project's {req}, a CUDA {major} build from {source}"
 
 
 def _with_cuda_extra(req: Requirement, major: int, why: str) -> Requirement:
@@ -604,14 +697,30 @@ def _resolver_pip(work: Path) -> list[str]:
     return [sys.executable, "-S", "-m", "pip"]
 
 
-def _pip(work: Path, *args: str, **kwargs) -> subprocess.CompletedProcess:
+def _pip(
+    work: Path, *args: str, only_index: str | None = None, **kwargs
+) -> subprocess.CompletedProcess:
     """RESOLVER_PIP with ``args``, run in ``work`` with the target's installed packages on its path
-    (``_fake_installed``); ``kwargs`` go to subprocess.run."""
+    (``_fake_installed``); with ``only_index``, looking in that index alone (and in the folder
+    ``_torch_staging``); ``kwargs`` go to subprocess.run."""
     env = dict(os.environ)
     env["PYTHONPATH"] = f"{work / 'pip'}{os.pathsep}{work / 'site'}"
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     env.pop("PIP_TARGET", None)
+    if only_index is not None:
+        # pip's environment variables override its configuration files' values of the same names,
+        # and an empty one is ignored: these replace every index and folder configured here.
+        env["PIP_INDEX_URL"] = env["PIP_EXTRA_INDEX_URL"] = only_index
+        env["PIP_FIND_LINKS"] = str(_torch_staging(work))
+        env.pop("PIP_NO_INDEX", None)
     return subprocess.run([*_resolver_pip(work), *args], env=env, cwd=work, **kwargs)
+
+
+def _torch_staging(work: Path) -> Path:
+    """The folder the wheels from the torch index wait in until the set is downloaded."""
+    folder = work / "torch-index"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 UNSATISFIABLE = re.compile(r"satisfies the requirement ([^\s(]+)")
@@ -632,21 +741,35 @@ def unsatisfiable_requirement(stderr: str) -> str | None:
     return spec.group(1) if spec else name
 
 
-def resolve(plan: Plan, out: Path, platform_args: list[str], work: Path) -> list[dict]:
-    """pip's install report for ``plan.requirements`` on the target: the distributions to ship.
+def resolve(
+    plan: Plan,
+    out: Path,
+    platform_args: list[str],
+    work: Path,
+    constraints: list[str] | None = None,
+) -> list[dict]:
+    """pip's install report for ``plan.requirements`` on the target, under ``constraints``
+    (``name==version`` lines): the distributions to ship.
 
     A requirement with no wheel for the target is built from its sdist into ``out`` and the
     resolution repeated, up to MAX_SDIST_BUILDS times."""
     _fake_installed(work / "site", plan.target)
     reqs = work / "requirements.txt"
-    reqs.write_text("\n".join(plan.requirements) + "\n", encoding="utf-8")
+    lines = list(plan.requirements)
+    if constraints:
+        (work / "constraints.txt").write_text("\n".join(constraints) + "\n", encoding="utf-8")
+        lines.append("-c constraints.txt")
+    reqs.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    links = ["--find-links", str(out)]
+    if plan.torch_index:
+        links += ["--find-links", str(_torch_staging(work))]
     built: set[str] = set()
     for _ in range(MAX_SDIST_BUILDS):
         report = work / "report.json"
         report.unlink(missing_ok=True)
         done = _pip(
             work,
-            *("install", "--dry-run", "--report", str(report), "--find-links", str(out)),
+            *("install", "--dry-run", "--report", str(report), *links),
             *platform_args,
             *("-r", str(reqs)),
             capture_output=True,
@@ -708,6 +831,182 @@ def build_from_sdist(spec: str, out: Path, platform_args: list[str], work: Path)
     return dest
 
 
+def fetch_torch(plan: Plan, out: Path, platform_args: list[str], work: Path) -> str:
+    """Put requirements.txt's torch from ``plan.torch_index`` in ``_torch_staging(work)`` with each
+    wheel that torch pins exactly (its CUDA libraries, triton), and pin torch's line of
+    ``plan.requirements`` to that build's version (``torch==2.13.0+cu126``): no other source has it,
+    so the set's resolution takes it from there and every other package from the usual index. A
+    wheel already in ``out`` is not fetched again. A build for another CUDA major than
+    ``plan.torch_cuda`` is refused. Returns torch's version."""
+    line = next(r for r in plan.requirements if canonicalize_name(Requirement(r).name) == "torch")
+    report = work / "torch-report.json"
+    done = _pip(
+        work,
+        *("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report)),
+        *platform_args,
+        line,
+        only_index=plan.torch_index,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        said = [
+            text
+            for text in (done.stdout + done.stderr).splitlines()
+            if not text.startswith("WARNING: Location")
+        ]
+        raise WheelhouseError(
+            f"{line}: pip found no build of it for the target in --torch-index "
+            f"{plan.torch_index} (PyTorch lists each release's CUDA builds: cu126, cu128, ...):\n"
+            + "\n".join(said[-20:])
+        )
+    installs = json.loads(report.read_text(encoding="utf-8"))["install"]
+    torch = next(i for i in installs if canonicalize_name(i["metadata"]["name"]) == "torch")
+    version = torch["metadata"]["version"]
+    built_for = local_cuda_majors(version)
+    if built_for and built_for != {plan.torch_cuda}:
+        raise WheelhouseError(
+            f"--torch-index {plan.torch_index}: its torch {version} is a CUDA "
+            f"{min(built_for)} build, and the set is for CUDA {plan.torch_cuda} "
+            f"({plan.torch_why}): name the index of torch's CUDA {plan.torch_cuda} builds"
+        )
+    pinned = {"torch"}
+    for dep in _requires(torch):
+        specs = list(dep.specifier)
+        if _applies(dep, {""}) and len(specs) == 1 and specs[0].operator == "==":
+            pinned.add(canonicalize_name(dep.name))
+    fetch = [
+        f"{i['metadata']['name']}=={i['metadata']['version']}"
+        for i in installs
+        if canonicalize_name(i["metadata"]["name"]) in pinned
+        and not (out / _file_name(i["download_info"]["url"])).is_file()
+    ]
+    if fetch:
+        print(
+            f"downloading torch {version} from {plan.torch_index} ({len(fetch)} wheels)", flush=True
+        )
+        _pip(
+            work,
+            *("download", "--quiet", "--no-deps", "-d", str(_torch_staging(work))),
+            *platform_args,
+            *fetch,
+            only_index=plan.torch_index,
+            check=True,
+        )
+    plan.requirements = [f"torch=={version}" if r == line else r for r in plan.requirements]
+    return version
+
+
+def _file_name(url: str) -> str:
+    return unquote(urlsplit(url).path).rsplit("/", 1)[-1]
+
+
+def _applies(req: Requirement, extras: set[str]) -> bool:
+    """Whether ``req``'s marker holds here (pip evaluates markers on this machine's Python) for a
+    distribution installed with ``extras`` (``""``: none)."""
+    return req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras)
+
+
+def _requires(install: dict) -> list[Requirement]:
+    out = []
+    for text in install["metadata"].get("requires_dist") or []:
+        try:
+            out.append(Requirement(text))
+        except InvalidRequirement:
+            continue
+    return out
+
+
+def replaced_packages(installs: list[dict], plan: Plan, target: Freeze) -> list[dict]:
+    """Each package of the node's freeze that installing ``installs`` replaces, in their order:
+    ``{"name", "node", "shipped", "why"}``, ``node`` None where the freeze says no version.
+    ``why`` names every requirement that excludes the node's version (every one that asks for the
+    package, where that version is unknown): a pin of the project (``plan.asks``) or a package of
+    the set (``wandb 0.31.0 asks for protobuf<8,>=5``), each marker evaluated as pip does, with the
+    extras the set asks of its package. An empty ``why``: no requirement excludes the node's
+    version. The build backend's entry (``build_backend``) replaces nothing: pip takes it only for
+    ``pip install -e .``'s isolated build."""
+    shipped = [i for i in installs if not i.get("build_backend")]
+    top = [Requirement(line) for line in plan.requirements]
+    requires = {id(i): _requires(i) for i in shipped}
+    # The extras the set asks of each package: pip's report names them for the requirements only.
+    extras: dict[str, set[str]] = {canonicalize_name(r.name): set(r.extras) for r in top}
+    changed = True
+    while changed:
+        changed = False
+        for install in shipped:
+            own = extras.get(canonicalize_name(install["metadata"]["name"]), set()) | {""}
+            for dep in requires[id(install)]:
+                asked = extras.setdefault(canonicalize_name(dep.name), set())
+                if dep.extras - asked and _applies(dep, own):
+                    asked |= dep.extras
+                    changed = True
+    asking = [
+        (plan.asks.get(canonicalize_name(r.name), f"the project's {r}"), r)
+        for r in top
+        if _applies(r, {""})
+    ]
+    for install in shipped:
+        meta = install["metadata"]
+        own = extras.get(canonicalize_name(meta["name"]), set()) | {""}
+        asking += [
+            (f"{meta['name']} {meta['version']} asks for {dep.name}{dep.specifier}", dep)
+            for dep in requires[id(install)]
+            if _applies(dep, own)
+        ]
+    replaced = []
+    for install in shipped:
+        name = canonicalize_name(install["metadata"]["name"])
+        if not target.has(name):
+            continue
+        have = target.versions.get(name)
+        why = [
+            who
+            for who, req in asking
+            if canonicalize_name(req.name) == name
+            and (have is None or not installed_satisfies(have, req.specifier))
+        ]
+        replaced.append(
+            {
+                "name": name,
+                "node": have,
+                "shipped": install["metadata"]["version"],
+                "why": list(dict.fromkeys(why)),
+            }
+        )
+    return replaced
+
+
+def resolve_keeping_node_versions(
+    plan: Plan, target: Freeze, out: Path, platform_args: list[str], work: Path
+) -> tuple[list[dict], list[dict]]:
+    """``resolve``'s set and what installing it replaces (``replaced_packages``), keeping every
+    version of the node that all the set's requirements accept. pip prefers an installed version
+    that fits; one it replaced all the same is pinned to the node's version (a constraint) and the
+    set resolved again: it then holds no such replacement."""
+    installs = resolve(plan, out, platform_args, work)
+    replaced = replaced_packages(installs, plan, target)
+    needless = [f"{r['name']}=={r['node']}" for r in replaced if r["node"] and not r["why"]]
+    if needless:
+        print(f"resolving again with the node's {', '.join(needless)}: nothing asks for another")
+        installs = resolve(plan, out, platform_args, work, constraints=needless)
+        replaced = replaced_packages(installs, plan, target)
+    return installs, replaced
+
+
+def print_replaced(replaced: list[dict]) -> None:
+    """The node's packages the install replaces, each with its versions and who asks for it."""
+    if not replaced:
+        print("the install replaces none of the node's packages", flush=True)
+        return
+    print(f"the install replaces {len(replaced)} of the node's packages (node -> shipped: why):")
+    for item in replaced:
+        change = f"{item['node'] or '(no version in the freeze)'} -> {item['shipped']}"
+        why = "; ".join(item["why"]) or "no requirement of the set excludes the node's version"
+        print(f"  {item['name']:<24} {change:<26} {why}")
+    print(flush=True)
+
+
 def build_backend(installs: list[dict], platform_args: list[str], work: Path) -> list[dict]:
     """The report entry of BUILD_BACKEND when the set lacks it: ``pip install -e .`` builds the
     project in an isolated environment, which ``--no-index`` fills from the wheelhouse alone,
@@ -756,9 +1055,11 @@ def build_wheelhouse(
     nvvm_from_cuda_home: bool = False,
     cuda: int | None = None,
     replace_torch: bool = False,
+    torch_index: str | None = None,
     requirement_files: list[Path] | None = None,
 ) -> dict:
-    """Build the wheelhouse in ``out`` (module docstring); returns what wheelhouse.json holds."""
+    """Build the wheelhouse in ``out`` (module docstring); returns what wheelhouse.json holds.
+    What the install replaces is printed before any wheel is downloaded."""
     platforms = platforms or []
     files = requirement_files or [REPO / f for f in REQUIREMENT_FILES]
     target = read_freeze(target_freeze) if target_freeze else Freeze()
@@ -770,20 +1071,34 @@ def build_wheelhouse(
         training_only,
         cuda=cuda,
         replace_torch=replace_torch,
+        torch_index=torch_index,
     )
     platform_args = _pip_platform_args(python_version, platforms)
     out = out.resolve()  # pip runs in a scratch folder
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="wheelhouse-") as tmp:
         work = Path(tmp)
-        installs = resolve(plan, out, platform_args, work)
+        if plan.torch_index:
+            fetch_torch(plan, out, platform_args, work)
+        installs, replaced = resolve_keeping_node_versions(plan, target, out, platform_args, work)
         check_node_torch_kept(installs, plan)
         if nvvm_from_cuda_home:
             installs = drop_nvvm(installs, plan)
+            kept = {canonicalize_name(i["metadata"]["name"]) for i in installs}
+            replaced = [item for item in replaced if item["name"] in kept]
+        if target_freeze:
+            print_replaced(replaced)
         installs += build_backend(installs, platform_args, work)
+        for wheel in _torch_staging(work).glob("*.whl"):
+            shutil.move(str(wheel), out / wheel.name)
         download(installs, out, platform_args, work)
     keep = {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"] for i in installs}
     backend = {canonicalize_name(i["metadata"]["name"]) for i in installs if i.get("build_backend")}
+    if "setuptools" not in {item["name"] for item in replaced}:
+        # setuptools is there for `pip install -e .`'s build; pinned where the node's own fits, it
+        # would conflict with what the node's packages (its torch) ask of setuptools, and a node
+        # without one takes it from the folder as a dependency of whatever asks for it.
+        backend.add("setuptools")
     wheels = {}
     for wheel in sorted(out.glob("*.whl")):
         name, version, _, _ = parse_wheel_filename(wheel.name)
@@ -791,8 +1106,6 @@ def build_wheelhouse(
             wheels[wheel.name] = wheel.stat().st_size
         else:
             wheel.unlink()  # a wheel of an earlier build that this set does not hold
-    # The build backend's wheel serves `pip install -e .`'s isolated build only: pinned in the
-    # install line it could conflict with what the node's own packages ask of setuptools.
     pins = {name: version for name, version in keep.items() if name not in backend}
     if plan.node_torch is not None:
         # The node's own torch, pinned as it is: a pip on the node that would take another torch
@@ -809,8 +1122,10 @@ def build_wheelhouse(
         "cuda": plan.cuda,
         "node_torch": plan.node_torch,
         "replace_torch": replace_torch,
+        "torch": shipped_torch(plan, keep),
         "freeze_warnings": target.warnings,
         "left_out": [{"name": n, "why": w} for n, w in plan.left_out],
+        "replaced": replaced,
         "wheels": wheels,
         "total_bytes": sum(wheels.values()),
     }
@@ -818,11 +1133,24 @@ def build_wheelhouse(
     return summary
 
 
+def shipped_torch(plan: Plan, keep: dict[str, str]) -> dict | None:
+    """The torch the set ships (wheelhouse.json's ``torch``): its version, the index it comes from
+    (None: the usual one) and why it is built for its CUDA; None where the node's torch stays."""
+    if "torch" not in keep or plan.torch_cuda is None:
+        return None
+    return {"version": keep["torch"], "index": plan.torch_index, "why": plan.torch_why}
+
+
 def print_summary(summary: dict, out: Path) -> None:
     if summary["cuda"]:
         print(f"\nCUDA: {summary['cuda']}")
     if summary["node_torch"]:
         print(f"the node's torch {summary['node_torch']} stays (pinned in requirements.txt)")
+    torch = summary["torch"]
+    if torch:
+        print(f"torch {torch['version']} from {torch['index'] or 'the registry'}: {torch['why']}")
+    if summary["target_freeze"]:
+        print(f"the install replaces {len(summary['replaced'])} of the node's packages (above)")
     print(f"\nleft out ({len(summary['left_out'])}):")
     for item in summary["left_out"]:
         print(f"  {item['name']:<24} {item['why']}")
@@ -873,13 +1201,21 @@ def main(argv: list[str] | None = None) -> int:
         type=cuda_major,
         help="the CUDA version the node's torch is built for (12, 13, or as torch.version.cuda "
         "prints it: 12.8), where the freeze does not say (NVIDIA's PyTorch containers): "
-        "numba-cuda takes its extra for it",
+        "numba-cuda takes its extra for it; with --replace-torch, the CUDA the shipped torch is "
+        "built for (one the node's driver runs: `nvidia-smi` prints its CUDA version)",
     )
     parser.add_argument(
         "--replace-torch",
         action="store_true",
-        help="ship requirements.txt's torch (the registry's CUDA 13 build) in place of the "
-        "node's own; without it the node's torch is never replaced",
+        help="ship requirements.txt's torch in place of the node's own, built for the CUDA of the "
+        "node's torch or --cuda; without it the node's torch is never replaced",
+    )
+    parser.add_argument(
+        "--torch-index",
+        metavar="URL",
+        help="the package index a torch the set ships comes from, with the CUDA libraries it pins "
+        "(e.g. https://download.pytorch.org/whl/cu128); default: for CUDA 12, "
+        f"{TORCH_INDEXES[12]}; for CUDA {REGISTRY_TORCH_CUDA}, the usual index's own build",
     )
     args = parser.parse_args(argv)
     if args.platform and not args.python_version:
@@ -894,6 +1230,7 @@ def main(argv: list[str] | None = None) -> int:
             nvvm_from_cuda_home=args.nvvm_from_cuda_home,
             cuda=args.cuda,
             replace_torch=args.replace_torch,
+            torch_index=args.torch_index,
         )
     except (WheelhouseError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

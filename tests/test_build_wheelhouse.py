@@ -3,26 +3,33 @@
 The planning rules are checked on their own, against pip's own definitions: PEP 440 versions as
 packaging compares an installed one (pre-releases count, a local label is ignored against a
 specifier without one), PEP 503 names, the lines `pip freeze` writes (a slow test has pip write
-them). Slow tests build or resolve real sets from the package index: the GPU image whose `pip
-freeze` is tests/gpu_image_freeze.txt (Python 3.12, torch 2.11 with CUDA 13, lightning 2.6.6,
-sentencepiece 0.2.2, numpy 2.5.2; training only), the NVIDIA PyTorch container shaped by
-tests/nvidia_pytorch_container_freeze.txt (NVIDIA's pre-release torch from a wheel file, CUDA 12),
-and a local target that is then installed with ``--no-index`` into an environment holding only the
-target's packages, where the tiny training runs.
+them). Builds against a local registry of metadata-only wheels shaped like the real ones (and a
+local PEP 503 index of torch's CUDA 12 build) check what the install replaces, who asks for it, and
+where a shipped torch comes from, without the network. Slow tests build or resolve real sets from
+the package index: the GPU image whose `pip freeze` is tests/gpu_image_freeze.txt (Python 3.12,
+torch 2.11 with CUDA 13, lightning 2.6.6, sentencepiece 0.2.2, numpy 2.5.2; training only), the
+NVIDIA PyTorch container shaped by tests/nvidia_pytorch_container_freeze.txt (NVIDIA's pre-release
+torch from a wheel file, CUDA 12), and a local target that is then installed with ``--no-index``
+into an environment holding only the target's packages, where the tiny training runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.utils import parse_wheel_filename
 from packaging.version import Version
 
 from scripts import build_wheelhouse as bw
@@ -118,7 +125,7 @@ def test_the_nodes_torch_outside_the_range_is_replaced_only_when_asked():
     )
     assert plan.requirements == ["torch==2.13.0", "tqdm==4.70.1"] and plan.node_torch is None
     # Asked, it replaces even an accepted torch with requirements.txt's.
-    plan = bw.plan_requirements(reqs, _node(torch=NVIDIA_TORCH), False, replace_torch=True)
+    plan = bw.plan_requirements(reqs, _node(torch=NVIDIA_TORCH), False, cuda=13, replace_torch=True)
     assert plan.requirements[0] == "torch==2.13.0" and plan.node_torch is None
 
 
@@ -142,7 +149,7 @@ def test_a_resolution_that_would_install_a_torch_over_the_nodes_is_refused_namin
         bw.check_node_torch_kept(installs, plan)
     bw.check_node_torch_kept(installs[1:], plan)  # no torch in the set: nothing to refuse
     asked = bw.plan_requirements(
-        _reqs("torch==2.13.0"), _node(torch=NVIDIA_TORCH), False, replace_torch=True
+        _reqs("torch==2.13.0"), _node(torch=NVIDIA_TORCH), False, cuda=13, replace_torch=True
     )
     bw.check_node_torch_kept(installs, asked)
 
@@ -314,8 +321,11 @@ def test_a_freeze_saved_with_a_byte_order_mark_and_crlf_reads_its_first_package(
         ),
         ([f"torch=={NVIDIA_TORCH}"], 12, False, "cu12"),
         ([f"torch=={NVIDIA_TORCH}"], 13, False, "cu13"),
-        ([f"torch=={NVIDIA_TORCH}"], None, True, "cu13"),  # ships the registry's CUDA 13 torch
+        ([f"torch=={NVIDIA_TORCH}"], 12, True, "cu12"),  # ships torch's CUDA 12 build
+        ([f"torch=={NVIDIA_TORCH}"], 13, True, "cu13"),  # ships the registry's CUDA 13 torch
+        (["torch==2.10.0+cu126"], None, True, "cu12"),  # ships a torch for the node's CUDA
         (["numpy==2.5.2"], None, False, "cu13"),  # no torch on the node: the registry's comes
+        (["numpy==2.5.2"], 12, False, "cu12"),  # ... or torch's CUDA 12 build, given --cuda 12
         (["torch==2.13.0+cpu"], None, False, "cu13"),  # a CPU torch: the file's extra
     ],
 )
@@ -344,8 +354,8 @@ def test_numba_cuda_takes_the_cuda_extra_of_the_torch_the_node_trains_with(
         (["torch==2.11.0+cu130"], 12, False, r"--cuda 12, but .* is a CUDA 13 build"),
         (["torch==2.11.0+cu118"], None, False, r"cu12 \(CUDA 12\), cu13 \(CUDA 13\) only"),
         (["torch==2.13.0+cpu"], 12, False, r"a CPU build"),
-        (["numpy==2.5.2"], 12, False, r"--cuda 12: this set ships requirements.txt's torch"),
-        ([f"torch=={NVIDIA_TORCH}"], 12, True, r"--cuda 12: this set ships"),
+        ([f"torch=={NVIDIA_TORCH}"], None, True, r"freeze.txt:1: .*driver runs: give --cuda 12"),
+        (["torch==2.13.0+cpu"], None, True, r"in place of the node's 2.13.0\+cpu, .*give --cuda"),
     ],
 )
 def test_a_cuda_the_freeze_cannot_tell_or_contradicts_is_refused_in_one_line(
@@ -433,6 +443,333 @@ def test_pips_two_ways_of_saying_no_wheel_name_the_requirement():
     )
     assert bw.unsatisfiable_requirement(said) == "antlr4-python3-runtime==4.9.*"
     assert bw.unsatisfiable_requirement("ERROR: ResolutionImpossible") is None
+
+
+# --------------------------------------------------------------------------------------------------
+# What the install replaces, and a torch from its own index: builds against a local registry
+# --------------------------------------------------------------------------------------------------
+
+# The registry these builds see, in place of the package index: metadata-only wheels shaped like
+# the real ones (the NeMo chain's requirements that replace an NVIDIA container's packages: wandb's
+# protobuf >= 5, datasets' fsspec bound, nv-one-logger's setuptools >= 79), each package the node has
+# also in a newer version no requirement needs, and requirements.txt's torch as the registry has it.
+REGISTRY = [
+    ("torch", "2.13.0", ("setuptools>=77.0.3",)),
+    ("numpy", "2.4.6"),
+    ("tqdm", "4.70.1"),
+    ("wandb", "0.31.0", ("protobuf!=5.28.0,!=5.29.0,<8,>=5", "packaging", "requests<3,>=2.0.0")),
+    ("protobuf", "7.36.2"),
+    ("packaging", "24.2"),
+    ("requests", "2.34.2"),
+    (
+        "nemo_toolkit",
+        "3.0.0",
+        ("numpy>=1.22", 'datasets; extra == "asr"', "nv-one-logger-pytorch-lightning-integration"),
+    ),
+    ("datasets", "4.0.0", ("fsspec<=2025.3.0,>=2023.1.0", 'protobuf<4.0.0; extra == "tests"')),
+    ("fsspec", "2025.3.0"),
+    ("fsspec", "2025.10.0"),
+    ("nv-one-logger-pytorch-lightning-integration", "2.3.1", ("setuptools (>=79.0.0)",)),
+    ("setuptools", "84.2.1"),
+]
+REQUIREMENTS = (
+    "torch==2.13.0\nnumpy==2.4.6\nwandb==0.31.0\ntqdm==4.70.1\nnemo_toolkit[asr]==3.0.0\n"
+)
+# NVIDIA's PyTorch container 25.04: torch 2.7 (outside what the project accepts), setuptools 78.
+CONTAINER_25_04 = {
+    "torch @ file:///opt/transfer/torch-2.12.0a0%2B6a5c3a1d2e.nv26.01-cp312-cp312-linux_x86_64.whl": (
+        "torch==2.7.0a0+79aa17489c.nv25.4"
+    ),
+    "setuptools==79.0.1": "setuptools==78.1.1",
+}
+TORCH_CU126 = "2.13.0+cu126"
+
+
+@pytest.fixture(scope="module")
+def resolver_pip_wheel(tmp_path_factory) -> Path:
+    """RESOLVER_PIP's wheel, fetched once from this machine's index for the local registries."""
+    work = tmp_path_factory.mktemp("resolver-pip")
+    bw._resolver_pip(work)
+    return next((work / "pip-download").glob("pip-*.whl"))
+
+
+def _local_registry(mp: pytest.MonkeyPatch, folder: Path, resolver_pip: Path) -> None:
+    """REGISTRY in ``folder``, made pip's only source (no index) for the builder and its pip."""
+    folder.mkdir()
+    shutil.copy(resolver_pip, folder)
+    for name, version, *requires in REGISTRY:
+        _metadata_wheel(folder, name, version, *requires)
+    mp.setenv("PIP_NO_INDEX", "1")
+    mp.setenv("PIP_FIND_LINKS", str(folder))
+
+
+def _simple_index(folder: Path, wheels: list[Path]) -> str:
+    """A PEP 503 index in ``folder`` serving ``wheels`` (one page per project): its file:// URL."""
+    for wheel in wheels:
+        page = folder / pep503(parse_wheel_filename(wheel.name)[0])
+        page.mkdir(parents=True, exist_ok=True)
+        shutil.move(wheel, page / wheel.name)
+        links = "".join(f'<a href="{quote(w.name)}">{w.name}</a>\n' for w in page.glob("*.whl"))
+        (page / "index.html").write_text(f"<html><body>\n{links}</body></html>\n")
+    return folder.as_uri()
+
+
+def _build(tmp: Path, freeze_text: str, **options) -> tuple[dict, str, Path]:
+    """build_wheelhouse for a node of ``freeze_text`` and REQUIREMENTS: (summary, printed, out)."""
+    (tmp / "node_freeze.txt").write_text(freeze_text, encoding="utf-8")
+    (tmp / "requirements.txt").write_text(REQUIREMENTS, encoding="utf-8")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        summary = bw.build_wheelhouse(
+            tmp / "wh",
+            target_freeze=tmp / "node_freeze.txt",
+            requirement_files=[tmp / "requirements.txt"],
+            **options,
+        )
+    return summary, printed.getvalue(), tmp / "wh"
+
+
+@pytest.fixture(scope="module")
+def container_build(tmp_path_factory, resolver_pip_wheel):
+    """The set for an NVIDIA container of tests/nvidia_pytorch_container_freeze.txt (torch 2.12,
+    numpy 1.26.4, protobuf 4.25.8, fsspec 2025.9.0, setuptools 79.0.1), from REGISTRY."""
+    tmp = tmp_path_factory.mktemp("container")
+    with pytest.MonkeyPatch.context() as mp:
+        _local_registry(mp, tmp / "registry", resolver_pip_wheel)
+        return _build(tmp, NVIDIA_FREEZE.read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="module")
+def container_25_04_build(tmp_path_factory, resolver_pip_wheel):
+    """The set for an NVIDIA container 25.04 (CONTAINER_25_04: torch 2.7, setuptools 78.1.1) on a
+    CUDA 12 driver with --replace-torch --cuda 12, torch from a local index of its CUDA 12.6 build."""
+    tmp = tmp_path_factory.mktemp("container-25.04")
+    text = NVIDIA_FREEZE.read_text(encoding="utf-8")
+    for line, replacement in CONTAINER_25_04.items():
+        assert line in text
+        text = text.replace(line, replacement)
+    wheels = tmp / "cu126-wheels"
+    wheels.mkdir()
+    cuda_runtime = 'nvidia-cuda-runtime-cu12==12.6.77; platform_system == "Linux"'
+    built = [
+        _metadata_wheel(wheels, "torch", TORCH_CU126, ("setuptools>=77.0.3", cuda_runtime)),
+        _metadata_wheel(wheels, "nvidia-cuda-runtime-cu12", "12.6.77"),
+        _metadata_wheel(wheels, "setuptools", "84.2.1"),  # PyTorch's index has torch's every need
+    ]
+    index = _simple_index(tmp / "cu126", built)
+    with pytest.MonkeyPatch.context() as mp:
+        _local_registry(mp, tmp / "registry", resolver_pip_wheel)
+        summary, printed, out = _build(tmp, text, cuda=12, replace_torch=True, torch_index=index)
+    return summary, printed, out, index
+
+
+def _pins(out: Path) -> dict[str, str]:
+    lines = (out / "requirements.txt").read_text(encoding="utf-8").split()
+    return dict(line.split("==") for line in lines)
+
+
+def test_the_builder_prints_each_node_package_the_install_replaces_with_who_asks(container_build):
+    summary, printed, out = container_build
+    replaced = {item["name"]: item for item in summary["replaced"]}
+    assert replaced == {
+        "numpy": {
+            "name": "numpy",
+            "node": "1.26.4",
+            "shipped": "2.4.6",
+            "why": ["the project's numpy==2.4.6 (it accepts >=2.0,<3)"],
+        },
+        "protobuf": {
+            "name": "protobuf",
+            "node": "4.25.8",
+            "shipped": "7.36.2",
+            "why": ["wandb 0.31.0 asks for protobuf!=5.28.0,!=5.29.0,<8,>=5"],
+        },
+        "fsspec": {  # a downgrade
+            "name": "fsspec",
+            "node": "2025.9.0",
+            "shipped": "2025.3.0",
+            "why": ["datasets 4.0.0 asks for fsspec<=2025.3.0,>=2023.1.0"],
+        },
+    }
+    assert json.loads((out / "wheelhouse.json").read_text())["replaced"] == summary["replaced"]
+    # Printed before any wheel is downloaded, one line each: name, node -> shipped, why.
+    listed = printed.split("the install replaces 3 of the node's packages")[1]
+    assert printed.index("the install replaces 3") < printed.index("downloading")
+    for name, item in replaced.items():
+        line = next(text for text in listed.splitlines() if text.split()[:1] == [name])
+        assert f"{item['node']} -> {item['shipped']}" in line and item["why"][0] in line
+    assert {name: _pins(out)[name] for name in replaced} == {
+        name: item["shipped"] for name, item in replaced.items()
+    }
+
+
+def test_a_node_version_every_requirement_accepts_is_kept_though_the_registry_has_a_newer_one(
+    container_build,
+):
+    summary, _, out = container_build
+    pins = _pins(out)
+    # packaging 23.2 and requests 2.32.5 meet wandb's requirements, tqdm 4.67.1 what the project
+    # accepts (>=4.60), the container's torch too: REGISTRY's newer versions stay out.
+    for name in ("packaging", "requests", "tqdm"):
+        assert name not in pins and name not in {r["name"] for r in summary["replaced"]}, name
+    assert pins["torch"] == "2.12.0a0+6a5c3a1d2e.nv26.1" and summary["torch"] is None
+    assert not any(w.startswith(("packaging-", "requests-", "tqdm-")) for w in summary["wheels"])
+
+
+def test_setuptools_stays_out_of_the_install_line_where_the_nodes_own_fits(container_build):
+    summary, _, out = container_build
+    # nv-one-logger asks for setuptools>=79, which the container's 79.0.1 meets: the folder holds
+    # setuptools for `pip install -e .`'s build, the install line leaves the node's in place.
+    assert "setuptools" not in _pins(out)
+    assert "setuptools-84.2.1-py3-none-any.whl" in summary["wheels"]
+    assert "setuptools" not in {r["name"] for r in summary["replaced"]}
+
+
+def test_setuptools_a_package_needs_newer_than_the_nodes_is_listed_as_replaced(
+    container_25_04_build,
+):
+    summary, printed, out, _ = container_25_04_build
+    setuptools = next(r for r in summary["replaced"] if r["name"] == "setuptools")
+    assert setuptools == {
+        "name": "setuptools",
+        "node": "78.1.1",
+        "shipped": "84.2.1",
+        "why": ["nv-one-logger-pytorch-lightning-integration 2.3.1 asks for setuptools>=79.0.0"],
+    }
+    assert _pins(out)["setuptools"] == "84.2.1"  # pip on the node would take it all the same
+
+
+def test_replace_torch_for_cuda_12_ships_torchs_build_from_its_index_with_its_cuda_libraries(
+    container_25_04_build,
+):
+    summary, printed, out, index = container_25_04_build
+    wheels = summary["wheels"]
+    assert f"torch-{TORCH_CU126}-py3-none-any.whl" in wheels  # from the index, not REGISTRY's
+    assert not any(w.startswith("torch-2.13.0-") for w in wheels)
+    assert "nvidia_cuda_runtime_cu12-12.6.77-py3-none-any.whl" in wheels  # the wheel torch pins
+    assert "wandb-0.31.0-py3-none-any.whl" in wheels  # the rest from the usual index
+    assert _pins(out)["torch"] == TORCH_CU126 and summary["node_torch"] is None
+    assert summary["torch"] == {
+        "version": TORCH_CU126,
+        "index": index,
+        "why": "--cuda 12: the set ships requirements.txt's torch built for CUDA 12",
+    }
+    torch = next(r for r in summary["replaced"] if r["name"] == "torch")
+    assert (torch["node"], torch["shipped"]) == ("2.7.0a0+79aa17489c.nv25.4", TORCH_CU126)
+    assert torch["why"] == [
+        f"--replace-torch: the project's torch==2.13.0, a CUDA 12 build from {index}"
+    ]
+    line = next(text for text in printed.splitlines() if text.startswith("  torch "))
+    assert f"2.7.0a0+79aa17489c.nv25.4 -> {TORCH_CU126}" in line and torch["why"][0] in line
+
+
+# The torch a set ships is built for the CUDA the node's driver runs: --cuda, else the node's own
+# torch's; CUDA 12 from PyTorch's index of its CUDA 12.6 builds, CUDA 13 the registry's own build.
+@pytest.mark.parametrize(
+    ("lines", "cuda", "index"),
+    [
+        ([f"torch=={NVIDIA_TORCH}"], 12, "https://download.pytorch.org/whl/cu126"),
+        (["torch==2.10.0+cu128"], None, "https://download.pytorch.org/whl/cu126"),
+        (["numpy==2.5.2"], 12, "https://download.pytorch.org/whl/cu126"),
+        ([f"torch=={NVIDIA_TORCH}"], 13, None),
+        (["torch==2.10.0+cu130"], None, None),
+        (["numpy==2.5.2"], None, None),  # no torch on the node: the registry's CUDA 13 build
+    ],
+)
+def test_a_shipped_torch_comes_from_the_index_of_the_cuda_the_node_runs(
+    tmp_path, lines, cuda, index
+):
+    plan = bw.plan_requirements(
+        _reqs("torch==2.13.0"), _freeze(tmp_path, *lines), False, cuda=cuda, replace_torch=True
+    )
+    assert plan.torch_index == index and plan.requirements == ["torch==2.13.0"]
+    named = bw.plan_requirements(
+        _reqs("torch==2.13.0"),
+        _freeze(tmp_path, *lines),
+        False,
+        cuda=cuda,
+        replace_torch=True,
+        torch_index="https://download.pytorch.org/whl/cu128",
+    )
+    assert named.torch_index == "https://download.pytorch.org/whl/cu128"
+
+
+def test_a_torch_index_whose_torch_is_built_for_another_cuda_is_refused(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    index = _simple_index(tmp_path / "cu130", [_metadata_wheel(wheels, "torch", "2.13.0+cu130")])
+    (tmp_path / "requirements.txt").write_text("torch==2.13.0\n", encoding="utf-8")
+    with pytest.raises(
+        bw.WheelhouseError, match=r"torch 2.13.0\+cu130 is a CUDA 13 build, and the"
+    ):
+        bw.build_wheelhouse(
+            tmp_path / "wh",
+            cuda=12,
+            torch_index=index,
+            requirement_files=[tmp_path / "requirements.txt"],
+        )
+    assert not list((tmp_path / "wh").glob("*"))  # stopped before anything was written
+
+
+def test_a_torch_index_for_a_set_that_keeps_the_nodes_torch_is_refused(tmp_path):
+    with pytest.raises(
+        bw.WheelhouseError, match=r"the node's torch 2.11.0\+cu126 stays.*--replace-torch"
+    ):
+        bw.plan_requirements(
+            _reqs("torch==2.13.0"),
+            _freeze(tmp_path, "torch==2.11.0+cu126"),
+            False,
+            torch_index="https://download.pytorch.org/whl/cu126",
+        )
+
+
+def _install(name: str, version: str, *requires: str, **extra) -> dict:
+    return {
+        "metadata": {"name": name, "version": version, "requires_dist": list(requires)},
+        **extra,
+    }
+
+
+def test_a_requirement_asks_only_where_its_marker_holds_for_the_extras_the_set_asks():
+    plan = bw.plan_requirements(_reqs("nemo_toolkit[asr]==3.0.0"), bw.Freeze(), False)
+    installs = [
+        _install(
+            "nemo_toolkit", "3.0.0", 'datasets[audio]; extra == "asr"', 'numpy<2; extra == "tts"'
+        ),
+        _install(
+            "datasets", "4.0.0", 'fsspec<=2025.3.0; extra == "audio"', 'protobuf<4; extra == "dev"'
+        ),
+        _install("fsspec", "2025.3.0"),
+        _install("protobuf", "7.36.2"),
+        _install("numpy", "2.4.6"),
+        _install("setuptools", "84.2.1", build_backend=True),
+    ]
+    node = _node(fsspec="2025.9.0", protobuf="4.25.8", numpy="1.26.4", setuptools="78.1.1")
+    replaced = {r["name"]: r["why"] for r in bw.replaced_packages(installs, plan, node)}
+    assert replaced == {
+        "fsspec": ["datasets 4.0.0 asks for fsspec<=2025.3.0"],  # datasets[audio], from nemo[asr]
+        "protobuf": [],  # datasets[dev] is asked by none
+        "numpy": [],  # nemo_toolkit[tts] neither
+    }  # setuptools: the build backend's, for `pip install -e .` alone
+
+
+def test_a_node_version_pip_replaced_though_no_requirement_excludes_it_is_resolved_again_pinned(
+    monkeypatch,
+):
+    plan = bw.plan_requirements(_reqs("wandb==0.31.0"), _node(packaging="23.2"), False)
+    calls = []
+
+    def resolve(plan, out, platform_args, work, constraints=None):
+        calls.append(constraints)
+        wandb = _install("wandb", "0.31.0", "packaging")
+        return [wandb] if constraints else [wandb, _install("packaging", "24.2")]
+
+    monkeypatch.setattr(bw, "resolve", resolve)
+    installs, replaced = bw.resolve_keeping_node_versions(
+        plan, _node(packaging="23.2"), Path("out"), [], Path("work")
+    )
+    assert calls == [None, ["packaging==23.2"]]
+    assert [i["metadata"]["name"] for i in installs] == ["wandb"] and replaced == []
 
 
 # --------------------------------------------------------------------------------------------------
@@ -623,15 +960,27 @@ def test_the_nvidia_containers_set_keeps_its_torch_and_takes_numba_cuda_for_cuda
     pins = (tmp_path / "wh" / "requirements.txt").read_text().split()
     assert "torch==2.12.0a0+6a5c3a1d2e.nv26.1" in pins
     assert len(summary["freeze_warnings"]) == 4
+    # The container's numpy 1.26.4 and protobuf 4 go, each with who asks; its packaging 23.2 stays
+    # (only pytest, a test tool left out, asks for >= 24), and its setuptools 79.0.1 fits NeMo's.
+    replaced = {item["name"]: item for item in summary["replaced"]}
+    assert {"numpy", "protobuf"} <= set(replaced) and all(r["why"] for r in replaced.values())
+    assert replaced["numpy"]["why"][0] == "the project's numpy==2.4.6 (it accepts >=2.0,<3)"
+    assert "packaging" not in replaced and not any(p.startswith("setuptools==") for p in pins)
 
 
-def _metadata_wheel(folder: Path, name: str, version: str) -> Path:
-    """A wheel of ``name`` ``version`` holding its metadata only (the binary distribution format:
-    the file name's name escaped to ``[a-z0-9_]``, the version as is, local label included)."""
+def _metadata_wheel(folder: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> Path:
+    """A wheel of ``name`` ``version`` holding its metadata only, with a Requires-Dist line for each
+    of ``requires`` and a Provides-Extra line for each extra their markers name (the binary
+    distribution format: the file name's name escaped to ``[a-z0-9_]``, the version as is, local
+    label included)."""
     stem = re.sub(r"[-_.]+", "_", name).lower()
     info = f"{stem}-{version}.dist-info"
+    extras = dict.fromkeys(re.findall(r"extra == [\"']([^\"']+)", " ".join(requires)))
+    requires_dist = "".join(f"Provides-Extra: {extra}\n" for extra in extras)
+    requires_dist += "".join(f"Requires-Dist: {r}\n" for r in requires)
     files = {
-        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        + requires_dist,
         f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
     files[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{info}/RECORD"])
