@@ -52,7 +52,8 @@ many appended as the fresh tokenizer has pieces holding a character the base can
 share for the new languages, printed per base). Every finished run is kept under
 ``--work``/BASE/lr<LR>/<variant>_seed<SEED>_<settings hash> with run.json (its settings and time)
 and reused while its settings are today's, so a rerun, a subset or a variant added later trains only
-what is missing. Writes grid.txt and grid.png to ``--work``.
+what is missing. Writes grid.txt, grid.png and frontier.png (per cell, each run's base drift
+against its new languages' CER) to ``--work``.
 """
 
 from __future__ import annotations
@@ -639,6 +640,76 @@ def plot(
     plt.close(fig)
 
 
+def frontier_points(
+    runs: dict[str, dict[int, dict]], spreads: dict[str, dict[str, Spread]], base: bench.Base
+) -> dict[str, list[tuple[float, float, float]]]:
+    """Per variant of one cell, per seed (in seed order): (the new languages' mean CER at the last
+    validation, auto; target a's figure, the base languages' worst WER drift auto; target e's,
+    with the language given): where each run lies between learning the new languages and keeping
+    the base's. A seed missing a figure is left out."""
+    out = {}
+    for variant, by_seed in runs.items():
+        drift = spreads.get(variant, {})
+        a_values = drift["a"].values if "a" in drift else []
+        e_values = drift["e"].values if "e" in drift else []
+        points = []
+        for k, (_, curves) in enumerate(sorted(by_seed.items())):
+            later = [s for s in curves["cer"] if s > 0]
+            if not later or k >= len(a_values) or k >= len(e_values):
+                continue
+            cer = bench.mean_over(curves["cer"][max(later)], base.new_langs)
+            point = (cer, a_values[k], e_values[k])
+            if not any(math.isnan(v) for v in point):
+                points.append(point)
+        if points:
+            out[variant] = points
+    return out
+
+
+def plot_frontier(
+    path: Path,
+    cell_runs: dict[str, dict[str, dict[int, dict]]],
+    cells: dict[str, dict[str, dict[str, Spread]]],
+    bases: dict[str, tuple[bench.Base, dict]],
+    variants: list[str],
+) -> None:
+    """The frontier of each cell (a panel): per variant, the base languages' worst drift (a: auto,
+    filled; e: given, open) against the new languages' CER at the last validation, each seed a
+    small mark and the mean over the seeds a large one, with the 0.05 bound of a and e."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(cell_runs)
+    fig, axes = plt.subplots(1, len(names), figsize=(4.6 * len(names), 4.4), squeeze=False)
+    colors = {v: f"C{i}" for i, v in enumerate(variants)}
+    for ax, cell in zip(axes[0], names):
+        base, _ = bases[cell]
+        points = frontier_points(cell_runs[cell], cells[cell], base)
+        for variant in variants:
+            if variant not in points:
+                continue
+            cer, a, e = zip(*points[variant])
+            color = colors[variant]
+            ax.scatter(cer, a, s=12, color=color, alpha=0.5)
+            ax.scatter(cer, e, s=12, facecolors="none", edgecolors=color, alpha=0.5)
+            mean_cer = sum(cer) / len(cer)
+            ax.scatter([mean_cer], [sum(a) / len(a)], s=70, color=color, label=f"{variant} (a)")
+            ax.scatter(
+                [mean_cer], [sum(e) / len(e)], s=70, facecolors="none", edgecolors=color, lw=2
+            )
+        ax.axhline(BOUNDS["a"], color="k", ls=":", label="a, e bound (0.05)")
+        ax.set_title(f"{cell}: the base's drift against the new languages' CER", fontsize=8)
+        ax.set_xlabel("new languages' CER, last validation (auto)", fontsize=8)
+        ax.set_ylabel("base languages' worst WER drift (a filled, e open)", fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=90))
+    plt.close(fig)
+
+
 # ---- the grid ------------------------------------------------------------------------------------
 
 
@@ -796,7 +867,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     atomic_write(work / "grid.txt", lambda tmp: Path(tmp).write_text(text + "\n"))
     plot(work / "grid.png", cell_runs, cells, cell_bases, variants)
-    print(f"wrote {work / 'grid.txt'} and {work / 'grid.png'}")
+    plot_frontier(work / "frontier.png", cell_runs, cells, cell_bases, variants)
+    print(f"wrote {work / 'grid.txt'}, {work / 'grid.png'} and {work / 'frontier.png'}")
     return 0
 
 

@@ -369,6 +369,7 @@ def test_one_command_runs_every_cell_once_and_a_rerun_reuses_them(monkeypatch, t
     )
     assert "ramp: helps in 0 of 4 cells, hurts a target in 0: do not keep" in text
     assert (work / "grid.png").read_bytes()[:4] == b"\x89PNG"
+    assert (work / "frontier.png").read_bytes()[:4] == b"\x89PNG"
     assert grid.main(args + ["--bases", "hi_en", "--lrs", "0.003", "--only", "defaults"]) == 0
     assert len(trained) == 24
     assert "0 runs trained now, 4 reused" in capsys.readouterr().out
@@ -402,3 +403,33 @@ def test_a_grid_it_cannot_run_is_one_line_naming_the_argument(args, says, tmp_pa
     with pytest.raises(SystemExit) as stop:
         grid.main(["--work", str(tmp_path), *args])
     assert says in str(stop.value) and "\n" not in str(stop.value)
+
+
+def test_the_frontier_places_each_seed_at_its_new_languages_cer_and_its_base_drift():
+    """x: the new languages' mean CER at the last validation (auto); y: a's and e's figures, the
+    base languages' worst WER above the base after step 0, auto and given."""
+    base_scores = {"wer": {"en": 0.10}, "wer_given": {"en": 0.08}}
+    runs = {
+        "defaults": {
+            1: curves(
+                wer={0: {"en": 0.10}, 10: {"en": 0.30}, 20: {"en": 0.20}},
+                wer_given={0: {"en": 0.08}, 10: {"en": 0.10}, 20: {"en": 0.12}},
+                cer={
+                    0: {"hi": 1.0, "ta": 1.0},
+                    10: {"hi": 0.8, "ta": 0.9},
+                    20: {"hi": 0.5, "ta": 0.7},
+                },
+            ),
+            2: curves(
+                wer={0: {"en": 0.10}, 10: {"en": 0.12}, 20: {"en": 0.11}},
+                wer_given={0: {"en": 0.08}, 10: {"en": 0.09}, 20: {"en": 0.08}},
+                cer={0: {"hi": 1.0, "ta": 1.0}, 20: {"hi": 0.4, "ta": 0.4}},
+            ),
+        }
+    }
+    spreads = grid.cell_spreads(runs, base_scores, BASE)
+    points = grid.frontier_points(runs, spreads, BASE)
+    assert points["defaults"] == [
+        pytest.approx((0.6, 0.20, 0.04)),
+        pytest.approx((0.4, 0.02, 0.01)),
+    ]
