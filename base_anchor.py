@@ -1,6 +1,7 @@
 """Keeping a finetune near its base: a frozen copy of the base as the finetune received it, the
-distillation that keeps the encoder's output on the base's languages close to the copy's
-(DISTILL_WEIGHT), and the pull of the base's weights back toward the copy's (L2SP_WEIGHT).
+distillation that keeps the encoder's output (DISTILL_WEIGHT) and the joint's distribution over the
+pieces (DISTILL_JOINT_WEIGHT) on the base's languages close to the copy's, and the pull of the
+base's weights back toward the copy's (L2SP_WEIGHT).
 
 The copy is taken by ``FrozenBase.of`` from the model ``asr_model.build_model`` returns, before any
 update: the base through its vocabulary change, which decodes the base's languages exactly as the
@@ -124,6 +125,45 @@ def encoder_input(model):
         handle.remove()
 
 
+def joint_divergence(
+    model,
+    base: FrozenBase,
+    student_encoded: torch.Tensor,
+    teacher_encoded: torch.Tensor,
+    encoded_len: torch.Tensor,
+    tokens: torch.Tensor,
+    token_len: torch.Tensor,
+    batch_size: int,
+) -> torch.Tensor:
+    """The joint's distillation term of b utterances: KL(the base's || the finetune's) between the
+    two models' distributions over the pieces and blank (the durations left out) at every cell
+    (t, u) of the transducer's lattice (frame t < the utterance's frames, u <= its pieces, each
+    model's prediction network reading the same target pieces), per utterance the mean over its
+    cells, summed and divided by ``batch_size``. The finetune's probability of a piece the base
+    lacked, where the base gives it next to none, is what the term charges most. Gradients flow
+    into the finetune's decoder and joint (and ``student_encoded``)."""
+    blank = int(model.decoder.blank_idx)
+    decoded, _, _ = model.decoder(targets=tokens, target_length=token_len)
+    with asr_model._logits_for_the_loss(model.joint):
+        student = model.joint.joint(student_encoded.transpose(1, 2), decoded.transpose(1, 2))
+    with torch.no_grad():
+        base_decoder, base_joint = base.parts["decoder"], base.parts["joint"]
+        decoded_t, _, _ = base_decoder(targets=tokens, target_length=token_len)
+        with asr_model._logits_for_the_loss(base_joint):
+            teacher = base_joint.joint(teacher_encoded.transpose(1, 2), decoded_t.transpose(1, 2))
+        log_t = torch.log_softmax(teacher[..., : blank + 1].float(), dim=-1)
+    log_s = torch.log_softmax(student[..., : blank + 1].float(), dim=-1)
+    kl = (log_t.exp() * (log_t - log_s)).sum(dim=-1)  # [b, T, U+1]
+    frames = torch.arange(kl.shape[1], device=kl.device)
+    steps = torch.arange(kl.shape[2], device=kl.device)
+    valid = (frames[None, :, None] < encoded_len[:, None, None]) & (
+        steps[None, None, :] <= token_len.to(kl.device)[:, None, None]
+    )
+    cells = valid.sum(dim=(1, 2)).clamp(min=1)
+    per_utterance = (kl * valid).sum(dim=(1, 2)) / cells
+    return per_utterance.sum() / max(batch_size, 1)
+
+
 def distilled_loss(
     model,
     batch,
@@ -132,25 +172,53 @@ def distilled_loss(
     weight: float,
     *,
     encoder_frozen: bool,
+    joint_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(the training loss of ``batch`` plus ``weight`` x the distillation term, the term) where
-    the term is ``encoder_distance`` of the encoder's output on the utterances of
-    ``base_languages`` against the frozen ``base``'s encoder on the very same features (the
-    same SpecAugment masks); None for the term and the plain loss where nothing is distilled: a
-    frozen encoder (it is the base's), no utterance of a base language, or weight 0."""
+    """(the training loss of ``batch`` plus the distillation terms, what they added) on the
+    utterances of ``base_languages``: ``weight`` x ``encoder_distance`` of the encoder's output
+    against the frozen ``base``'s encoder on the very same features (the same SpecAugment masks;
+    while the encoder trains), and ``joint_weight`` x ``joint_divergence`` of the joint's
+    distribution against the base's (the encoder frozen too: the decoder and joint train then).
+    None for what they added, and the plain loss, where nothing is distilled: no utterance of a
+    base language, or neither term on (weight 0, or the encoder term alone with the encoder
+    frozen, when it is the base's)."""
     rows = base_rows(batch.langs, base_languages)
-    if encoder_frozen or not rows or weight <= 0:
+    encoder_on = weight > 0 and not encoder_frozen
+    joint_on = joint_weight > 0
+    if not rows or not (encoder_on or joint_on):
         return asr_model.training_loss(model, batch, encoder_frozen=encoder_frozen), None
-    with encoder_input(model) as seen:
+    # A frozen encoder needs no autograd graph, as in asr_model.training_loss.
+    with (
+        torch.no_grad() if encoder_frozen else contextlib.nullcontext(),
+        encoder_input(model) as seen,
+    ):
         encoded, encoded_len = model.forward(
             input_signal=batch.signal, input_signal_length=batch.signal_len
         )
     loss = asr_model.family(model).loss_of_encoded(model, encoded, encoded_len, batch)
     at = torch.tensor(rows, device=encoded.device)
-    with torch.no_grad():
-        teacher, _ = base.encoder(audio_signal=seen["signal"][at], length=seen["length"][at])
-    term = encoder_distance(encoded[at], teacher, encoded_len[at], len(batch.langs))
-    return loss + weight * term, term.detach()
+    if encoder_frozen:
+        teacher = encoded[at]  # the frozen encoder is the base's own
+    else:
+        with torch.no_grad():
+            teacher, _ = base.encoder(audio_signal=seen["signal"][at], length=seen["length"][at])
+    added = torch.zeros((), device=encoded.device)
+    if encoder_on:
+        added = added + weight * encoder_distance(
+            encoded[at], teacher, encoded_len[at], len(batch.langs)
+        )
+    if joint_on:
+        added = added + joint_weight * joint_divergence(
+            model,
+            base,
+            encoded[at],
+            teacher,
+            encoded_len[at],
+            batch.tokens[at],
+            batch.token_len[at],
+            len(batch.langs),
+        )
+    return loss + added, added.detach()
 
 
 # ---- L2-SP: the base's weights pulled toward the base ----------------------------------------------
@@ -198,13 +266,23 @@ class PullTowardBase:
             p.sub_((lr_of[id(p)] * self.weight * delta).to(p.dtype))
 
 
-def describe(distill_weight: float, l2sp_weight: float, base: FrozenBase | None) -> str | None:
+def describe(
+    distill_weight: float,
+    l2sp_weight: float,
+    base: FrozenBase | None,
+    joint_weight: float = 0.0,
+) -> str | None:
     """The start-up phrase of what keeps the run near its base, None when nothing does."""
     parts = []
     if distill_weight > 0:
         parts.append(
             f"the encoder's output on the base's languages distilled from a frozen copy of the "
             f"base at DISTILL_WEIGHT={distill_weight:g}"
+        )
+    if joint_weight > 0:
+        parts.append(
+            f"the joint's distribution over the pieces on the base's languages distilled from "
+            f"the copy at DISTILL_JOINT_WEIGHT={joint_weight:g}"
         )
     if l2sp_weight > 0:
         parts.append(

@@ -780,6 +780,17 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         steps=("train",),
     )
     knob(
+        "DISTILL_JOINT_WEIGHT",
+        0.0,
+        knob_values.number,
+        "Finetuning (INIT_MODEL set): on each micro-batch's utterances of the base's languages, "
+        "the loss adds this times the KL divergence of the joint's distribution over the pieces "
+        "from the frozen base copy's, at every cell of the transducer's lattice (both phases); "
+        "charges the probability the finetune gives the new pieces on the base's speech; 0 = off",
+        knob_values.non_negative,
+        steps=("train",),
+    )
+    knob(
         "L2SP_WEIGHT",
         0.0,
         knob_values.number,
@@ -1145,6 +1156,7 @@ WARMUP_STEPS: int
 PHASE2_WARMUP: int
 ENCODER_LR_SCALE: float
 DISTILL_WEIGHT: float
+DISTILL_JOINT_WEIGHT: float
 L2SP_WEIGHT: float
 AUTO_LANGUAGE: str
 NEW_PIECE_LR_SCALE: float

@@ -372,17 +372,22 @@ def log_finetuning_levers(
 
 
 def frozen_base(model) -> base_anchor.FrozenBase | None:
-    """The frozen copy of ``model`` (the base as received) that DISTILL_WEIGHT and L2SP_WEIGHT
-    keep the run near, None when both are 0. Its matrix weights are in the dtype PRECISION
-    computes them in unless L2SP_WEIGHT pulls toward them (then exact). ConfigError for either
-    knob without a base (INIT_MODEL empty)."""
-    if config.DISTILL_WEIGHT <= 0 and config.L2SP_WEIGHT <= 0:
+    """The frozen copy of ``model`` (the base as received) that DISTILL_WEIGHT,
+    DISTILL_JOINT_WEIGHT and L2SP_WEIGHT keep the run near, None when all are 0. Its matrix
+    weights are in the dtype PRECISION computes them in unless L2SP_WEIGHT pulls toward them
+    (then exact). ConfigError for any of them without a base (INIT_MODEL empty)."""
+    weights = {
+        "DISTILL_WEIGHT": config.DISTILL_WEIGHT,
+        "DISTILL_JOINT_WEIGHT": config.DISTILL_JOINT_WEIGHT,
+        "L2SP_WEIGHT": config.L2SP_WEIGHT,
+    }
+    if all(w <= 0 for w in weights.values()):
         return None
     if getattr(model, "base_model", None) is None:
+        named = " and ".join(f"{k}={v:g}" for k, v in weights.items() if v > 0)
         raise config.ConfigError(
-            f"DISTILL_WEIGHT={config.DISTILL_WEIGHT:g} and L2SP_WEIGHT={config.L2SP_WEIGHT:g} keep "
-            f"a finetune near its base, and this run has none (INIT_MODEL is empty): set both to 0 "
-            f"or give the base in INIT_MODEL"
+            f"{named} keep a finetune near its base, and this run has none (INIT_MODEL is "
+            f"empty): set them to 0 or give the base in INIT_MODEL"
         )
     dtype = None if config.L2SP_WEIGHT > 0 else base_anchor.copy_dtype(config.PRECISION)
     return base_anchor.FrozenBase.of(model, dtype)
@@ -505,7 +510,9 @@ def run(argv: list[str] | None = None) -> int:
             ),
         )
         log_finetuning_levers(model, module.batching, data_languages, module.finetuning_trade_off)
-        anchored = base_anchor.describe(config.DISTILL_WEIGHT, config.L2SP_WEIGHT, base)
+        anchored = base_anchor.describe(
+            config.DISTILL_WEIGHT, config.L2SP_WEIGHT, base, config.DISTILL_JOINT_WEIGHT
+        )
         if anchored:
             log.info("keeping the base: %s", anchored)
     trainer.fit(module, ckpt_path=ckpt_path)

@@ -71,7 +71,7 @@ def _loss_count(batch, module):
 
 
 def _distill_sum(batch, module):
-    """The micro-batch's distillation term (DISTILL_WEIGHT) where it had one, else 0."""
+    """What distillation added to the micro-batch's loss where it added anything, else 0."""
     term = getattr(module, "last_distill", None)
     if not _non_empty(batch) or term is None:
         return 0.0
@@ -175,11 +175,13 @@ def _shares(counts: Mapping[str, float]) -> dict[str, float]:
 STEP_METRICS: tuple[Metric, ...] = (
     Metric("train/loss", "pooled", "mean loss of this step's micro-batches with a finite loss, all ranks",
            lambda s: _ratio(s.measures["loss_sum"], s.measures["loss_count"])),
-    Metric("train/distill", "pooled", "mean distillation term (DISTILL_WEIGHT, before the weight) "
-           "of this step's micro-batches with utterances of the base's languages, all ranks; "
-           "NaN where none had one; not logged while DISTILL_WEIGHT is 0",
+    Metric("train/distill", "pooled", "mean of what distillation added to the loss (DISTILL_WEIGHT "
+           "and DISTILL_JOINT_WEIGHT, weights applied) over this step's micro-batches with "
+           "utterances of the base's languages, all ranks; NaN where none had one; not logged "
+           "while both are 0",
            lambda s: _ratio(s.measures["distill_sum"], s.measures["distill_count"])
-           if getattr(s.module, "distill_weight", 0) > 0 else None),
+           if getattr(s.module, "distill_weight", 0) > 0
+           or getattr(s.module, "distill_joint_weight", 0) > 0 else None),
     Metric("train/lr", "same", "learning rate this optimizer step used", lambda s: s.lr),
     Metric("train/phase", "same", "1 = encoder frozen, 2 = the whole model trains",
            lambda s: _float(s.module.phase)),

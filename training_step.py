@@ -303,6 +303,7 @@ class TrainingModule(pl.LightningModule):
         # kept outside the module's children, so DDP, the optimizer and checkpoints never see it.
         self.frozen_base = base
         self.distill_weight = config.DISTILL_WEIGHT if base is not None else 0.0
+        self.distill_joint_weight = config.DISTILL_JOINT_WEIGHT if base is not None else 0.0
         self.last_distill: torch.Tensor | None = None  # this micro-batch's term, None if none
         # The sampler's settings (sampler.BatchingSettings): train.py passes the knobs it read.
         self.batching = batching if batching is not None else _batching_from_config()
@@ -474,8 +475,8 @@ class TrainingModule(pl.LightningModule):
     def compute_loss(self, batch) -> torch.Tensor:
         """The model's loss of one non-empty micro-batch (``asr_model.training_loss``), plus the
         distillation term on its utterances of the base's languages
-        (``base_anchor.distilled_loss``) when DISTILL_WEIGHT is on."""
-        if self.distill_weight <= 0:
+        (``base_anchor.distilled_loss``) when DISTILL_WEIGHT or DISTILL_JOINT_WEIGHT is on."""
+        if self.distill_weight <= 0 and self.distill_joint_weight <= 0:
             return asr_model.training_loss(self.model, batch, encoder_frozen=self.encoder_frozen)
         loss, self.last_distill = base_anchor.distilled_loss(
             self.model,
@@ -484,6 +485,7 @@ class TrainingModule(pl.LightningModule):
             self.batching.base_languages,
             self.distill_weight,
             encoder_frozen=self.encoder_frozen,
+            joint_weight=self.distill_joint_weight,
         )
         return loss
 

@@ -98,8 +98,8 @@ def test_distillation_adds_the_encoders_squared_distance_from_the_base_on_base_r
             frames = int(s_len[0])
             expected += float(((s - t)[0, :, :frames] ** 2).mean())
         expected /= 4
-    assert float(term) == pytest.approx(expected, rel=1e-3)
-    assert float(loss.detach()) == pytest.approx(float(plain) + weight * float(term), rel=1e-6)
+    assert float(term) == pytest.approx(weight * expected, rel=1e-3)
+    assert float(loss.detach()) == pytest.approx(float(plain) + float(term), rel=1e-6)
     # only the base rows: changing the Hindi and Tamil audio leaves the term as it was
     other = batch._replace(signal=batch.signal.clone())
     other.signal[1] = 0.3 * torch.randn(other.signal.shape[1])
@@ -271,3 +271,86 @@ def test_the_run_builds_its_copy_exact_for_l2sp_and_in_the_training_dtype_otherw
     line = base_anchor.describe(1.0, 1.0, exact)
     assert "DISTILL_WEIGHT=1" in line and "L2SP_WEIGHT=1" in line and "MiB per rank" in line
     assert base_anchor.describe(0.0, 0.0, None) is None
+
+
+def lattice_logits(model, joint, decoder, encoded, frames: int, ids: list[int]) -> torch.Tensor:
+    """[T, U+1, V+1+D] logits of one utterance, from the definition: the prediction network reads
+    the start symbol, then each piece; the joint scores every frame against each of its outputs."""
+    out, state = decoder.predict(None, None, add_sos=False, batch_size=1)
+    outs = [out]
+    for piece in ids:
+        out, state = decoder.predict(torch.tensor([[piece]]), state, add_sos=False, batch_size=1)
+        outs.append(out)
+    return joint.joint(encoded.transpose(1, 2)[:, :frames], torch.cat(outs, dim=1))[0]
+
+
+def test_the_joint_term_is_the_mean_kl_of_the_bases_piece_distribution_over_each_lattice_cell(
+    tokenizers,  # noqa: F811
+):
+    """KL(base || finetune) of the softmax over the pieces and blank (durations left out) at each
+    (t, u) with t below the utterance's frames and u up to its pieces, averaged per utterance,
+    summed over the base-language utterances and divided by the micro-batch's size."""
+    model = carried_model(tokenizers)
+    base = base_anchor.FrozenBase.of(model)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in list(model.decoder.parameters()) + list(model.joint.parameters()):
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    eval_mode(model)
+    batch = batch_of(model, ["hi", "en", "en"])
+    loss, added = base_anchor.distilled_loss(
+        model, batch, base, ("en",), 0.0, encoder_frozen=True, joint_weight=2.0
+    )
+    blank = int(model.decoder.blank_idx)
+    expected = 0.0
+    with torch.no_grad():
+        encoded, encoded_len = model.forward(
+            input_signal=batch.signal, input_signal_length=batch.signal_len
+        )
+        for b in (1, 2):
+            frames, pieces = int(encoded_len[b]), int(batch.token_len[b])
+            ids = batch.tokens[b, :pieces].tolist()
+            one = encoded[b : b + 1]
+            mine = lattice_logits(model, model.joint, model.decoder, one, frames, ids)
+            theirs = lattice_logits(
+                model, base.parts["joint"], base.parts["decoder"], one, frames, ids
+            )
+            p = torch.softmax(theirs[..., : blank + 1].double(), -1)
+            q = torch.softmax(mine[..., : blank + 1].double(), -1)
+            expected += float((p * (p.log() - q.log())).sum(-1).mean())
+    expected = 2.0 * expected / 3
+    assert float(added) == pytest.approx(expected, rel=1e-4)
+    plain = asr_model.training_loss(model, batch, encoder_frozen=True)
+    assert float(loss.detach()) == pytest.approx(float(plain) + expected, rel=1e-5)
+
+
+def test_the_joint_term_trains_the_decoder_and_joint_with_the_encoder_frozen_and_charges_new_pieces(
+    tokenizers,  # noqa: F811
+):
+    model = carried_model(tokenizers)
+    base = base_anchor.FrozenBase.of(model)
+    eval_mode(model)
+    batch = batch_of(model, ["en", "en"])
+    _, at_start = base_anchor.distilled_loss(
+        model, batch, base, ("en",), 0.0, encoder_frozen=True, joint_weight=1.0
+    )
+    assert float(at_start) == pytest.approx(0.0, abs=1e-6)  # the base itself: nothing to charge
+    # the new pieces' outputs raised, as the new languages' learning raises them
+    ((joint_out, new_rows),) = [
+        (p, rows) for p, rows in asr_model.new_piece_parameters(model) if p.dim() == 1
+    ][:1]
+    with torch.no_grad():
+        joint_out[new_rows] += 3.0
+    for p in model.parameters():
+        p.grad = None
+    _, added = base_anchor.distilled_loss(
+        model, batch, base, ("en",), 0.0, encoder_frozen=True, joint_weight=1.0
+    )
+    assert float(added) > 0.1
+    loss, _ = base_anchor.distilled_loss(
+        model, batch, base, ("en",), 0.0, encoder_frozen=True, joint_weight=1.0
+    )
+    asr_model.set_encoder_trainable(model, False)
+    loss.backward()
+    assert joint_out.grad is not None and float(joint_out.grad[new_rows].abs().sum()) > 0
+    assert all(p.grad is None for p in asr_model.encoder(model).parameters())
