@@ -122,10 +122,15 @@ OFFLINE_ONLY = {
 # works too: kept when the target has a version inside the range. Every other pin is exact.
 ACCEPTS = {
     "torch": (
-        ">=2.11",
-        "the project uses no torch API newer than 2.11; the node's CUDA build stays",
+        ">=2.10",
+        "the CPU tests of train.py's path, scripts/launch.py and the acceptance run's CPU stages "
+        "pass on torch 2.10.0; older torchrun lacks --signals-to-handle (docs/operations.md)",
     ),
-    "numpy": (">=2.0,<3", "numpy 2; tdt_loss restores the np.row_stack numba-cuda 0.30.4 needs"),
+    "numpy": (
+        ">=2.0,<3",
+        "numpy 2: pyarrow 26.0.1 does not import with numpy 1.26.4; tdt_loss restores the "
+        "np.row_stack numba-cuda 0.30.4 needs",
+    ),
     "pyarrow": (">=15", "parquet and memory-mapped Arrow"),
     "sentencepiece": (">=0.2.0", "0.2.2's proto lacks a field; the project warns and goes on"),
     "soundfile": (">=0.12", "decoding"),

@@ -69,14 +69,14 @@ def _left_out(plan: bw.Plan) -> dict[str, str]:
 def test_a_pin_the_target_has_in_an_accepted_version_is_kept_and_resolved_as_the_range():
     plan = bw.plan_requirements(
         _reqs("torch==2.13.0", "numpy==2.4.6", "sentencepiece==0.2.3"),
-        _node(torch="2.11.0", numpy="2.5.2", sentencepiece="0.2.2"),
+        _node(torch="2.10.0", numpy="2.5.2", sentencepiece="0.2.2"),
         training_only=False,
     )
     out = _left_out(plan)
     assert set(out) == {"torch", "numpy", "sentencepiece"}
-    assert "the target has 2.11.0, accepted (>=2.11" in out["torch"]
+    assert "the target has 2.10.0, accepted (>=2.10" in out["torch"]
     # pip resolves the range, so the installed version satisfies whatever depends on it.
-    assert plan.requirements == ["torch>=2.11", "numpy>=2.0,<3", "sentencepiece>=0.2.0"]
+    assert plan.requirements == ["torch>=2.10", "numpy>=2.0,<3", "sentencepiece>=0.2.0"]
 
 
 def test_a_pin_the_target_has_in_a_version_the_project_does_not_accept_is_shipped_as_pinned():
@@ -94,12 +94,13 @@ def test_a_pin_the_target_has_in_a_version_the_project_does_not_accept_is_shippe
 @pytest.mark.parametrize(
     ("have", "kept"),
     [
-        (NVIDIA_TORCH, True),  # a pre-release of 2.12 comes after 2.11
-        ("2.11.0+cu126", True),  # the local label is ignored: 2.11.0 >= 2.11
+        (NVIDIA_TORCH, True),  # a pre-release of 2.12 comes after 2.10
+        ("2.10.0+cu126", True),  # the local label is ignored: 2.10.0 >= 2.10
         ("2.13.0+cu130", True),  # == 2.13.0, the pinned version, whatever the local label
-        ("2.11.0rc1", False),  # a pre-release of 2.11 comes before 2.11
-        ("2.11.0a0+ecf3bae40a.nv26.01", False),
-        ("2.10.1+cu126", False),
+        ("2.10.0rc1", False),  # a pre-release of 2.10 comes before 2.10
+        ("2.10.0a0+ecf3bae40a.nv25.11", False),
+        ("2.9.1+cu126", False),  # its torchrun has no --signals-to-handle for scripts/launch.py
+        ("2.7.0a0+79aa17489c.nv25.4", False),  # NVIDIA's PyTorch container 25.04
     ],
 )
 def test_the_nodes_torch_stays_when_pip_would_count_it_in_the_accepted_range(have, kept):
@@ -117,11 +118,11 @@ def test_the_nodes_torch_stays_when_pip_would_count_it_in_the_accepted_range(hav
 def test_the_nodes_torch_outside_the_range_is_replaced_only_when_asked():
     reqs = _reqs("torch==2.13.0", "tqdm==4.70.1")
     with pytest.raises(bw.WheelhouseError) as refused:
-        bw.plan_requirements(reqs, _node(torch="2.10.0+cu126"), training_only=False)
+        bw.plan_requirements(reqs, _node(torch="2.9.1+cu126"), training_only=False)
     said = str(refused.value)
-    assert "\n" not in said and "2.10.0+cu126" in said and ">=2.11" in said
+    assert "\n" not in said and "2.9.1+cu126" in said and ">=2.10" in said
     plan = bw.plan_requirements(
-        reqs, _node(torch="2.10.0+cu126"), training_only=False, replace_torch=True
+        reqs, _node(torch="2.9.1+cu126"), training_only=False, replace_torch=True
     )
     assert plan.requirements == ["torch==2.13.0", "tqdm==4.70.1"] and plan.node_torch is None
     # Asked, it replaces even an accepted torch with requirements.txt's.
@@ -372,7 +373,7 @@ def test_a_freeze_that_cannot_tell_its_cuda_plans_when_no_numba_cuda_is_asked_fo
     plan = bw.plan_requirements(
         _reqs("torch==2.13.0", "tqdm==4.70.1"), _freeze(tmp_path, f"torch=={NVIDIA_TORCH}"), False
     )
-    assert plan.requirements == ["torch>=2.11", "tqdm==4.70.1"] and plan.cuda == ""
+    assert plan.requirements == ["torch>=2.10", "tqdm==4.70.1"] and plan.cuda == ""
 
 
 def test_cuda_option_reads_a_major_or_torch_version_cuda_as_printed():
