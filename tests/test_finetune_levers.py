@@ -199,10 +199,12 @@ def test_the_start_up_line_states_the_new_pieces_schedule(monkeypatch):
 CARRIED = {"carried": 256, "new": 64, "dropped": 0, "decoder_init": "carry"}
 
 
-def trade_off(change=CARRIED, base=("en",), data=("en", "hi"), encoder=1.0, warn=5.0):
+def trade_off(
+    change=CARRIED, base=("en",), data=("en", "hi"), encoder=1.0, warn=5.0, anchored=None
+):
     import train
 
-    return train.finetuning_trade_off(change, base, list(data), encoder, warn)
+    return train.finetuning_trade_off(change, base, list(data), encoder, warn, anchored)
 
 
 def test_a_finetune_from_the_base_with_the_defaults_says_it_puts_the_new_languages_first():
@@ -211,6 +213,9 @@ def test_a_finetune_from_the_base_with_the_defaults_says_it_puts_the_new_languag
     assert "may drift past FORGETTING_WARN_POINTS=5 from step 0" in line
     assert "ENCODER_LR_SCALE=0.3" in line and "BASE_LANGUAGE_SHARE" in line
     assert "decode them with the language given" in line
+    # the other side as measured: the setting that held the base in every cell, and its cost
+    assert "DISTILL_WEIGHT=10 L2SP_WEIGHT=100 AUTO_LANGUAGE=score" in line
+    assert "within 0.034 WER of the base in every cell" in line and "up to 0.18 behind" in line
     # the base's own vocabulary (tags mode needing nothing, or the same tokenizer) starts as the base
     assert trade_off(change=None).startswith("the new languages' speed over keeping")
     assert "by several WER points" in trade_off(warn=0.0)
@@ -220,6 +225,13 @@ def test_a_slower_encoder_says_it_keeps_the_base_languages_first():
     line = trade_off(encoder=0.3)
     assert line.startswith("the base's languages (en) over the new languages' speed")
     assert "ENCODER_LR_SCALE=0.3 x the LR" in line
+
+
+def test_a_run_kept_near_its_base_says_it_keeps_the_base_languages_first_and_what_it_costs():
+    line = trade_off(anchored={"DISTILL_WEIGHT": 10.0, "L2SP_WEIGHT": 100.0})
+    assert line.startswith("the base's languages (en) over the new languages' speed")
+    assert "DISTILL_WEIGHT=10 L2SP_WEIGHT=100 keep the finetune near it" in line
+    assert "up to 0.18 behind a fresh tokenizer's" in line
 
 
 def test_a_run_that_does_not_start_as_the_base_says_what_it_gives_up():
