@@ -664,6 +664,60 @@ def test_replace_torch_for_cuda_12_ships_torchs_build_from_its_index_with_its_cu
     assert f"2.7.0a0+79aa17489c.nv25.4 -> {TORCH_CU126}" in line and torch["why"][0] in line
 
 
+def test_the_25_04_set_installs_offline_on_a_stand_in_node_replacing_exactly_what_it_named(
+    container_25_04_build, tmp_path
+):
+    """A stand-in for the 25.04 node: a venv holding the freeze's version of every package the set
+    touches (metadata-only wheels). The offline install the docs give (--no-index, the wheelhouse
+    and its requirements.txt) changes exactly the packages the builder listed as replaced, each to
+    the version it named, and leaves every other one the node had as it was."""
+    summary, _, out, _ = container_25_04_build
+    text = NVIDIA_FREEZE.read_text(encoding="utf-8")
+    for line, replacement in CONTAINER_25_04.items():
+        text = text.replace(line, replacement)
+    wanted = {pep503(name) for name, *_ in REGISTRY} | {"nvidia-cuda-runtime-cu12"}
+    node_versions = {}
+    for line in text.splitlines():
+        name, sep, version = line.partition("==")
+        if sep and pep503(name) in wanted:
+            node_versions[pep503(name)] = version.strip()
+    assert {"torch", "numpy", "protobuf", "setuptools"} <= set(node_versions)
+    node = tmp_path / "node"
+    subprocess.run([sys.executable, "-m", "venv", str(node)], check=True)
+    stand_in = tmp_path / "node-packages"
+    stand_in.mkdir()
+    wheels = [_metadata_wheel(stand_in, n, v) for n, v in node_versions.items()]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull
+
+    def pip(*args: str) -> str:
+        done = subprocess.run(
+            [str(_venv_python(node)), "-m", "pip", "--disable-pip-version-check", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    def installed() -> dict[str, str]:
+        lines = pip("list", "--format=freeze").split()
+        return {pep503(n): v for n, _, v in (line.partition("==") for line in lines)}
+
+    pip("install", "-q", "--no-index", "--no-deps", *map(str, wheels))
+    before = installed()
+    assert all(before[n] == v for n, v in node_versions.items())
+    pip(
+        "install", "-q", "--no-index", "--find-links", str(out), "-r", str(out / "requirements.txt")
+    )
+    after = installed()
+    changed = {n: after.get(n) for n, v in before.items() if after.get(n) != v}
+    named = {pep503(r["name"]): r["shipped"] for r in summary["replaced"]}
+    assert changed == named
+    assert after["torch"] == TORCH_CU126
+
+
 # The torch a set ships is built for the CUDA the node's driver runs: --cuda, else the node's own
 # torch's; CUDA 12 from PyTorch's index of its CUDA 12.6 builds, CUDA 13 the registry's own build.
 @pytest.mark.parametrize(
