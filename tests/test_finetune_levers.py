@@ -215,7 +215,7 @@ def test_a_finetune_from_the_base_with_the_defaults_says_it_puts_the_new_languag
     assert "decode them with the language given" in line
     # the other side as measured: the setting that held the base in every cell, and its cost
     assert "DISTILL_WEIGHT=10 L2SP_WEIGHT=100 AUTO_LANGUAGE=score" in line
-    assert "within 0.034 WER of the base in every cell" in line and "up to 0.18 behind" in line
+    assert "within 0.034 WER of the base in every cell" in line and "up to 0.21 behind" in line
     # the base's own vocabulary (tags mode needing nothing, or the same tokenizer) starts as the base
     assert trade_off(change=None).startswith("the new languages' speed over keeping")
     assert "by several WER points" in trade_off(warn=0.0)
@@ -231,7 +231,7 @@ def test_a_run_kept_near_its_base_says_it_keeps_the_base_languages_first_and_wha
     line = trade_off(anchored={"DISTILL_WEIGHT": 10.0, "L2SP_WEIGHT": 100.0})
     assert line.startswith("the base's languages (en) over the new languages' speed")
     assert "DISTILL_WEIGHT=10 L2SP_WEIGHT=100 keep the finetune near it" in line
-    assert "up to 0.18 behind a fresh tokenizer's" in line
+    assert "up to 0.21 behind a fresh tokenizer's" in line
 
 
 def test_a_run_that_does_not_start_as_the_base_says_what_it_gives_up():
