@@ -687,19 +687,9 @@ def test_the_25_04_set_installs_offline_on_a_stand_in_node_replacing_exactly_wha
     stand_in = tmp_path / "node-packages"
     stand_in.mkdir()
     wheels = [_metadata_wheel(stand_in, n, v) for n, v in node_versions.items()]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-    env["PIP_CONFIG_FILE"] = os.devnull
 
     def pip(*args: str) -> str:
-        done = subprocess.run(
-            [str(_venv_python(node)), "-m", "pip", "--disable-pip-version-check", *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        return done.stdout
+        return _node_pip(node, *args)
 
     def installed() -> dict[str, str]:
         lines = pip("list", "--format=freeze").split()
@@ -912,6 +902,27 @@ def _venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
+def _node_env() -> dict[str, str]:
+    """This process's environment without this machine's pip configuration, which stays out of a
+    stand-in node."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    return env
+
+
+def _node_pip(venv: Path, *args: str) -> str:
+    """pip of the stand-in node ``venv`` with ``args``: its output; a failure fails the test."""
+    done = subprocess.run(
+        [str(_venv_python(venv)), "-m", "pip", "--disable-pip-version-check", *args],
+        capture_output=True,
+        text=True,
+        env=_node_env(),
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 # A sitecustomize that makes packages look not installed: no finder finds their modules or their
 # distribution's metadata (what importlib.util.find_spec and importlib.metadata ask, as libraries'
 # "is it available" checks do).
@@ -1063,19 +1074,10 @@ def test_what_pip_itself_writes_for_a_containers_packages_reads_back_as_installe
     (thunder / "setup.py").write_text(
         "from setuptools import setup\nsetup(name='lightning-thunder', version='0.2.5.dev0')\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-    env["PIP_CONFIG_FILE"] = os.devnull  # this machine's pip configuration stays out of the node
+    env = _node_env()
 
     def pip(*args: str) -> str:
-        done = subprocess.run(
-            [str(_venv_python(venv)), "-m", "pip", "--disable-pip-version-check", *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        return done.stdout
+        return _node_pip(venv, *args)
 
     pip("install", "-q", "--no-index", "--no-deps", *map(str, built))
     # An editable install as `setup.py develop` makes one: a fresh venv has setuptools, but not the
