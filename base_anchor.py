@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 import asr_model
+import config
 
 log = logging.getLogger(__name__)
 
@@ -266,13 +267,45 @@ class PullTowardBase:
             p.sub_((lr_of[id(p)] * self.weight * delta).to(p.dtype))
 
 
-def describe(
-    distill_weight: float,
-    l2sp_weight: float,
-    base: FrozenBase | None,
-    joint_weight: float = 0.0,
-) -> str | None:
-    """The start-up phrase of what keeps the run near its base, None when nothing does."""
+def levers() -> dict[str, float]:
+    """The knobs that keep a finetune near its base, with their values."""
+    return {
+        "DISTILL_WEIGHT": config.DISTILL_WEIGHT,
+        "DISTILL_JOINT_WEIGHT": config.DISTILL_JOINT_WEIGHT,
+        "L2SP_WEIGHT": config.L2SP_WEIGHT,
+    }
+
+
+def frozen_base(model, precision: str | None = None) -> FrozenBase | None:
+    """The frozen copy of ``model`` (the base as received) that the ``levers`` keep a run near,
+    None when all are 0: what train.py trains with, and what a check of its step (preflight, the
+    step bench) must hold too. Its matrix weights are in the dtype ``precision`` (default
+    PRECISION) computes them in, unless L2SP_WEIGHT pulls toward them (then exact). ConfigError
+    for any of them without a base (INIT_MODEL empty)."""
+    weights = levers()
+    if all(w <= 0 for w in weights.values()):
+        return None
+    if getattr(model, "base_model", None) is None:
+        named = " and ".join(f"{k}={v:g}" for k, v in weights.items() if v > 0)
+        raise config.ConfigError(
+            f"{named} keep a finetune near its base, and this run has none (INIT_MODEL is "
+            f"empty): set them to 0 or give the base in INIT_MODEL"
+        )
+    return FrozenBase.of(model, run_copy_dtype(precision or config.PRECISION))
+
+
+def run_copy_dtype(precision: str) -> torch.dtype | None:
+    """The dtype of a run's copy under ``precision``: ``copy_dtype``'s, or None (exact) where
+    L2SP_WEIGHT pulls toward the copy's weights."""
+    return None if config.L2SP_WEIGHT > 0 else copy_dtype(precision)
+
+
+def describe(weights: dict[str, float], base: FrozenBase | None) -> str | None:
+    """The start-up phrase of what keeps the run near its base (``weights``: ``levers``), None
+    when nothing does."""
+    distill_weight = weights.get("DISTILL_WEIGHT", 0.0)
+    joint_weight = weights.get("DISTILL_JOINT_WEIGHT", 0.0)
+    l2sp_weight = weights.get("L2SP_WEIGHT", 0.0)
     parts = []
     if distill_weight > 0:
         parts.append(

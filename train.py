@@ -306,7 +306,7 @@ def finetuning_trade_off(
     ``vocabulary_change``: ``model.vocabulary_change`` of a finetune (None: the base's vocabulary
     kept). A run starts as the base when its decoder is carried and no base piece is dropped; the
     finetuning grid measured what follows from each side (docs/training.md). ``anchored``: the
-    levers on that keep the run near its base (``anchor_levers`` above 0: name -> value)."""
+    levers on that keep the run near its base (``base_anchor.levers`` above 0: name -> value)."""
     base = list(base_languages or ())
     change = vocabulary_change or {}
     learns_new = bool(set(data_languages) - set(base)) if base else change.get("new", 0) > 0
@@ -390,33 +390,6 @@ def log_finetuning_levers(
         log.info("finetuning trade-off: %s", trade_off)
 
 
-def anchor_levers() -> dict[str, float]:
-    """The knobs that keep a finetune near its base, with their values."""
-    return {
-        "DISTILL_WEIGHT": config.DISTILL_WEIGHT,
-        "DISTILL_JOINT_WEIGHT": config.DISTILL_JOINT_WEIGHT,
-        "L2SP_WEIGHT": config.L2SP_WEIGHT,
-    }
-
-
-def frozen_base(model) -> base_anchor.FrozenBase | None:
-    """The frozen copy of ``model`` (the base as received) that DISTILL_WEIGHT,
-    DISTILL_JOINT_WEIGHT and L2SP_WEIGHT keep the run near, None when all are 0. Its matrix
-    weights are in the dtype PRECISION computes them in unless L2SP_WEIGHT pulls toward them
-    (then exact). ConfigError for any of them without a base (INIT_MODEL empty)."""
-    weights = anchor_levers()
-    if all(w <= 0 for w in weights.values()):
-        return None
-    if getattr(model, "base_model", None) is None:
-        named = " and ".join(f"{k}={v:g}" for k, v in weights.items() if v > 0)
-        raise config.ConfigError(
-            f"{named} keep a finetune near its base, and this run has none (INIT_MODEL is "
-            f"empty): set them to 0 or give the base in INIT_MODEL"
-        )
-    dtype = None if config.L2SP_WEIGHT > 0 else base_anchor.copy_dtype(config.PRECISION)
-    return base_anchor.FrozenBase.of(model, dtype)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__,
@@ -483,7 +456,7 @@ def run(argv: list[str] | None = None) -> int:
     model = asr_model.build_model()
     # Taken before any update: the base as this run received it, on a resume too (the
     # checkpoint's weights are loaded into the model later, by fit).
-    base = frozen_base(model)
+    base = base_anchor.frozen_base(model)
     # Per-rank randomness from here on (dropout, SpecAugment masks, dither), still a function of SEED.
     torch.manual_seed(config.SEED + env["rank"])
     # The sampler's knobs, read once here and handed to the module that builds the DataLoader.
@@ -499,7 +472,7 @@ def run(argv: list[str] | None = None) -> int:
             data_languages,
             config.ENCODER_LR_SCALE,
             config.FORGETTING_WARN_POINTS,
-            {k: v for k, v in anchor_levers().items() if v > 0},
+            {k: v for k, v in base_anchor.levers().items() if v > 0},
         )
     model_languages.check_base_languages(
         module.batching.base_languages, data_languages, module.batching.base_share
@@ -535,9 +508,7 @@ def run(argv: list[str] | None = None) -> int:
             ),
         )
         log_finetuning_levers(model, module.batching, data_languages, module.finetuning_trade_off)
-        anchored = base_anchor.describe(
-            config.DISTILL_WEIGHT, config.L2SP_WEIGHT, base, config.DISTILL_JOINT_WEIGHT
-        )
+        anchored = base_anchor.describe(base_anchor.levers(), base)
         if anchored:
             log.info("keeping the base: %s", anchored)
     trainer.fit(module, ckpt_path=ckpt_path)

@@ -658,8 +658,8 @@ def compare_levers(model, batch, shape, args, device, precision) -> int:
 
 def compare_keep_base(model, batch, shape, args, device, precision) -> int:
     """Phase 2 with the base kept against without, alternating, ``--rounds`` rounds: the frozen
-    copy train.py makes (``train.frozen_base``: its matrix weights in the training dtype unless
-    L2SP_WEIGHT pulls toward them), DISTILL_WEIGHT as set (1 when 0), every utterance of the batch
+    copy train.py makes (``base_anchor.frozen_base``: its matrix weights in the training dtype
+    unless L2SP_WEIGHT pulls toward them), DISTILL_WEIGHT as set (1 when 0), every utterance of the batch
     in one of the base's languages (distillation's most: in a run only the base's share is)."""
     import dataclasses
 
@@ -667,8 +667,8 @@ def compare_keep_base(model, batch, shape, args, device, precision) -> int:
     from sampler import BatchingSettings
 
     weight = config.DISTILL_WEIGHT or 1.0
-    exact = config.L2SP_WEIGHT > 0
-    base = base_anchor.FrozenBase.of(model, None if exact else base_anchor.copy_dtype(precision))
+    dtype = base_anchor.run_copy_dtype(precision)
+    base = base_anchor.FrozenBase.of(model, dtype)
     batching = dataclasses.replace(
         BatchingSettings.from_config(), base_languages=tuple(sorted(set(batch.langs)))
     )
@@ -676,7 +676,7 @@ def compare_keep_base(model, batch, shape, args, device, precision) -> int:
     speed = SpeedSettings.from_config().resolved(on_cpu=on_cpu)
     print(
         f"the base kept: a frozen copy of {base.nbytes() / 2**20:.0f} MiB "
-        f"({'float32' if exact else precision} weights), DISTILL_WEIGHT={weight:g} on every "
+        f"({'float32' if config.L2SP_WEIGHT > 0 else precision} weights), DISTILL_WEIGHT={weight:g} on every "
         f"utterance, L2SP_WEIGHT={config.L2SP_WEIGHT:g}; phase 2:"
     )
     runs: dict[str, list[RunResult]] = {"off": [], "on": []}

@@ -423,15 +423,31 @@ def heaviest_batch_phrase(shape, max_batch_duration: float) -> str:
 
 
 def check_step(node: Node) -> Check:
+    import dataclasses
+
     import torch
 
+    import base_anchor
     import max_batch
+    from sampler import BatchingSettings
 
     device = node.device
     precision = max_batch.step_precision(device)
     shape, source = heaviest_shape(node, config.MAX_BATCH_DURATION)
     batch = max_batch.make_batch(shape, node.model.tokenizer)
     described = f"{heaviest_batch_phrase(shape, config.MAX_BATCH_DURATION)}; {source}, {precision}"
+    # The run's frozen base copy (DISTILL_WEIGHT, DISTILL_JOINT_WEIGHT, L2SP_WEIGHT) is on the
+    # device beside the step, and a micro-batch of the base's languages alone distils every row.
+    base = base_anchor.frozen_base(node.model, precision)
+    batching = None
+    if base is not None:
+        batching = dataclasses.replace(
+            BatchingSettings.from_config(), base_languages=tuple(sorted(set(batch.langs)))
+        )
+        described += (
+            f"; with the frozen base copy ({base.nbytes() / 2**20:.0f} MiB), every utterance "
+            f"distilled"
+        )
     if device.type == "cpu":
         need, have = (
             max_batch.estimated_host_bytes(node.model, shape),
@@ -458,6 +474,8 @@ def check_step(node: Node) -> Check:
                     steps=2,
                     device=device,
                     precision=precision,
+                    base=base,
+                    batching=batching,
                 )
     except Exception as exc:  # noqa: BLE001
         if device.type == "cuda" and max_batch.is_oom(exc):

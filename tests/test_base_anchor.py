@@ -13,7 +13,6 @@ import torch
 import asr_model
 import base_anchor
 import config
-import train
 import training_step
 from dataset import AsrBatch
 from tests.test_finetune_levers import TINY, carried_model, tokenizers  # noqa: F401 (a fixture)
@@ -249,9 +248,9 @@ def test_the_knobs_without_a_base_are_one_line_naming_them(tokenizers, monkeypat
     model = asr_model.build_model("", TINY, tokenizers["base"])
     monkeypatch.setattr(config, "DISTILL_WEIGHT", 1.0)
     with pytest.raises(config.ConfigError, match=r"DISTILL_WEIGHT=1 .*\(INIT_MODEL is empty\)"):
-        train.frozen_base(model)
+        base_anchor.frozen_base(model)
     monkeypatch.setattr(config, "DISTILL_WEIGHT", 0.0)
-    assert train.frozen_base(model) is None
+    assert base_anchor.frozen_base(model) is None
 
 
 def test_the_run_builds_its_copy_exact_for_l2sp_and_in_the_training_dtype_otherwise(
@@ -263,14 +262,14 @@ def test_the_run_builds_its_copy_exact_for_l2sp_and_in_the_training_dtype_otherw
     monkeypatch.setattr(config, "PRECISION", "bf16-mixed")
     monkeypatch.setattr(config, "DISTILL_WEIGHT", 1.0)
     monkeypatch.setattr(config, "L2SP_WEIGHT", 0.0)
-    reduced = train.frozen_base(model)
+    reduced = base_anchor.frozen_base(model)
     monkeypatch.setattr(config, "L2SP_WEIGHT", 1.0)
-    exact = train.frozen_base(model)
+    exact = base_anchor.frozen_base(model)
     dtypes = lambda b: {p.dtype for p in b.weights.values()}  # noqa: E731
     assert torch.bfloat16 in dtypes(reduced) and dtypes(exact) == {torch.float32}
-    line = base_anchor.describe(1.0, 1.0, exact)
+    line = base_anchor.describe({"DISTILL_WEIGHT": 1.0, "L2SP_WEIGHT": 1.0}, exact)
     assert "DISTILL_WEIGHT=1" in line and "L2SP_WEIGHT=1" in line and "MiB per rank" in line
-    assert base_anchor.describe(0.0, 0.0, None) is None
+    assert base_anchor.describe({"DISTILL_WEIGHT": 0.0, "L2SP_WEIGHT": 0.0}, None) is None
 
 
 def lattice_logits(model, joint, decoder, encoded, frames: int, ids: list[int]) -> torch.Tensor:
@@ -354,3 +353,36 @@ def test_the_joint_term_trains_the_decoder_and_joint_with_the_encoder_frozen_and
     loss.backward()
     assert joint_out.grad is not None and float(joint_out.grad[new_rows].abs().sum()) > 0
     assert all(p.grad is None for p in asr_model.encoder(model).parameters())
+
+
+def test_preflights_step_check_runs_the_step_with_the_copy_the_run_will_hold(
+    tokenizers,  # noqa: F811
+    monkeypatch,
+):
+    """With DISTILL_WEIGHT on, preflight's step is train.py's: the same frozen copy on the device
+    beside it, and every utterance of its micro-batch distilled (the most a micro-batch costs)."""
+    from scripts import preflight
+
+    model = carried_model(tokenizers)
+    model.base_model = {"path": "base.nemo"}
+    monkeypatch.setattr(config, "DISTILL_WEIGHT", 1.0)
+    monkeypatch.setattr(config, "MAX_BATCH_DURATION", 4.0)
+    monkeypatch.setattr(config, "MAX_DURATION", 2.0)
+    seen = []
+    real = training_step.TrainingModule.compute_loss
+
+    def compute_loss(self, batch):
+        loss = real(self, batch)
+        seen.append((self.frozen_base, self.last_distill))
+        return loss
+
+    monkeypatch.setattr(training_step.TrainingModule, "compute_loss", compute_loss)
+    node = preflight.Node(device=torch.device("cpu"), model=model)
+    check = preflight.check_step(node)
+    assert (
+        "with the frozen base copy (" in check.figure
+        and "every utterance distilled" in check.figure
+    )
+    assert seen and all(isinstance(base, base_anchor.FrozenBase) for base, _ in seen)
+    # phase 2 distils: the encoder trains there
+    assert any(term is not None and float(term) > 0 for _, term in seen)
