@@ -300,10 +300,22 @@ def test_smoke_test_interrupted_leaves_no_process_behind(tmp_path):
     script = subprocess.Popen(
         ["bash", "scripts/smoke_test.sh"], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
     )
+
+    def train_py_running() -> bool:
+        # The script's own subshells (realpath, mktemp) share its environment before its trap is
+        # set, so only a process running train.py shows the script is past that point.
+        for pid in job_processes(env):
+            try:
+                if b"train.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return True
+            except OSError:
+                pass
+        return False
+
     deadline = time.monotonic() + 120
-    while len(job_processes(env)) < 2 and time.monotonic() < deadline:  # the script and train.py
+    while not train_py_running() and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert len(job_processes(env)) >= 2, "train.py did not start"
+    assert train_py_running(), "train.py did not start"
     script.send_signal(signal.SIGTERM)
     out, _ = script.communicate(timeout=120)
     deadline = time.monotonic() + 30
