@@ -108,6 +108,12 @@ def quiet_harmless_messages() -> None:
         "If you intend to do validation, please call the ModelPT.setup_validation_data()",
         # change_vocabulary registers the new tokenizer's files over the base's, as it should.
         "You tried to register an artifact under config key=tokenizer.",
+        # The frozen-base mode turns its adapters off and on again around every decoding of a
+        # base language (base_adapters.adapters_off); the start-up line states the mode once.
+        "status : Enabled =",
+        # NeMo's conformer layer offers attention adapters a place too; a LinearAdapter is not
+        # one, and runs where it belongs (after the layer).
+        "No adapter compatible with the current module",
     )
     if not torch.cuda.is_available():
         # CUDA graphs for greedy decoding cannot apply without CUDA; on a GPU the note stays (it
@@ -486,6 +492,7 @@ def build_model(
     tokenizer_dir: Path | None = None,
     decoder_init: str | None = None,
     new_piece_bias: str | None = None,
+    adapter_dim: int | None = None,
 ):
     """The NeMo model to train, on CPU, with TOKENIZER_DIR's vocabulary and its family's loss.
 
@@ -496,6 +503,8 @@ def build_model(
     Defaults come from INIT_MODEL, MODEL_CONFIG, TOKENIZER_DIR, DECODER_INIT and NEW_PIECE_BIAS.
     ``model.vocabulary_change`` holds what ``use_tokenizer`` did to the parts sized by the vocabulary;
     ``model.base_model`` the base's identity (``base_identity``; None for a fresh model).
+    ``adapter_dim`` (default BASE_ADAPTER_DIM) > 0: the frozen-base mode
+    (``base_adapters.add_adapters``).
     """
     init_model = config.INIT_MODEL if init_model is None else init_model
     model_config = Path(model_config or config.MODEL_CONFIG)
@@ -542,6 +551,23 @@ def build_model(
     if base_pieces and model.vocabulary_change is not None:
         warn_unless_extension(
             base_pieces, vocabulary.model_pieces(model) or [], tokenizer_dir, init_model
+        )
+    adapter_dim = config.BASE_ADAPTER_DIM if adapter_dim is None else adapter_dim
+    if adapter_dim > 0:
+        if not init_model:
+            raise config.ConfigError(
+                f"BASE_ADAPTER_DIM={adapter_dim} keeps a base as it is, and this run has none "
+                "(INIT_MODEL is empty): set BASE_ADAPTER_DIM=0 or give the base in INIT_MODEL"
+            )
+        import base_adapters
+        import model_languages
+
+        base_adapters.add_adapters(
+            model,
+            adapter_dim,
+            model_languages.base_languages(init_model) or (),
+            base_pieces or [],
+            family(model).piece_rows(model) if getattr(model, "new_piece_rows", None) else [],
         )
     ensure_validation_ds(model)
     make_encoder_forward_rank_local(model)
@@ -817,9 +843,15 @@ def encoder(model) -> torch.nn.Module:
 
 
 def set_encoder_trainable(model, trainable: bool) -> None:
-    """Frozen: no gradients and eval mode (BatchNorm statistics and dropout stay still); else trains.
+    """Frozen: no gradients and eval mode (BatchNorm statistics and dropout stay still); else trains
+    (a frozen-base model: its encoder's adapters alone, ``base_adapters``).
 
     Eval mode must be re-imposed after anything that puts the whole model into train mode."""
+    import base_adapters
+
+    if base_adapters.record_of(model) is not None:
+        base_adapters.set_encoder_adapters_trainable(model, trainable)
+        return
     enc = encoder(model)
     for p in enc.parameters():
         if p.requires_grad != trainable:
@@ -922,6 +954,10 @@ def portable_description(model, tokenizer_dir: Path | None = None) -> dict[str, 
 # twins included); its tokenizer files are TOKENIZER_FILES, by their plain names.
 DESCRIPTION_CLASS_PACKAGE = "nemo.collections.asr.models"
 DESCRIPTION_TARGET_PACKAGE = "nemo.collections.asr.modules"
+# The adapter modules a frozen-base model's config names (base_adapters.ADAPTER_CLASS).
+DESCRIPTION_ADAPTER_TARGETS = frozenset(
+    {"nemo.collections.common.parts.adapter_modules.LinearAdapter"}
+)
 
 
 def _description_refusal(source: str, field: str, problem: str) -> CheckpointError:
@@ -960,7 +996,8 @@ def check_description(description: Any, source: str | Path) -> dict[str, Any]:
     tokenizer.model among them; ``class`` is ``nemo.collections.asr.models[.<module>].<Family>``,
     <Family> one of the families' classes (``FAMILIES``), resolved by name in that package; the
     config is a dict whose ``_target_`` entries (the classes NeMo constructs from it) are
-    ``nemo.collections.asr.modules[.<module>].<Name>``, and whose ``target`` (the model class) is
+    ``nemo.collections.asr.modules[.<module>].<Name>`` (or the adapter class the frozen-base
+    mode adds, ``DESCRIPTION_ADAPTER_TARGETS``), and whose ``target`` (the model class) is
     as ``class``."""
     source = str(source)
     if not isinstance(description, dict):
@@ -991,6 +1028,7 @@ def check_description(description: Any, source: str | Path) -> dict[str, Any]:
             and (
                 package == DESCRIPTION_TARGET_PACKAGE
                 or package.startswith(DESCRIPTION_TARGET_PACKAGE + ".")
+                or target in DESCRIPTION_ADAPTER_TARGETS
             )
         ):
             raise _description_refusal(

@@ -285,8 +285,14 @@ def frozen_base(model, precision: str | None = None) -> FrozenBase | None:
     weights = levers()
     if all(w <= 0 for w in weights.values()):
         return None
+    named = " and ".join(f"{k}={v:g}" for k, v in weights.items() if v > 0)
+    if config.BASE_ADAPTER_DIM > 0:
+        raise config.ConfigError(
+            f"{named} keep a finetune near its base, and BASE_ADAPTER_DIM="
+            f"{config.BASE_ADAPTER_DIM} already holds every weight of the base as it is: set them "
+            "to 0, or BASE_ADAPTER_DIM=0"
+        )
     if getattr(model, "base_model", None) is None:
-        named = " and ".join(f"{k}={v:g}" for k, v in weights.items() if v > 0)
         raise config.ConfigError(
             f"{named} keep a finetune near its base, and this run has none (INIT_MODEL is "
             f"empty): set them to 0 or give the base in INIT_MODEL"

@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 import asr_model
+import base_adapters
 import checkpoints
 import config as _config
 import evaluation
@@ -72,7 +73,13 @@ class EncoderUnfreezeCallback(_pl.Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         encoder = asr_model.encoder(pl_module.model)
-        frozen = [n for n, p in encoder.named_parameters() if not p.requires_grad]
+        # A frozen-base model's base weights never train (base_adapters): only its adapters unfreeze.
+        held = base_adapters.record_of(pl_module.model) is not None
+        frozen = [
+            n
+            for n, p in encoder.named_parameters()
+            if not p.requires_grad and (not held or base_adapters.is_adapter_parameter(n))
+        ]
         if frozen:
             raise RuntimeError(
                 f"encoder parameters {frozen[:3]}... are frozen before DDP wraps the model; DDP would "
@@ -101,7 +108,12 @@ class EncoderUnfreezeCallback(_pl.Callback):
                     "step %d: phase %d, encoder %s",
                     trainer.global_step,
                     phase,
-                    "frozen (eval mode, no gradients)" if phase == 1 else "unfrozen (training)",
+                    ("frozen (eval mode, no gradients)" if phase == 1 else "unfrozen (training)")
+                    + (
+                        " (its adapters; the base's weights stay frozen)"
+                        if base_adapters.record_of(pl_module.model) is not None
+                        else ""
+                    ),
                 )
             self.phase = phase
 

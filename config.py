@@ -791,6 +791,18 @@ def read_config(env: Mapping[str, str]) -> dict[str, Knob]:
         steps=("train",),
     )
     knob(
+        "BASE_ADAPTER_DIM",
+        0,
+        knob_values.integer,
+        "Finetuning (INIT_MODEL set): > 0 keeps every weight of the base as it is and learns the "
+        "new languages in NeMo LinearAdapters of this hidden size (every encoder layer, the "
+        "prediction network, the joint) and the new pieces' rows; the base's languages "
+        "(BASE_LANGUAGES or INIT_MODEL's record) decode with the adapters off, exactly as the "
+        "base; 0 = off (the whole model trains)",
+        knob_values.non_negative,
+        steps=("train",),
+    )
+    knob(
         "L2SP_WEIGHT",
         0.0,
         knob_values.number,
@@ -1158,6 +1170,7 @@ ENCODER_LR_SCALE: float
 DISTILL_WEIGHT: float
 DISTILL_JOINT_WEIGHT: float
 L2SP_WEIGHT: float
+BASE_ADAPTER_DIM: int
 AUTO_LANGUAGE: str
 NEW_PIECE_LR_SCALE: float
 NEW_PIECE_WARMUP: int

@@ -21,6 +21,7 @@ import dataclasses
 import torch
 
 import asr_model
+import base_adapters
 import config
 import vocabulary
 from manifest_schema import leading_lang
@@ -66,20 +67,122 @@ class BatchDecoding:
     given language's tag (decoded auto where no language was given for that utterance);
     ``first_tokens``,
     (piece id, probability) of the first piece auto decoding emits, None where it emits none;
-    ``loss``, the batch's loss (the training loss's reduction). A part not asked for is None."""
+    ``loss``, the batch's loss (the training loss's reduction); ``auto_ids``, the piece ids of
+    each auto transcript (asked by ``keep_auto_ids``). A part not asked for is None."""
 
     texts: list[str] | None = None
     given_texts: list[str | None] | None = None
     first_tokens: list[tuple[int, float] | None] | None = None
     loss: float | None = None
+    auto_ids: list[list[int]] | None = None
 
 
 @torch.no_grad()
 def decode_batch(model, signal: torch.Tensor, signal_len: torch.Tensor, **asked) -> BatchDecoding:
     """``decode_encoded`` of one padded batch of audio, from one encoder forward; ``asked``: its
-    keywords (what to decode)."""
+    keywords (what to decode). A frozen-base model (``base_adapters``) writes each utterance of a
+    base language, given or named by auto decoding, as the base does (``base_decoding``: a second
+    encoder forward, with the adapters off, for those utterances); the first pieces and the loss
+    stay the adapted model's."""
     encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=signal_len)
-    return decode_encoded(model, encoded, encoded_len, **asked)
+    held = base_adapters.record_of(model)
+    if held is None:
+        return decode_encoded(model, encoded, encoded_len, **asked)
+    languages = asked.get("languages")
+    base_langs = set(held["languages"])
+    if languages is not None:
+        # Utterances of the base's languages are written by the base below: no adapted search.
+        asked = {**asked, "languages": [None if lang in base_langs else lang for lang in languages]}
+    out = decode_encoded(model, encoded, encoded_len, keep_auto_ids=True, **asked)
+    rows: dict[int, str] = {}  # utterance -> the base language it is written in
+    for b, lang in enumerate(languages or ()):
+        if lang in base_langs:
+            rows[b] = lang
+    named = {b: _named_language(model, ids) for b, ids in enumerate(out.auto_ids or ())}
+    auto_rows = {b: lang for b, lang in named.items() if lang in base_langs}
+    out.auto_ids = None
+    wanted = sorted(set(rows) | set(auto_rows))
+    if not wanted:
+        return out
+    at = torch.tensor(wanted, device=signal.device)
+    with base_adapters.adapters_off(model):
+        base_encoded, base_len = model.forward(
+            input_signal=signal[at], input_signal_length=signal_len[at]
+        )
+        # An utterance both given and named as base languages may need two: one search per
+        # (utterance, language), each from the base's own encoder output.
+        jobs = [(k, b, rows[b]) for k, b in enumerate(wanted) if b in rows] + [
+            (k, b, auto_rows[b])
+            for k, b in enumerate(wanted)
+            if b in auto_rows and rows.get(b) != auto_rows[b]
+        ]
+        where = torch.tensor([k for k, _, _ in jobs], device=signal.device)
+        texts = base_decoding(
+            model,
+            base_encoded[where],
+            base_len[where],
+            [lang for _, _, lang in jobs],
+            held,
+            scripts=asked.get("scripts"),
+        )
+    by_job = {(b, lang): text for (_, b, lang), text in zip(jobs, texts)}
+    for b, lang in rows.items():
+        out.given_texts[b] = by_job[(b, lang)]
+    for b, lang in auto_rows.items():
+        out.texts[b] = by_job[(b, lang)]
+    return out
+
+
+def _named_language(model, ids: list[int] | None) -> str | None:
+    """The language whose tag auto decoding wrote first, None for none."""
+    if not ids:
+        return None
+    if ids[0] not in vocabulary.language_tag_ids(model):
+        return None
+    return leading_lang(model.tokenizer.ids_to_tokens([ids[0]])[0])
+
+
+def base_decoding(
+    model, encoded, encoded_len, languages: list[str], held: dict, *, scripts: bool | None = None
+) -> list[str]:
+    """Transcripts of the base's languages ``languages`` (one per utterance) written as the base
+    writes them, from the encoder's output with the adapters off (``held``: the model's
+    ``base_adapters.record_of``): the pieces past the base's own never written. Where the base has
+    the language's tag (one of its pieces), decoding starts from it with the language given, as
+    the base decodes with it given (under LANGUAGE_GIVEN_SCRIPTS, ``scripts`` by default, the
+    pieces of the scripts the base records for it); where the base has no tag for it, the base
+    decodes as it comes and the language's tag is put in front. Call with the adapters off
+    (``base_adapters.adapters_off``)."""
+    if scripts is None:
+        scripts = config.LANGUAGE_GIVEN_SCRIPTS == "1"
+    tags = vocabulary.language_tag_pieces(model, languages)
+    size = int(model.decoder.blank_idx)
+    pieces = held["pieces"]
+    own = torch.zeros(size, dtype=torch.bool)
+    own[:pieces] = True
+    masks = (
+        vocabulary.language_piece_masks(model, languages, recorded=held["scripts"])
+        if scripts
+        else [None] * len(tags)
+    )
+    firsts = [tag if tag is not None and tag < pieces else None for tag in tags]
+    kept = [
+        own & mask if mask is not None and first is not None else own
+        for mask, first in zip(masks, firsts)
+    ]
+    texts, ids = started_decoding(
+        model,
+        encoded,
+        encoded_len,
+        firsts,
+        kept,
+        tag_ids=vocabulary.language_tag_ids(model),
+        walk_pieces=own,
+    )
+    for b, (first, tag) in enumerate(zip(firsts, tags)):
+        if first is None and tag is not None:
+            texts[b] = model.tokenizer.ids_to_text([tag] + ids[b])
+    return texts
 
 
 @torch.no_grad()
@@ -93,6 +196,7 @@ def decode_encoded(
     scripts: bool | None = None,
     first_tokens: bool = False,
     loss_batch=None,
+    keep_auto_ids: bool = False,
 ) -> BatchDecoding:
     """Every decoding asked for of one batch, from the encoder's output: auto (``auto``), with the
     language given (``languages``: one per utterance, None or "" for an utterance decodes it auto
@@ -114,6 +218,8 @@ def decode_encoded(
     if auto:
         decode_auto = scored_decoding if config.AUTO_LANGUAGE == "score" else auto_decoding
         out.texts, auto_ids = decode_auto(model, encoded, encoded_len)
+        if keep_auto_ids:
+            out.auto_ids = auto_ids
     if languages is not None:
         rows = list(range(len(firsts)))
         if auto:
@@ -168,6 +274,11 @@ def decoding_graphs(model):
     is left as it is."""
     enable = getattr(model, "maybe_enable_cuda_graphs", None)
     disable = getattr(model, "disable_cuda_graphs", None)
+    if base_adapters.record_of(model) is not None:
+        # A graph captured with the adapters on would replay them for the base's languages too.
+        enable = None
+        if callable(disable):
+            disable()
     if callable(enable):
         enable(force_reinit=True)
     try:
@@ -307,6 +418,7 @@ def started_decoding(
     kept: list[torch.Tensor | None] | None = None,
     *,
     tag_ids: frozenset[int],
+    walk_pieces: torch.Tensor | None = None,
 ) -> tuple[list[str], list[list[int]]]:
     """Greedy transcripts, and their piece ids (the given piece first), of a batch in which
     utterance b starts with ``first_pieces[b]``, a language's tag, in front of what the model
@@ -327,7 +439,8 @@ def started_decoding(
     whole batch at once and the search is auto decoding's loop.
     The piece is then put in front of each transcript. Pieces left out of ``kept`` lose every
     step of the search to blank or a kept piece (``_KeptPieces``); blank and the durations are
-    always kept."""
+    always kept. ``walk_pieces`` (a bool tensor over the pieces; None: all) limits the walk to
+    the first piece to those pieces, as a model that has no others walks it."""
     from nemo.collections.asr.parts.utils.rnnt_utils import batched_hyps_to_hypotheses
 
     infer = model.decoding.decoding
@@ -344,7 +457,7 @@ def started_decoding(
     model.joint.eval()
     try:
         with torch.inference_mode():
-            starts = first_emissions(model, encoded, encoded_len)
+            starts = first_emissions(model, encoded, encoded_len, pieces=walk_pieces)
             frames = [
                 int(length)
                 if first is None
@@ -422,7 +535,7 @@ def first_tokens_of_encoded(model, encoded, encoded_len) -> list[tuple[int, floa
 
 
 def first_emissions(
-    model, encoded, encoded_len, chunk: int = 32
+    model, encoded, encoded_len, chunk: int = 32, pieces: torch.Tensor | None = None
 ) -> list[tuple[int, float, int, int] | None]:
     """Per utterance, (piece id, probability, frame, duration) of the first piece greedy
     decoding emits, None when it emits none; the probability is the softmax over the pieces
@@ -436,7 +549,9 @@ def first_emissions(
     earliest frame an unfinished utterance has reached, so a walk that ends early (the usual
     case: the language tag comes first) costs a few frames' joint, on any device and
     precision: the joint's log-softmax on CPU shifts every output by one constant, which
-    changes neither the argmaxes nor the softmax over the pieces and blank."""
+    changes neither the argmaxes nor the softmax over the pieces and blank. ``pieces``, a bool
+    tensor over the pieces: only those (and blank) are candidates, as in a model without the
+    others."""
     blank = int(model.decoder.blank_idx)
     durations = list(getattr(model.decoding.decoding, "durations", None) or [])
     frames = encoded.transpose(1, 2)  # [B, T, D]
@@ -451,6 +566,9 @@ def first_emissions(
         rows = torch.tensor(walking, device=frames.device)
         logits = model.joint.joint(frames[rows, low : low + chunk], start[rows])[:, :, 0]
         logits = logits.float()
+        if pieces is not None:
+            logits = logits.clone()
+            logits[..., :blank][..., ~pieces.to(logits.device)] = float("-inf")
         best, tokens = logits[..., : blank + 1].softmax(-1).max(-1)
         steps = (
             logits[..., blank + 1 : blank + 1 + len(durations)].argmax(-1)

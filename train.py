@@ -76,6 +76,7 @@ import tqdm  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 import asr_model  # noqa: E402
+import base_adapters  # noqa: E402
 import base_anchor  # noqa: E402
 import callbacks  # noqa: E402
 import checkpoints  # noqa: E402
@@ -291,6 +292,10 @@ KEEPING_MEASURED = (
 )
 
 
+# What the frozen-base mode cost the new languages on the grid (KEEP_SECTION).
+ADAPTERS_MEASURED = f"measured on the grid: {KEEP_SECTION}"
+
+
 def finetuning_trade_off(
     vocabulary_change: dict | None,
     base_languages: list[str] | tuple[str, ...] | None,
@@ -298,6 +303,7 @@ def finetuning_trade_off(
     encoder_lr_scale: float,
     forgetting_warn_points: float,
     anchored: dict[str, float] | None = None,
+    adapter_dim: int = 0,
 ) -> str | None:
     """Which side a finetune takes between learning its new languages fast and keeping its base's,
     as one sentence, or None when it has no such choice (no new language, or, with the base's
@@ -306,7 +312,8 @@ def finetuning_trade_off(
     ``vocabulary_change``: ``model.vocabulary_change`` of a finetune (None: the base's vocabulary
     kept). A run starts as the base when its decoder is carried and no base piece is dropped; the
     finetuning grid measured what follows from each side (docs/training.md). ``anchored``: the
-    levers on that keep the run near its base (``base_anchor.levers`` above 0: name -> value)."""
+    levers on that keep the run near its base (``base_anchor.levers`` above 0: name -> value);
+    ``adapter_dim``: BASE_ADAPTER_DIM of a frozen-base run (``base_adapters``)."""
     base = list(base_languages or ())
     change = vocabulary_change or {}
     learns_new = bool(set(data_languages) - set(base)) if base else change.get("new", 0) > 0
@@ -323,6 +330,13 @@ def finetuning_trade_off(
             f"a new vocabulary over the base's languages ({kept}): {lost}, so step 0 does not "
             f"decode as the base and they are relearned with the new ones; TOKENIZER_MODE=extend "
             f"with DECODER_INIT=carry starts from the base ({GRID_SECTION})"
+        )
+    if adapter_dim > 0:
+        return (
+            f"the base's languages ({kept}) kept exactly over the new languages' speed: "
+            f"BASE_ADAPTER_DIM={adapter_dim} holds every weight of the base and decodes its "
+            f"languages with the adapters off, as the base, while the new languages learn in the "
+            f"adapters and the new pieces' rows alone ({ADAPTERS_MEASURED})"
         )
     if anchored:
         levers = " ".join(f"{k}={v:g}" for k, v in anchored.items())
@@ -473,6 +487,7 @@ def run(argv: list[str] | None = None) -> int:
             config.ENCODER_LR_SCALE,
             config.FORGETTING_WARN_POINTS,
             {k: v for k, v in base_anchor.levers().items() if v > 0},
+            config.BASE_ADAPTER_DIM,
         )
     model_languages.check_base_languages(
         module.batching.base_languages, data_languages, module.batching.base_share
@@ -509,6 +524,9 @@ def run(argv: list[str] | None = None) -> int:
         )
         log_finetuning_levers(model, module.batching, data_languages, module.finetuning_trade_off)
         anchored = base_anchor.describe(base_anchor.levers(), base)
+        held = base_adapters.record_of(model)
+        if held is not None:
+            anchored = base_adapters.describe(held, config.BASE_ADAPTER_DIM)
         if anchored:
             log.info("keeping the base: %s", anchored)
     trainer.fit(module, ckpt_path=ckpt_path)

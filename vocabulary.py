@@ -196,17 +196,18 @@ def language_tag_ids(model) -> frozenset[int]:
     return known["tags"]
 
 
-def language_piece_masks(model, languages) -> list[torch.Tensor | None]:
+def language_piece_masks(model, languages, recorded=None) -> list[torch.Tensor | None]:
     """Per utterance, which pieces decoding with its language given may write after the tag: a
     bool tensor over ``model``'s pieces, True for a piece whose letters are all of the scripts the
     model records that language written in (``language_scripts``), for a piece
     without letters (digits, punctuation, the word boundary) and for ``always_kept`` pieces;
     False for every language tag. None (any piece) where the language is not known
     (``manifest_schema.known_lang``), where the model records no scripts for it (or none: a
-    language whose texts had no letters), or for a tokenizer that is not SentencePiece."""
+    language whose texts had no letters), or for a tokenizer that is not SentencePiece.
+    ``recorded``: language -> scripts, used instead of the model's record."""
     import torch  # here: the training cache asks this module too, and never needs torch
 
-    recorded = language_scripts(model)
+    recorded = language_scripts(model) if recorded is None else recorded
     wanted = {lang for lang in languages if known_lang(lang) and recorded.get(lang)}
     if not wanted:
         return [None] * len(languages)

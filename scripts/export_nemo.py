@@ -260,7 +260,7 @@ def base_as_received(
         else:
             asr_model.write_tokenizer_files(portable, tokenizer_dir)
         base = asr_model.build_model(
-            source, None, tokenizer_dir, "carry", recorded["NEW_PIECE_BIAS"]
+            source, None, tokenizer_dir, "carry", recorded["NEW_PIECE_BIAS"], adapter_dim=0
         )
     except asr_model.ModelNotFetched:
         raise BlendError(
@@ -565,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import asr_model
+    import base_adapters
     import checkpoints
     import model_card
     import training_step
@@ -590,6 +591,12 @@ def main(argv: list[str] | None = None) -> int:
     manifest = Path(args.manifest or run_validation)
     if sweep or args.blend_base:
         try:
+            if base_adapters.record_of(model) is not None:
+                raise BlendError(
+                    f"{newest} is a frozen-base model (BASE_ADAPTER_DIM): it decodes its base's "
+                    f"languages as the base already and holds every base weight as it was, so a "
+                    f"blend has nothing to add; export it without --blend-base / --blend-sweep"
+                )
             base = base_as_received(
                 record, newest_checkpoint.get(asr_model.PORTABLE_KEY), args.base_model, str(newest)
             )
