@@ -88,6 +88,8 @@ def decode_batch(model, signal: torch.Tensor, signal_len: torch.Tensor, **asked)
     held = base_adapters.record_of(model)
     if held is None:
         return decode_encoded(model, encoded, encoded_len, **asked)
+    if asked.get("auto", True) and config.AUTO_LANGUAGE == "score":
+        return _held_scored(model, signal, signal_len, encoded, encoded_len, held, asked)
     languages = asked.get("languages")
     base_langs = set(held["languages"])
     if languages is not None:
@@ -133,6 +135,71 @@ def decode_batch(model, signal: torch.Tensor, signal_len: torch.Tensor, **asked)
     return out
 
 
+def _held_scored(model, signal, signal_len, encoded, encoded_len, held, asked) -> BatchDecoding:
+    """``decode_batch`` of a frozen-base model under AUTO_LANGUAGE=score: each utterance is
+    decoded in each of the model's languages, a base language by the base (the adapters off,
+    ``base_decoding``) and scored by the base, a new one with the adapters on and scored by the
+    adapted model, and auto keeps the most likely; so the base's evidence speaks for its own
+    languages. An utterance given a base language gets the base's transcript of it."""
+    base_langs = held["languages"]
+    languages = asked.get("languages")
+    on = {**asked, "auto": False}
+    if languages is not None:
+        on["languages"] = [None if lang in base_langs else lang for lang in languages]
+    elif not on.get("first_tokens") and on.get("loss_batch") is None:
+        on = None  # nothing asked of the adapted model but the candidates below
+    out = decode_encoded(model, encoded, encoded_len, **on) if on else BatchDecoding()
+    size = encoded.shape[0]
+    new_langs = [lang for lang in model_languages(model) if lang not in base_langs]
+    texts, ids, best = language_candidates(model, encoded, encoded_len, new_langs)
+    with base_adapters.adapters_off(model):
+        base_encoded, base_len = model.forward(input_signal=signal, input_signal_length=signal_len)
+        by_language = {}
+        for lang in base_langs:
+            lang_texts, lang_ids = base_decoding(
+                model,
+                base_encoded,
+                base_len,
+                [lang] * size,
+                held,
+                scripts=asked.get("scripts"),
+                with_ids=True,
+            )
+            scores = sequence_log_likelihoods(
+                model, base_encoded, base_len, lang_ids, pieces=base_pieces(model, held)
+            ).cpu()
+            by_language[lang] = lang_texts
+            for b in range(size):
+                if scores[b] > best[b]:
+                    best[b], texts[b], ids[b] = scores[b], lang_texts[b], lang_ids[b]
+    out.texts = texts
+    if languages is not None:
+        if out.given_texts is None:
+            out.given_texts = [None] * size
+        for b, lang in enumerate(languages):
+            if lang in base_langs:
+                out.given_texts[b] = by_language[lang][b]
+            elif out.given_texts[b] is None:
+                out.given_texts[b] = texts[b]  # no language given: decoded auto
+    return out
+
+
+def model_languages(model) -> list[str]:
+    """The languages ``model`` has a tag for, sorted."""
+    tag_ids = vocabulary.language_tag_ids(model)
+    pieces = vocabulary.model_pieces(model) or model.tokenizer.ids_to_tokens(sorted(tag_ids))
+    if len(pieces) <= max(tag_ids, default=-1):
+        return []
+    return sorted({leading_lang(pieces[i]) for i in tag_ids})
+
+
+def base_pieces(model, held: dict) -> torch.Tensor:
+    """True for the pieces the base of a frozen-base model had (its first ``held["pieces"]``)."""
+    own = torch.zeros(int(model.decoder.blank_idx), dtype=torch.bool)
+    own[: held["pieces"]] = True
+    return own
+
+
 def _named_language(model, ids: list[int] | None) -> str | None:
     """The language whose tag auto decoding wrote first, None for none."""
     if not ids:
@@ -143,8 +210,15 @@ def _named_language(model, ids: list[int] | None) -> str | None:
 
 
 def base_decoding(
-    model, encoded, encoded_len, languages: list[str], held: dict, *, scripts: bool | None = None
-) -> list[str]:
+    model,
+    encoded,
+    encoded_len,
+    languages: list[str],
+    held: dict,
+    *,
+    scripts: bool | None = None,
+    with_ids: bool = False,
+):
     """Transcripts of the base's languages ``languages`` (one per utterance) written as the base
     writes them, from the encoder's output with the adapters off (``held``: the model's
     ``base_adapters.record_of``): the pieces past the base's own never written. Where the base has
@@ -152,14 +226,13 @@ def base_decoding(
     the base decodes with it given (under LANGUAGE_GIVEN_SCRIPTS, ``scripts`` by default, the
     pieces of the scripts the base records for it); where the base has no tag for it, the base
     decodes as it comes and the language's tag is put in front. Call with the adapters off
-    (``base_adapters.adapters_off``)."""
+    (``base_adapters.adapters_off``). With ``with_ids``: (transcripts, the piece ids the base
+    wrote: its tag first where it has one)."""
     if scripts is None:
         scripts = config.LANGUAGE_GIVEN_SCRIPTS == "1"
     tags = vocabulary.language_tag_pieces(model, languages)
-    size = int(model.decoder.blank_idx)
     pieces = held["pieces"]
-    own = torch.zeros(size, dtype=torch.bool)
-    own[:pieces] = True
+    own = base_pieces(model, held)
     masks = (
         vocabulary.language_piece_masks(model, languages, recorded=held["scripts"])
         if scripts
@@ -182,7 +255,7 @@ def base_decoding(
     for b, (first, tag) in enumerate(zip(firsts, tags)):
         if first is None and tag is not None:
             texts[b] = model.tokenizer.ids_to_text([tag] + ids[b])
-    return texts
+    return (texts, ids) if with_ids else texts
 
 
 @torch.no_grad()
@@ -337,13 +410,20 @@ def scored_decoding(model, encoded, encoded_len) -> tuple[list[str], list | None
     every alignment, the tag included), and each utterance keeps its most likely transcript.
     Greedy transcripts and their piece ids, as ``auto_decoding``. A model with fewer than two
     language tags decodes as ``auto_decoding``."""
-    tag_ids = vocabulary.language_tag_ids(model)
-    pieces = vocabulary.model_pieces(model) or model.tokenizer.ids_to_tokens(sorted(tag_ids))
-    languages = sorted(
-        {leading_lang(pieces[i]) for i in tag_ids} if len(pieces) > max(tag_ids, default=-1) else ()
-    )
+    languages = model_languages(model)
     if len(languages) < 2:
         return auto_decoding(model, encoded, encoded_len)
+    texts, ids, _ = language_candidates(model, encoded, encoded_len, languages)
+    return texts, ids
+
+
+def language_candidates(
+    model, encoded, encoded_len, languages: list[str]
+) -> tuple[list[str], list[list[int]], torch.Tensor]:
+    """Per utterance, the most likely of its transcripts decoded with each of ``languages`` given
+    (``scored_decoding``'s search and score): (transcripts, piece ids, log-likelihoods [B], -inf
+    and "" where ``languages`` is empty)."""
+    tag_ids = vocabulary.language_tag_ids(model)
     size = encoded.shape[0]
     scripts = config.LANGUAGE_GIVEN_SCRIPTS == "1"
     best = torch.full((size,), float("-inf"))
@@ -360,15 +440,19 @@ def scored_decoding(model, encoded, encoded_len) -> tuple[list[str], list | None
         for b in range(size):
             if scores[b] > best[b]:
                 best[b], texts[b], ids[b] = scores[b], lang_texts[b], lang_ids[b]
-    return texts, ids
+    return texts, ids, best
 
 
 @torch.no_grad()
-def sequence_log_likelihoods(model, encoded, encoded_len, ids: list[list[int]]) -> torch.Tensor:
+def sequence_log_likelihoods(
+    model, encoded, encoded_len, ids: list[list[int]], pieces: torch.Tensor | None = None
+) -> torch.Tensor:
     """log P(``ids[b]`` | utterance b) [B] under the model's TDT: the prediction network reads
     each piece sequence, the joint scores every frame against every prefix, and the TDT
     forward sums over all alignments (``tdt_loss.tdt_loss`` with sigma 0: the probability the
-    model's softmaxes give, not the training loss's logit undernormalization)."""
+    model's softmaxes give, not the training loss's logit undernormalization). ``pieces``, a bool
+    tensor over the pieces: the softmax over those and blank alone, as a model without the
+    others gives it."""
     import tdt_loss
 
     device = encoded.device
@@ -391,6 +475,9 @@ def sequence_log_likelihoods(model, encoded, encoded_len, ids: list[list[int]]) 
     finally:
         model.decoder.train(modes[0])
         model.joint.train(modes[1])
+    if pieces is not None:
+        acts = acts.float()
+        acts[..., :blank][..., ~pieces.to(acts.device)] = torch.finfo(acts.dtype).min
     nll = tdt_loss.tdt_loss(
         acts, labels, encoded_len, lengths, blank=blank, durations=durations, reduction="none"
     )

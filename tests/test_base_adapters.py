@@ -44,8 +44,9 @@ def adapted(base_nemo, tokenizers, dim: int = 8):  # noqa: F811
     return asr_model.build_model(str(base_nemo), TINY, tokenizers["extended"], adapter_dim=dim)
 
 
-def learned(model, seed: int = 3, rows: bool = True) -> None:
-    """Move every adapter weight and (``rows``) every new piece's row, as training would have."""
+def learned(model, seed: int = 3, rows: bool = True, tags: bool = True) -> None:
+    """Move every adapter weight and (``rows``) every new piece's row, as training would have;
+    with ``tags``, the new languages' tags outscore every piece at the start."""
     gen = torch.Generator().manual_seed(seed)
     new = torch.tensor(model.new_piece_rows)
     with torch.no_grad():
@@ -54,7 +55,7 @@ def learned(model, seed: int = 3, rows: bool = True) -> None:
                 p.add_(0.3 * torch.randn(p.shape, generator=gen))
         for p in asr_model.family(model).piece_rows(model) if rows else ():
             p[new] += 0.5 * torch.randn(p[new].shape, generator=gen)
-        if rows:  # the new languages' tags come first wherever the adapted model starts
+        if rows and tags:  # the new languages' tags come first wherever the adapted model starts
             for tag in ("<|hi|>", "<|ta|>"):
                 model.joint.joint_net[-1].bias[model.tokenizer.token_to_id(tag)] += 8.0
 
@@ -150,6 +151,33 @@ def test_an_utterance_auto_decoding_names_as_a_base_language_is_written_by_the_b
     assert ours.texts != adapter_texts
 
 
+def test_scored_auto_weighs_the_base_languages_by_the_base_and_the_new_by_the_adapted_model(
+    base_nemo,
+    tokenizers,  # noqa: F811
+    monkeypatch,
+):
+    monkeypatch.setattr(config, "AUTO_LANGUAGE", "score")
+    model = adapted(base_nemo, tokenizers)
+    learned(model, tags=False)
+    model.eval()
+    base = restored(base_nemo)
+    signal, lengths = audio(4, seed=7)
+    # each language's transcript with its tag given, written and scored by the model that owns
+    # it: English by the base itself (its own pieces), Hindi and Tamil by the adapted model
+    candidates = {}
+    for lang, who in (("en", base), ("hi", model), ("ta", model)):
+        encoded = who.forward(input_signal=signal, input_signal_length=lengths)
+        tag = who.tokenizer.token_to_id(f"<|{lang}|>")
+        tags = decoding.vocabulary.language_tag_ids(who)
+        texts, ids = decoding.started_decoding(who, *encoded, [tag] * 4, None, tag_ids=tags)
+        candidates[lang] = (texts, decoding.sequence_log_likelihoods(who, *encoded, ids))
+    expected = [max(candidates.values(), key=lambda c: float(c[1][b]))[0][b] for b in range(4)]
+    ours = decoding.decode_batch(model, signal, lengths, languages=["en", "hi", None, "ta"])
+    assert ours.texts == expected
+    assert ours.given_texts[0] == candidates["en"][0][0]
+    assert len({text[:6] for text in ours.texts}) > 1, ours.texts  # more than one language chosen
+
+
 def batch_of(model, langs, seed: int = 0) -> AsrBatch:
     gen = torch.Generator().manual_seed(seed)
     signal, lengths = audio(len(langs), seed)
@@ -238,6 +266,8 @@ def test_what_the_mode_cannot_work_with_is_refused_with_what_to_change(
     model.save_to(str(base_nemo.parent / "adapted.nemo"))
     with pytest.raises(config.ConfigError, match="already has adapters"):
         adapted(base_nemo.parent / "adapted.nemo", tokenizers)
+    with pytest.raises(config.ConfigError, match="is a frozen-base model"):
+        adapted(base_nemo.parent / "adapted.nemo", tokenizers, dim=0)
     monkeypatch.setattr(config, "BASE_ADAPTER_DIM", 8)
     monkeypatch.setattr(config, "DISTILL_WEIGHT", 2.0)
     import base_anchor
@@ -246,24 +276,18 @@ def test_what_the_mode_cannot_work_with_is_refused_with_what_to_change(
         base_anchor.frozen_base(model)
 
 
-@pytest.mark.slow
-def test_a_two_process_run_holds_the_base_and_exports_it(base_nemo, tokenizers, tmp_path):  # noqa: F811
+@pytest.fixture(scope="module")
+def adapter_run(base_nemo, tokenizers, tmp_path_factory):  # noqa: F811
     """torchrun train.py, 2 ranks with their DataLoader workers, BASE_ADAPTER_DIM=8 for 4 steps
-    (the encoder's adapters unfrozen at step 2) with validation at steps 0, 2 and 4: every weight
-    and statistic of the base in its last checkpoint is the base's, English with the language
-    given scores at every validation what the base scored, and the exported .nemo loads in NeMo's
-    own restore with its adapters and decodes English as the base. (About 40 s: a real job.)"""
-    import json
-
+    (the encoder's adapters unfrozen at step 2) with weight decay, checkpoints at steps 2 and 4
+    and validation at steps 0, 2 and 4."""
     from tests.tiny_training_data import make_training_data, write_manifest
     from tests.torchrun_jobs import run_torchrun, tiny_train_env
 
-    data = make_training_data(tmp_path, per_lang=8, langs=("hi", "en", "ta"), vocab_size=120)
-    val = write_manifest(tmp_path / "val", 3, langs=("hi", "en", "ta"), seed=1, name="val.parquet")
-    env = tiny_train_env(
-        {**data, "tokenizer": tokenizers["extended"]},
-        MAX_STEPS="4",
-        DATA_DIR=str(tmp_path / "run"),
+    root = tmp_path_factory.mktemp("adapter_run")
+    data = make_training_data(root, per_lang=8, langs=("hi", "en", "ta"), vocab_size=120)
+    val = write_manifest(root / "val", 3, langs=("hi", "en", "ta"), seed=1, name="val.parquet")
+    knobs = dict(
         INIT_MODEL=str(base_nemo),
         VAL_MANIFEST_PATH=str(val),
         GRAD_ACCUM="1",
@@ -275,13 +299,24 @@ def test_a_two_process_run_holds_the_base_and_exports_it(base_nemo, tokenizers, 
         PHASE1_LR="1e-2",
         PHASE2_LR="1e-2",
     )
-    result = run_torchrun(REPO / "train.py", env, REPO, 300, tmp_path / "train.log")
+    data = {**data, "tokenizer": tokenizers["extended"]}
+    env = tiny_train_env(data, MAX_STEPS="4", DATA_DIR=str(root / "run"), **knobs)
+    result = run_torchrun(REPO / "train.py", env, REPO, 300, root / "train.log")
     assert result.returncode == 0, result.stdout[-3000:]
-    assert "keeping the base: the base's weights held as they are; LinearAdapters of " in (
-        result.stdout
-    )
-    assert "finetuning trade-off: the base's languages (en) kept exactly" in result.stdout
-    checkpoints = tmp_path / "run" / "checkpoints"
+    return {"root": root, "data": data, "knobs": knobs, "out": result.stdout}
+
+
+@pytest.mark.slow
+def test_a_two_process_run_holds_the_base_and_exports_it(adapter_run, base_nemo, tokenizers):  # noqa: F811
+    """Every weight and statistic of the base in the run's last checkpoint is the base's, English
+    with the language given scores at every validation what the base scored, and the exported
+    .nemo loads in NeMo's own restore with its adapters on and decodes English as the base."""
+    import json
+
+    out, root = adapter_run["out"], adapter_run["root"]
+    assert "keeping the base: the base's weights held as they are; LinearAdapters of " in out
+    assert "finetuning trade-off: the base's languages (en) kept exactly" in out
+    checkpoints = root / "run" / "checkpoints"
     state = torch.load(checkpoints / "step_00000004.ckpt", weights_only=False)["state_dict"]
     reference = asr_model.build_model(str(base_nemo), TINY, tokenizers["extended"], adapter_dim=0)
     new = torch.tensor(reference.new_piece_rows)
@@ -297,10 +332,11 @@ def test_a_two_process_run_holds_the_base_and_exports_it(base_nemo, tokenizers, 
             keep = torch.ones(value.shape[0], dtype=torch.bool)
             keep[new] = False
             assert torch.equal(got[keep], value[keep]), name
+            assert not torch.equal(got[new], value[new]), name
         else:
             assert torch.equal(got, value), name
     assert any(base_adapters.is_adapter_parameter(k) for k in trained)
-    metrics = next((tmp_path / "run" / "wandb_logs").glob("*/metrics.jsonl"))
+    metrics = next((root / "run" / "wandb_logs").glob("*/metrics.jsonl"))
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     given = {r["step"]: r["val/wer_given/en"] for r in rows if "val/wer_given/en" in r}
     assert set(given) == {0, 2, 4} and len(set(given.values())) == 1, given
@@ -314,3 +350,30 @@ def test_a_two_process_run_holds_the_base_and_exports_it(base_nemo, tokenizers, 
     base = restored(base_nemo)
     theirs = decoding.decode_batch(base, signal, lengths, auto=False, languages=["en"] * 3)
     assert ours.given_texts == theirs.given_texts
+
+
+@pytest.mark.slow
+def test_a_resumed_run_ends_with_the_straight_runs_weights(adapter_run, tmp_path):
+    """Resumed from its step-2 checkpoint (phase 1 done, the encoder's adapters about to unfreeze),
+    the run ends at step 4 with every tensor the straight run ended with, adapters and held rows
+    included."""
+    import shutil
+
+    from tests.torchrun_jobs import run_torchrun, tiny_train_env
+
+    root = adapter_run["root"]
+    run_dir = tmp_path / "resumed"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    start = run_dir / "start.ckpt"
+    shutil.copy(root / "run" / "checkpoints" / "step_00000002.ckpt", start)
+    env = tiny_train_env(
+        adapter_run["data"], MAX_STEPS="4", **{**adapter_run["knobs"], "DATA_DIR": str(run_dir)}
+    )
+    env["RESUME_FROM"] = str(start)
+    result = run_torchrun(REPO / "train.py", env, REPO, 300, run_dir / "train.log")
+    assert result.returncode == 0, result.stdout[-3000:]
+    straight = torch.load(root / "run" / "checkpoints" / "step_00000004.ckpt", weights_only=False)
+    resumed = torch.load(run_dir / "checkpoints" / "step_00000004.ckpt", weights_only=False)
+    assert straight["state_dict"].keys() == resumed["state_dict"].keys()
+    for key, value in straight["state_dict"].items():
+        assert torch.equal(value, resumed["state_dict"][key]), key
