@@ -565,7 +565,7 @@ def plot(
     ]
     fig = plt.figure(figsize=(4.6 * len(names), 8 + 0.2 * len(rows)))
     grid = fig.add_gridspec(3, len(names), height_ratios=[1, 1, 0.2 + 0.045 * len(rows)])
-    colors = {v: f"C{i}" for i, v in enumerate(variants)}
+    colors = variant_colors(variants)
     for i, cell in enumerate(names):
         base, base_wer = bases[cell]
         panels = [
@@ -666,6 +666,15 @@ def frontier_points(
     return out
 
 
+def variant_colors(variants: list[str]) -> dict[str, tuple]:
+    """A distinct color per variant: matplotlib's ten-color cycle repeats past ten, so more
+    variants take tab20's twenty."""
+    import matplotlib
+
+    palette = matplotlib.colormaps["tab10" if len(variants) <= 10 else "tab20"]
+    return {v: palette(i % palette.N) for i, v in enumerate(variants)}
+
+
 def plot_frontier(
     path: Path,
     cell_runs: dict[str, dict[str, dict[int, dict]]],
@@ -683,7 +692,7 @@ def plot_frontier(
 
     names = list(cell_runs)
     fig, axes = plt.subplots(1, len(names), figsize=(4.6 * len(names), 4.4), squeeze=False)
-    colors = {v: f"C{i}" for i, v in enumerate(variants)}
+    colors = variant_colors(variants)
     for ax, cell in zip(axes[0], names):
         base, _ = bases[cell]
         points = frontier_points(cell_runs[cell], cells[cell], base)
