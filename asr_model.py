@@ -553,13 +553,21 @@ def build_model(
             base_pieces, vocabulary.model_pieces(model) or [], tokenizer_dir, init_model
         )
     adapter_dim = config.BASE_ADAPTER_DIM if adapter_dim is None else adapter_dim
+    import base_adapters
+
+    if adapter_dim <= 0 and base_adapters.record_of(model) is not None:
+        raise config.ConfigError(
+            f"INIT_MODEL={init_model} is a frozen-base model (trained with BASE_ADAPTER_DIM): "
+            "training all of it would change the base its languages decode with the adapters "
+            "off; finetune from the base it was made from instead, or resume its run "
+            "(RESUME_FROM) with the same BASE_ADAPTER_DIM"
+        )
     if adapter_dim > 0:
         if not init_model:
             raise config.ConfigError(
                 f"BASE_ADAPTER_DIM={adapter_dim} keeps a base as it is, and this run has none "
                 "(INIT_MODEL is empty): set BASE_ADAPTER_DIM=0 or give the base in INIT_MODEL"
             )
-        import base_adapters
         import model_languages
 
         base_adapters.add_adapters(

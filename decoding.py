@@ -82,8 +82,9 @@ def decode_batch(model, signal: torch.Tensor, signal_len: torch.Tensor, **asked)
     """``decode_encoded`` of one padded batch of audio, from one encoder forward; ``asked``: its
     keywords (what to decode). A frozen-base model (``base_adapters``) writes each utterance of a
     base language, given or named by auto decoding, as the base does (``base_decoding``: a second
-    encoder forward, with the adapters off, for those utterances); the first pieces and the loss
-    stay the adapted model's."""
+    encoder forward, with the adapters off, for those utterances; under AUTO_LANGUAGE=score the
+    base also scores its languages, ``_held_scored``); the first pieces and the loss stay the
+    adapted model's."""
     encoded, encoded_len = model.forward(input_signal=signal, input_signal_length=signal_len)
     held = base_adapters.record_of(model)
     if held is None:

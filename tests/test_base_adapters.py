@@ -310,7 +310,8 @@ def adapter_run(base_nemo, tokenizers, tmp_path_factory):  # noqa: F811
 def test_a_two_process_run_holds_the_base_and_exports_it(adapter_run, base_nemo, tokenizers):  # noqa: F811
     """Every weight and statistic of the base in the run's last checkpoint is the base's, English
     with the language given scores at every validation what the base scored, and the exported
-    .nemo loads in NeMo's own restore with its adapters on and decodes English as the base."""
+    .nemo loads in NeMo's own restore with its adapters on and decodes English as the base, in
+    Python and through transcribe.py."""
     import json
 
     out, root = adapter_run["out"], adapter_run["root"]
@@ -350,6 +351,26 @@ def test_a_two_process_run_holds_the_base_and_exports_it(adapter_run, base_nemo,
     base = restored(base_nemo)
     theirs = decoding.decode_batch(base, signal, lengths, auto=False, languages=["en"] * 3)
     assert ours.given_texts == theirs.given_texts
+    # transcribe.py, English given, on the validation manifest: the base's text for every file
+    import subprocess
+    import sys
+
+    val = adapter_run["knobs"]["VAL_MANIFEST_PATH"]
+    rows = {}
+    for name, model_path in (("ours", checkpoints / "step_00000004.nemo"), ("base", base_nemo)):
+        out_path = root / f"transcribed_{name}.jsonl"
+        done = subprocess.run(
+            [sys.executable, "scripts/transcribe.py", str(model_path), "--lang", "en"]
+            + ["--manifest", val, "--out", str(out_path), "--device", "cpu"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        rows[name] = [json.loads(line) for line in out_path.read_text().splitlines()]
+    assert len(rows["ours"]) == 9
+    assert [r["text"] for r in rows["ours"]] == [r["text"] for r in rows["base"]]
 
 
 @pytest.mark.slow

@@ -200,11 +200,20 @@ CARRIED = {"carried": 256, "new": 64, "dropped": 0, "decoder_init": "carry"}
 
 
 def trade_off(
-    change=CARRIED, base=("en",), data=("en", "hi"), encoder=1.0, warn=5.0, anchored=None
+    change=CARRIED,
+    base=("en",),
+    data=("en", "hi"),
+    encoder=1.0,
+    warn=5.0,
+    anchored=None,
+    adapters=0,
+    auto="first",
 ):
     import train
 
-    return train.finetuning_trade_off(change, base, list(data), encoder, warn, anchored)
+    return train.finetuning_trade_off(
+        change, base, list(data), encoder, warn, anchored, adapters, auto
+    )
 
 
 def test_a_finetune_from_the_base_with_the_defaults_says_it_puts_the_new_languages_first():
@@ -213,12 +222,23 @@ def test_a_finetune_from_the_base_with_the_defaults_says_it_puts_the_new_languag
     assert "may drift past FORGETTING_WARN_POINTS=5 from step 0" in line
     assert "ENCODER_LR_SCALE=0.3" in line and "BASE_LANGUAGE_SHARE" in line
     assert "decode them with the language given" in line
-    # the other side as measured: the setting that held the base in every cell, and its cost
+    # the other side as measured: the settings that held the base in every cell, and their cost
+    assert "take the other side with BASE_ADAPTER_DIM=32 AUTO_LANGUAGE=score" in line
+    assert "kept the base's languages at the base's WER at every validation" in line
     assert "DISTILL_WEIGHT=10 L2SP_WEIGHT=100 AUTO_LANGUAGE=score" in line
-    assert "within 0.034 WER of the base in every cell" in line and "up to 0.21 behind" in line
+    assert "within 0.054 WER of the base in every cell" in line and "up to 0.21 behind" in line
     # the base's own vocabulary (tags mode needing nothing, or the same tokenizer) starts as the base
     assert trade_off(change=None).startswith("the new languages' speed over keeping")
     assert "by several WER points" in trade_off(warn=0.0)
+
+
+def test_a_frozen_base_run_says_it_keeps_the_base_exactly_and_where_auto_can_still_drift():
+    scored = trade_off(adapters=32, auto="score")
+    assert scored.startswith("the base's languages (en) kept exactly over the new languages' speed")
+    assert "BASE_ADAPTER_DIM=32 holds every weight of the base" in scored
+    assert "given and auto (AUTO_LANGUAGE=score" in scored and "up to 0.24 behind" in scored
+    first = trade_off(adapters=32)
+    assert "is written by the adapted model (AUTO_LANGUAGE=score lets the base speak" in first
 
 
 def test_a_slower_encoder_says_it_keeps_the_base_languages_first():
