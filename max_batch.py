@@ -278,10 +278,17 @@ class PeakRSS:
 
 
 def reset_model(model) -> None:
-    """Every parameter trainable, train mode, no gradients: the state both sides start from."""
+    """Every parameter trainable (of a frozen-base model: its adapters and the vocabulary's parts,
+    ``base_adapters.hold_weights``), train mode, no gradients: the state both sides start from."""
+    import asr_model
+    import base_adapters
+
     for p in model.parameters():
         p.requires_grad_(True)
     model.train()
+    if base_adapters.record_of(model) is not None:
+        rows = getattr(model, "new_piece_rows", None)
+        base_adapters.hold_weights(model, asr_model.family(model).piece_rows(model) if rows else [])
     model.zero_grad(set_to_none=True)
     model._trainer = None
     # NeMo's configure_optimizers keeps its optimizer (AdamW moments: 8 bytes a parameter) on the model.

@@ -109,6 +109,7 @@ from max_batch import (
     heaviest_batch_shape,
     make_batch,
     manifest_token_density,
+    reset_model,
     run_steps,
     step_precision,
     sync,
@@ -302,6 +303,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="time phase 2 with the base kept (a frozen copy of it: DISTILL_WEIGHT as set, 1 when "
         "0, on every utterance; L2SP_WEIGHT as set) against without",
     )
+    parser.add_argument(
+        "--frozen-base",
+        type=int,
+        default=0,
+        metavar="DIM",
+        help="time phase 2 of the frozen base (BASE_ADAPTER_DIM=DIM: adapters and the last quarter "
+        "of the pieces as new rows train) against the whole model training",
+    )
     parser.add_argument("--skip-nemo", action="store_true", help="time the project's step only")
     parser.add_argument(
         "--find-max-batch-duration",
@@ -424,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         return compare_levers(model, batch, shape, args, device, precision)
     if args.keep_base:
         return compare_keep_base(model, batch, shape, args, device, precision)
+    if args.frozen_base:
+        return compare_frozen_base(model, batch, shape, args, device, precision, tokenizer_dir)
     return time_sides(model, batch, shape, args, device, precision)
 
 
@@ -709,6 +720,67 @@ def compare_keep_base(model, batch, shape, args, device, precision) -> int:
         + f"); on {medians['on']:.3f} s ({audio / medians['on']:.1f} audio s/s, peak "
         f"{peaks['on']:.2f} GiB), off {medians['off']:.3f} s ({audio / medians['off']:.1f} "
         f"audio s/s, peak {peaks['off']:.2f} GiB)"
+    )
+    return 0
+
+
+def compare_frozen_base(model, batch, shape, args, device, precision, tokenizer_dir) -> int:
+    """Phase 2 of the model built again as a frozen base (``base_adapters.add_adapters`` with
+    ``--frozen-base`` as BASE_ADAPTER_DIM, the last quarter of its pieces taken for the new ones)
+    against the whole model training, alternating, ``--rounds`` rounds; with what each side
+    trains: its parameters taking gradients, and the bytes of their float32 gradients and AdamW
+    moments (12 per parameter). A CPU's peak is the process's resident set, which keeps what
+    the allocator does not hand back: compare the counted bytes there."""
+    import base_adapters
+    import vocabulary
+
+    torch.manual_seed(config.SEED)  # the same weights as ``model``
+    held = asr_model.build_model(tokenizer_dir=tokenizer_dir, adapter_dim=0)
+    pieces = vocabulary.model_pieces(held)
+    own = len(pieces) * 3 // 4
+    held.new_piece_rows = list(range(own, len(pieces)))
+    base_adapters.add_adapters(
+        held,
+        args.frozen_base,
+        ("en",),
+        pieces[:own],
+        asr_model.family(held).piece_rows(held),
+    )
+    speed = SpeedSettings.from_config().resolved(on_cpu=device.type == "cpu")
+    trained = {}
+    for name, which in (("whole", model), ("frozen", held)):
+        reset_model(which)
+        trained[name] = sum(p.numel() for p in which.parameters() if p.requires_grad)
+    print(
+        f"the frozen base: BASE_ADAPTER_DIM={args.frozen_base}, {len(pieces) - own} of "
+        f"{len(pieces)} pieces new; trains {trained['frozen']:,} parameters (the adapters and "
+        f"the vocabulary's two tensors) against {trained['whole']:,}: gradients and AdamW moments "
+        f"{12 * trained['frozen'] / 2**30:.2f} GiB against {12 * trained['whole'] / 2**30:.2f} "
+        f"GiB; phase 2:"
+    )
+    runs: dict[str, list[RunResult]] = {"whole": [], "frozen": []}
+    for round_ in range(args.rounds):
+        for name in ("whole", "frozen") if round_ % 2 == 0 else ("frozen", "whole"):
+            runs[name].append(
+                run_steps(
+                    "project",
+                    held if name == "frozen" else model,
+                    batch,
+                    2,
+                    speed=speed,
+                    **run_kwargs(args, device, precision),
+                )
+            )
+    audio = shape.audio_seconds * args.grad_accum
+    medians = {k: statistics.median(t for r in v for t in r.times) for k, v in runs.items()}
+    paired = [a.median / b.median for a, b in zip(runs["frozen"], runs["whole"])]
+    peaks = {k: max(r.peak_bytes for r in v) / 2**30 for k, v in runs.items()}
+    print(
+        f"frozen-base: frozen/whole step time {statistics.median(paired):.3f} (paired rounds "
+        + ", ".join(f"{r:.3f}" for r in paired)
+        + f"); frozen {medians['frozen']:.3f} s ({audio / medians['frozen']:.1f} audio s/s, peak "
+        f"{peaks['frozen']:.2f} GiB), whole {medians['whole']:.3f} s "
+        f"({audio / medians['whole']:.1f} audio s/s, peak {peaks['whole']:.2f} GiB)"
     )
     return 0
 

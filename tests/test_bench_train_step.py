@@ -124,3 +124,19 @@ def test_keep_base_times_steps_with_the_frozen_copy_against_without(
     (line,) = [line for line in out.splitlines() if line.startswith("keep-base: on/off")]
     assert "paired rounds" in line and "peak" in line
     assert config.DISTILL_WEIGHT == 0.0
+
+
+@pytest.mark.slow
+def test_frozen_base_times_steps_of_the_adapters_against_the_whole_model(tiny_bench, capsys):
+    """The frozen base the run would make, what it trains against the whole model (its
+    gradients and AdamW moments, 12 bytes a parameter), and paired rounds of phase-2 steps."""
+    import re
+
+    args = ["--frozen-base", "8", "--steps", "1", "--warmup", "0", "--rounds", "2"]
+    assert bench.main(args) == 0
+    out = capsys.readouterr().out
+    found = re.search(r"trains ([\d,]+) parameters .* against ([\d,]+): gradients", out)
+    frozen, whole = (int(n.replace(",", "")) for n in found.groups())
+    assert 0 < frozen < whole / 2
+    (line,) = [line for line in out.splitlines() if line.startswith("frozen-base: frozen/whole")]
+    assert "paired rounds" in line and "peak" in line
