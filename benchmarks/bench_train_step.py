@@ -710,18 +710,26 @@ def compare_keep_base(model, batch, shape, args, device, precision) -> int:
                 )
     finally:
         config.DISTILL_WEIGHT = saved
-    audio = shape.audio_seconds * args.grad_accum
-    medians = {k: statistics.median(t for r in v for t in r.times) for k, v in runs.items()}
-    paired = [on_run.median / off_run.median for on_run, off_run in zip(runs["on"], runs["off"])]
-    peaks = {k: max(r.peak_bytes for r in v) / 2**30 for k, v in runs.items()}
-    print(
-        f"keep-base: on/off step time {statistics.median(paired):.3f} (paired rounds "
-        + ", ".join(f"{r:.3f}" for r in paired)
-        + f"); on {medians['on']:.3f} s ({audio / medians['on']:.1f} audio s/s, peak "
-        f"{peaks['on']:.2f} GiB), off {medians['off']:.3f} s ({audio / medians['off']:.1f} "
-        f"audio s/s, peak {peaks['off']:.2f} GiB)"
-    )
+    print(paired_line("keep-base", runs, "on", "off", shape.audio_seconds * args.grad_accum))
     return 0
+
+
+def paired_line(label: str, runs: dict[str, list[RunResult]], a: str, b: str, audio: float) -> str:
+    """One line of two sides timed in alternating rounds: the median over the rounds of side
+    ``a``'s step time over ``b``'s in the same round, each round's ratio, and per side the median
+    step time over every step, its audio seconds per second (``audio`` per step) and its peak."""
+    medians = {k: statistics.median(t for r in v for t in r.times) for k, v in runs.items()}
+    paired = [x.median / y.median for x, y in zip(runs[a], runs[b])]
+    peaks = {k: max(r.peak_bytes for r in v) / 2**30 for k, v in runs.items()}
+    return (
+        f"{label}: {a}/{b} step time {statistics.median(paired):.3f} (paired rounds "
+        + ", ".join(f"{r:.3f}" for r in paired)
+        + "); "
+        + ", ".join(
+            f"{k} {medians[k]:.3f} s ({audio / medians[k]:.1f} audio s/s, peak {peaks[k]:.2f} GiB)"
+            for k in (a, b)
+        )
+    )
 
 
 def compare_frozen_base(model, batch, shape, args, device, precision, tokenizer_dir) -> int:
@@ -772,16 +780,7 @@ def compare_frozen_base(model, batch, shape, args, device, precision, tokenizer_
                 )
             )
     audio = shape.audio_seconds * args.grad_accum
-    medians = {k: statistics.median(t for r in v for t in r.times) for k, v in runs.items()}
-    paired = [a.median / b.median for a, b in zip(runs["frozen"], runs["whole"])]
-    peaks = {k: max(r.peak_bytes for r in v) / 2**30 for k, v in runs.items()}
-    print(
-        f"frozen-base: frozen/whole step time {statistics.median(paired):.3f} (paired rounds "
-        + ", ".join(f"{r:.3f}" for r in paired)
-        + f"); frozen {medians['frozen']:.3f} s ({audio / medians['frozen']:.1f} audio s/s, peak "
-        f"{peaks['frozen']:.2f} GiB), whole {medians['whole']:.3f} s "
-        f"({audio / medians['whole']:.1f} audio s/s, peak {peaks['whole']:.2f} GiB)"
-    )
+    print(paired_line("frozen-base", runs, "frozen", "whole", audio))
     return 0
 
 
