@@ -575,7 +575,7 @@ def build_model(
             adapter_dim,
             model_languages.base_languages(init_model) or (),
             base_pieces or [],
-            family(model).piece_rows(model) if getattr(model, "new_piece_rows", None) else [],
+            [p for p, _ in new_piece_parameters(model)],
         )
     ensure_validation_ds(model)
     make_encoder_forward_rank_local(model)

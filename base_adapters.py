@@ -183,16 +183,16 @@ def set_encoder_adapters_trainable(model, trainable: bool) -> None:
 
 
 class HeldRows:
-    """The base's rows of the vocabulary's parts, put back after every optimizer step: the rows
-    of ``params`` (each a tensor whose dim 0 runs over the pieces, blank and the durations) not in
-    ``new_rows`` end each step as they began the run. Registered as an optimizer step post-hook by
-    ``attach``."""
+    """The base's rows of the vocabulary's parts, put back after every optimizer step: for each
+    (parameter, rows of the new pieces) of ``new_rows`` (``asr_model.new_piece_parameters``), the
+    parameter's other rows (the base's pieces, blank and the durations) end each step as they began
+    the run. Registered as an optimizer step post-hook by ``attach``."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], new_rows: Sequence[int]):
+    def __init__(self, new_rows: Sequence[tuple[torch.nn.Parameter, torch.Tensor]]):
         self.held = []
-        for p in params:
+        for p, rows in new_rows:
             keep = torch.ones(p.shape[0], dtype=torch.bool)
-            keep[torch.as_tensor(list(new_rows), dtype=torch.long)] = False
+            keep[rows.cpu()] = False
             index = keep.nonzero().squeeze(1)
             self.held.append((p, index, p.detach()[index.to(p.device)].clone()))
 

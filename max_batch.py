@@ -287,8 +287,7 @@ def reset_model(model) -> None:
         p.requires_grad_(True)
     model.train()
     if base_adapters.record_of(model) is not None:
-        rows = getattr(model, "new_piece_rows", None)
-        base_adapters.hold_weights(model, asr_model.family(model).piece_rows(model) if rows else [])
+        base_adapters.hold_weights(model, [p for p, _ in asr_model.new_piece_parameters(model)])
     model.zero_grad(set_to_none=True)
     model._trainer = None
     # NeMo's configure_optimizers keeps its optimizer (AdamW moments: 8 bytes a parameter) on the model.

@@ -706,13 +706,10 @@ class TrainingModule(pl.LightningModule):
             new_piece_schedule,
             lambda: scheduler.last_epoch,
         ).attach(optimizer)
-        new_rows = getattr(self.model, "new_piece_rows", None)
-        if base_adapters.record_of(self.model) is not None and new_rows:
+        if base_adapters.record_of(self.model) is not None:
             # The frozen-base mode: the base's rows of the vocabulary's parts end every step as
             # they began the run (AdamW's decay would move them, gradient or not).
-            base_adapters.HeldRows(
-                asr_model.family(self.model).piece_rows(self.model), new_rows
-            ).attach(optimizer)
+            base_adapters.HeldRows(asr_model.new_piece_parameters(self.model)).attach(optimizer)
         if self.frozen_base is not None:
             base_anchor.PullTowardBase(
                 self.model.named_parameters(),

@@ -752,7 +752,7 @@ def compare_frozen_base(model, batch, shape, args, device, precision, tokenizer_
         args.frozen_base,
         ("en",),
         pieces[:own],
-        asr_model.family(held).piece_rows(held),
+        [p for p, _ in asr_model.new_piece_parameters(held)],
     )
     speed = SpeedSettings.from_config().resolved(on_cpu=device.type == "cpu")
     trained = {}
